@@ -1,0 +1,33 @@
+# Two entry points do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+STAMP := .make-setup-stamp
+
+.PHONY: setup demo test lint format bench
+
+$(STAMP): pyproject.toml
+	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist chromium >/dev/null; \
+	fi
+	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q -e ".[test,lite0,faiss]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	idml demo
+
+lint: setup
+	ruff format --check src tests benchmarks
+	ruff check src tests benchmarks
+
+test: lint
+	$(PYTHON) -m pytest -q --timeout=900
+
+format:
+	ruff format src tests benchmarks
+	ruff check --fix src tests benchmarks
+
+bench: setup
+	$(PYTHON) benchmarks/bench_losses.py

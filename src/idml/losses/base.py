@@ -1,0 +1,127 @@
+"""Base classes shared by every loss: input validation and the pluggable metric.
+
+A loss is written once against a :class:`~idml.metrics.Metric` and a
+:class:`~idml.relations.LabelSets` relation, so the same class trains with the plain metric, with the
+introspective metric (pass uncertainty embeddings) and with Mixup set labels. Losses know metrics and
+relations, never datasets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from idml.embeddings import Embeddings
+from idml.metrics import EuclideanDistance, Metric
+from idml.relations import LabelSets
+
+
+class MetricLoss(nn.Module):
+    """A loss over a batch of embeddings and their label sets.
+
+    Subclasses implement :meth:`compute` on validated inputs. ``forward`` accepts a plain ``(B, d)``
+    tensor or an :class:`Embeddings` (semantic + uncertainty), and integer labels ``(B,)`` or
+    :class:`LabelSets`.
+    """
+
+    default_metric: type[Metric] = EuclideanDistance
+
+    def __init__(self, metric: Metric | None = None) -> None:
+        super().__init__()
+        self.metric = metric if metric is not None else self.default_metric()
+
+    def forward(self, embeddings: Tensor | Embeddings, labels: Tensor | LabelSets) -> Tensor:
+        emb = Embeddings.coerce(embeddings)
+        sets = LabelSets.coerce(labels)
+        if len(sets) != len(emb):
+            raise ValueError(
+                f"labels has {len(sets)} entries but embeddings has {len(emb)} rows; "
+                "pass exactly one label (set) per embedding"
+            )
+        sets = sets.to(emb.semantic.device)
+        loss = self.compute(emb, sets)
+        if not bool(torch.isfinite(loss).all()):
+            raise FloatingPointError(
+                f"{type(self).__name__} produced a non-finite loss ({loss.item()}); "
+                "lower the learning rate or check the inputs"
+            )
+        return loss
+
+    def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
+        raise NotImplementedError
+
+    def pairwise(self, embeddings: Embeddings) -> Tensor:
+        """The configured metric over all pairs of the batch (uncertainty used when present)."""
+        return self.metric(embeddings.semantic, ux=embeddings.uncertainty)
+
+
+class ProxyLoss(MetricLoss):
+    """A loss against one learnable proxy per class.
+
+    Args:
+        num_classes: number of training classes ``C`` (labels must lie in ``0..C-1``).
+        embedding_dim: dimension ``d`` of the semantic embedding.
+        metric: the pluggable metric (ISM compares samples to proxies too).
+        proxy_uncertainty_dim: when set, each proxy gets a learnable uncertainty vector of this size
+            (initialised at zero); by default proxies have zero uncertainty, as in the official code.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        metric: Metric | None = None,
+        proxy_uncertainty_dim: int | None = None,
+    ) -> None:
+        super().__init__(metric)
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        if embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
+        self.num_classes = num_classes
+        self.embedding_dim = embedding_dim
+        self.proxies = nn.Parameter(torch.empty(num_classes, embedding_dim))
+        self.reset_proxies()
+        self.proxy_uncertainty: nn.Parameter | None = None
+        if proxy_uncertainty_dim is not None:
+            self.proxy_uncertainty = nn.Parameter(torch.zeros(num_classes, proxy_uncertainty_dim))
+
+    def reset_proxies(self) -> None:
+        nn.init.kaiming_normal_(self.proxies, mode="fan_out")
+
+    def forward(self, embeddings: Tensor | Embeddings, labels: Tensor | LabelSets) -> Tensor:
+        emb = Embeddings.coerce(embeddings)
+        if emb.dim != self.embedding_dim:
+            raise ValueError(
+                f"embeddings have dimension {emb.dim} but {type(self).__name__} was built with "
+                f"embedding_dim={self.embedding_dim}"
+            )
+        sets = LabelSets.coerce(labels)
+        if sets.max_label() >= self.num_classes:
+            raise ValueError(
+                f"labels: label {sets.max_label()} is out of range for {self.num_classes} proxies; "
+                "labels must lie in 0..num_classes-1"
+            )
+        return super().forward(emb, sets)
+
+    def proxy_matrix(self, embeddings: Embeddings) -> Tensor:
+        """``(B, C)`` metric values between samples and proxies."""
+        return self.metric(
+            embeddings.semantic, self.proxies, embeddings.uncertainty, self.proxy_uncertainty
+        )
+
+
+def masked_logsumexp(values: Tensor, mask: Tensor, dim: int, add_one: bool = False) -> Tensor:
+    """``log Σ_{mask} exp(values)`` (``log(1 + Σ ...)`` with ``add_one``); empty sums give ``-inf``/0."""
+    values = values.masked_fill(~mask, float("-inf"))
+    if add_one:
+        zeros = values.new_zeros(values.shape[:dim] + (1,) + values.shape[dim + 1 :])
+        values = torch.cat([values, zeros], dim=dim)
+    return torch.logsumexp(values, dim=dim)
+
+
+def check_positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
