@@ -1,0 +1,204 @@
+"""Atomic, self-describing checkpoints: weights in safetensors, everything else in JSON.
+
+A checkpoint is a folder::
+
+    epoch_0007/
+        model.safetensors       # EmbeddingModel weights only: what retrieval needs
+        training.safetensors    # loss (proxies...), SSR head, optimizer tensors
+        state.json              # epoch, metrics, best, config, optimizer/scheduler structure
+
+It is written into ``epoch_0007.tmp`` and renamed into place, then ``latest`` (a one-line text file)
+is replaced atomically, so an interrupted write never leaves a half checkpoint where a good one was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+MODEL_FILE = "model.safetensors"
+TRAINING_FILE = "training.safetensors"
+STATE_FILE = "state.json"
+LATEST = "latest"
+BEST = "best"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, or belongs to another model."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer ``state_dict`` into safetensors-able tensors and a JSON structure."""
+    tensors: dict[str, torch.Tensor] = {}
+    structure: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
+    for pid, slots in state["state"].items():
+        entry: dict[str, Any] = {}
+        for key, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                name = f"optimizer.{pid}.{key}"
+                tensors[name] = value.detach().cpu().contiguous()
+                entry[key] = {"tensor": name}
+            else:
+                entry[key] = value
+        structure["state"][str(pid)] = entry
+    return tensors, structure
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], structure: dict[str, Any]) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for pid, slots in structure["state"].items():
+        state[int(pid)] = {
+            k: tensors[v["tensor"]] if isinstance(v, dict) and "tensor" in v else v
+            for k, v in slots.items()
+        }
+    return {"state": state, "param_groups": structure["param_groups"]}
+
+
+def save_checkpoint(
+    run_dir: Path,
+    name: str,
+    model: nn.Module,
+    training_modules: dict[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    state: dict[str, Any],
+) -> Path:
+    """Write checkpoint ``run_dir/checkpoints/<name>`` atomically and point ``latest`` at it."""
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    tmp = root / f"{name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(_contiguous(model.state_dict()), str(tmp / MODEL_FILE))
+    extra: dict[str, torch.Tensor] = {}
+    for prefix, module in training_modules.items():
+        for key, value in module.state_dict().items():
+            extra[f"{prefix}.{key}"] = value
+    opt_structures = {}
+    for prefix, opt in optimizers.items():
+        tensors, structure = flatten_optimizer(opt.state_dict())
+        extra.update({f"{prefix}.{k}": v for k, v in tensors.items()})
+        opt_structures[prefix] = structure
+        for entry in structure["state"].values():
+            for value in entry.values():
+                if isinstance(value, dict) and "tensor" in value:
+                    value["tensor"] = f"{prefix}.{value['tensor']}"
+    save_file(_contiguous(extra), str(tmp / TRAINING_FILE))
+    payload = {**state, "optimizers": opt_structures}
+    atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=1, default=str))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(root / LATEST, name + "\n")
+    return final
+
+
+def mark_best(run_dir: Path, name: str) -> None:
+    atomic_write_text(run_dir / "checkpoints" / BEST, name + "\n")
+
+
+def resolve_checkpoint(path: Path, which: str = LATEST) -> Path:
+    """A checkpoint folder from a run folder (its ``latest``/``best``) or a checkpoint folder."""
+    path = Path(path)
+    if (path / MODEL_FILE).is_file():
+        return path
+    pointer = path / "checkpoints" / which
+    if not pointer.is_file():
+        raise CheckpointError(
+            f"{path} holds no checkpoint (no {pointer}); pass a run folder written by `idml train` "
+            "or a checkpoint folder containing model.safetensors"
+        )
+    target = path / "checkpoints" / pointer.read_text().strip()
+    if not (target / MODEL_FILE).is_file():
+        raise CheckpointError(f"checkpoint {target} named by {pointer} is missing {MODEL_FILE}")
+    return target
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    try:
+        return json.loads((ckpt / STATE_FILE).read_text())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"checkpoint {ckpt} has no {STATE_FILE}") from err
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint {ckpt}/{STATE_FILE} is corrupt: {err}") from err
+
+
+def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Load a state dict, turning key/shape mismatches into an error that lists them."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    wrong = sorted(k for k in set(own) & set(tensors) if own[k].shape != tensors[k].shape)
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}")
+        if wrong:
+            parts.append(
+                "shape mismatch "
+                + ", ".join(
+                    f"{k}: {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}" for k in wrong[:5]
+                )
+            )
+        raise CheckpointError(
+            f"{what} does not fit this model ({'; '.join(parts)}); it was written by a run with a "
+            "different config (backbone, embedding size, loss or number of classes). Use that run's "
+            "config or start a new run"
+        )
+    module.load_state_dict(tensors)
+
+
+def load_model_weights(ckpt: Path, model: nn.Module) -> None:
+    try:
+        tensors = load_file(str(ckpt / MODEL_FILE))
+    except Exception as err:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"cannot read {ckpt / MODEL_FILE}: {err}") from err
+    load_weights(model, tensors, str(ckpt / MODEL_FILE))
+
+
+def load_training_state(
+    ckpt: Path,
+    training_modules: dict[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+) -> dict[str, Any]:
+    """Restore loss/SSR modules and optimizers; returns the JSON state."""
+    state = read_state(ckpt)
+    try:
+        tensors = load_file(str(ckpt / TRAINING_FILE))
+    except Exception as err:
+        raise CheckpointError(f"cannot read {ckpt / TRAINING_FILE}: {err}") from err
+    for prefix, module in training_modules.items():
+        own = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+        own = {k: v for k, v in own.items() if not k.startswith("optimizer.")}
+        load_weights(module, own, f"{ckpt / TRAINING_FILE} [{prefix}]")
+    for prefix, opt in optimizers.items():
+        structure = state["optimizers"].get(prefix)
+        if structure is None:
+            raise CheckpointError(f"{ckpt / STATE_FILE} has no optimizer state {prefix!r}")
+        opt.load_state_dict(unflatten_optimizer(tensors, structure))
+    return state
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared storage and non-contiguous views; clone where needed.
+    return {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}

@@ -1,0 +1,441 @@
+"""Typed, validated run configuration.
+
+One pydantic schema describes a whole run. Every model forbids unknown keys, so a typo is an error
+that names the key and lists the valid ones instead of being silently dropped. YAML files in
+``configs/`` are presets of this schema; ``--set key.sub=value`` overrides any field.
+
+Example:
+    >>> cfg = load_config(None, overrides=["loss.name=multi_similarity", "optim.epochs=3"])
+    >>> cfg.loss.name, cfg.optim.epochs
+    ('multi_similarity', 3)
+    >>> try:
+    ...     load_config(None, overrides=["optim.learning_rate=0.1"])
+    ... except ConfigError as err:
+    ...     print(str(err).splitlines()[0])
+    unknown key 'optim.learning_rate'
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key and what to do about it."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- data
+DatasetName = Literal["digits", "fashion_mnist", "cub", "cars", "sop", "folder", "csv"]
+
+
+class DataConfig(Section):
+    """Where images come from and how they are shaped (SPEC §7, §8)."""
+
+    dataset: DatasetName = "digits"
+    root: Path | None = Field(None, description="dataset folder (or CSV file); unused for digits")
+    image_size: int = Field(224, gt=0, description="crop size fed to the network")
+    resize_size: int | None = Field(
+        256, description="test-time resize before the centre crop (None: resize to image_size)"
+    )
+    train_crop_scale: tuple[float, float] = Field(
+        (0.16, 1.0), description="RandomResizedCrop area range at train time"
+    )
+    horizontal_flip: bool = True
+    samples_per_class: int | None = Field(
+        None, gt=0, description="subsample at most this many images per class (offline data)"
+    )
+    num_workers: int = Field(2, ge=0)
+
+
+class SamplerConfig(Section):
+    """Batch composition: class-balanced P×K (default) or plain random batches."""
+
+    kind: Literal["balanced", "random"] = "balanced"
+    classes_per_batch: int = Field(30, gt=0, description="P for the balanced sampler")
+    images_per_class: int = Field(4, gt=0, description="K for the balanced sampler")
+    batch_size: int = Field(120, gt=0, description="batch size of the random sampler")
+    replacement: bool = Field(
+        False, description="balanced: draw with replacement when a class has fewer than K images"
+    )
+
+    @property
+    def effective_batch_size(self) -> int:
+        if self.kind == "balanced":
+            return self.classes_per_batch * self.images_per_class
+        return self.batch_size
+
+
+# --------------------------------------------------------------------------- model
+BackboneName = str
+"""``resnet18|resnet50|resnet101|googlenet|efficientnet_lite0|small_cnn`` or ``timm:<name>``."""
+
+
+class UncertaintyHeadConfig(Section):
+    """The uncertainty head (IDML). Paper default: a plain linear head, not normalised."""
+
+    enabled: bool = False
+    dim: int | None = Field(None, gt=0, description="d_u (None: same as embedding_dim)")
+    normalize: bool = Field(
+        False, description="L2-normalise u as the official code does (starves the head)"
+    )
+    activation: Literal["none", "relu", "softplus"] = "none"
+
+
+class ModelConfig(Section):
+    """Backbone, pooling and heads (SPEC §7)."""
+
+    backbone: BackboneName = "resnet50"
+    pretrained: bool | Path = Field(
+        True, description="ImageNet weights: true (cache), false, or a local weights file"
+    )
+    embedding_dim: int = Field(512, gt=0)
+    pooling: Literal["avg", "max", "sum"] = "sum"
+    freeze_bn: bool = True
+    freeze_bn_affine: bool = False
+    uncertainty: UncertaintyHeadConfig = UncertaintyHeadConfig()
+
+
+# --------------------------------------------------------------------------- metric and losses
+class MetricConfig(Section):
+    """The metric every loss is written against; ``introspective`` switches on ISM (SPEC §3)."""
+
+    introspective: bool = False
+    gamma: float = Field(0.0, ge=0, description="introspective bias γ")
+    tau: float = Field(5.0, gt=0, description="weakening degree τ")
+    power: Literal[1, 2] = 1
+    variant: Literal["soft", "strict", "dissimilar"] = "soft"
+    delta_normalized: bool = Field(
+        True, description="similarity form: δ between normalised vectors (False: official code)"
+    )
+    proxy_uncertainty: bool = Field(False, description="learnable uncertainty for each proxy")
+
+
+class ContrastiveConfig(Section):
+    name: Literal["contrastive"]
+    pos_margin: float = 0.0
+    neg_margin: float = 0.5
+
+
+class MarginConfig(Section):
+    name: Literal["margin"]
+    margin: float = 0.2
+    boundary: float = 1.2
+    learn_boundary: bool = False
+    cutoff: float = 0.5
+    nonzero_loss_cutoff: float = 1.4
+
+
+class TripletConfig(Section):
+    name: Literal["triplet"]
+    margin: float = 0.1
+
+
+class MultiSimilarityConfig(Section):
+    name: Literal["multi_similarity"]
+    alpha: float = 2.0
+    beta: float = 50.0
+    base: float = 0.5
+    epsilon: float = 0.1
+
+
+class NormalizedSoftmaxConfig(Section):
+    name: Literal["normalized_softmax"]
+    temperature: float = 0.05
+
+
+class ProxyNCAConfig(Section):
+    name: Literal["proxy_nca"]
+    scale: float = 9.0
+
+
+class ProxyAnchorConfig(Section):
+    name: Literal["proxy_anchor"]
+    alpha: float = 32.0
+    margin: float = 0.1
+
+
+class FastAPConfig(Section):
+    name: Literal["fastap"]
+    num_bins: int = 10
+
+
+class PELConfig(Section):
+    name: Literal["pel"]
+    num_samples: int = 8
+    kl_weight: float = 1e-4
+
+
+LossConfig = Annotated[
+    ContrastiveConfig
+    | MarginConfig
+    | TripletConfig
+    | MultiSimilarityConfig
+    | NormalizedSoftmaxConfig
+    | ProxyNCAConfig
+    | ProxyAnchorConfig
+    | FastAPConfig
+    | PELConfig,
+    Field(discriminator="name"),
+]
+DEFAULT_LOSS = "proxy_anchor"
+LOSS_CONFIGS: dict[str, type[Section]] = {
+    "contrastive": ContrastiveConfig,
+    "margin": MarginConfig,
+    "triplet": TripletConfig,
+    "multi_similarity": MultiSimilarityConfig,
+    "normalized_softmax": NormalizedSoftmaxConfig,
+    "proxy_nca": ProxyNCAConfig,
+    "proxy_anchor": ProxyAnchorConfig,
+    "fastap": FastAPConfig,
+    "pel": PELConfig,
+}
+
+
+# --------------------------------------------------------------------------- augmentations
+class MixupConfig(Section):
+    """Mixup with set labels (SPEC §5); ``interpolate`` is the official code's loss interpolation."""
+
+    enabled: bool = False
+    alpha: float = Field(1.0, gt=0, description="λ ~ Beta(alpha, alpha)")
+    fraction: float = Field(1.0, gt=0, description="mixed images added, as a fraction of the batch")
+    mode: Literal["set", "interpolate"] = "set"
+
+
+class DegradationConfig(Section):
+    """Paper Table 3 alternatives to Mixup: each degrades a fraction of a batch, labels unchanged."""
+
+    low_resolution_fraction: float = Field(0.0, ge=0, le=1)
+    low_resolution_factor: float = Field(4.0, gt=1)
+    blur_fraction: float = Field(0.0, ge=0, le=1)
+    blur_sigma: float = Field(2.0, gt=0)
+    occlusion_fraction: float = Field(0.0, ge=0, le=1)
+    occlusion_area: float = Field(0.25, gt=0, lt=1)
+
+
+# --------------------------------------------------------------------------- SSR
+class SSRConfig(Section):
+    """Self-supervised ranking auxiliary task (SPEC §6)."""
+
+    enabled: bool = False
+    num_levels: int = Field(4, ge=2, description="N: views T_1..T_N")
+    strength: float = Field(1.0, gt=0, description="multiplies every per-level magnitude")
+    area_step: float = Field(0.15, ge=0, description="crop keeps area 1 − area_step·n")
+    perspective_step: float = Field(0.1, ge=0)
+    jitter_step: float = Field(0.1, ge=0)
+    nested: bool = Field(False, description="nested crops around one centre")
+    images_per_batch: int = Field(20, gt=0, description="M")
+    hidden_dim: int = Field(512, gt=0)
+    dim: int = Field(128, gt=0, description="d_r")
+    scale: float = Field(12.0, gt=0, description="s")
+    margin: float = Field(0.05, description="α_r")
+    pos_threshold: float = Field(0.5, description="β_r")
+    lambda_pos: float = Field(1.0, ge=0, description="λ_r")
+    weight: float = Field(0.8, ge=0, description="γ_r: total = L_metric + γ_r·L_ranking")
+    p_task: float = Field(0.8, ge=0, le=1)
+    schedule: Literal["iteration", "epoch"] = "iteration"
+    update: Literal["joint", "alternating"] = "joint"
+    source: Literal["metric_batch", "separate"] = "metric_batch"
+
+
+# --------------------------------------------------------------------------- optimisation
+class OptimConfig(Section):
+    """AdamW with parameter groups, schedules, warm-up and clipping (SPEC §7)."""
+
+    epochs: int = Field(60, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    backbone_lr_mult: float = Field(1.0, ge=0)
+    head_lr_mult: float = Field(1.0, ge=0)
+    proxy_lr_mult: float = Field(100.0, ge=0)
+    scheduler: Literal["none", "step", "cosine"] = "step"
+    step_size: int = Field(10, gt=0)
+    step_gamma: float = Field(0.5, gt=0)
+    warmup_epochs: int = Field(0, ge=0, description="epochs that train only heads and proxies")
+    grad_clip: float | None = Field(10.0, gt=0)
+    amp: bool = Field(True, description="mixed precision (CUDA only)")
+    max_steps_per_epoch: int | None = Field(None, gt=0, description="cap iterations (smoke runs)")
+
+
+class EvalConfig(Section):
+    """Evaluation during training (SPEC §9)."""
+
+    every: int = Field(1, gt=0, description="evaluate every N epochs (and after the last)")
+    ks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+    nmi: bool = True
+    introspective: bool = Field(False, description="rank with ISM at test time (ablation)")
+    select: str = Field("recall@1", description="metric that picks the best epoch")
+    batch_size: int = Field(256, gt=0)
+
+
+class Config(Section):
+    """A whole run."""
+
+    name: str = "run"
+    seed: int = 0
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    data: DataConfig = DataConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    model: ModelConfig = ModelConfig()
+    metric: MetricConfig = MetricConfig()
+    loss: LossConfig = Field(default_factory=lambda: ProxyAnchorConfig(name=DEFAULT_LOSS))
+    mixup: MixupConfig = MixupConfig()
+    degradations: DegradationConfig = DegradationConfig()
+    ssr: SSRConfig = SSRConfig()
+    optim: OptimConfig = OptimConfig()
+    eval: EvalConfig = EvalConfig()
+    tensorboard: bool = Field(True, description="also log to TensorBoard when it is installed")
+    published: dict[str, float] | None = Field(
+        None, description="numbers the paper reports for this recipe (documentation only)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if self.metric.introspective and not self.model.uncertainty.enabled:
+            raise ValueError(
+                "metric.introspective=true needs an uncertainty head: set "
+                "model.uncertainty.enabled=true"
+            )
+        if self.loss.name == "pel" and self.metric.introspective:
+            raise ValueError(
+                "loss.name=pel models uncertainty itself; set metric.introspective=false"
+            )
+        if any(k <= 0 for k in self.eval.ks):
+            raise ValueError(f"eval.ks must be positive integers, got {self.eval.ks}")
+        return self
+
+    @property
+    def idml(self) -> bool:
+        """IDML = ISM + an uncertainty head (Mixup is its usual companion)."""
+        return self.metric.introspective
+
+
+# --------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML preset (or the defaults), apply ``key.sub=value`` overrides and validate.
+
+    Values in overrides are parsed as YAML scalars (``3``, ``1e-4``, ``true``, ``[1, 2]``).
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; see configs/ for the presets")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"config file {path} must hold a mapping of keys, got {type(raw).__name__}"
+            )
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        _set_path(raw, key.strip(), _parse_value(value))
+    return validate_config(raw, source=str(path) if path else "defaults")
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
+    """Validate a raw mapping; errors name the key, the problem and the valid keys."""
+    loss = raw.get("loss")
+    if isinstance(loss, dict) and "name" not in loss:
+        raw = {**raw, "loss": {"name": DEFAULT_LOSS, **loss}}
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_explain(err, raw, source)) from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """JSON-compatible dict (paths as strings) that :func:`validate_config` reads back."""
+    return cfg.model_dump(mode="json")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _valid_keys(model: type[BaseModel]) -> list[str]:
+    return sorted(model.model_fields)
+
+
+def _section_model(loc: tuple[Any, ...], raw: dict[str, Any]) -> type[BaseModel]:
+    """The pydantic model that owns the field at ``loc[:-1]``."""
+    model: type[BaseModel] = Config
+    node: Any = raw
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(part, str) else None
+        if field is None:
+            # Discriminated-union tags appear in the location path (e.g. ('loss', 'triplet', 'x')).
+            if isinstance(part, str) and part in LOSS_CONFIGS:
+                model = LOSS_CONFIGS[part]
+                continue
+            break
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        elif part == "loss":
+            name = node.get("name") if isinstance(node, dict) else None
+            model = LOSS_CONFIGS.get(str(name), ProxyAnchorConfig)
+    return model
+
+
+def _explain(err: ValidationError, raw: dict[str, Any], source: str) -> str:
+    lines: list[str] = []
+    for item in err.errors():
+        loc = tuple(item["loc"])
+        # Drop discriminator tags from the printed key path.
+        shown = ".".join(str(p) for p in loc if not (isinstance(p, str) and p in LOSS_CONFIGS))
+        kind = item["type"]
+        if kind == "extra_forbidden":
+            owner = _section_model(loc, raw)
+            valid = _valid_keys(owner)
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"unknown key {shown!r}{hint}")
+            lines.append(f"  valid keys here: {', '.join(valid)}")
+        elif kind in ("union_tag_invalid", "union_tag_not_found"):
+            lines.append(f"{shown or 'loss'}.name: {item['msg']}")
+            lines.append(f"  valid loss names: {', '.join(LOSS_CONFIGS)}")
+        elif kind == "value_error" and not shown:
+            lines.append(str(item["msg"]).removeprefix("Value error, "))
+        else:
+            given = item.get("input")
+            lines.append(f"{shown}: {item['msg']} (got {given!r})")
+    lines.append(f"  in {source}")
+    return "\n".join(lines)
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    """Write the fully resolved config as YAML (so a run records every default it used)."""
+    path.write_text(yaml.safe_dump(copy.deepcopy(config_to_dict(cfg)), sort_keys=False))
