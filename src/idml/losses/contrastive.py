@@ -1,0 +1,93 @@
+"""Contrastive loss (Hadsell, Chopra and LeCun 2006, eq. 4; SPEC §4).
+
+Example:
+    >>> import torch
+    >>> x = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]])
+    >>> loss = ContrastiveLoss(pos_margin=0.0, neg_margin=0.5)
+    >>> # positives (0, 1): D = √0.8 ≈ 0.894; negatives at D = 0.632 and √2 are beyond the margin.
+    >>> round(loss(x, torch.tensor([0, 0, 1])).item(), 4)
+    0.8944
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from idml.embeddings import Embeddings
+from idml.losses.base import MetricLoss
+from idml.metrics import Metric
+from idml.miners import Miner, all_pairs, as_pairs, resolve_miner
+from idml.relations import LabelSets
+
+DISTANCE_MARGINS = (0.0, 0.5)
+"""Default ``(m_pos, m_neg)`` for a distance metric (SPEC §4)."""
+SIMILARITY_MARGINS = (1.0, 1.0 - 0.5**2 / 2)
+"""Default ``(m_pos, m_neg)`` for a similarity metric: the distance defaults mapped to cosine
+similarity on the unit sphere, ``S = 1 − D²/2``, i.e. ``(1.0, 0.875)``."""
+
+
+class ContrastiveLoss(MetricLoss):
+    """Contrastive loss over pairs (Hadsell et al. 2006, eq. 4, with a positive margin; SPEC §4).
+
+    For a distance metric ``D`` (Euclidean or the distance form of ISM, ``D_IN``)::
+
+        L = mean_{(i,j) ∈ P} [D_ij − m_pos]₊ + mean_{(i,j) ∈ N} [m_neg − D_ij]₊
+
+    with ``P`` the positive pairs (label sets intersect, ``i ≠ j``) and ``N`` the negative pairs, each
+    counted in both orders. For a similarity metric ``S`` (cosine or ISM's ``S_IN``) the mirrored form
+    is used::
+
+        L = mean_{P} [m_pos − S_ij]₊ + mean_{N} [S_ij − m_neg]₊
+
+    A mean over an empty set is 0. Margins left at ``None`` take the metric's defaults: ``(0, 0.5)``
+    for a distance (SPEC §4) and ``(1, 0.875)`` for a similarity, the same boundaries on the unit
+    sphere (``S = 1 − D²/2``), so switching the metric does not change what the loss asks for.
+
+    Args:
+        metric: the pluggable metric (default :class:`~idml.metrics.EuclideanDistance`).
+        pos_margin: ``m_pos``: positives closer than this (more similar) cost nothing.
+        neg_margin: ``m_neg``: negatives farther than this (less similar) cost nothing.
+        miner: optional pair miner; the means then run over the mined pairs (``None``: all pairs).
+    """
+
+    def __init__(
+        self,
+        metric: Metric | None = None,
+        pos_margin: float | None = None,
+        neg_margin: float | None = None,
+        miner: Miner | None = None,
+    ) -> None:
+        super().__init__(metric)
+        defaults = SIMILARITY_MARGINS if self.metric.is_similarity else DISTANCE_MARGINS
+        self.pos_margin = float(defaults[0] if pos_margin is None else pos_margin)
+        self.neg_margin = float(defaults[1] if neg_margin is None else neg_margin)
+        for name, value in (("pos_margin", self.pos_margin), ("neg_margin", self.neg_margin)):
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        self.miner = resolve_miner(miner, None)
+
+    def extra_repr(self) -> str:
+        return f"pos_margin={self.pos_margin}, neg_margin={self.neg_margin}, miner={self.miner}"
+
+    def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
+        matrix = self.pairwise(embeddings)
+        similarity = self.metric.is_similarity
+        if self.miner is None:
+            pairs = all_pairs(labels)
+        else:
+            pairs = as_pairs(self.miner(matrix, labels, similarity=similarity, dim=embeddings.dim))
+        pos = matrix[pairs.anchor_pos, pairs.positive]
+        neg = matrix[pairs.anchor_neg, pairs.negative]
+        if similarity:
+            pos_terms = torch.relu(self.pos_margin - pos)
+            neg_terms = torch.relu(neg - self.neg_margin)
+        else:
+            pos_terms = torch.relu(pos - self.pos_margin)
+            neg_terms = torch.relu(self.neg_margin - neg)
+        # An empty selection sums to a graph-connected 0, so backward still works.
+        return pos_terms.sum() / max(pos_terms.numel(), 1) + neg_terms.sum() / max(
+            neg_terms.numel(), 1
+        )
