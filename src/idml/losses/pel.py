@@ -1,0 +1,232 @@
+"""PEL baseline: probabilistic embeddings with a Monte-Carlo match probability (HIB).
+
+Oh et al. 2019 ("Modeling Uncertainty with Hedged Instance Embedding", §2; SPEC §4) — the IDML paper's
+"uncertainty as a distribution" comparison point (PEL-MDW in its Table 2). Every image is a Gaussian
+``N(μ_i, diag σ_i²)``; ``K`` reparameterised samples ``z_i^k = μ_i + σ_i ⊙ ε_i^k``, ``ε ~ N(0, I)``, give the
+match probability of a pair::
+
+    p_ij = mean_{k,k'} sigmoid(−a·||z_i^k − z_j^{k'}|| + b)       (a > 0 and b learned)
+
+averaged over all ``K²`` sample pairs (HIB's estimator; ``sample_pairing="matched"`` averages over the
+``K`` pairs ``(z_i^k, z_j^k)`` instead). The loss is the binary cross-entropy of ``p`` against "same
+class" plus a KL prior term [K 8, weight 1e-4]::
+
+    L = ½·mean_{(i,j)∈P} −log p_ij + ½·mean_{(i,j)∈N} −log(1 − p_ij)
+        + w · mean_i KL(N(μ_i, σ_i²) ‖ N(0, I)),
+    KL = ½ Σ_d (σ² + μ² − 1 − log σ²)
+
+``P`` / ``N`` are the positive / negative pairs of the batch (set labels honoured, self-pairs excluded).
+Positives and negatives are averaged separately, like the contrastive loss in SPEC §4, so that the
+few positive pairs of a DML batch are not drowned out; a batch without one kind uses the other alone.
+
+**Input convention.** ``Embeddings(semantic=μ, uncertainty=log σ²)``: the semantic embedding is the
+mean and the uncertainty embedding is the per-dimension *log-variance*, of the same shape. The model's
+PEL head produces exactly that. All probabilities are computed in log space (``logsigmoid`` +
+``logsumexp``), so ``p`` near 0 or 1 never produces ``log 0``.
+
+Example:
+    >>> import torch
+    >>> samples = torch.tensor([[[0.0], [3.0]]])  # K = 1 sample of B = 2 one-dimensional images
+    >>> p = match_probability(samples, scale=1.0, bias=3.0)
+    >>> [round(v, 4) for v in p[0].tolist()]  # sigmoid(3 − 0), sigmoid(3 − 3)
+    [0.9526, 0.5]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from idml.embeddings import Embeddings
+from idml.losses.base import MetricLoss, check_positive
+from idml.metrics import EuclideanDistance, safe_norm_from_squares
+from idml.relations import LabelSets
+
+SamplePairing = Literal["all", "matched"]
+_PAIRINGS: tuple[str, ...] = ("all", "matched")
+
+
+def _sample_distances(samples: Tensor, sample_pairing: SamplePairing) -> Tensor:
+    """Euclidean distances between the samples of every pair of images.
+
+    ``samples`` is ``(K, B, d)``; the result is ``(K, B, K, B)`` for ``"all"`` (entry
+    ``[k, i, k', j] = ||z_i^k − z_j^{k'}||``) and ``(K, B, B)`` for ``"matched"``.
+    """
+    num_samples, batch, dim = samples.shape
+    if sample_pairing == "all":
+        flat = samples.reshape(num_samples * batch, dim)
+        distance = EuclideanDistance(normalize=False)(flat)
+        return distance.view(num_samples, batch, num_samples, batch)
+    squared_norms = samples.pow(2).sum(dim=2)
+    squared = (
+        squared_norms.unsqueeze(2)
+        + squared_norms.unsqueeze(1)
+        - 2.0 * torch.bmm(samples, samples.transpose(1, 2))
+    )
+    return safe_norm_from_squares(squared)
+
+
+def match_log_probabilities(
+    samples: Tensor,
+    scale: Tensor | float,
+    bias: Tensor | float,
+    sample_pairing: SamplePairing = "all",
+) -> tuple[Tensor, Tensor]:
+    """``(log p, log(1 − p))`` of the HIB match probability (Oh et al. 2019, §2), each ``(B, B)``.
+
+    ``p_ij = mean sigmoid(−scale·||z_i − z_j|| + bias)`` over the sample pairs selected by
+    ``sample_pairing`` (``"all"``: the ``K²`` pairs ``(k, k')``; ``"matched"``: the ``K`` pairs ``(k, k)``).
+    Uses ``log mean sigmoid(ℓ) = logsumexp(logsigmoid(ℓ)) − log(#pairs)`` and
+    ``1 − sigmoid(ℓ) = sigmoid(−ℓ)``, so neither tail underflows.
+
+    Args:
+        samples: ``(K, B, d)`` samples ``z_i^k``.
+        scale: ``a > 0``.
+        bias: ``b``.
+        sample_pairing: ``"all"`` or ``"matched"``.
+    """
+    if sample_pairing not in _PAIRINGS:
+        raise ValueError(f"sample_pairing must be one of {_PAIRINGS}, got {sample_pairing!r}")
+    if samples.dim() != 3:
+        raise ValueError(
+            f"samples must have shape (num_samples, batch, dim), got {tuple(samples.shape)}"
+        )
+    logits = -scale * _sample_distances(samples, sample_pairing) + bias
+    sample_dims = (0, 2) if sample_pairing == "all" else (0,)
+    log_count = math.log(math.prod(logits.shape[d] for d in sample_dims))
+    log_match = torch.logsumexp(F.logsigmoid(logits), dim=sample_dims) - log_count
+    log_mismatch = torch.logsumexp(F.logsigmoid(-logits), dim=sample_dims) - log_count
+    return log_match, log_mismatch
+
+
+def match_probability(
+    samples: Tensor,
+    scale: Tensor | float,
+    bias: Tensor | float,
+    sample_pairing: SamplePairing = "all",
+) -> Tensor:
+    """HIB match probability ``p_ij`` (Oh et al. 2019, §2) from ``(K, B, d)`` samples, shape ``(B, B)``.
+
+    See :func:`match_log_probabilities` for the estimator.
+    """
+    return match_log_probabilities(samples, scale, bias, sample_pairing)[0].exp()
+
+
+def gaussian_kl_to_standard(mean: Tensor, log_variance: Tensor) -> Tensor:
+    """``KL(N(μ, diag σ²) ‖ N(0, I)) = ½ Σ_d (σ² + μ² − 1 − log σ²)`` per row, shape ``(B,)``.
+
+    Example:
+        >>> gaussian_kl_to_standard(torch.zeros(1, 3), torch.zeros(1, 3)).item()
+        0.0
+        >>> gaussian_kl_to_standard(torch.ones(1, 2), torch.zeros(1, 2)).item()  # ½·(1 + 1)
+        1.0
+    """
+    return 0.5 * (log_variance.exp() + mean.pow(2) - 1.0 - log_variance).sum(dim=1)
+
+
+class PELLoss(MetricLoss):
+    """Probabilistic embedding loss of HIB (Oh et al. 2019, §2): balanced BCE on ``p_ij`` + ``w``·KL.
+
+    Args:
+        num_samples: Monte-Carlo samples ``K ≥ 1`` per image [8].
+        kl_weight: weight ``w ≥ 0`` of the KL prior term [1e-4].
+        init_scale: initial ``a > 0`` (learned as ``log a`` so it stays positive) [1.0].
+        init_bias: initial ``b`` [0.0].
+        sample_pairing: ``"all"`` (HIB's ``K²`` pairs, default) or ``"matched"`` (``K`` pairs).
+        generator: random generator for the reparameterisation noise, for reproducible losses; the
+            noise is drawn on the generator's device and moved to the embeddings' device.
+
+    Input: ``Embeddings(semantic=μ, uncertainty=log σ²)`` with equal shapes (see the module docstring).
+    The learned ``a`` and ``b`` are the parameters :attr:`log_scale` and :attr:`bias` of this module;
+    give them to the optimiser with the model.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 8,
+        kl_weight: float = 1e-4,
+        init_scale: float = 1.0,
+        init_bias: float = 0.0,
+        sample_pairing: SamplePairing = "all",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        # HIB compares raw (unnormalised) samples; the metric records that and computes the distances.
+        super().__init__(EuclideanDistance(normalize=False))
+        if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples}")
+        if not (kl_weight >= 0 and math.isfinite(kl_weight)):
+            raise ValueError(f"kl_weight must be a finite number >= 0, got {kl_weight}")
+        check_positive("init_scale", init_scale)
+        if not math.isfinite(init_bias):
+            raise ValueError(f"init_bias must be a finite number, got {init_bias}")
+        if sample_pairing not in _PAIRINGS:
+            raise ValueError(f"sample_pairing must be one of {_PAIRINGS}, got {sample_pairing!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(
+                f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+            )
+        self.num_samples = int(num_samples)
+        self.kl_weight = float(kl_weight)
+        self.sample_pairing: SamplePairing = sample_pairing
+        self.generator = generator
+        self.log_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
+        self.bias = nn.Parameter(torch.tensor(float(init_bias)))
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_samples={self.num_samples}, kl_weight={self.kl_weight}, "
+            f"sample_pairing={self.sample_pairing!r}"
+        )
+
+    @property
+    def scale(self) -> Tensor:
+        """The distance scale ``a = exp(log_scale) > 0``."""
+        return self.log_scale.exp()
+
+    def sample(self, mean: Tensor, log_variance: Tensor) -> Tensor:
+        """``K`` reparameterised samples ``μ + exp(½·log σ²) ⊙ ε``, shape ``(K, B, d)``."""
+        shape = (self.num_samples, *mean.shape)
+        if self.generator is None:
+            noise = torch.randn(shape, dtype=mean.dtype, device=mean.device)
+        else:
+            noise = torch.randn(
+                shape, generator=self.generator, dtype=mean.dtype, device=self.generator.device
+            ).to(mean.device)
+        return mean + torch.exp(0.5 * log_variance) * noise
+
+    def match_probability(self, embeddings: Embeddings) -> Tensor:
+        """Monte-Carlo ``p_ij`` between all images of a batch (e.g. for verification), ``(B, B)``."""
+        mean, log_variance = self._gaussian(embeddings)
+        samples = self.sample(mean, log_variance)
+        return match_probability(samples, self.scale, self.bias, self.sample_pairing)
+
+    def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
+        mean, log_variance = self._gaussian(embeddings)
+        samples = self.sample(mean, log_variance)
+        log_match, log_mismatch = match_log_probabilities(
+            samples, self.scale.to(mean.dtype), self.bias.to(mean.dtype), self.sample_pairing
+        )
+        positive, negative = labels.positive_mask(), labels.negative_mask()
+        parts = []
+        if bool(positive.any()):
+            parts.append(-log_match[positive].mean())
+        if bool(negative.any()):
+            parts.append(-log_mismatch[negative].mean())
+        kl = gaussian_kl_to_standard(mean, log_variance).mean()
+        match = torch.stack(parts).mean() if parts else kl * 0.0
+        return match + self.kl_weight * kl
+
+    @staticmethod
+    def _gaussian(embeddings: Embeddings) -> tuple[Tensor, Tensor]:
+        log_variance = embeddings.uncertainty
+        if log_variance is None or log_variance.shape != embeddings.semantic.shape:
+            got = None if log_variance is None else tuple(log_variance.shape)
+            raise ValueError(
+                "PELLoss needs Embeddings(semantic=mean, uncertainty=log_variance) with equal shapes "
+                f"(mean {tuple(embeddings.semantic.shape)}, log_variance {got}); use the model's PEL head"
+            )
+        return embeddings.semantic, log_variance
