@@ -98,6 +98,16 @@ class ProxyLoss(MetricLoss):
                 f"embeddings have dimension {emb.dim} but {type(self).__name__} was built with "
                 f"embedding_dim={self.embedding_dim}"
             )
+        if (
+            self.proxy_uncertainty is not None
+            and emb.uncertainty is not None
+            and emb.uncertainty.shape[1] != self.proxy_uncertainty.shape[1]
+        ):
+            raise ValueError(
+                f"uncertainty has dimension {emb.uncertainty.shape[1]} but the proxies' learnable "
+                f"uncertainty has {self.proxy_uncertainty.shape[1]}; set proxy_uncertainty_dim to "
+                "the uncertainty head's output size"
+            )
         sets = LabelSets.coerce(labels)
         if sets.max_label() >= self.num_classes:
             raise ValueError(
