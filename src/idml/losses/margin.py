@@ -81,11 +81,14 @@ class MarginLoss(MetricLoss):
             raise ValueError(f"num_classes must be >= 1 or None, got {num_classes}")
         self.margin = float(margin)
         self.num_classes = num_classes
-        initial = torch.full((num_classes or 1,), float(boundary))
+        shape = (num_classes or 1,)
         if learn_boundary:
-            self.boundary = nn.Parameter(initial)
+            self.boundary = nn.Parameter(torch.full(shape, float(boundary)))
         else:
-            self.register_buffer("boundary", initial)
+            # float64 keeps a fixed ω exact; it is cast to the embeddings' dtype when used.
+            self.register_buffer(
+                "boundary", torch.full(shape, float(boundary), dtype=torch.float64)
+            )
         self.miner = resolve_miner(miner, DistanceWeightedMiner())
 
     def extra_repr(self) -> str:
