@@ -1,0 +1,51 @@
+"""Embedding networks: backbones (typed registry), pooling, semantic / uncertainty / PEL heads.
+
+:func:`build_model` is the entry point; see :mod:`idml.models.backbones` for the backbone registry
+and weight files and :mod:`idml.models.model` for the heads and :class:`EmbeddingModel`.
+"""
+
+from idml.models.backbones import (
+    Backbone,
+    BackboneName,
+    BackboneSpec,
+    MissingWeightsError,
+    build_backbone,
+    load_state_dict_file,
+    timm_available,
+    torch_cache_weights_path,
+    weights_file_name,
+)
+from idml.models.model import (
+    EmbeddingModel,
+    LogVarianceHead,
+    Pooling,
+    SemanticHead,
+    UncertaintyActivation,
+    UncertaintyHead,
+    UncertaintyKind,
+    build_model,
+    global_pool,
+    uncertainty_level,
+)
+
+__all__ = [
+    "Backbone",
+    "BackboneName",
+    "BackboneSpec",
+    "EmbeddingModel",
+    "LogVarianceHead",
+    "MissingWeightsError",
+    "Pooling",
+    "SemanticHead",
+    "UncertaintyActivation",
+    "UncertaintyHead",
+    "UncertaintyKind",
+    "build_backbone",
+    "build_model",
+    "global_pool",
+    "load_state_dict_file",
+    "timm_available",
+    "torch_cache_weights_path",
+    "uncertainty_level",
+    "weights_file_name",
+]

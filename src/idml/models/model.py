@@ -1,0 +1,450 @@
+"""The embedding network: backbone → global pooling → semantic head (+ uncertainty head).
+
+For an image ``x`` with pooled backbone features ``f = pool(F(x))`` (SPEC §7):
+
+- semantic embedding ``s = W_s f + b_s``, returned L2-normalised, ``ŝ = s / ||s||``;
+- uncertainty embedding ``u = act(W_u f + b_u)`` from the *same* pooled features (IDML paper §III-C:
+  "two randomly initialised fully connected layers"; Wang et al. 2022, eq. 4 defines
+  ``y_IN = f(x) = {s, u}``). The paper's default is a plain linear head — ``u`` not normalised, no
+  activation — so that ``||u||`` is learned. Options: a ReLU/softplus activation, or L2-normalising
+  ``u`` as the authors' released code does. **Normalising starves the head:** the released code only
+  compares images with zero-uncertainty proxies, where ``β = ||u_i + 0|| = ||u_i|| ≡ 1``, so the
+  loss is constant in ``u`` and the head receives exactly zero gradient;
+- PEL head (Oh et al. 2019, "HIB"): ``μ`` (the semantic head, normalised) and ``log σ²`` (a linear
+  head, not normalised), packed as ``Embeddings(semantic=μ, uncertainty=log σ²)`` for the PEL loss.
+
+Pooling (SPEC §7): ``GAP(F) = mean_{h,w} F``, ``GMP(F) = max_{h,w} F`` or their sum (default, as in
+the ProxyAnchor code of Kim et al. 2020 that IDML builds on). BatchNorm is frozen by default: running
+statistics always (the layers stay in eval mode under ``model.train()``), affine parameters optionally.
+
+Inputs are float images in ``[0, 1]``; the model normalises them itself with buffers, so a saved state
+dict is a self-contained model. One-channel images are repeated to three channels for RGB backbones.
+
+Example:
+    >>> import torch
+    >>> model = build_model("small_cnn", pretrained=False, embedding_dim=16, uncertainty=True)
+    >>> emb = model(torch.rand(4, 1, 8, 8))
+    >>> emb.semantic.shape, emb.uncertainty.shape
+    (torch.Size([4, 16]), torch.Size([4, 16]))
+    >>> torch.allclose(emb.semantic.norm(dim=1), torch.ones(4))
+    True
+    >>> model.features(torch.rand(4, 1, 8, 8)).shape == (4, model.feature_dim)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from idml.augment import check_images
+from idml.embeddings import Embeddings
+from idml.models.backbones import (
+    Backbone,
+    BackboneName,
+    BackboneSpec,
+    ChoiceEnum,
+    build_backbone,
+)
+
+
+class Pooling(ChoiceEnum):
+    """Global pooling of the backbone's last feature map (SPEC §7)."""
+
+    GAP = "gap"
+    """Global average pooling, ``mean_{h,w} F``."""
+    GMP = "gmp"
+    """Global max pooling, ``max_{h,w} F``."""
+    SUM = "sum"
+    """``GAP + GMP`` (ProxyAnchor code, Kim et al. 2020; the default)."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> Pooling | None:
+        # The run config spells the first two "avg" / "max"; accept exactly those aliases.
+        alias = {"avg": cls.GAP, "max": cls.GMP}.get(value) if isinstance(value, str) else None
+        return alias if alias is not None else super()._missing_(value)  # type: ignore[return-value]
+
+
+class UncertaintyKind(ChoiceEnum):
+    """Which second head the model carries."""
+
+    NONE = "none"
+    """Plain DML: semantic embeddings only."""
+    ISM = "ism"
+    """IDML's uncertainty embedding ``u`` (Wang et al. 2022, eq. 4), consumed by ISM."""
+    PEL = "pel"
+    """Probabilistic embeddings (Oh et al. 2019): ``log σ²`` of a diagonal Gaussian around ``μ = s``."""
+
+
+class UncertaintyActivation(ChoiceEnum):
+    """Output non-linearity of the ISM uncertainty head (paper default: none)."""
+
+    NONE = "none"
+    RELU = "relu"
+    SOFTPLUS = "softplus"
+
+
+def global_pool(feature_map: Tensor, pooling: Pooling) -> Tensor:
+    """``(B, C, H, W) → (B, C)`` by GAP, GMP or GAP + GMP."""
+    if feature_map.dim() != 4:
+        raise ValueError(
+            f"feature_map must have shape (batch, channels, height, width), got {tuple(feature_map.shape)}"
+        )
+    if pooling is Pooling.GAP:
+        return feature_map.mean(dim=(2, 3))
+    if pooling is Pooling.GMP:
+        return feature_map.amax(dim=(2, 3))
+    return feature_map.mean(dim=(2, 3)) + feature_map.amax(dim=(2, 3))
+
+
+class SemanticHead(nn.Module):
+    """``ŝ = normalize(W f + b)``; ``W`` kaiming-normal (fan_out), ``b = 0`` as in Kim et al. 2020's code."""
+
+    def __init__(self, feature_dim: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(feature_dim, embedding_dim)
+        nn.init.kaiming_normal_(self.linear.weight, mode="fan_out")
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return F.normalize(self.linear(features), dim=1)
+
+
+class UncertaintyHead(nn.Module):
+    """``u = act(W f + b)``, optionally L2-normalised (IDML's uncertainty embedding, eq. 4).
+
+    Args:
+        feature_dim, uncertainty_dim: input and output sizes.
+        activation: none (paper default), ReLU or softplus (non-negative ``u``).
+        normalize: L2-normalise ``u`` as the authors' released code does. Then ``||u|| ≡ 1`` and,
+            against zero-uncertainty proxies, ``β ≡ 1``: the head gets no gradient at all.
+        init_std: ``None`` keeps PyTorch's default ``nn.Linear`` initialisation (the paper's "randomly
+            initialised" layer); a number draws ``W ~ N(0, init_std²)`` with ``b = 0``, which sets the
+            starting uncertainty level ``||u||`` (large ``||u||`` weakens every pair from the start).
+    """
+
+    def __init__(
+        self,
+        feature_dim: int,
+        uncertainty_dim: int,
+        activation: UncertaintyActivation = UncertaintyActivation.NONE,
+        normalize: bool = False,
+        init_std: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.linear = nn.Linear(feature_dim, uncertainty_dim)
+        self.activation = UncertaintyActivation(activation)
+        self.normalize = normalize
+        if init_std is not None:
+            if not (init_std >= 0 and math.isfinite(init_std)):
+                raise ValueError(
+                    f"uncertainty_init_std must be a finite number >= 0, got {init_std}"
+                )
+            nn.init.normal_(self.linear.weight, std=init_std)
+            nn.init.zeros_(self.linear.bias)
+
+    def forward(self, features: Tensor) -> Tensor:
+        u = self.linear(features)
+        if self.activation is UncertaintyActivation.RELU:
+            u = F.relu(u)
+        elif self.activation is UncertaintyActivation.SOFTPLUS:
+            u = F.softplus(u)
+        return F.normalize(u, dim=1) if self.normalize else u
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation.value}, normalize={self.normalize}"
+
+
+PEL_INITIAL_NOISE_NORM = 0.1
+"""Initial ``E||z − μ||`` of a PEL sample: small against unit-sphere distances, so training starts
+close to the deterministic embedding (our choice; the HIB paper gives no initialisation)."""
+
+
+class LogVarianceHead(nn.Module):
+    """PEL's ``log σ² = W f + b`` (Oh et al. 2019, §3), one variance per embedding dimension.
+
+    ``W`` starts at zero and ``b`` at ``log(0.1² / d)``, so every image starts with the same
+    ``σ² = 0.01 / d`` and a sample ``z = μ + σ ⊙ ε`` lies about ``0.1`` from ``μ``.
+    """
+
+    def __init__(self, feature_dim: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(feature_dim, embedding_dim)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.constant_(self.linear.bias, math.log(PEL_INITIAL_NOISE_NORM**2 / embedding_dim))
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.linear(features)
+
+
+def uncertainty_level(
+    embeddings: Embeddings, kind: UncertaintyKind | str = UncertaintyKind.ISM
+) -> Tensor:
+    """Per-image uncertainty level ``(B,)``.
+
+    ISM: ``||u||`` (Wang et al. 2022, §IV "uncertainty level of an image is the L2-norm of its
+    uncertainty embedding"). PEL: ``||σ|| = sqrt(Σ_k exp(log σ²_k))``, the expected distance of a
+    sample from ``μ``, since ``||log σ²||`` would grow for *confident* images.
+    """
+    kind = UncertaintyKind(kind)
+    if embeddings.uncertainty is None or kind is UncertaintyKind.NONE:
+        raise ValueError(
+            "embeddings carry no uncertainty; build the model with an uncertainty head "
+            "(uncertainty=True or 'pel') to report uncertainty levels"
+        )
+    if kind is UncertaintyKind.PEL:
+        return embeddings.uncertainty.exp().sum(dim=1).sqrt()
+    return embeddings.uncertainty.norm(dim=1)
+
+
+class EmbeddingModel(nn.Module):
+    """Backbone + pooling + heads: ``[0, 1]`` images → :class:`~idml.embeddings.Embeddings`.
+
+    Args:
+        backbone: a :class:`~idml.models.backbones.Backbone` (its normalisation becomes buffers here).
+        embedding_dim: ``d`` of the semantic embedding [512].
+        uncertainty: which second head, see :class:`UncertaintyKind` [none].
+        uncertainty_dim: ``d_u`` of the ISM head [``d``]; PEL needs ``d_u = d``.
+        uncertainty_activation, uncertainty_normalize, uncertainty_init_std: see
+            :class:`UncertaintyHead` (ISM only).
+        pooling: :class:`Pooling` [sum].
+        freeze_bn: keep every backbone BatchNorm in eval mode (running statistics never update).
+        freeze_bn_affine: also freeze BatchNorm's ``γ, β`` (``requires_grad=False``; they are then
+            left out of :meth:`backbone_parameters`). The authors' code freezes both.
+        validate_inputs: check that images are floats in ``[0, 1]`` (one reduction per batch).
+    """
+
+    def __init__(
+        self,
+        backbone: Backbone,
+        embedding_dim: int = 512,
+        uncertainty: UncertaintyKind | str = UncertaintyKind.NONE,
+        uncertainty_dim: int | None = None,
+        uncertainty_activation: UncertaintyActivation | str = UncertaintyActivation.NONE,
+        uncertainty_normalize: bool = False,
+        uncertainty_init_std: float | None = None,
+        pooling: Pooling | str = Pooling.SUM,
+        freeze_bn: bool = True,
+        freeze_bn_affine: bool = False,
+        validate_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        if embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
+        if freeze_bn_affine and not freeze_bn:
+            raise ValueError(
+                "freeze_bn_affine=True needs freeze_bn=True (affine parameters are frozen on top of "
+                "the running statistics)"
+            )
+        self.uncertainty_kind = UncertaintyKind(uncertainty)
+        activation = UncertaintyActivation(uncertainty_activation)
+        self.pooling = Pooling(pooling)
+        self.backbone = backbone
+        self.freeze_bn = freeze_bn
+        self.freeze_bn_affine = freeze_bn_affine
+        self.validate_inputs = validate_inputs
+        channels = backbone.in_channels
+        self.register_buffer("input_mean", torch.tensor(backbone.mean).view(1, channels, 1, 1))
+        self.register_buffer("input_std", torch.tensor(backbone.std).view(1, channels, 1, 1))
+        self.semantic_head = SemanticHead(backbone.feature_dim, embedding_dim)
+        self.uncertainty_head: nn.Module | None = None
+        if self.uncertainty_kind is UncertaintyKind.ISM:
+            self.uncertainty_head = UncertaintyHead(
+                backbone.feature_dim,
+                uncertainty_dim or embedding_dim,
+                activation,
+                uncertainty_normalize,
+                uncertainty_init_std,
+            )
+        elif self.uncertainty_kind is UncertaintyKind.PEL:
+            if uncertainty_dim not in (None, embedding_dim):
+                raise ValueError(
+                    f"uncertainty_dim={uncertainty_dim}: the PEL head gives one variance per "
+                    f"embedding dimension, so it must equal embedding_dim={embedding_dim} (or be None)"
+                )
+            if activation is not UncertaintyActivation.NONE or uncertainty_normalize:
+                raise ValueError(
+                    "uncertainty_activation / uncertainty_normalize do not apply to the PEL head "
+                    "(it outputs log σ², which must stay unconstrained)"
+                )
+            self.uncertainty_head = LogVarianceHead(backbone.feature_dim, embedding_dim)
+        elif uncertainty_dim is not None:
+            raise ValueError(
+                "uncertainty_dim is set but uncertainty='none'; enable the head or drop it"
+            )
+        if freeze_bn_affine:
+            for bn in self._batchnorms():
+                for p in bn.parameters(recurse=False):
+                    p.requires_grad_(False)
+        self.build_config: dict[str, Any] = {}
+        """Keyword arguments of :func:`build_model` that made this model (empty when built directly)."""
+        self.train()
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def feature_dim(self) -> int:
+        """Size of the pooled backbone features (input of every head, and of SSR's ranking head)."""
+        return self.backbone.feature_dim
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.semantic_head.linear.out_features
+
+    @property
+    def uncertainty_dim(self) -> int | None:
+        """``d_u``, or ``None`` without an uncertainty head."""
+        if self.uncertainty_head is None:
+            return None
+        return self.uncertainty_head.linear.out_features  # type: ignore[union-attr]
+
+    # ----------------------------------------------------------------- forward
+    def normalize_images(self, images: Tensor) -> Tensor:
+        """Validate ``[0, 1]`` images, repeat grayscale to RGB if needed, apply ``(x − mean) / std``."""
+        channels = self.backbone.in_channels
+        if self.validate_inputs:
+            check_images("images", images)
+        elif images.dim() != 4:
+            raise ValueError(
+                f"images must have shape (batch, channels, height, width), got {tuple(images.shape)}"
+            )
+        if images.shape[1] != channels:
+            if images.shape[1] == 1:
+                images = images.expand(-1, channels, -1, -1)
+            else:
+                raise ValueError(
+                    f"images have {images.shape[1]} channels but backbone {self.backbone.spec} takes "
+                    f"{channels}; build the model with in_channels={images.shape[1]}"
+                )
+        return (images - self.input_mean) / self.input_std
+
+    def features(self, images: Tensor) -> Tensor:
+        """Pooled backbone features ``(B, feature_dim)`` of ``[0, 1]`` images."""
+        return global_pool(self.backbone(self.normalize_images(images)), self.pooling)
+
+    def embed(self, features: Tensor) -> Embeddings:
+        """Heads only: pooled features ``(B, feature_dim)`` → embeddings."""
+        if features.dim() != 2 or features.shape[1] != self.feature_dim:
+            raise ValueError(
+                f"features must have shape (batch, {self.feature_dim}), got {tuple(features.shape)}"
+            )
+        semantic = self.semantic_head(features)
+        uncertainty = None if self.uncertainty_head is None else self.uncertainty_head(features)
+        return Embeddings(semantic, uncertainty)
+
+    def forward(self, images: Tensor) -> Embeddings:
+        """``[0, 1]`` images ``(B, C, H, W)`` → normalised semantic (+ uncertainty) embeddings."""
+        return self.embed(self.features(images))
+
+    def uncertainty_level(self, embeddings: Embeddings) -> Tensor:
+        """Per-image uncertainty level for this model's head, see :func:`uncertainty_level`."""
+        return uncertainty_level(embeddings, self.uncertainty_kind)
+
+    # ----------------------------------------------------------------- training state
+    def _batchnorms(self) -> Iterator[_BatchNorm]:
+        return (m for m in self.backbone.modules() if isinstance(m, _BatchNorm))
+
+    def train(self, mode: bool = True) -> EmbeddingModel:
+        """Set train/eval mode; frozen BatchNorm layers stay in eval mode either way."""
+        super().train(mode)
+        if self.freeze_bn:
+            for bn in self._batchnorms():
+                bn.eval()
+        return self
+
+    def backbone_parameters(self) -> Iterator[nn.Parameter]:
+        """Trainable backbone parameters (frozen BatchNorm affine parameters excluded)."""
+        frozen = {id(p) for bn in self._batchnorms() for p in bn.parameters(recurse=False)}
+        for p in self.backbone.parameters():
+            if not (self.freeze_bn_affine and id(p) in frozen):
+                yield p
+
+    def head_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of the semantic and uncertainty heads (trained at the head learning rate)."""
+        yield from self.semantic_head.parameters()
+        if self.uncertainty_head is not None:
+            yield from self.uncertainty_head.parameters()
+
+
+def build_model(
+    backbone: str | BackboneName | BackboneSpec = BackboneName.RESNET50,
+    pretrained: bool | str | Path = True,
+    embedding_dim: int = 512,
+    uncertainty: bool | UncertaintyKind | str = False,
+    uncertainty_dim: int | None = None,
+    uncertainty_activation: UncertaintyActivation | str = UncertaintyActivation.NONE,
+    uncertainty_normalize: bool = False,
+    uncertainty_init_std: float | None = None,
+    pooling: Pooling | str = Pooling.SUM,
+    freeze_bn: bool | None = None,
+    freeze_bn_affine: bool = False,
+    in_channels: int = 3,
+    download: bool = False,
+) -> EmbeddingModel:
+    """Build an :class:`EmbeddingModel` from config-like keyword arguments (SPEC §7).
+
+    Args:
+        backbone: ``resnet18|resnet50|resnet101|googlenet|efficientnet_lite0|small_cnn`` or
+            ``timm:<name>`` [resnet50].
+        pretrained: ``True`` (ImageNet weights from the framework cache; never downloaded unless
+            ``download``), ``False``, or a weights file path.
+        embedding_dim: ``d`` [512].
+        uncertainty: ``False``/``"none"``, ``True``/``"ism"`` (IDML's ``u``) or ``"pel"``.
+        uncertainty_dim: ``d_u`` [``d``].
+        uncertainty_activation: ``none`` (paper) | ``relu`` | ``softplus``.
+        uncertainty_normalize: L2-normalise ``u`` like the official code (no gradient reaches the head
+            in proxy losses, see :class:`UncertaintyHead`).
+        uncertainty_init_std: ``None`` = PyTorch's default Linear init, else ``N(0, std²)`` weights.
+        pooling: ``gap`` | ``gmp`` | ``sum`` (``avg``/``max`` accepted as aliases) [sum].
+        freeze_bn: freeze BatchNorm running statistics; ``None`` = freeze iff pretrained.
+        freeze_bn_affine: also freeze BatchNorm ``γ, β``.
+        in_channels: 3, or 1 for ``small_cnn``/timm on grayscale data (RGB backbones repeat 1 → 3).
+        download: allow downloading missing pretrained weights.
+    """
+    if isinstance(uncertainty, bool):
+        uncertainty = UncertaintyKind.ISM if uncertainty else UncertaintyKind.NONE
+    spec = BackboneSpec.parse(backbone)
+    module = build_backbone(spec, pretrained=pretrained, download=download, in_channels=in_channels)
+    is_pretrained = pretrained is not False
+    if freeze_bn is None:
+        freeze_bn = is_pretrained
+    elif freeze_bn and not is_pretrained:
+        warnings.warn(
+            f"freeze_bn=True with a randomly initialised {spec} keeps BatchNorm at its initial "
+            "statistics (mean 0, variance 1); set freeze_bn=False to train from scratch",
+            stacklevel=2,
+        )
+    model = EmbeddingModel(
+        module,
+        embedding_dim=embedding_dim,
+        uncertainty=uncertainty,
+        uncertainty_dim=uncertainty_dim,
+        uncertainty_activation=uncertainty_activation,
+        uncertainty_normalize=uncertainty_normalize,
+        uncertainty_init_std=uncertainty_init_std,
+        pooling=pooling,
+        freeze_bn=freeze_bn,
+        freeze_bn_affine=freeze_bn_affine,
+    )
+    model.build_config = {
+        "backbone": str(spec),
+        "pretrained": pretrained if isinstance(pretrained, bool) else str(pretrained),
+        "embedding_dim": embedding_dim,
+        "uncertainty": UncertaintyKind(uncertainty).value,
+        "uncertainty_dim": uncertainty_dim,
+        "uncertainty_activation": UncertaintyActivation(uncertainty_activation).value,
+        "uncertainty_normalize": uncertainty_normalize,
+        "uncertainty_init_std": uncertainty_init_std,
+        "pooling": Pooling(pooling).value,
+        "freeze_bn": freeze_bn,
+        "freeze_bn_affine": freeze_bn_affine,
+        "in_channels": in_channels,
+    }
+    return model
