@@ -18,12 +18,16 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from idml.ranking import SSRConfig as RankingConfig
 
 
 class ConfigError(ValueError):
@@ -102,7 +106,9 @@ class ModelConfig(Section):
     )
     embedding_dim: int = Field(512, gt=0)
     pooling: Literal["avg", "max", "sum"] = "sum"
-    freeze_bn: bool = True
+    freeze_bn: bool | None = Field(
+        None, description="freeze BatchNorm statistics (None: when the backbone is pretrained)"
+    )
     freeze_bn_affine: bool = False
     uncertainty: UncertaintyHeadConfig = UncertaintyHeadConfig()
 
@@ -209,7 +215,9 @@ class MixupConfig(Section):
 
     enabled: bool = False
     alpha: float = Field(1.0, gt=0, description="λ ~ Beta(alpha, alpha)")
-    fraction: float = Field(1.0, gt=0, description="mixed images added, as a fraction of the batch")
+    fraction: float = Field(
+        1.0, gt=0, le=1, description="mixed images added, as a fraction of the batch"
+    )
     mode: Literal["set", "interpolate"] = "set"
 
 
@@ -225,28 +233,15 @@ class DegradationConfig(Section):
 
 
 # --------------------------------------------------------------------------- SSR
-class SSRConfig(Section):
-    """Self-supervised ranking auxiliary task (SPEC §6)."""
+class SSRSection(Section):
+    """Self-supervised ranking auxiliary task (SPEC §6); ``task`` holds its hyper-parameters.
+
+    ``task`` is :class:`idml.ranking.SSRConfig` (M, s, α_r, β_r, λ_r, γ_r, p_task, scheduling and
+    the graded transforms' magnitudes and strength schedule under ``task.transforms``).
+    """
 
     enabled: bool = False
-    num_levels: int = Field(4, ge=2, description="N: views T_1..T_N")
-    strength: float = Field(1.0, gt=0, description="multiplies every per-level magnitude")
-    area_step: float = Field(0.15, ge=0, description="crop keeps area 1 − area_step·n")
-    perspective_step: float = Field(0.1, ge=0)
-    jitter_step: float = Field(0.1, ge=0)
-    nested: bool = Field(False, description="nested crops around one centre")
-    images_per_batch: int = Field(20, gt=0, description="M")
-    hidden_dim: int = Field(512, gt=0)
-    dim: int = Field(128, gt=0, description="d_r")
-    scale: float = Field(12.0, gt=0, description="s")
-    margin: float = Field(0.05, description="α_r")
-    pos_threshold: float = Field(0.5, description="β_r")
-    lambda_pos: float = Field(1.0, ge=0, description="λ_r")
-    weight: float = Field(0.8, ge=0, description="γ_r: total = L_metric + γ_r·L_ranking")
-    p_task: float = Field(0.8, ge=0, le=1)
-    schedule: Literal["iteration", "epoch"] = "iteration"
-    update: Literal["joint", "alternating"] = "joint"
-    source: Literal["metric_batch", "separate"] = "metric_batch"
+    task: RankingConfig = RankingConfig()
 
 
 # --------------------------------------------------------------------------- optimisation
@@ -292,7 +287,7 @@ class Config(Section):
     loss: LossConfig = Field(default_factory=lambda: ProxyAnchorConfig(name=DEFAULT_LOSS))
     mixup: MixupConfig = MixupConfig()
     degradations: DegradationConfig = DegradationConfig()
-    ssr: SSRConfig = SSRConfig()
+    ssr: SSRSection = SSRSection()
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
     tensorboard: bool = Field(True, description="also log to TensorBoard when it is installed")
@@ -384,30 +379,34 @@ def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _valid_keys(model: type[BaseModel]) -> list[str]:
-    return sorted(model.model_fields)
+def _field_types(owner: Any) -> dict[str, Any]:
+    """Field name → annotation of a pydantic model or a stdlib dataclass (empty otherwise)."""
+    if isinstance(owner, type) and issubclass(owner, BaseModel):
+        return {name: f.annotation for name, f in owner.model_fields.items()}
+    if dataclasses.is_dataclass(owner):
+        hints = typing.get_type_hints(owner)
+        return {f.name: hints.get(f.name) for f in dataclasses.fields(owner)}
+    return {}
 
 
-def _section_model(loc: tuple[Any, ...], raw: dict[str, Any]) -> type[BaseModel]:
-    """The pydantic model that owns the field at ``loc[:-1]``."""
-    model: type[BaseModel] = Config
+def _owner_of(loc: tuple[Any, ...], raw: dict[str, Any]) -> Any:
+    """The model or dataclass that owns the key at ``loc[-1]``."""
+    owner: Any = Config
     node: Any = raw
     for part in loc[:-1]:
-        field = model.model_fields.get(str(part)) if isinstance(part, str) else None
-        if field is None:
-            # Discriminated-union tags appear in the location path (e.g. ('loss', 'triplet', 'x')).
-            if isinstance(part, str) and part in LOSS_CONFIGS:
-                model = LOSS_CONFIGS[part]
-                continue
-            break
+        if isinstance(part, str) and part in LOSS_CONFIGS:
+            owner = LOSS_CONFIGS[part]  # discriminated-union tag in the error location
+            continue
+        annotation = _field_types(owner).get(str(part))
         node = node.get(part, {}) if isinstance(node, dict) else {}
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-        elif part == "loss":
+        if part == "loss" and owner is Config:
             name = node.get("name") if isinstance(node, dict) else None
-            model = LOSS_CONFIGS.get(str(name), ProxyAnchorConfig)
-    return model
+            owner = LOSS_CONFIGS.get(str(name), LOSS_CONFIGS[DEFAULT_LOSS])
+        elif _field_types(annotation):
+            owner = annotation
+        else:
+            break
+    return owner
 
 
 def _explain(err: ValidationError, raw: dict[str, Any], source: str) -> str:
@@ -417,9 +416,8 @@ def _explain(err: ValidationError, raw: dict[str, Any], source: str) -> str:
         # Drop discriminator tags from the printed key path.
         shown = ".".join(str(p) for p in loc if not (isinstance(p, str) and p in LOSS_CONFIGS))
         kind = item["type"]
-        if kind == "extra_forbidden":
-            owner = _section_model(loc, raw)
-            valid = _valid_keys(owner)
+        if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+            valid = sorted(_field_types(_owner_of(loc, raw)))
             close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             lines.append(f"unknown key {shown!r}{hint}")

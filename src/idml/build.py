@@ -1,0 +1,283 @@
+"""From a typed :class:`~idml.config.Config` to the objects a run needs.
+
+This is the one place that maps configuration onto library classes, so the library stays free of
+config types and the trainer and CLI stay free of construction details.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from idml.augment import (
+    AugmentationPipeline,
+    GaussianBlur,
+    LowResolution,
+    Mixup,
+    Occlusion,
+    UncertaintyAugmentation,
+)
+from idml.config import Config
+from idml.data import DMLSplit, ImageDataset, build_batch_sampler, build_transforms, load_split
+from idml.embeddings import Embeddings
+from idml.losses import (
+    ContrastiveLoss,
+    FastAPLoss,
+    MarginLoss,
+    MetricLoss,
+    MultiSimilarityLoss,
+    NormalizedSoftmaxLoss,
+    PELLoss,
+    ProxyAnchorLoss,
+    ProxyNCALoss,
+    TripletLoss,
+)
+from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
+from idml.miners import DistanceWeightedMiner, MultiSimilarityMiner
+from idml.models import EmbeddingModel
+from idml.models import build_model as _build_model
+from idml.ranking import SelfSupervisedRanking
+
+# Losses whose natural metric is a similarity (ISM then takes its similarity form S_IN).
+_SIMILARITY_LOSSES = {"multi_similarity", "normalized_softmax", "proxy_anchor"}
+_OFFLINE = {"digits", "fashion_mnist"}
+
+
+# --------------------------------------------------------------------------- data
+def build_data(cfg: Config) -> DMLSplit:
+    """The class-disjoint split with the train and test pixel pipelines attached."""
+    d = cfg.data
+    train_tf = build_transforms(
+        True,
+        d.image_size,
+        d.resize_size,
+        crop_scale=d.train_crop_scale,
+        flip_probability=0.5 if d.horizontal_flip else 0.0,
+    )
+    test_tf = build_transforms(False, d.image_size, d.resize_size)
+    options: dict[str, Any] = {}
+    if d.dataset in _OFFLINE:
+        options["channels"] = 3
+        options["seed"] = cfg.seed
+        if d.samples_per_class is not None:
+            options["per_class"] = d.samples_per_class
+    elif d.samples_per_class is not None:
+        raise ValueError(
+            f"data.samples_per_class applies to the offline datasets ({sorted(_OFFLINE)}), "
+            f"not to {d.dataset!r}"
+        )
+    if d.dataset not in _OFFLINE | {"fashion_mnist"} and d.root is None:
+        raise ValueError(f"data.root must point at the {d.dataset!r} dataset folder")
+    root = d.root if d.dataset != "digits" else None
+    return load_split(d.dataset, root, train_transform=train_tf, test_transform=test_tf, **options)
+
+
+def train_loader(cfg: Config, data: DMLSplit, epoch: int, generator: torch.Generator) -> DataLoader:
+    """The epoch's loader: batches are a function of ``(seed, epoch)`` so resumed runs replay them."""
+    s = cfg.sampler
+    kind = "class_balanced" if s.kind == "balanced" else "random"
+    sampler = build_batch_sampler(
+        kind,
+        data.train.labels,
+        s.effective_batch_size,
+        images_per_class=s.images_per_class,
+        replacement=s.replacement,
+        seed=cfg.seed,
+    )
+    sampler.set_epoch(epoch)
+    workers = cfg.data.num_workers
+    return DataLoader(
+        data.train,
+        batch_sampler=sampler,
+        num_workers=workers,
+        generator=generator,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=False,
+    )
+
+
+def sample_images(dataset: Dataset, count: int, generator: torch.Generator) -> Tensor:
+    """``count`` random training images (SSR's ``source=separate``)."""
+    idx = torch.randperm(len(dataset), generator=generator)[:count]  # type: ignore[arg-type]
+    return torch.stack([dataset[int(i)][0] for i in idx])
+
+
+@torch.no_grad()
+def embed_dataset(
+    model: EmbeddingModel,
+    dataset: ImageDataset,
+    batch_size: int,
+    device: torch.device,
+    progress: bool = False,
+    num_workers: int = 0,
+) -> tuple[Embeddings, Tensor]:
+    """Semantic (and uncertainty) embeddings of a whole dataset, in dataset order."""
+    was_training = model.training
+    model.eval()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    semantic, uncertainty, labels = [], [], []
+    for images, batch_labels, _ in tqdm(loader, desc="embed", disable=not progress, leave=False):
+        emb = model(images.to(device))
+        semantic.append(emb.semantic.float().cpu())
+        if emb.uncertainty is not None:
+            uncertainty.append(emb.uncertainty.float().cpu())
+        labels.append(torch.as_tensor(batch_labels))
+    model.train(was_training)
+    unc = torch.cat(uncertainty) if uncertainty else None
+    return Embeddings(torch.cat(semantic), unc), torch.cat(labels)
+
+
+# --------------------------------------------------------------------------- model
+def build_model(cfg: Config) -> EmbeddingModel:
+    m = cfg.model
+    pel = cfg.loss.name == "pel"
+    uncertainty: bool | str = "pel" if pel else m.uncertainty.enabled
+    return _build_model(
+        backbone=m.backbone,
+        pretrained=m.pretrained,
+        embedding_dim=m.embedding_dim,
+        uncertainty=uncertainty,
+        uncertainty_dim=m.uncertainty.dim,
+        uncertainty_activation=m.uncertainty.activation,
+        uncertainty_normalize=m.uncertainty.normalize,
+        pooling=m.pooling,
+        freeze_bn=m.freeze_bn,
+        freeze_bn_affine=m.freeze_bn_affine,
+    )
+
+
+# --------------------------------------------------------------------------- metric and loss
+def build_metric(cfg: Config) -> Metric:
+    """The loss's natural metric, wrapped in ISM when ``metric.introspective`` is on."""
+    base: Metric = (
+        CosineSimilarity() if cfg.loss.name in _SIMILARITY_LOSSES else EuclideanDistance()
+    )
+    if not cfg.metric.introspective:
+        if cfg.loss.name in ("proxy_nca", "fastap"):
+            return EuclideanDistance(power=2)
+        return base
+    mc = cfg.metric
+    return IntrospectiveMetric(
+        base,
+        gamma=mc.gamma,
+        tau=mc.tau,
+        power=mc.power,
+        variant=mc.variant,
+        delta_normalized=mc.delta_normalized,
+    )
+
+
+def build_loss(cfg: Config, num_classes: int) -> MetricLoss:
+    """The configured loss on the configured metric (proxies sized to the training classes)."""
+    lc = cfg.loss
+    metric = build_metric(cfg)
+    dim = cfg.model.embedding_dim
+    proxy_u = None
+    if cfg.metric.introspective and cfg.metric.proxy_uncertainty:
+        proxy_u = cfg.model.uncertainty.dim or dim
+    match lc.name:
+        case "contrastive":
+            return ContrastiveLoss(metric, pos_margin=lc.pos_margin, neg_margin=lc.neg_margin)
+        case "margin":
+            miner = DistanceWeightedMiner(
+                cutoff=lc.cutoff, nonzero_loss_cutoff=lc.nonzero_loss_cutoff
+            )
+            return MarginLoss(
+                metric,
+                margin=lc.margin,
+                boundary=lc.boundary,
+                learn_boundary=lc.learn_boundary,
+                num_classes=num_classes if lc.learn_boundary else None,
+                miner=miner,
+            )
+        case "triplet":
+            return TripletLoss(metric, margin=lc.margin)
+        case "multi_similarity":
+            return MultiSimilarityLoss(
+                metric,
+                alpha=lc.alpha,
+                beta=lc.beta,
+                base=lc.base,
+                miner=MultiSimilarityMiner(epsilon=lc.epsilon),
+            )
+        case "normalized_softmax":
+            return NormalizedSoftmaxLoss(
+                num_classes, dim, metric, temperature=lc.temperature, proxy_uncertainty_dim=proxy_u
+            )
+        case "proxy_nca":
+            return ProxyNCALoss(
+                num_classes, dim, metric, scale=lc.scale, proxy_uncertainty_dim=proxy_u
+            )
+        case "proxy_anchor":
+            return ProxyAnchorLoss(
+                num_classes,
+                dim,
+                metric,
+                alpha=lc.alpha,
+                margin=lc.margin,
+                proxy_uncertainty_dim=proxy_u,
+            )
+        case "fastap":
+            return FastAPLoss(metric, num_bins=lc.num_bins)
+        case "pel":
+            return PELLoss(num_samples=lc.num_samples, kl_weight=lc.kl_weight)
+    raise AssertionError(f"unhandled loss {lc.name}")  # the config schema lists every name
+
+
+# --------------------------------------------------------------------------- augmentations and SSR
+def build_augmentations(cfg: Config) -> AugmentationPipeline:
+    steps: list[UncertaintyAugmentation] = []
+    dg = cfg.degradations
+    if dg.low_resolution_fraction > 0:
+        steps.append(
+            LowResolution(fraction=dg.low_resolution_fraction, factor=dg.low_resolution_factor)
+        )
+    if dg.blur_fraction > 0:
+        steps.append(GaussianBlur(fraction=dg.blur_fraction, sigma=dg.blur_sigma))
+    if dg.occlusion_fraction > 0:
+        steps.append(Occlusion(fraction=dg.occlusion_fraction, area=dg.occlusion_area))
+    if cfg.mixup.enabled:
+        # Mixup last: degradations act on originals, and mixed rows are the appended ones.
+        steps.append(Mixup(alpha=cfg.mixup.alpha, fraction=cfg.mixup.fraction, mode=cfg.mixup.mode))
+    return AugmentationPipeline(tuple(steps))
+
+
+def build_ssr(cfg: Config, feature_dim: int) -> SelfSupervisedRanking | None:
+    if not cfg.ssr.enabled:
+        return None
+    return SelfSupervisedRanking(feature_dim, cfg.ssr.task)
+
+
+def iter_parameters(*modules: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    for module in modules:
+        yield from module.parameters()
+
+
+# --------------------------------------------------------------------------- evaluation
+def evaluate(
+    cfg: Config,
+    embeddings: Embeddings,
+    labels: Tensor,
+    device: torch.device,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Test-set retrieval metrics of SPEC §9 (ISM at test time only when ``eval.introspective``)."""
+    from idml.evaluation import evaluate_embeddings
+
+    ism = build_metric(cfg) if cfg.eval.introspective and cfg.metric.introspective else None
+    report = evaluate_embeddings(
+        embeddings.semantic,
+        labels,
+        ks=tuple(cfg.eval.ks),
+        uncertainty=embeddings.uncertainty,
+        introspective_metric=ism,
+        device=device,
+        nmi=cfg.eval.nmi,
+        progress=progress,
+    )
+    return dict(report.metrics)

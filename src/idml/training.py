@@ -1,0 +1,460 @@
+"""The trainer: composes data, model, augmentations, metric, loss, SSR and evaluation into a run.
+
+A run folder holds ``config.yaml`` (every resolved default), ``metrics.jsonl`` (one line per epoch:
+losses, metrics, learning rates, mean ``||u||`` of original and of mixed images), ``checkpoints/``
+(atomic, one per epoch, plus ``latest``/``best`` pointers) and TensorBoard events when installed.
+
+Determinism: every epoch reseeds its own generators from ``(seed, epoch)``, so a run resumed from the
+checkpoint of epoch ``e`` replays epochs ``e+1..`` exactly as an uninterrupted run would (on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from idml import build
+from idml.augment import AugmentedBatch
+from idml.checkpoint import (
+    load_model_weights,
+    load_training_state,
+    mark_best,
+    read_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from idml.config import Config, config_to_dict, dump_config
+from idml.embeddings import Embeddings
+
+
+@dataclass
+class EpochRecord:
+    """What one epoch logs (one line of ``metrics.jsonl``)."""
+
+    epoch: int
+    losses: dict[str, float]
+    lr: dict[str, float]
+    uncertainty: dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    steps: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "steps": self.steps,
+            "seconds": round(self.seconds, 3),
+            **{f"loss/{k}": v for k, v in self.losses.items()},
+            **{f"lr/{k}": v for k, v in self.lr.items()},
+            **{f"uncertainty/{k}": v for k, v in self.uncertainty.items()},
+            **{f"test/{k}": v for k, v in self.metrics.items()},
+        }
+
+
+@dataclass
+class TrainResult:
+    """Outcome of :meth:`Trainer.fit`."""
+
+    run_dir: Path
+    final_metrics: dict[str, float]
+    best_metrics: dict[str, float]
+    best_epoch: int
+    history: list[dict[str, Any]]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available; use device=cpu or auto")
+    return device
+
+
+class Trainer:
+    """Train and evaluate one configured run.
+
+    Example:
+        >>> from idml.config import load_config
+        >>> cfg = load_config("configs/demo/digits_baseline.yaml", ["optim.epochs=1"])  # doctest: +SKIP
+        >>> Trainer(cfg, Path("runs/demo")).fit()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        progress: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.device = device or resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        self.data = build.build_data(cfg)
+        self.model = build.build_model(cfg).to(self.device)
+        self.loss = build.build_loss(cfg, self.data.num_train_classes).to(self.device)
+        self.ssr = build.build_ssr(cfg, self.model.feature_dim)
+        if self.ssr is not None:
+            self.ssr = self.ssr.to(self.device)
+        self.augment = build.build_augmentations(cfg)
+        self.optimizer, self.ranking_optimizer = self._optimizers()
+        self.scheduler = self._scheduler(self.optimizer)
+        self.amp = cfg.optim.amp and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
+        self.start_epoch = 0
+        self.best_value = -math.inf
+        self.best_epoch = -1
+        self.best_metrics: dict[str, float] = {}
+        self.history: list[dict[str, Any]] = []
+        self._tb: Any = None
+
+    # ------------------------------------------------------------------ set-up
+    def _optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
+        o = self.cfg.optim
+        groups = [
+            {
+                "params": list(self.model.backbone_parameters()),
+                "lr": o.lr * o.backbone_lr_mult,
+                "name": "backbone",
+            },
+            {
+                "params": list(self.model.head_parameters()),
+                "lr": o.lr * o.head_lr_mult,
+                "name": "heads",
+            },
+        ]
+        proxies = [
+            p
+            for n, p in self.loss.named_parameters()
+            if n.startswith("proxies") or n.startswith("proxy_")
+        ]
+        others = [
+            p
+            for n, p in self.loss.named_parameters()
+            if not (n.startswith("proxies") or n.startswith("proxy_"))
+        ]
+        if proxies:
+            groups.append({"params": proxies, "lr": o.lr * o.proxy_lr_mult, "name": "proxies"})
+        if others:
+            groups.append({"params": others, "lr": o.lr * o.head_lr_mult, "name": "loss"})
+        ranking_opt = None
+        if self.ssr is not None:
+            ranking = {
+                "params": list(self.ssr.parameters()),
+                "lr": o.lr * o.head_lr_mult,
+                "name": "ranking",
+            }
+            if self.cfg.ssr.task.update == "alternating":
+                ranking_opt = torch.optim.AdamW([ranking], lr=o.lr, weight_decay=o.weight_decay)
+            else:
+                groups.append(ranking)
+        groups = [g for g in groups if g["params"]]
+        return torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay), ranking_opt
+
+    def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        o = self.cfg.optim
+        if o.scheduler == "step":
+            return torch.optim.lr_scheduler.StepLR(opt, step_size=o.step_size, gamma=o.step_gamma)
+        if o.scheduler == "cosine":
+            return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=o.epochs)
+        return None
+
+    def _training_modules(self) -> dict[str, nn.Module]:
+        modules: dict[str, nn.Module] = {"loss": self.loss}
+        if self.ssr is not None:
+            modules["ssr"] = self.ssr
+        return modules
+
+    def _optimizer_map(self) -> dict[str, torch.optim.Optimizer]:
+        opts = {"optim_main": self.optimizer}
+        if self.ranking_optimizer is not None:
+            opts["optim_ranking"] = self.ranking_optimizer
+        return opts
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> None:
+        """Continue from the run folder's latest checkpoint (exactly, for a fixed seed on CPU)."""
+        ckpt = resolve_checkpoint(self.run_dir)
+        saved = read_state(ckpt)
+        if saved.get("config") != config_to_dict(self.cfg):
+            diff = _config_diff(saved.get("config", {}), config_to_dict(self.cfg))
+            raise ValueError(
+                f"cannot resume {self.run_dir}: its config differs from the one given ({diff}); "
+                "resume with the run's own config.yaml or start a new --out folder"
+            )
+        load_model_weights(ckpt, self.model)
+        state = load_training_state(ckpt, self._training_modules(), self._optimizer_map())
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.start_epoch = int(state["epoch"]) + 1
+        self.best_value = float(state.get("best_value", -math.inf))
+        self.best_epoch = int(state.get("best_epoch", -1))
+        self.best_metrics = dict(state.get("best_metrics", {}))
+        self.history = [
+            json.loads(line) for line in self._log_path.read_text().splitlines() if line
+        ][: self.start_epoch]
+        self._log_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+
+    # ------------------------------------------------------------------ main loop
+    @property
+    def _log_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def fit(self, resume: bool = False) -> TrainResult:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self.resume()
+        else:
+            self._log_path.write_text("")
+        dump_config(self.cfg, self.run_dir / "config.yaml")
+        self._open_tensorboard()
+        epochs = self.cfg.optim.epochs
+        metrics: dict[str, float] = {}
+        for epoch in range(self.start_epoch, epochs):
+            record = self.train_epoch(epoch)
+            last = epoch == epochs - 1
+            if (epoch + 1) % self.cfg.eval.every == 0 or last:
+                record.metrics = self.evaluate()
+                metrics = record.metrics
+                self._track_best(epoch, metrics)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self._log(record)
+            self._checkpoint(epoch)
+        if self._tb is not None:
+            self._tb.close()
+        if not metrics and self.history:
+            metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
+        return TrainResult(self.run_dir, metrics, self.best_metrics, self.best_epoch, self.history)
+
+    def _generator(self, epoch: int, stream: int) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(self.cfg.seed * 1_000_003 + epoch * 101 + stream)
+        return g
+
+    def train_epoch(self, epoch: int) -> EpochRecord:
+        cfg = self.cfg
+        self.model.train()
+        self.loss.train()
+        warm = epoch < cfg.optim.warmup_epochs
+        for p in self.model.backbone_parameters():
+            p.requires_grad_(not warm)
+        torch.manual_seed(cfg.seed * 7919 + epoch)
+        loader = build.train_loader(cfg, self.data, epoch, self._generator(epoch, 0))
+        aug_gen = self._generator(epoch, 1)
+        ssr_gen = self._generator(epoch, 2)
+        gate = self.ssr.make_gate(ssr_gen) if self.ssr is not None else None
+        if gate is not None:
+            gate.new_epoch()
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        start = time.perf_counter()
+        steps = 0
+        limit = cfg.optim.max_steps_per_epoch
+        total = len(loader) if limit is None else min(limit, len(loader))
+        bar = tqdm(
+            total=total,
+            desc=f"epoch {epoch + 1}/{cfg.optim.epochs}",
+            disable=not self.progress,
+            leave=False,
+        )
+        for images, labels, _ in loader:
+            if limit is not None and steps >= limit:
+                break
+            images = images.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            ssr_on = gate() if gate is not None else False
+            parts = self.train_step(images, labels, aug_gen, ssr_gen, ssr_on)
+            for k, v in parts.items():
+                sums[k] += v
+                counts[k] += 1
+            steps += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{parts['total']:.4f}")
+        bar.close()
+        means = {k: sums[k] / counts[k] for k in sums}
+        losses = {k: v for k, v in means.items() if not k.startswith("u_")}
+        unc = {k[2:]: v for k, v in means.items() if k.startswith("u_")}
+        lr = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
+        return EpochRecord(epoch, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps)
+
+    def train_step(
+        self,
+        images: Tensor,
+        labels: Tensor,
+        aug_gen: torch.Generator,
+        ssr_gen: torch.Generator,
+        ssr_on: bool,
+    ) -> dict[str, float]:
+        """One optimisation step; returns the loss parts and uncertainty levels for logging."""
+        batch = self.augment(images, labels, aug_gen)
+        with torch.autocast(self.device.type, enabled=self.amp):
+            emb = self.model(batch.images)
+            emb = Embeddings(
+                emb.semantic.float(), None if emb.uncertainty is None else emb.uncertainty.float()
+            )
+            metric_loss = self._metric_loss(emb, batch)
+        parts: dict[str, float] = {"metric": float(metric_loss.detach())}
+        total = metric_loss
+        joint = self.ranking_optimizer is None
+        if ssr_on and joint and self.ssr is not None:
+            total = total + self.ssr.weight * self._ranking_loss(images, ssr_gen, parts)
+        parts["total"] = float(total.detach())
+        if not math.isfinite(parts["total"]):
+            raise FloatingPointError(
+                f"non-finite loss {parts} at this step; lower optim.lr, enable optim.grad_clip or "
+                "check the data"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ranking_optimizer is not None:
+            self.ranking_optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(total).backward()
+        self._clip_and_step(self.optimizer)
+        if ssr_on and not joint and self.ssr is not None:
+            # Alternating (SSR Alg. 1): after the metric step, a second forward, backward and step
+            # on γ_r·L_ranking alone (it must see the updated weights, so it cannot reuse a graph).
+            self.optimizer.zero_grad(set_to_none=True)
+            self.ranking_optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+            ranking = self._ranking_loss(images, ssr_gen, parts)
+            self.scaler.scale(self.ssr.weight * ranking).backward()
+            self._clip_and_step(self.optimizer)
+            self._clip_and_step(self.ranking_optimizer)  # type: ignore[arg-type]
+        if emb.uncertainty is not None:
+            level = emb.uncertainty.detach().norm(dim=1)
+            parts["u_original"] = (
+                float(level[~batch.mixed].mean()) if (~batch.mixed).any() else math.nan
+            )
+            if batch.mixed.any():
+                parts["u_mixed"] = float(level[batch.mixed].mean())
+            if batch.degraded is not None and batch.degraded.any():
+                parts["u_degraded"] = float(level[batch.degraded].mean())
+        return {k: v for k, v in parts.items() if not (isinstance(v, float) and math.isnan(v))}
+
+    def _metric_loss(self, emb: Embeddings, batch: AugmentedBatch) -> Tensor:
+        if not self.cfg.metric.introspective and self.cfg.loss.name != "pel":
+            # The uncertainty head may exist (e.g. for logging) but the plain metric ignores it.
+            emb = Embeddings(emb.semantic)
+        return batch.loss(self.loss, emb)
+
+    def _ranking_loss(
+        self, images: Tensor, gen: torch.Generator, parts: dict[str, float]
+    ) -> Tensor:
+        """SSR's L_ranking on M images from the metric batch or sampled separately."""
+        assert self.ssr is not None
+        task = self.cfg.ssr.task
+        if task.source == "metric_batch":
+            chosen = self.ssr.select_images(images, gen)
+        else:
+            chosen = build.sample_images(self.data.train, task.num_images, gen).to(self.device)
+        with torch.autocast(self.device.type, enabled=self.amp):
+            out = self.ssr.loss(self.model.features, chosen, generator=gen)
+        parts["ranking"] = float(out.loss.detach())
+        parts["ranking_sort"] = float(out.sort.detach())
+        parts["ranking_pos"] = float(out.pos.detach())
+        return out.loss.float()
+
+    def _clip_and_step(
+        self, opt: torch.optim.Optimizer, *also_unscaled: torch.optim.Optimizer
+    ) -> None:
+        self.scaler.unscale_(opt)
+        if self.cfg.optim.grad_clip is not None:
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+        self.scaler.step(opt)
+        self.scaler.update()
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def embed_test(self) -> tuple[Embeddings, Tensor]:
+        return build.embed_dataset(
+            self.model, self.data.test, self.cfg.eval.batch_size, self.device, self.progress
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        emb, labels = self.embed_test()
+        report = build.evaluate(self.cfg, emb, labels, self.device, progress=self.progress)
+        return report
+
+    def _track_best(self, epoch: int, metrics: dict[str, float]) -> None:
+        key = self.cfg.eval.select
+        if key not in metrics:
+            raise ValueError(f"eval.select={key!r} is not among the metrics {sorted(metrics)}")
+        if metrics[key] > self.best_value:
+            self.best_value = metrics[key]
+            self.best_epoch = epoch
+            self.best_metrics = dict(metrics)
+
+    # ------------------------------------------------------------------ logging and checkpoints
+    def _log(self, record: EpochRecord) -> None:
+        line = record.to_json()
+        self.history.append(line)
+        with open(self._log_path, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+        if self._tb is not None:
+            for key, value in line.items():
+                if isinstance(value, (int, float)) and key != "epoch":
+                    self._tb.add_scalar(key, value, record.epoch)
+
+    def _open_tensorboard(self) -> None:
+        if not self.cfg.tensorboard:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            return
+        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def _checkpoint(self, epoch: int) -> None:
+        name = f"epoch_{epoch:04d}"
+        state = {
+            "epoch": epoch,
+            "config": config_to_dict(self.cfg),
+            "num_train_classes": self.data.num_train_classes,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.amp else None,
+            "best_value": self.best_value,
+            "best_epoch": self.best_epoch,
+            "best_metrics": self.best_metrics,
+            "metrics": self.history[-1] if self.history else {},
+        }
+        save_checkpoint(
+            self.run_dir, name, self.model, self._training_modules(), self._optimizer_map(), state
+        )
+        if self.best_epoch == epoch:
+            mark_best(self.run_dir, name)
+        _prune(self.run_dir / "checkpoints", keep={name, f"epoch_{self.best_epoch:04d}"})
+
+
+def _prune(root: Path, keep: set[str]) -> None:
+    """Keep the latest and the best epoch; older epochs would only fill the disk."""
+    import shutil
+
+    for path in root.glob("epoch_*"):
+        if path.is_dir() and path.name not in keep:
+            shutil.rmtree(path)
+
+
+def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            inner = _config_diff(va, vb, prefix + key + ".")
+            if inner:
+                diffs.append(inner)
+        elif va != vb:
+            diffs.append(f"{prefix}{key}: {va!r} -> {vb!r}")
+    return "; ".join(diffs[:5])
