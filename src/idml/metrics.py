@@ -243,13 +243,19 @@ class IntrospectiveMetric(Metric):
             if self.is_similarity:
                 return torch.where(keep, plain, torch.ones_like(plain))
             return torch.where(keep, plain, torch.zeros_like(plain))
-        factor = torch.exp(-self.relative_uncertainty(alpha, beta))
+        y = self.relative_uncertainty(alpha, beta)
+        if self.variant is ISMVariant.SOFT and not self.is_similarity:
+            return plain * torch.exp(-y)
+        # The other forms are written as plain value + shift with expm1 (e^{−y} − 1, exactly 0 at
+        # y = 0), so γ = 0 and u = 0 give the plain metric bit for bit: `1 − (1 − C)·1` is not C
+        # in floating point.
+        shrink = torch.expm1(-y)
         if self.variant is ISMVariant.SOFT:
-            return 1 - (1 - plain) * factor if self.is_similarity else plain * factor
+            return plain - (1 - plain) * shrink
         # DISSIMILAR: mirror image, uncertainty pushes toward minimal similarity / maximal distance.
         if self.is_similarity:
-            return -1 + (1 + plain) * factor
-        return self.d_max - (self.d_max - plain) * factor
+            return plain + (1 + plain) * shrink
+        return plain - (self.d_max - plain) * shrink
 
     def _alpha(self, x: Tensor, y: Tensor, plain: Tensor) -> Tensor:
         if not self.is_similarity:
