@@ -1,0 +1,332 @@
+"""Plain metrics and the introspective similarity metric (ISM, IDML eq. 5–7, SPEC §3)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from idml.metrics import (
+    CosineSimilarity,
+    EuclideanDistance,
+    IntrospectiveMetric,
+    ISMVariant,
+    Metric,
+)
+
+F64 = torch.float64
+SQRT2 = math.sqrt(2.0)
+
+
+def rand(*shape: int, seed: int = 0, scale: float = 1.0) -> Tensor:
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def ism(base: str, **kwargs: object) -> IntrospectiveMetric:
+    plain: Metric = EuclideanDistance() if base == "distance" else CosineSimilarity()
+    return IntrospectiveMetric(plain, **kwargs)  # type: ignore[arg-type]
+
+
+ALL_CONFIGS = [
+    {"base": base, "power": power, "variant": variant, "gamma": gamma}
+    for base in ("distance", "similarity")
+    for power in (1, 2)
+    for variant in ("soft", "strict", "dissimilar")
+    for gamma in (0.0, 2.0)
+]
+
+
+def config_id(cfg: dict) -> str:
+    return f"{cfg['base']}-p{cfg['power']}-{cfg['variant']}-g{cfg['gamma']}"
+
+
+def build(cfg: dict) -> IntrospectiveMetric:
+    return ism(cfg["base"], gamma=cfg["gamma"], power=cfg["power"], variant=cfg["variant"])
+
+
+# ------------------------------------------------------------------------------ plain metrics
+def test_euclidean_matches_cdist_on_normalised_embeddings() -> None:
+    x, y = rand(6, 5, seed=1), rand(4, 5, seed=2)
+    expected = torch.cdist(F.normalize(x, dim=1), F.normalize(y, dim=1))
+    torch.testing.assert_close(EuclideanDistance()(x, y), expected)
+    torch.testing.assert_close(EuclideanDistance(power=2)(x, y), expected.pow(2))
+    torch.testing.assert_close(EuclideanDistance(normalize=False)(x, y), torch.cdist(x, y))
+
+
+def test_cosine_matches_torch() -> None:
+    x, y = rand(6, 5, seed=1), rand(4, 5, seed=2)
+    expected = F.cosine_similarity(x[:, None, :], y[None, :, :], dim=2)
+    torch.testing.assert_close(CosineSimilarity()(x, y), expected)
+    assert CosineSimilarity.is_similarity and not EuclideanDistance.is_similarity
+
+
+@pytest.mark.parametrize("metric", [EuclideanDistance(), CosineSimilarity()], ids=["l2", "cos"])
+def test_plain_pairwise_and_paired_agree(metric: Metric) -> None:
+    x, y = rand(7, 5, seed=3), rand(7, 5, seed=4)
+    torch.testing.assert_close(metric.paired(x, y), torch.diagonal(metric(x, y)))
+
+
+def test_plain_distance_gradient_is_finite_at_zero_distance() -> None:
+    x = rand(4, 3, seed=5)
+    x = torch.cat([x, x[:1]]).requires_grad_(True)  # a duplicate row
+    EuclideanDistance()(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+# ------------------------------------------------------------------------------ dD/dα
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 3.0])
+@pytest.mark.parametrize("tau", [1.0, 5.0])
+def test_derivative_in_alpha_is_g_of_y(gamma: float, tau: float) -> None:
+    """dD_IN/dα = e^{−y}(1 + y), y = (β + γ)/(τα) (SPEC §3), by autograd with α a leaf."""
+    metric = ism("distance", gamma=gamma, tau=tau)
+    alpha = torch.tensor([0.05, 0.3, 0.9, 1.4, 1.99], dtype=F64).repeat(4).requires_grad_(True)
+    beta = torch.tensor([0.0, 0.2, 1.0, 4.0], dtype=F64).repeat_interleave(5)
+    d = metric.weaken(alpha, alpha, beta)
+    (grad,) = torch.autograd.grad(d.sum(), alpha)
+    y = (beta + gamma) / (tau * alpha.detach())
+    torch.testing.assert_close(grad, torch.exp(-y) * (1 + y), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(d.detach(), alpha.detach() * torch.exp(-y), rtol=1e-12, atol=0)
+    assert (grad > 0).all() and (grad <= 1).all()
+    certain = (beta + gamma) == 0
+    assert (grad[certain] == 1).all() and (grad[~certain] < 1).all()
+
+
+def test_derivative_in_alpha_with_power_two() -> None:
+    """Power 2: y = (β² + γ)/(τα²), so dD/dα = e^{−y}(1 + 2y)."""
+    metric = ism("distance", gamma=0.4, tau=5.0, power=2)
+    alpha = torch.tensor([0.2, 0.7, 1.3], dtype=F64, requires_grad=True)
+    beta = torch.tensor([0.5, 0.1, 2.0], dtype=F64)
+    (grad,) = torch.autograd.grad(metric.weaken(alpha, alpha, beta).sum(), alpha)
+    y = (beta**2 + 0.4) / (5.0 * alpha.detach() ** 2)
+    torch.testing.assert_close(grad, torch.exp(-y) * (1 + 2 * y), rtol=1e-12, atol=0)
+
+
+def test_gradient_shrinks_as_uncertainty_grows() -> None:
+    metric = ism("distance", gamma=0.0)
+    alpha = torch.full((6,), 0.8, dtype=F64, requires_grad=True)
+    beta = torch.tensor([0.0, 0.1, 0.5, 1.0, 3.0, 10.0], dtype=F64)
+    (grad,) = torch.autograd.grad(metric.weaken(alpha, alpha, beta).sum(), alpha)
+    assert (grad.diff() < 0).all()
+
+
+# ------------------------------------------------------------------------------ reduction
+@pytest.mark.parametrize("base", ["distance", "similarity"])
+@pytest.mark.parametrize("variant", ["soft", "dissimilar"])
+def test_zero_bias_and_zero_uncertainty_is_exactly_the_plain_metric(
+    base: str, variant: str
+) -> None:
+    for dtype in (torch.float32, F64):
+        x, y = rand(9, 6, seed=6).to(dtype), rand(5, 6, seed=7).to(dtype)
+        metric = ism(base, gamma=0.0, variant=variant)
+        plain = metric.base
+        assert torch.equal(metric(x), plain(x))
+        assert torch.equal(metric(x, ux=torch.zeros(9, 3, dtype=dtype)), plain(x))
+        assert torch.equal(
+            metric(x, y, torch.zeros(9, 3, dtype=dtype), torch.zeros(5, 3, dtype=dtype)),
+            plain(x, y),
+        )
+        assert torch.equal(metric(x, y), plain(x, y))  # proxies: no uncertainty on either side
+        zeros = torch.zeros(5, 3, dtype=dtype)
+        assert torch.equal(metric.paired(x[:5], y, zeros, zeros), plain.paired(x[:5], y))
+
+
+# ------------------------------------------------------------------------------ β = ||u_i + u_j||
+def test_beta_adds_uncertainty_vectors_before_the_norm() -> None:
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=F64)
+    opposite = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=F64)  # ||u_i + u_j|| = 0, norms sum 2
+    aligned = torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=F64)  # ||u_i + u_j|| = 2
+    metric = ism("distance", gamma=0.0, tau=5.0)
+    assert metric(x, ux=opposite)[0, 1].item() == pytest.approx(SQRT2, rel=1e-12)
+    assert metric(x, ux=aligned)[0, 1].item() == pytest.approx(
+        SQRT2 * math.exp(-2.0 / (5.0 * SQRT2)), rel=1e-12
+    )
+    # Same with a separate reference side, and row-aligned.
+    assert metric(x[:1], x[1:], opposite[:1], opposite[1:]).item() == pytest.approx(SQRT2)
+    assert metric.paired(x[:1], x[1:], opposite[:1], opposite[1:]).item() == pytest.approx(SQRT2)
+
+
+def test_one_sided_uncertainty_uses_that_side_only() -> None:
+    x, p = rand(3, 4, seed=8), rand(2, 4, seed=9)
+    ux = rand(3, 5, seed=10)
+    metric = ism("similarity", gamma=0.0)
+    alpha = torch.cdist(F.normalize(x, dim=1), F.normalize(p, dim=1))
+    cos = F.normalize(x, dim=1) @ F.normalize(p, dim=1).T
+    beta = ux.norm(dim=1, keepdim=True)
+    expected = 1 - (1 - cos) * torch.exp(-beta / (5.0 * alpha))
+    torch.testing.assert_close(metric(x, p, ux, None), expected, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ monotonicity
+@pytest.mark.parametrize("base", ["distance", "similarity"])
+def test_value_moves_toward_alike_as_joint_uncertainty_grows(base: str) -> None:
+    x = rand(2, 6, seed=11)
+    direction = rand(2, 4, seed=12)
+    metric = ism(base, gamma=0.0)
+    values = torch.stack(
+        [metric(x, ux=t * direction)[0, 1] for t in (0.0, 0.1, 0.5, 1.0, 2.0, 5.0)]
+    )
+    if base == "distance":
+        assert (values.diff() < 0).all() and (values > 0).all()
+    else:
+        assert (values.diff() > 0).all() and (values < 1).all()
+
+
+# ------------------------------------------------------------------------------ α = 0
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=config_id)
+def test_finite_value_and_gradient_at_zero_distance(cfg: dict) -> None:
+    base = rand(5, 6, seed=13)
+    sem = torch.cat([base, base[:2]]).requires_grad_(True)  # rows 5, 6 duplicate rows 0, 1
+    unc = rand(7, 4, seed=14).requires_grad_(True)
+    metric = build(cfg)
+    for value in (metric(sem, ux=unc), metric.paired(sem[:2], sem[5:], unc[:2], unc[5:])):
+        assert torch.isfinite(value).all()
+        grads = torch.autograd.grad(value.sum(), [sem, unc], allow_unused=True)
+        assert all(g is None or torch.isfinite(g).all() for g in grads)
+    matrix = metric(sem, ux=unc).detach()
+    if cfg["variant"] == "soft":  # D → 0 and S → 1 as α → 0 (SPEC §3)
+        target = 1.0 if cfg["base"] == "similarity" else 0.0
+        assert torch.diagonal(matrix).sub(target).abs().max() < 1e-6
+        assert (matrix[0, 5] - target).abs() < 1e-6
+
+
+def test_finite_gradient_at_zero_distance_without_any_uncertainty() -> None:
+    x = rand(3, 4, seed=15)
+    sem = torch.cat([x, x]).requires_grad_(True)
+    for base in ("distance", "similarity"):
+        (grad,) = torch.autograd.grad(ism(base, gamma=0.0)(sem).sum(), sem)
+        assert torch.isfinite(grad).all()
+
+
+# ------------------------------------------------------------------------------ bounds
+@pytest.mark.parametrize("gamma", [0.0, 3.0])
+def test_similarity_form_never_exceeds_one(gamma: float) -> None:
+    x = rand(40, 8, seed=16)
+    x[1] = x[0] * 3.0  # cosine exactly 1 up to rounding
+    for scale in (0.01, 1.0, 100.0):
+        s = ism("similarity", gamma=gamma)(x, ux=rand(40, 8, seed=17, scale=scale))
+        c = CosineSimilarity()(x)
+        assert (s <= 1).all()
+        assert (s >= c - 1e-12).all()  # uncertainty only pulls toward 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    alpha=st.floats(1e-4, 2.0),
+    beta=st.floats(0.0, 50.0),
+    gamma=st.floats(0.0, 5.0),
+    tau=st.floats(0.05, 20.0),
+    cosine=st.floats(-1.0, 1.0),
+)
+def test_ism_bounds_property(
+    alpha: float, beta: float, gamma: float, tau: float, cosine: float
+) -> None:
+    a = torch.tensor([alpha], dtype=F64, requires_grad=True)
+    b = torch.tensor([beta], dtype=F64)
+    dist = ism("distance", gamma=gamma, tau=tau)
+    d = dist.weaken(a, a, b)
+    (g,) = torch.autograd.grad(d.sum(), a)
+    assert 0.0 <= d.item() <= alpha
+    assert 0.0 <= g.item() <= 1.0
+    c = torch.tensor([cosine], dtype=F64)
+    s = ism("similarity", gamma=gamma, tau=tau).weaken(c, torch.tensor([alpha], dtype=F64), b)
+    assert cosine - 1e-15 <= s.item() <= 1.0
+    s_dis = ism("similarity", gamma=gamma, tau=tau, variant="dissimilar").weaken(
+        c, torch.tensor([alpha], dtype=F64), b
+    )
+    assert -1.0 <= s_dis.item() <= cosine + 1e-15
+
+
+# ------------------------------------------------------------------------------ hand cases
+# x_i = e1, x_j = e2 (α = √2, C = 0); u_i = (0.3, 0), u_j = (0, 0.4): β = 0.5 (not 0.7).
+HAND_X = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=F64)
+HAND_U = torch.tensor([[0.3, 0.0], [0.0, 0.4]], dtype=F64)
+Y1 = (0.5 + 0.1) / (5.0 * SQRT2)  # power 1, γ = 0.1, τ = 5
+Y2 = (0.25 + 0.1) / (5.0 * 2.0)  # power 2
+
+
+@pytest.mark.parametrize(
+    ("base", "kwargs", "expected"),
+    [
+        ("distance", {"power": 1}, SQRT2 * math.exp(-Y1)),
+        ("distance", {"power": 2}, SQRT2 * math.exp(-Y2)),
+        ("similarity", {"power": 1}, 1 - math.exp(-Y1)),
+        ("similarity", {"power": 2}, 1 - math.exp(-Y2)),
+        ("distance", {"variant": "dissimilar"}, 2 - (2 - SQRT2) * math.exp(-Y1)),
+        ("similarity", {"variant": "dissimilar"}, -1 + math.exp(-Y1)),
+        # strict: α − β − γ = 1.414 − 0.6 > 0 keeps the plain value ...
+        ("distance", {"variant": "strict"}, SQRT2),
+        ("similarity", {"variant": "strict"}, 0.0),
+        # ... and with power 2 α² − β² − γ = 2 − 0.25 − 0.1 > 0 as well.
+        ("distance", {"variant": "strict", "power": 2}, SQRT2),
+    ],
+)
+def test_hand_computed_variants(base: str, kwargs: dict, expected: float) -> None:
+    metric = ism(base, gamma=0.1, tau=5.0, **kwargs)
+    assert metric(HAND_X, ux=HAND_U)[0, 1].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert metric.paired(HAND_X[:1], HAND_X[1:], HAND_U[:1], HAND_U[1:]).item() == pytest.approx(
+        expected, rel=1e-12, abs=1e-15
+    )
+
+
+def test_strict_variant_drops_pairs_inside_the_uncertainty() -> None:
+    # γ = 1: α − β − γ = 1.414 − 1.5 < 0, so the pair counts as identical (D = 0, S = 1).
+    assert ism("distance", gamma=1.0, variant="strict")(HAND_X, ux=HAND_U)[0, 1].item() == 0.0
+    assert ism("similarity", gamma=1.0, variant="strict")(HAND_X, ux=HAND_U)[0, 1].item() == 1.0
+    # power 2: α² − β² − γ = 2 − 0.25 − 1.8 < 0 while power 1 keeps it (1.414 − 0.5 − 1.8 < 0 too).
+    assert ism("distance", gamma=1.8, variant="strict", power=2)(HAND_X, ux=HAND_U)[0, 1] == 0.0
+    assert ism("distance", gamma=1.7, variant="strict", power=2)(HAND_X, ux=HAND_U)[
+        0, 1
+    ].item() == pytest.approx(SQRT2)
+
+
+def test_similarity_delta_on_raw_vectors_when_not_normalised() -> None:
+    x = torch.tensor([[2.0, 0.0]], dtype=F64)
+    p = torch.tensor([[0.0, 3.0]], dtype=F64)
+    u = torch.tensor([[0.5, 0.0]], dtype=F64)
+    metric = ism("similarity", gamma=0.0, tau=5.0, delta_normalized=False)
+    expected = 1 - math.exp(-0.5 / (5.0 * math.sqrt(13.0)))  # δ = ||(2, −3)||, C = 0
+    assert metric(x, p, u, None).item() == pytest.approx(expected, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------ paired vs pairwise
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=config_id)
+def test_pairwise_and_paired_agree(cfg: dict) -> None:
+    x, y = rand(8, 6, seed=18), rand(8, 6, seed=19)
+    ux, uy = rand(8, 3, seed=20), rand(8, 3, seed=21)
+    metric = build(cfg)
+    torch.testing.assert_close(
+        metric.paired(x, y, ux, uy), torch.diagonal(metric(x, y, ux, uy)), rtol=1e-9, atol=1e-12
+    )
+    torch.testing.assert_close(
+        metric.paired(x, y, ux, None), torch.diagonal(metric(x, y, ux, None)), rtol=1e-9, atol=1e-12
+    )
+
+
+def test_direction_flags() -> None:
+    assert ism("similarity").is_similarity and not ism("distance").is_similarity
+    assert ism("distance").more_similar(torch.tensor(0.1), torch.tensor(0.2))
+    assert ism("similarity").worst_value == float("-inf")
+    assert ISMVariant("strict") is ISMVariant.STRICT
+
+
+# ------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: ism("distance", gamma=-1.0), "gamma"),
+        (lambda: ism("distance", tau=0.0), "tau"),
+        (lambda: ism("distance", power=3), "power"),
+        (lambda: EuclideanDistance(power=3), "power"),
+        (lambda: IntrospectiveMetric(EuclideanDistance(power=2)), "power=1"),
+        (lambda: IntrospectiveMetric(ism("distance")), "plain metric"),
+        (lambda: ism("distance", variant="fuzzy"), "fuzzy"),
+    ],
+)
+def test_bad_configuration_raises(factory: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        factory()  # type: ignore[operator]
