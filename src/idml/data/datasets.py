@@ -1,0 +1,458 @@
+"""Torch datasets of a DML split and the :class:`DMLSplit` that pairs them.
+
+Every dataset yields ``(image, label, index)``: ``image`` a float tensor ``C×H×W`` in ``[0, 1]``
+(*not* normalised — the model applies its backbone's normalisation in ``forward``, so pixel
+augmentations such as Mixup, blur and SSR's graded transforms all act on ``[0, 1]`` images, SPEC §5–6),
+``label`` the class remapped to ``0..C−1`` within the split, and ``index`` the position of the image
+in the dataset (so exported embeddings can be traced back to files). The original class ids of the
+source are kept in :attr:`ImageDataset.class_ids` and :attr:`ImageDataset.classes`.
+
+A transform receives the decoded image as a ``uint8`` :class:`torchvision.tv_tensors.Image`
+``C×H×W`` (see :mod:`idml.data.transforms`); whatever it returns — ``uint8`` or float tensor, or a
+PIL image — is brought to float ``[0, 1]``.
+
+Example:
+    >>> import numpy as np
+    >>> images = np.zeros((4, 8, 8), dtype=np.uint8)
+    >>> train = ArrayImageDataset(images[:2], class_ids=np.array([3, 3]))
+    >>> test = ArrayImageDataset(images[2:], class_ids=np.array([5, 6]), channels=1)
+    >>> split = DMLSplit(train, test, name="toy")
+    >>> image, label, index = split.test[1]
+    >>> tuple(image.shape), image.dtype, label, index, split.test.classes
+    ((1, 8, 8), torch.float32, 1, 1, (5, 6))
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import Dataset
+from torchvision import tv_tensors
+from torchvision.transforms.v2 import functional as TF
+
+from idml.data.records import ImageRecords, format_examples
+
+logger = logging.getLogger(__name__)
+
+Transform = Callable[[Tensor], object]
+"""A callable from a ``uint8`` ``C×H×W`` image to an image tensor (e.g. a torchvision v2 pipeline)."""
+
+Channels = Literal[1, 3]
+
+_DatasetT = TypeVar("_DatasetT", bound="ImageDataset")
+
+
+class CorruptImageError(ValueError):
+    """An image file exists but cannot be decoded (truncated, not an image, unsupported)."""
+
+
+@dataclass(frozen=True)
+class ImageFailure:
+    """One image that failed verification: its dataset index, its source and why."""
+
+    index: int
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    """Outcome of :meth:`ImageDataset.verify`: how many images were decoded and which failed."""
+
+    checked: int
+    failures: tuple[ImageFailure, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        """One line: the count of unreadable images and the first few of them."""
+        if self.ok:
+            return f"all {self.checked} images decode"
+        listed = [f"{f.source} ({f.reason})" for f in self.failures]
+        return f"{len(self.failures)} of {self.checked} images cannot be read: {format_examples(listed)}"
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`CorruptImageError` listing the unreadable images, if there are any."""
+        if not self.ok:
+            raise CorruptImageError(
+                f"{self.summary()}. Replace or delete these files, or load with verify='skip' "
+                "to drop them (they are counted and logged)"
+            )
+
+
+def to_float_image(image: object) -> Tensor:
+    """A transform's output as a float ``C×H×W`` tensor: ``uint8`` is divided by 255, PIL converted.
+
+    Float tensors are passed through unchanged (they are assumed to be in ``[0, 1]`` already).
+    """
+    if isinstance(image, Image.Image):
+        image = TF.pil_to_tensor(image)
+    if not isinstance(image, Tensor):
+        raise TypeError(
+            f"the dataset transform must return a tensor or PIL image, got {type(image).__name__}"
+        )
+    if image.dim() != 3:
+        raise ValueError(
+            f"the dataset transform must return a C×H×W image, got shape {tuple(image.shape)}"
+        )
+    if image.dtype == torch.uint8:
+        return image.as_subclass(Tensor).float().div_(255.0)
+    if not image.dtype.is_floating_point:
+        raise ValueError(f"the dataset transform returned dtype {image.dtype}; use uint8 or float")
+    return image.as_subclass(Tensor)
+
+
+class ImageDataset(Dataset[tuple[Tensor, int, int]]):
+    """Base class: labelled images of one side of a DML split.
+
+    Labels are the original class ids remapped to ``0..C−1`` in increasing order of id:
+    ``labels[i] = searchsorted(classes, class_ids[i])``. Subclasses implement :meth:`load_image`
+    (decode one image to ``uint8`` ``C×H×W``), :meth:`describe` and :meth:`_take`.
+    """
+
+    def __init__(
+        self,
+        class_ids: np.ndarray | Tensor | Sequence[int],
+        class_names: Mapping[int, str] | None = None,
+        transform: Transform | None = None,
+        channels: Channels = 3,
+    ) -> None:
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels!r}")
+        ids = np.asarray(class_ids, dtype=np.int64).reshape(-1)
+        classes, labels = np.unique(ids, return_inverse=True)
+        names = class_names or {}
+        self.class_ids: Tensor = torch.from_numpy(ids)
+        """Original class id of each image, as numbered by the source."""
+        self.labels: Tensor = torch.from_numpy(labels.astype(np.int64).reshape(-1))
+        """Label of each image in ``0..C−1`` (what samplers, losses and evaluation consume)."""
+        self.classes: tuple[int, ...] = tuple(int(c) for c in classes)
+        """Original class id of each label: ``classes[label]``."""
+        self.class_names: tuple[str, ...] = tuple(names.get(c, str(c)) for c in self.classes)
+        """Human-readable name of each label."""
+        self.transform = transform
+        self.channels: Channels = channels
+        self.skipped: tuple[ImageFailure, ...] = ()
+        """Images dropped by ``verified(on_failure='skip')`` (indices refer to the unfiltered set)."""
+
+    # ----------------------------------------------------------------- subclass hooks
+    def load_image(self, index: int) -> Tensor:
+        """Decode image ``index`` to a ``uint8`` ``C×H×W`` tensor (no transform applied)."""
+        raise NotImplementedError
+
+    def describe(self, index: int) -> str:
+        """Where image ``index`` comes from (a file path, or an array position), for messages."""
+        raise NotImplementedError
+
+    def _take(self: _DatasetT, rows: np.ndarray) -> _DatasetT:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- Dataset protocol
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int, int]:
+        index = int(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} images")
+        index %= len(self)
+        image = self.load_image(index)
+        if self.transform is not None:
+            image = self.transform(image)
+        return to_float_image(image), int(self.labels[index]), index
+
+    # ----------------------------------------------------------------- views
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def class_counts(self) -> Tensor:
+        """Number of images of each label, ``(C,)``."""
+        return torch.bincount(self.labels, minlength=self.num_classes)
+
+    def subset(self: _DatasetT, indices: Sequence[int] | np.ndarray | Tensor) -> _DatasetT:
+        """The dataset restricted to ``indices`` (labels re-derived, so they stay ``0..C'−1``)."""
+        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(
+                f"subset indices must lie in [0, {len(self)}), got {rows.min()}..{rows.max()}"
+            )
+        return self._take(rows)
+
+    def with_transform(self: _DatasetT, transform: Transform | None) -> _DatasetT:
+        """A shallow copy that applies ``transform`` (image data is shared, not copied)."""
+        clone = copy.copy(self)
+        clone.transform = transform
+        return clone
+
+    def verify(self, workers: int = 4) -> VerificationReport:
+        """Decode every image once and report the ones that cannot be read; never raises for them.
+
+        Decoding runs in ``workers`` threads (PIL releases the GIL while decoding).
+        """
+
+        def check(index: int) -> ImageFailure | None:
+            try:
+                self.load_image(index)
+            except (CorruptImageError, FileNotFoundError) as err:
+                return ImageFailure(index, self.describe(index), _short_reason(err))
+            return None
+
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(check, range(len(self))))
+        return VerificationReport(len(self), tuple(r for r in results if r is not None))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({len(self)} images, {self.num_classes} classes, "
+            f"channels={self.channels}, transform={self.transform!r})"
+        )
+
+
+def _short_reason(err: Exception) -> str:
+    cause = err.__cause__ if err.__cause__ is not None else err
+    return f"{type(cause).__name__}: {cause}".splitlines()[0][:200]
+
+
+def decode_image_file(path: str, channels: Channels, box: Sequence[int] | None = None) -> Tensor:
+    """Decode ``path`` with PIL into a ``uint8`` ``C×H×W`` image (RGB or grayscale).
+
+    ``box = (x1, y1, x2, y2)`` crops before conversion. A missing file raises
+    ``FileNotFoundError`` and an undecodable one :class:`CorruptImageError`, both naming the file.
+    """
+    try:
+        with Image.open(path) as opened:
+            # load() forces the full decode, so truncated files fail here rather than mid-transform.
+            opened.load()
+            image = opened.crop(tuple(int(v) for v in box)) if box is not None else opened
+            image = image.convert("RGB" if channels == 3 else "L")
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"image {path} does not exist; the dataset changed since it was loaded — reload it"
+        ) from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        raise CorruptImageError(
+            f"cannot decode image {path} ({type(err).__name__}: {err}); replace the file, or "
+            "load the dataset with verify='skip' to drop unreadable images"
+        ) from err
+    array = np.array(image, dtype=np.uint8)
+    tensor = torch.from_numpy(array)
+    tensor = tensor.unsqueeze(0) if tensor.dim() == 2 else tensor.permute(2, 0, 1)
+    return tv_tensors.Image(tensor)
+
+
+class FileImageDataset(ImageDataset):
+    """Images decoded from files with PIL, one :class:`~idml.data.records.ImageRecords` row each.
+
+    With ``crop_to_box`` and records that carry boxes (Cars196), each image is cropped to its
+    annotated box before the transform.
+    """
+
+    def __init__(
+        self,
+        records: ImageRecords,
+        transform: Transform | None = None,
+        channels: Channels = 3,
+        crop_to_box: bool = False,
+    ) -> None:
+        if crop_to_box and records.boxes is None:
+            raise ValueError(
+                "crop_to_box=True needs records with bounding boxes (only Cars196 has them)"
+            )
+        super().__init__(records.class_ids, records.class_names, transform, channels)
+        self.records = records
+        self.crop_to_box = crop_to_box
+
+    @property
+    def paths(self) -> np.ndarray:
+        """Image file path of each index."""
+        return self.records.paths
+
+    def load_image(self, index: int) -> Tensor:
+        box = (
+            self.records.boxes[index]
+            if self.crop_to_box and self.records.boxes is not None
+            else None
+        )
+        return decode_image_file(str(self.records.paths[index]), self.channels, box)
+
+    def describe(self, index: int) -> str:
+        return str(self.records.paths[index])
+
+    def _take(self, rows: np.ndarray) -> FileImageDataset:
+        taken = FileImageDataset(
+            self.records.take(rows), self.transform, self.channels, self.crop_to_box
+        )
+        taken.skipped = self.skipped
+        return taken
+
+
+class ArrayImageDataset(ImageDataset):
+    """Images held in memory as ``uint8`` arrays ``(N, H, W)`` or ``(N, H, W, 3)``.
+
+    Stored once as an ``(N, C, H, W)`` tensor, so DataLoader workers share it instead of copying.
+    Grayscale images are repeated to 3 channels when ``channels=3``; RGB images are reduced with
+    the ITU-R 601 luma weights when ``channels=1``.
+    """
+
+    def __init__(
+        self,
+        images: np.ndarray | Tensor,
+        class_ids: np.ndarray | Tensor | Sequence[int],
+        class_names: Mapping[int, str] | None = None,
+        transform: Transform | None = None,
+        channels: Channels = 3,
+        source: str = "array",
+    ) -> None:
+        super().__init__(class_ids, class_names, transform, channels)
+        data = torch.as_tensor(np.asarray(images))
+        if data.dtype != torch.uint8:
+            raise ValueError(f"images must be uint8 (0..255), got {data.dtype}; rescale them first")
+        if data.dim() == 3:
+            data = data.unsqueeze(1)
+        elif data.dim() == 4 and data.shape[-1] in (1, 3):
+            data = data.permute(0, 3, 1, 2)
+        else:
+            raise ValueError(
+                f"images must be (N, H, W) or (N, H, W, 1|3), got shape {tuple(data.shape)}"
+            )
+        if len(data) != len(self.labels):
+            raise ValueError(
+                f"images has {len(data)} entries but class_ids has {len(self.labels)}; "
+                "pass one class id per image"
+            )
+        self.images: Tensor = data.contiguous()
+        """All images, ``uint8`` ``(N, C_stored, H, W)`` as stored (before channel conversion)."""
+        self.source = source
+        self._class_names_by_id = dict(zip(self.classes, self.class_names))
+
+    def load_image(self, index: int) -> Tensor:
+        image = self.images[index]
+        if self.channels == 3 and image.shape[0] == 1:
+            image = image.expand(3, -1, -1).clone()
+        elif self.channels == 1 and image.shape[0] == 3:
+            image = TF.rgb_to_grayscale(image, num_output_channels=1)
+        return tv_tensors.Image(image)
+
+    def describe(self, index: int) -> str:
+        return f"{self.source}[{index}]"
+
+    def _take(self, rows: np.ndarray) -> ArrayImageDataset:
+        taken = ArrayImageDataset(
+            self.images[torch.from_numpy(rows)].permute(0, 2, 3, 1),
+            self.class_ids[torch.from_numpy(rows)],
+            self._class_names_by_id,
+            self.transform,
+            self.channels,
+            self.source,
+        )
+        taken.skipped = self.skipped
+        return taken
+
+
+@dataclass(frozen=True)
+class DMLSplit:
+    """A class-disjoint train/test pair: the zero-shot protocol of deep metric learning (SPEC §8).
+
+    Construction checks that neither side is empty and that no original class id is on both
+    sides; labels are remapped to ``0..C−1`` independently within each side.
+    """
+
+    train: ImageDataset
+    test: ImageDataset
+    name: str
+
+    def __post_init__(self) -> None:
+        for side, dataset in (("train", self.train), ("test", self.test)):
+            if len(dataset) == 0:
+                raise ValueError(
+                    f"{self.name}: the {side} split has no images; check the dataset root and the "
+                    "class split options (train_classes / num_train_classes)"
+                )
+        shared = sorted(set(self.train.classes) & set(self.test.classes))
+        if shared:
+            raise ValueError(
+                f"{self.name}: train and test share {len(shared)} class(es) (original ids "
+                f"{format_examples(shared)}); a DML split must be class-disjoint — fix the split "
+                "column/files or the train_classes option"
+            )
+
+    @property
+    def num_train_classes(self) -> int:
+        return self.train.num_classes
+
+    @property
+    def num_test_classes(self) -> int:
+        return self.test.num_classes
+
+    def with_transforms(
+        self, train_transform: Transform | None, test_transform: Transform | None
+    ) -> DMLSplit:
+        """The same split with the given transforms (image data shared)."""
+        return DMLSplit(
+            self.train.with_transform(train_transform),
+            self.test.with_transform(test_transform),
+            self.name,
+        )
+
+    def verified(
+        self,
+        on_failure: Literal["raise", "skip"] = "raise",
+        workers: int = 4,
+        min_images_per_class: int = 2,
+    ) -> DMLSplit:
+        """Decode every image of both sides; raise on unreadable ones, or drop and count them.
+
+        With ``"skip"`` the dropped images are logged as a warning and recorded in each side's
+        ``skipped``; a class left with fewer than ``min_images_per_class`` images is an error.
+        """
+        if on_failure not in ("raise", "skip"):
+            raise ValueError(f"on_failure must be 'raise' or 'skip', got {on_failure!r}")
+        sides: dict[str, ImageDataset] = {}
+        for side, dataset in (("train", self.train), ("test", self.test)):
+            report = dataset.verify(workers=workers)
+            if on_failure == "raise" or report.ok:
+                report.raise_if_failed()
+                sides[side] = dataset
+                continue
+            logger.warning("%s %s: skipping %s", self.name, side, report.summary())
+            bad = np.array([f.index for f in report.failures], dtype=np.int64)
+            kept = dataset.subset(np.setdiff1d(np.arange(len(dataset)), bad))
+            kept.skipped = dataset.skipped + report.failures
+            counts = np.bincount(
+                np.searchsorted(dataset.classes, kept.class_ids.numpy()),
+                minlength=dataset.num_classes,
+            )
+            small = [dataset.class_names[c] for c in np.flatnonzero(counts < min_images_per_class)]
+            if small:
+                raise ValueError(
+                    f"{self.name} {side}: after dropping unreadable images, class(es) "
+                    f"{format_examples(small)} have fewer than {min_images_per_class} images; "
+                    "replace the unreadable files"
+                )
+            sides[side] = kept
+        return DMLSplit(sides["train"], sides["test"], self.name)
+
+    def summary(self) -> dict[str, object]:
+        """Counts for logs and reports: images and classes per side, skipped images."""
+        return {
+            "name": self.name,
+            "train_images": len(self.train),
+            "train_classes": self.num_train_classes,
+            "test_images": len(self.test),
+            "test_classes": self.num_test_classes,
+            "skipped_images": len(self.train.skipped) + len(self.test.skipped),
+        }
