@@ -466,6 +466,7 @@ def test_batch_without_positives_gives_zero_with_a_graph(loss_cls: type) -> None
     [
         (lambda: ContrastiveLoss(pos_margin=float("nan")), "pos_margin"),
         (lambda: TripletLoss(margin=-0.1), "margin"),
+        (lambda: TripletLoss(margin=0.0), "semi-hard window"),
         (lambda: MarginLoss(boundary=0.0), "boundary"),
         (lambda: MarginLoss(num_classes=0), "num_classes"),
         (lambda: MultiSimilarityLoss(alpha=0), "alpha"),
@@ -477,6 +478,14 @@ def test_batch_without_positives_gives_zero_with_a_graph(loss_cls: type) -> None
 def test_bad_hyper_parameters_raise(factory: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         factory()  # type: ignore[operator]
+
+
+def test_triplet_with_zero_margin_over_all_triplets() -> None:
+    x = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [0.0, 1.0]], dtype=torch.float64)
+    # 8 triplets; only anchors 1 and 2 have a negative (D = √0.08) closer than their positive
+    # (D = √0.4); the other negatives are at √0.8 or √2.
+    loss = TripletLoss(margin=0.0, miner=None)(x, torch.tensor([0, 0, 1, 1]))
+    assert loss.item() == pytest.approx(2 * (math.sqrt(0.4) - math.sqrt(0.08)) / 8, rel=1e-12)
 
 
 def test_margin_label_out_of_range_for_class_boundaries_raises() -> None:

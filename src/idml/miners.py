@@ -190,6 +190,7 @@ class Miner(ABC):
         similarity: bool,
         dim: int | None = None,
     ) -> PairIndices | TripletIndices:
+        """Validate the ``(B, B)`` matrix against ``labels`` and mine it without gradient."""
         sets = LabelSets.coerce(labels)
         _check_inputs(matrix, sets)
         with torch.no_grad():
@@ -232,7 +233,7 @@ class SemiHardMiner(Miner):
     Keeps every triplet ``(a, p, n)`` whose negative is farther than the positive but inside the
     margin: ``D_ap < D_an < D_ap + δ`` (for a similarity: ``S_ap > S_an > S_ap − δ``). These triplets
     all have a positive loss ``[D_ap − D_an + δ]₊`` yet avoid the collapse that the hardest negatives
-    cause early in training. The full ``(B, B, B)`` comparison is vectorised.
+    cause early in training. The full ``(B, B, B)`` comparison is vectorised (memory ``O(B³)``).
 
     Args:
         margin: the window ``δ > 0``; use the triplet loss's margin.

@@ -39,6 +39,9 @@ class TripletLoss(MetricLoss):
         metric: the pluggable metric (default :class:`~idml.metrics.EuclideanDistance`).
         margin: ``δ ≥ 0``.
         miner: ``"default"`` (semi-hard with window ``δ``), another miner, or ``None`` (all triplets).
+
+    Semi-hard mining and ``miner=None`` compare all ``B³`` triplets at once (memory ``O(B³)``: about
+    17 M entries for ``B = 256``).
     """
 
     def __init__(
@@ -48,8 +51,12 @@ class TripletLoss(MetricLoss):
         if not (margin >= 0 and math.isfinite(margin)):
             raise ValueError(f"margin (δ) must be a finite number >= 0, got {margin}")
         self.margin = float(margin)
-        default = SemiHardMiner(self.margin) if self.margin > 0 else None
-        self.miner = resolve_miner(miner, default)
+        if self.margin == 0 and isinstance(miner, str):
+            raise ValueError(
+                "margin (δ) = 0 leaves the semi-hard window D_ap < D_an < D_ap + δ empty; "
+                "use margin > 0, or pass miner=None (all triplets) or another miner"
+            )
+        self.miner = resolve_miner(miner, SemiHardMiner(self.margin) if self.margin > 0 else None)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, miner={self.miner}"
