@@ -50,6 +50,7 @@ __all__ = [
     "oriented",
     "resolve_miner",
     "to_distance",
+    "triplet_mask",
 ]
 
 
