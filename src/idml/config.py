@@ -129,9 +129,11 @@ class MetricConfig(Section):
 
 
 class ContrastiveConfig(Section):
+    """Margins default to (0, 0.5) on a distance and (1, 0.875) on a similarity (same boundary)."""
+
     name: Literal["contrastive"]
-    pos_margin: float = 0.0
-    neg_margin: float = 0.5
+    pos_margin: float | None = None
+    neg_margin: float | None = None
 
 
 class MarginConfig(Section):

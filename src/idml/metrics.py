@@ -66,7 +66,9 @@ def pairwise_squared_distance(x: Tensor, y: Tensor) -> Tensor:
     return sq.clamp_min(0)
 
 
-def pairwise_uncertainty(ux: Tensor | None, uy: Tensor | None, n: int, m: int, like: Tensor) -> Tensor:
+def pairwise_uncertainty(
+    ux: Tensor | None, uy: Tensor | None, n: int, m: int, like: Tensor
+) -> Tensor:
     """Joint uncertainty ``β_ij = ||u_i + u_j||`` (added *before* the norm), shape ``(n, m)``.
 
     A missing side (e.g. class proxies) has zero uncertainty.
@@ -232,9 +234,10 @@ class IntrospectiveMetric(Metric):
 
     def relative_uncertainty(self, alpha: Tensor, beta: Tensor) -> Tensor:
         """``y = (β^p + γ) / (τ·α^p)``; exactly 0 where ``β^p + γ = 0`` (even at ``α = 0``)."""
-        num = beta.pow(self.power) + self.gamma
-        den = self.tau * alpha.clamp_min(1e-6).pow(self.power)
-        return num / den
+        # pow(1) is not free (a copy forward, extra multiplies backward): skip it for the paper's p = 1.
+        if self.power == 1:
+            return (beta + self.gamma) / (self.tau * alpha.clamp_min(1e-6))
+        return (beta.square() + self.gamma) / (self.tau * alpha.clamp_min(1e-6).square())
 
     def weaken(self, plain: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
         """Apply the configured variant to plain values given semantic distance and uncertainty."""
@@ -260,6 +263,9 @@ class IntrospectiveMetric(Metric):
     def _alpha(self, x: Tensor, y: Tensor, plain: Tensor) -> Tensor:
         if not self.is_similarity:
             return plain
+        if self.delta_normalized and isinstance(self.base, CosineSimilarity):
+            # On the unit sphere ||x̂ − ŷ||² = 2 − 2·cos: no second normalisation and Gram matrix.
+            return safe_norm_from_squares(2.0 - 2.0 * plain)
         if self.delta_normalized:
             x, y = F.normalize(x, dim=1), F.normalize(y, dim=1)
         return safe_norm_from_squares(pairwise_squared_distance(x, y))
@@ -283,7 +289,9 @@ class IntrospectiveMetric(Metric):
     ) -> Tensor:
         plain = self.base.paired(x, y)
         if self.is_similarity:
-            xs, ys = (F.normalize(x, dim=1), F.normalize(y, dim=1)) if self.delta_normalized else (x, y)
+            xs, ys = (
+                (F.normalize(x, dim=1), F.normalize(y, dim=1)) if self.delta_normalized else (x, y)
+            )
             alpha = safe_norm_from_squares((xs - ys).pow(2).sum(1))
         else:
             alpha = plain

@@ -187,8 +187,8 @@ class Trainer:
         """Continue from the run folder's latest checkpoint (exactly, for a fixed seed on CPU)."""
         ckpt = resolve_checkpoint(self.run_dir)
         saved = read_state(ckpt)
-        if saved.get("config") != config_to_dict(self.cfg):
-            diff = _config_diff(saved.get("config", {}), config_to_dict(self.cfg))
+        diff = _config_diff(saved.get("config", {}), config_to_dict(self.cfg))
+        if diff:
             raise ValueError(
                 f"cannot resume {self.run_dir}: its config differs from the one given ({diff}); "
                 "resume with the run's own config.yaml or start a new --out folder"
@@ -447,9 +447,15 @@ def _prune(root: Path, keep: set[str]) -> None:
             shutil.rmtree(path)
 
 
+RESUMABLE_CHANGES = {"optim.epochs", "data.num_workers", "tensorboard", "device", "eval.batch_size"}
+"""Config keys a resumed run may change (more epochs, another machine); any other change is refused."""
+
+
 def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
     diffs = []
     for key in sorted(set(a) | set(b)):
+        if prefix + key in RESUMABLE_CHANGES:
+            continue
         va, vb = a.get(key), b.get(key)
         if isinstance(va, dict) and isinstance(vb, dict):
             inner = _config_diff(va, vb, prefix + key + ".")

@@ -1,0 +1,110 @@
+"""Load a trained retrieval model from a run, and export embeddings of arbitrary images.
+
+Exported models hold only what retrieval needs: the :class:`~idml.models.EmbeddingModel` weights
+(``model.safetensors``). Loss proxies and SSR's ranking head live in ``training.safetensors`` and are
+never loaded here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from idml import build
+from idml.checkpoint import CheckpointError, load_model_weights, read_state, resolve_checkpoint
+from idml.config import Config, validate_config
+from idml.data import IMAGE_EXTENSIONS, FileImageDataset, ImageRecords, build_transforms
+from idml.models import EmbeddingModel
+
+
+def load_trained_model(path: Path, which: str = "best") -> tuple[Config, EmbeddingModel]:
+    """The config and the retrieval model of a run folder (its best or latest checkpoint)."""
+    path = Path(path)
+    try:
+        ckpt = resolve_checkpoint(path, which)
+    except CheckpointError:
+        if which != "best":
+            raise
+        ckpt = resolve_checkpoint(path, "latest")  # a run without evaluation has no best yet
+    state = read_state(ckpt)
+    cfg = validate_config(state["config"], source=str(ckpt / "state.json"))
+    # Never fetch pretrained weights just to overwrite them with the checkpoint's.
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"pretrained": False})})
+    model = build.build_model(cfg)
+    load_model_weights(ckpt, model)
+    model.eval()
+    return cfg, model
+
+
+def list_images(source: Path) -> tuple[list[Path], list[str] | None]:
+    """Image files of a folder (recursively; labels = parent folder names) or of a CSV ``path[,label]``."""
+    source = Path(source)
+    if source.is_dir():
+        files = sorted(
+            p for p in source.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+        )
+        if not files:
+            raise ValueError(
+                f"{source} contains no images with extensions {sorted(IMAGE_EXTENSIONS)}"
+            )
+        return files, [p.parent.name for p in files]
+    if source.is_file() and source.suffix.lower() == ".csv":
+        with open(source, newline="") as fh:
+            rows = [r for r in csv.reader(fh) if r and not r[0].startswith("#")]
+        if rows and rows[0][0].strip().lower() == "path":
+            rows = rows[1:]
+        if not rows:
+            raise ValueError(f"{source} lists no images; expected rows of path[,label]")
+        files = [Path(r[0]) if Path(r[0]).is_absolute() else source.parent / r[0] for r in rows]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{source} lists {len(missing)} missing image(s), e.g. {missing[:3]}; fix the paths "
+                "(relative paths are taken from the CSV's folder)"
+            )
+        labels = [r[1] for r in rows] if all(len(r) > 1 for r in rows) else None
+        return files, labels
+    raise FileNotFoundError(f"{source} is neither an image folder nor a .csv file")
+
+
+@torch.no_grad()
+def embed_images(
+    cfg: Config, model: EmbeddingModel, images: Path, out: Path, batch_size: int = 64
+) -> int:
+    """Embed every image under ``images`` and save semantic embeddings and ``||u||`` to ``out``.
+
+    ``out`` is ``.npz``/``.pt`` (with ``paths``) or ``.safetensors`` (paths in the metadata). Keys:
+    ``embeddings`` ``(N, d)``, ``uncertainty`` ``(N,)`` (``||u||``; zeros without an uncertainty
+    head), ``labels`` when the source has them.
+    """
+    files, names = list_images(images)
+    classes = sorted(set(names)) if names else []
+    ids = np.array([classes.index(n) for n in names]) if names else np.zeros(len(files), int)
+    records = ImageRecords(np.array([str(f) for f in files], dtype=object), ids)
+    transform = build_transforms(False, cfg.data.image_size, cfg.data.resize_size)
+    dataset = FileImageDataset(records, transform)
+    device = next(model.parameters()).device
+    emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=True)
+    level = emb.uncertainty_level()
+    payload = {"embeddings": emb.semantic, "uncertainty": level}
+    if names:
+        payload["labels"] = torch.as_tensor(ids)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    suffix = out.suffix.lower()
+    paths = [str(f) for f in files]
+    if suffix == ".npz":
+        np.savez(out, **{k: v.numpy() for k, v in payload.items()}, paths=np.array(paths))
+    elif suffix == ".pt":
+        torch.save({**payload, "paths": paths, "classes": classes}, out)
+    elif suffix == ".safetensors":
+        meta = {"paths": json.dumps(paths), "classes": json.dumps(classes)}
+        save_file({k: v.contiguous() for k, v in payload.items()}, str(out), metadata=meta)
+    else:
+        raise ValueError(f"--out {out}: use a .npz, .pt or .safetensors file name")
+    return len(files)
