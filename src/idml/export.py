@@ -90,7 +90,7 @@ def embed_images(
     dataset = FileImageDataset(records, transform)
     device = next(model.parameters()).device
     emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=True)
-    level = emb.uncertainty_level()
+    level = model.uncertainty_level(emb)
     payload = {"embeddings": emb.semantic, "uncertainty": level}
     if names:
         payload["labels"] = torch.as_tensor(ids)

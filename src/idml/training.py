@@ -333,7 +333,7 @@ class Trainer:
             self._clip_and_step(self.optimizer)
             self._clip_and_step(self.ranking_optimizer)  # type: ignore[arg-type]
         if emb.uncertainty is not None:
-            level = emb.uncertainty.detach().norm(dim=1)
+            level = self.model.uncertainty_level(emb.detach())
             parts["u_original"] = (
                 float(level[~batch.mixed].mean()) if (~batch.mixed).any() else math.nan
             )
