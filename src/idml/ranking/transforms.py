@@ -1,0 +1,555 @@
+"""Graded transforms ``T_n`` of SSR: views of an image whose distortion grows with the level ``n``.
+
+Fu et al. 2021 ("Deep Metric Learning with Self-Supervised Ranking", AAAI) simulate intra-class
+variation with a transform whose strength is indexed by ``n`` (eq. 5–6: ``i < j ⇒
+d(x, T_i(x)) < d(x, T_j(x))``), composed of a random crop resized back to the input size (eq. 7,
+scale), a perspective distortion (eq. 8, viewpoint) and a colour jitter of brightness, contrast and
+saturation (eq. 9, colour), cascaded as ``T_n = T^crop_n ∘ T^pt_n ∘ T^color_n`` (eq. 10), with
+``T_0(x) = x``. The paper gives no magnitudes; ours (SPEC §6) at level ``n`` with strength ``t_n = n``:
+
+* crop: kept area ``a_n = 1 − 0.15·t_n`` (the aspect ratio of the input is kept, so the crop's side is
+  ``√a_n`` of the image's), at a uniformly random position, resized back to ``H × W``;
+* perspective: each corner of the (cropped) image moves inward by ``U(0, p_n)·(W/2, H/2)`` with
+  ``p_n = 0.1·t_n`` (the ``distortion_scale`` convention of torchvision's ``RandomPerspective``);
+  the area it uncovers is filled with ``fill``;
+* colour: brightness, contrast and saturation factors ``1 ± j_n`` with ``j_n = 0.1·t_n`` and an
+  independent random sign each, applied in that order (torchvision's ``adjust_*`` definitions:
+  brightness scales, contrast blends with the mean grey level, saturation with the grey image).
+
+Everything happens on float images in ``[0, 1]`` *before* the model's normalisation, batched: the colour
+jitter is a handful of broadcast tensor ops, and crop + perspective are fused into one homography per
+view, sampled with a single :func:`torch.nn.functional.grid_sample` call for all ``M·N`` views (one
+interpolation, so the crop does not blur the image twice).
+
+Example:
+    >>> import torch
+    >>> transforms = GradedTransforms(GradedTransformConfig(num_levels=3))
+    >>> images = torch.rand(2, 3, 16, 16)
+    >>> views = transforms(images, generator=torch.Generator().manual_seed(0))
+    >>> tuple(views.shape), torch.equal(views[:, 0], images)
+    ((2, 4, 3, 16, 16), True)
+    >>> GradedTransformConfig().levels().crop_area
+    (0.85, 0.7, 0.55, 0.4)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Interpolation = Literal["bilinear", "nearest", "bicubic"]
+
+MAX_PERSPECTIVE = 0.5
+"""Largest corner displacement (fraction of the half-size): keeps the warped quadrilateral convex."""
+
+_CORNERS = ((-1.0, -1.0), (1.0, -1.0), (1.0, 1.0), (-1.0, 1.0))
+"""Image corners in ``grid_sample``'s normalised coordinates: top-left, top-right, bottom-right, bottom-left."""
+
+_LUMA = (0.2989, 0.587, 0.114)
+"""ITU-R 601-2 luma weights of R, G, B (the grey level torchvision's colour ops use)."""
+
+
+class GradedLevels(NamedTuple):
+    """Resolved magnitudes of levels ``n = 1..N`` (index ``n − 1``); level 0 is the identity."""
+
+    crop_area: tuple[float, ...]
+    """Kept area ``a_n`` of the crop, as a fraction of the image, in ``(0, 1]``."""
+    perspective: tuple[float, ...]
+    """Largest inward corner displacement ``p_n`` as a fraction of the half-size, in ``[0, 0.5]``."""
+    brightness: tuple[float, ...]
+    """Brightness factor magnitude ``j_n``: the factor is ``1 ± j_n``."""
+    contrast: tuple[float, ...]
+    """Contrast factor magnitude: the factor is ``1 ± j_n``."""
+    saturation: tuple[float, ...]
+    """Saturation factor magnitude: the factor is ``1 ± j_n``."""
+
+
+@dataclass(frozen=True)
+class GradedTransformConfig:
+    """Magnitudes and schedule of the graded transforms (SPEC §6; Fu et al. 2021, eq. 5–10).
+
+    Level ``n`` has strength ``t_n = strength · n`` (or ``strength · level_strengths[n − 1]``) and the
+    magnitudes ``a_n = 1 − crop_area_step·t_n``, ``p_n = perspective_step·t_n`` and
+    ``j_n = {brightness,contrast,saturation}_step·t_n``. An explicit per-level tuple (``crop_areas``,
+    ``perspective_scales``, ``*_magnitudes``; ``N`` values for ``n = 1..N``) replaces the formula of
+    its component and is not scaled by ``strength``. A step of 0 removes a component (the paper's
+    Fig. 7 ablation). Every component must be monotone in ``n`` and every level strictly stronger
+    than the previous one in at least one component, with ``T_0`` the identity.
+
+    A frozen stdlib dataclass, so it nests in a pydantic model (which then validates types and rejects
+    unknown keys); ``__post_init__`` checks the values.
+
+    Attributes:
+        num_levels: ``N``, the number of transformed views per image (``T_1..T_N``).
+        strength: multiplier of every step (a global strength schedule knob).
+        level_strengths: explicit ``t_1..t_N`` (strictly increasing, positive) instead of ``1..N``.
+        crop_area_step: kept-area decrease per unit of strength.
+        perspective_step: corner-displacement increase per unit of strength.
+        brightness_step: brightness factor magnitude per unit of strength.
+        contrast_step: contrast factor magnitude per unit of strength.
+        saturation_step: saturation factor magnitude per unit of strength.
+        crop_areas: explicit kept areas ``a_1..a_N`` (non-increasing, in ``(0, 1]``).
+        perspective_scales: explicit ``p_1..p_N`` (non-decreasing, in ``[0, 0.5]``).
+        brightness_magnitudes: explicit brightness magnitudes (non-decreasing, in ``[0, 1)``).
+        contrast_magnitudes: explicit contrast magnitudes (non-decreasing, in ``[0, 1)``).
+        saturation_magnitudes: explicit saturation magnitudes (non-decreasing, in ``[0, 1)``).
+        nested_crops: all crops of an image share one centre, so crop ``n`` contains crop ``n + 1``.
+        shared_draws: one perspective draw and one set of jitter signs per image, scaled by each
+            level's magnitude, so each image's views lie on a single path of growing distortion
+            (independent draws per level otherwise, as with separate torchvision transforms).
+        fill: value of the pixels the perspective distortion uncovers, in ``[0, 1]``.
+        interpolation: resampling of crop and perspective (``grid_sample`` mode).
+    """
+
+    num_levels: int = 4
+    strength: float = 1.0
+    level_strengths: tuple[float, ...] | None = None
+    crop_area_step: float = 0.15
+    perspective_step: float = 0.1
+    brightness_step: float = 0.1
+    contrast_step: float = 0.1
+    saturation_step: float = 0.1
+    crop_areas: tuple[float, ...] | None = None
+    perspective_scales: tuple[float, ...] | None = None
+    brightness_magnitudes: tuple[float, ...] | None = None
+    contrast_magnitudes: tuple[float, ...] | None = None
+    saturation_magnitudes: tuple[float, ...] | None = None
+    nested_crops: bool = False
+    shared_draws: bool = False
+    fill: float = 0.0
+    interpolation: Interpolation = "bilinear"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_levels, bool) or not isinstance(self.num_levels, int):
+            raise ValueError(f"num_levels must be an integer, got {self.num_levels!r}")
+        if self.num_levels < 1:
+            raise ValueError(
+                f"num_levels must be >= 1 (the number of transformed views), got {self.num_levels}"
+            )
+        _check_number("strength", self.strength, low=0.0, low_open=True)
+        for name in (
+            "crop_area_step",
+            "perspective_step",
+            "brightness_step",
+            "contrast_step",
+            "saturation_step",
+        ):
+            _check_number(name, getattr(self, name), low=0.0)
+        _check_number("fill", self.fill, low=0.0, high=1.0)
+        for name in (
+            "level_strengths",
+            "crop_areas",
+            "perspective_scales",
+            "brightness_magnitudes",
+            "contrast_magnitudes",
+            "saturation_magnitudes",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                # Frozen: normalise lists (e.g. from YAML) to tuples so the config stays hashable.
+                object.__setattr__(self, name, self._per_level(name, value))
+        if self.level_strengths is not None:
+            ts = self.level_strengths
+            if ts[0] <= 0 or any(b <= a for a, b in pairwise(ts)):
+                raise ValueError(
+                    f"level_strengths must be positive and strictly increasing, got {list(ts)}"
+                )
+        if self.interpolation not in ("bilinear", "nearest", "bicubic"):
+            raise ValueError(
+                f"interpolation must be 'bilinear', 'nearest' or 'bicubic', got {self.interpolation!r}"
+            )
+        self._check_levels(self.levels())
+
+    def _per_level(self, name: str, value: object) -> tuple[float, ...]:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise ValueError(f"{name} must be a list of {self.num_levels} numbers, got {value!r}")
+        values = tuple(value)  # type: ignore[call-overload]
+        if len(values) != self.num_levels:
+            raise ValueError(
+                f"{name} must have one value per level n = 1..{self.num_levels} "
+                f"(num_levels={self.num_levels}), got {len(values)}"
+            )
+        for v in values:
+            _check_number(name, v)
+        return tuple(float(v) for v in values)
+
+    def level_strength(self, n: int) -> float:
+        """``t_n`` for ``n = 1..N`` (``t_0 = 0``)."""
+        if n == 0:
+            return 0.0
+        base = float(n) if self.level_strengths is None else self.level_strengths[n - 1]
+        return self.strength * base
+
+    def levels(self) -> GradedLevels:
+        """The magnitudes of levels ``1..N`` after applying steps, strength and explicit lists."""
+        ts = [self.level_strength(n) for n in range(1, self.num_levels + 1)]
+
+        def resolve(
+            explicit: tuple[float, ...] | None, step: float, area: bool = False
+        ) -> tuple[float, ...]:
+            if explicit is not None:
+                return explicit
+            # Rounded so that e.g. 3 × 0.1 reads 0.3, not 0.30000000000000004.
+            return tuple(round((1.0 - step * t) if area else step * t, 12) for t in ts)
+
+        return GradedLevels(
+            crop_area=resolve(self.crop_areas, self.crop_area_step, area=True),
+            perspective=resolve(self.perspective_scales, self.perspective_step),
+            brightness=resolve(self.brightness_magnitudes, self.brightness_step),
+            contrast=resolve(self.contrast_magnitudes, self.contrast_step),
+            saturation=resolve(self.saturation_magnitudes, self.saturation_step),
+        )
+
+    def _check_levels(self, levels: GradedLevels) -> None:
+        hint = "lower `strength` or the step, or pass explicit per-level values"
+
+        def check(component: str, source: str, valid: str, ok: Callable[[float], bool]) -> None:
+            for n, v in enumerate(getattr(levels, component), start=1):
+                if not ok(v):
+                    raise ValueError(
+                        f"{source}: level {n} gives {component} {v:.4g}, which must be {valid}; {hint}"
+                    )
+
+        check("crop_area", "crop_areas / crop_area_step", "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        check(
+            "perspective",
+            "perspective_scales / perspective_step",
+            f"in [0, {MAX_PERSPECTIVE}] (larger displacements can fold the image)",
+            lambda v: 0.0 <= v <= MAX_PERSPECTIVE,
+        )
+        for colour in ("brightness", "contrast", "saturation"):
+            # A factor 1 − j must stay positive, or the view loses the image entirely.
+            check(
+                colour,
+                f"{colour}_magnitudes / {colour}_step",
+                "in [0, 1)",
+                lambda v: 0.0 <= v < 1.0,
+            )
+        # Strength must grow with n: each component monotone, and each level stronger somewhere.
+        identity = GradedLevels((1.0,), (0.0,), (0.0,), (0.0,), (0.0,))
+        full = GradedLevels(*(first + rest for first, rest in zip(identity, levels)))
+        for n in range(1, self.num_levels + 1):
+            weaker = full.crop_area[n] > full.crop_area[n - 1] or any(
+                getattr(full, c)[n] < getattr(full, c)[n - 1]
+                for c in ("perspective", "brightness", "contrast", "saturation")
+            )
+            if weaker:
+                raise ValueError(
+                    f"level {n} is weaker than level {n - 1} in some component ({_describe(full, n)} vs "
+                    f"{_describe(full, n - 1)}); kept crop areas must not grow and the other "
+                    "magnitudes must not shrink with n"
+                )
+            if all(getattr(full, c)[n] == getattr(full, c)[n - 1] for c in full._fields):
+                raise ValueError(
+                    f"level {n} is no stronger than level {n - 1} ({_describe(full, n)}); the "
+                    "transform strength must increase strictly with n — make some step non-zero"
+                )
+
+
+class GradedViewParams(NamedTuple):
+    """The random draws of one call, for ``M`` images and levels ``1..N`` (normalised coordinates).
+
+    Normalised coordinates are ``grid_sample``'s (``align_corners=False``): ``x, y ∈ [−1, 1]`` span the
+    image from its left/top edge to its right/bottom edge.
+    """
+
+    crop_centres: Tensor
+    """``(M, N, 2)`` centre ``(x, y)`` of each crop."""
+    crop_half_sizes: Tensor
+    """``(M, N, 2)`` half-extent ``(x, y)`` of each crop (1 = the whole image)."""
+    corner_offsets: Tensor
+    """``(M, N, 4, 2)`` displacement of the corners (TL, TR, BR, BL) of the cropped image in the view."""
+    jitter_factors: Tensor
+    """``(M, N, 3)`` brightness, contrast and saturation factors."""
+
+
+class GradedTransforms(nn.Module):
+    """Produce the views ``T_0(x), …, T_N(x)`` of a batch (Fu et al. 2021, eq. 5–10; SPEC §6).
+
+    ``forward(images (M, C, H, W) in [0, 1]) → (M, N + 1, C, H, W)`` with ``[:, 0]`` the input itself
+    (``T_0`` is the identity exactly) and ``[:, n]`` the view at level ``n``. ``C`` is 1 or 3 (grey
+    images have no saturation to jitter). Randomness comes from ``generator`` (CPU or the images'
+    device); :meth:`sample_params` and :meth:`apply` split drawing from applying, for replay and tests.
+    """
+
+    def __init__(self, config: GradedTransformConfig | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else GradedTransformConfig()
+        self.levels = self.config.levels()
+
+    @property
+    def num_levels(self) -> int:
+        """``N``: views ``T_1..T_N`` besides the original."""
+        return self.config.num_levels
+
+    def extra_repr(self) -> str:
+        return f"num_levels={self.num_levels}, levels={self.levels}"
+
+    def forward(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Views ``(M, N + 1, C, H, W)`` of ``images`` ``(M, C, H, W)``, ``[:, 0]`` = ``images``."""
+        check_images(images)
+        return self._apply(images, self.sample_params(images.shape[0], generator))
+
+    def sample_params(
+        self, num_images: int, generator: torch.Generator | None = None
+    ) -> GradedViewParams:
+        """Draw crops, perspective corners and jitter signs for ``num_images`` images (float64).
+
+        Non-nested crops are uniform over the positions where they fit; nested crops share a centre
+        uniform over the positions where the largest one fits, so every smaller crop fits too.
+        """
+        if num_images < 1:
+            raise ValueError(f"num_images must be >= 1, got {num_images}")
+        m, n, cfg, lv = num_images, self.num_levels, self.config, self.levels
+        device = generator.device if generator is not None else torch.device("cpu")
+        f64 = {"dtype": torch.float64, "device": device}
+
+        def uniform(*shape: int) -> Tensor:
+            return torch.rand(*shape, generator=generator, **f64)
+
+        # The crop keeps the aspect ratio, so its side is √a_n of the image's: that is also its
+        # half-extent in normalised coordinates, where the image spans [−1, 1].
+        half = torch.tensor(lv.crop_area, **f64).sqrt()
+        half_sizes = half.view(1, n, 1).expand(m, n, 2)
+        if cfg.nested_crops:
+            slack = 1.0 - half.max()
+            centres = ((2.0 * uniform(m, 1, 2) - 1.0) * slack).expand(m, n, 2)
+        else:
+            centres = (2.0 * uniform(m, n, 2) - 1.0) * (1.0 - half).view(1, n, 1)
+
+        draws = n if not cfg.shared_draws else 1
+        inward = -torch.tensor(_CORNERS, **f64)  # each corner moves toward the centre
+        scales = torch.tensor(lv.perspective, **f64).view(1, n, 1, 1)
+        offsets = uniform(m, draws, 4, 2).expand(m, n, 4, 2) * scales * inward
+
+        signs = torch.where(uniform(m, draws, 3) < 0.5, -1.0, 1.0).expand(m, n, 3)
+        magnitudes = torch.tensor(list(zip(lv.brightness, lv.contrast, lv.saturation)), **f64)
+        factors = 1.0 + signs * magnitudes.view(1, n, 3)
+        return GradedViewParams(
+            centres.contiguous(),
+            half_sizes.contiguous(),
+            offsets.contiguous(),
+            factors.contiguous(),
+        )
+
+    def apply(self, images: Tensor, params: GradedViewParams) -> Tensor:
+        """Apply given draws: colour jitter, then crop and perspective fused in one resampling.
+
+        Jittering first keeps the filled border at exactly ``fill``; the order hardly matters otherwise
+        (the jitter is pointwise except contrast's mean grey level, taken over the whole image).
+        """
+        check_images(images)
+        m, n = images.shape[0], self.num_levels
+        expected = {
+            "crop_centres": (m, n, 2),
+            "crop_half_sizes": (m, n, 2),
+            "corner_offsets": (m, n, 4, 2),
+            "jitter_factors": (m, n, 3),
+        }
+        for name, shape in expected.items():
+            got = tuple(getattr(params, name).shape)
+            if got != shape:
+                raise ValueError(f"params.{name} must have shape {shape} for {m} images, got {got}")
+        return self._apply(images, params)
+
+    def _apply(self, images: Tensor, params: GradedViewParams) -> Tensor:
+        m, c, h, w = images.shape
+        n = self.num_levels
+
+        factors = params.jitter_factors.to(images.device, images.dtype)
+        views = images.unsqueeze(1).expand(m, n, c, h, w)
+        if bool((params.jitter_factors != 1.0).any()):
+            views = color_jitter(views, factors)
+        needs_warp = bool(
+            (params.crop_half_sizes != 1.0).any() or (params.corner_offsets != 0.0).any()
+        )
+        if needs_warp:
+            homographies = corner_homographies(params.corner_offsets.reshape(m * n, 4, 2))
+            grid, inside = warp_grid(
+                homographies,
+                params.crop_centres.reshape(m * n, 2),
+                params.crop_half_sizes.reshape(m * n, 2),
+                height=h,
+                width=w,
+                device=images.device,
+            )
+            # Border padding: a crop touching the image edge samples up to half a pixel outside it.
+            warped = F.grid_sample(
+                views.reshape(m * n, c, h, w),
+                grid.to(images.dtype),
+                mode=self.config.interpolation,
+                padding_mode="border",
+                align_corners=False,
+            )
+            if self.config.interpolation == "bicubic":
+                warped.clamp_(0.0, 1.0)  # cubic kernels overshoot
+            # fill + inside · (warped − fill): the uncovered area fades to the fill value.
+            inside = inside.to(images.dtype).unsqueeze(1)
+            views = (
+                warped.sub_(self.config.fill)
+                .mul_(inside)
+                .add_(self.config.fill)
+                .view(m, n, c, h, w)
+            )
+        out = torch.empty((m, n + 1, c, h, w), dtype=images.dtype, device=images.device)
+        out[:, 0] = images
+        out[:, 1:] = views
+        return out
+
+
+def color_jitter(images: Tensor, factors: Tensor) -> Tensor:
+    """Brightness, contrast then saturation adjustment with per-image factors (Fu et al. 2021, eq. 9).
+
+    With grey level ``g(x) = 0.2989 R + 0.587 G + 0.114 B`` (``x`` itself for one channel) and
+    ``clip`` to ``[0, 1]``::
+
+        x₁ = clip(b · x)
+        x₂ = clip(c · x₁ + (1 − c) · mean(g(x₁)))
+        x₃ = clip(s · x₂ + (1 − s) · g(x₂))
+
+    Args:
+        images: ``(..., C, H, W)`` in ``[0, 1]``, ``C`` 1 or 3.
+        factors: ``(..., 3)`` factors ``(b, c, s)`` broadcastable against the leading dimensions.
+    """
+    b, c, s = (factors[..., k, None, None, None] for k in range(3))
+    out = (images * b).clamp_(0.0, 1.0)
+    # mean(g(x)) = Σ_c w_c · mean(x_c): reduce first, no full grey image needed.
+    mean = _grey(out.mean(dim=(-2, -1), keepdim=True))
+    out = torch.lerp(mean, out, c).clamp_(0.0, 1.0)  # c·x + (1 − c)·mean
+    return torch.lerp(_grey(out), out, s).clamp_(0.0, 1.0)
+
+
+def _grey(images: Tensor) -> Tensor:
+    if images.shape[-3] == 1:
+        return images
+    r, g, b = images.unbind(dim=-3)
+    return (_LUMA[0] * r + _LUMA[1] * g + _LUMA[2] * b).unsqueeze(-3)
+
+
+def corner_homographies(corner_offsets: Tensor) -> Tensor:
+    """Homographies mapping view coordinates back to the undistorted frame (Fu et al. 2021, eq. 8).
+
+    The perspective distortion moves corner ``c_k`` of the frame to ``e_k = c_k + δ_k``. Resampling
+    needs the inverse map ``H`` with ``H(e_k) = c_k``: writing ``H = [[h1 h2 h3] [h4 h5 h6] [h7 h8 1]]``,
+    each correspondence ``(x, y) → (u, v)`` gives two linear equations
+    ``h1 x + h2 y + h3 − h7 x u − h8 y u = u`` and ``h4 x + h5 y + h6 − h7 x v − h8 y v = v``; the
+    four corners give an 8×8 system, solved for all views at once in float64.
+
+    Args:
+        corner_offsets: ``(B, 4, 2)`` displacements ``δ_k`` of TL, TR, BR, BL in normalised coordinates.
+
+    Returns:
+        ``(B, 3, 3)`` float64 homographies (identity for zero offsets).
+    """
+    offsets = corner_offsets.to(torch.float64)
+    corners = torch.tensor(_CORNERS, dtype=torch.float64, device=offsets.device).expand_as(offsets)
+    ends = corners + offsets
+    x, y = ends[..., 0], ends[..., 1]
+    u, v = corners[..., 0], corners[..., 1]
+    one, zero = torch.ones_like(x), torch.zeros_like(x)
+    rows_u = torch.stack([x, y, one, zero, zero, zero, -x * u, -y * u], dim=-1)
+    rows_v = torch.stack([zero, zero, zero, x, y, one, -x * v, -y * v], dim=-1)
+    system = torch.stack([rows_u, rows_v], dim=2).reshape(-1, 8, 8)
+    targets = torch.stack([u, v], dim=2).reshape(-1, 8)
+    solution = torch.linalg.solve(system, targets)
+    return torch.cat([solution, torch.ones_like(solution[:, :1])], dim=1).view(-1, 3, 3)
+
+
+def warp_grid(
+    homographies: Tensor,
+    crop_centres: Tensor,
+    crop_half_sizes: Tensor,
+    *,
+    height: int,
+    width: int,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Sampling grid of crop-then-perspective, and how much of each output pixel lies in the frame.
+
+    An output pixel at normalised ``p`` comes from ``q = H(p)`` in the cropped-and-resized frame
+    (:func:`corner_homographies`), which is the source point ``centre + half · q`` of the image
+    (Fu et al. 2021, eq. 7–8 composed). Pixels with ``q`` outside ``[−1, 1]²`` are uncovered by the
+    distortion; ``inside`` fades them out across the edge over one output pixel, as bilinear sampling
+    with zero padding would (so with ``fill = 0`` the result equals torchvision's ``perspective``), and
+    the caller blends in the fill value. Points beyond the homography's vanishing line count as outside.
+
+    Returns:
+        ``grid (B, H, W, 2)`` and ``inside (B, H, W)`` in ``[0, 1]``, float32 on ``device``.
+    """
+    dev = torch.device(device) if device is not None else homographies.device
+    f32 = {"dtype": torch.float32, "device": dev}
+    # Pixel centres; kept separable, (1, 1, W) and (1, H, 1), so that every affine combination
+    # a·x + b·y + c costs a single full-size addition.
+    xs = ((2.0 * torch.arange(width, **f32) + 1.0) / width - 1.0).view(1, 1, width)
+    ys = ((2.0 * torch.arange(height, **f32) + 1.0) / height - 1.0).view(1, height, 1)
+    h = homographies.to(**f32).view(-1, 3, 3, 1, 1).unbind(dim=1)
+    depth = h[2][:, 0] * xs + (h[2][:, 1] * ys + h[2][:, 2])
+    behind = depth <= 1e-6  # beyond the vanishing line: no point of the frame lands here
+    depth.clamp_(min=1e-6)
+    centres = crop_centres.to(**f32).view(-1, 2, 1, 1)
+    halves = crop_half_sizes.to(**f32).view(-1, 2, 1, 1)
+    grid = torch.empty((*depth.shape, 2), **f32)
+    inside = torch.ones_like(depth)
+    for axis, extent in ((0, width), (1, height)):
+        frame = (h[axis][:, 0] * xs + (h[axis][:, 1] * ys + h[axis][:, 2])).div_(depth)
+        frame.clamp_(-4.0, 4.0)  # far outside but finite
+        # Fade from 1 to 0 across the frame's edge, between half a pixel inside and half a pixel
+        # outside it: what bilinear sampling with zero padding does at an image border.
+        fade = frame.abs().mul_(-extent / 2.0).add_(0.5 + extent / 2.0).clamp_(0.0, 1.0)
+        inside.mul_(fade)
+        torch.addcmul(centres[:, axis], halves[:, axis], frame, out=grid[..., axis])
+    inside.masked_fill_(behind, 0.0)
+    return grid, inside
+
+
+def check_images(images: Tensor, name: str = "images") -> None:
+    """Raise ``ValueError`` unless ``images`` is a non-empty float ``(M, C, H, W)`` batch in ``[0, 1]``."""
+    if not isinstance(images, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(images).__name__}")
+    if images.dim() != 4 or images.shape[0] < 1:
+        raise ValueError(
+            f"{name} must be a non-empty (M, C, H, W) batch, got shape {tuple(images.shape)}"
+        )
+    if not images.dtype.is_floating_point:
+        raise ValueError(
+            f"{name} must be float in [0, 1], got dtype {images.dtype}; convert uint8 images with "
+            "`images.float() / 255`"
+        )
+    if images.shape[1] not in (1, 3):
+        raise ValueError(
+            f"{name} must have 1 or 3 channels for the colour jitter, got {images.shape[1]}"
+        )
+    low, high = images.min().item(), images.max().item()
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"{name} contains NaN or inf")
+    if low < -1e-4 or high > 1.0 + 1e-4:
+        raise ValueError(
+            f"{name} must be un-normalised pixels in [0, 1], got values in [{low:.3g}, {high:.3g}]; "
+            "apply the graded transforms before normalisation (the model normalises inside forward)"
+        )
+
+
+def _check_number(
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _describe(levels: GradedLevels, n: int) -> str:
+    return ", ".join(f"{c}={getattr(levels, c)[n]:.3g}" for c in levels._fields)
