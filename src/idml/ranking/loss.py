@@ -11,8 +11,9 @@ With ``S_{m,n} = cos(g(x_m), g(T_n(x_m)))`` the similarity of image ``m`` to its
 The ``1/s`` factor is the one under which the paper's gradient (eq. 15) holds as printed, with no
 ``s``: with ``h_{m,n} = exp(s · (S_{m,n+1} − S_{m,n} + α))`` (``h_{m,0} = h_{m,N} = 0``),
 ``∂L_sort/∂S_{m,n} = (1/M) · (h_{m,n−1} − h_{m,n}) / (1 + Σ_j h_{m,j})`` — harder (more violated) pairs
-get larger gradients. As ``s → ∞`` each term tends to the hinge of eq. 13 (``max(0, …)`` of the worst
-violation), so a batch ordered by more than the margin costs nothing.
+get larger gradients. As ``s → ∞`` an image's term tends to the largest of its hinges
+``[S_{m,n+1} − S_{m,n} + α]₊`` (eq. 13 with the mean replaced by a max), so views ordered by more
+than the margin cost nothing.
 
 Example:
     >>> import torch
@@ -21,7 +22,7 @@ Example:
     >>> round(out.sort.item(), 6), round(out.pos.item(), 6)
     (0.0, 0.0)
     >>> swapped = torch.tensor([[0.8, 0.95, 0.65, 0.5]])
-    >>> round(RankingLoss(scale=200.0)(swapped).sort.item(), 3)  # → the hinge 0.15 + 0.05
+    >>> round(RankingLoss(scale=200.0)(swapped).sort.item(), 3)  # → the worst hinge 0.15 + 0.05
     0.2
 """
 
