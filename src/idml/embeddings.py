@@ -86,7 +86,9 @@ def check_matrix(name: str, value: Tensor) -> None:
         raise ValueError(f"{name} must have shape (batch, dim), got {tuple(value.shape)}")
     if not value.dtype.is_floating_point:
         raise ValueError(f"{name} must be a floating tensor, got dtype {value.dtype}")
-    if not bool(torch.isfinite(value).all()):
+    # A NaN or inf anywhere makes the sum non-finite: one reduction instead of an elementwise mask on
+    # every loss call. The sum can also overflow on finite input, hence the exact check behind it.
+    if not bool(torch.isfinite(value.detach().sum())) and not bool(torch.isfinite(value).all()):
         bad = (~torch.isfinite(value)).any(dim=1).nonzero().flatten()[:5].tolist()
         raise ValueError(
             f"{name} contains NaN or inf (rows {bad}...); check the learning rate, the input "
