@@ -614,3 +614,11 @@ def test_ranking_task_learns_to_order_views(digits: Tensor) -> None:
     loss_after, ordered_after = evaluate()
     assert loss_after < 0.9 * loss_before
     assert ordered_before < 0.1 and ordered_after > 0.5
+
+
+def test_ssr_module_moves_between_devices_and_dtypes() -> None:
+    """nn.Module.to() must work (a method named ``_apply`` once shadowed torch's own)."""
+    from idml.ranking import SelfSupervisedRanking
+
+    module = SelfSupervisedRanking(feature_dim=8).to("cpu").double()
+    assert next(module.parameters()).dtype == torch.float64

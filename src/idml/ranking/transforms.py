@@ -295,7 +295,7 @@ class GradedTransforms(nn.Module):
     def forward(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Views ``(M, N + 1, C, H, W)`` of ``images`` ``(M, C, H, W)``, ``[:, 0]`` = ``images``."""
         check_images(images)
-        return self._apply(images, self.sample_params(images.shape[0], generator))
+        return self._render(images, self.sample_params(images.shape[0], generator))
 
     def sample_params(
         self, num_images: int, generator: torch.Generator | None = None
@@ -357,9 +357,9 @@ class GradedTransforms(nn.Module):
             got = tuple(getattr(params, name).shape)
             if got != shape:
                 raise ValueError(f"params.{name} must have shape {shape} for {m} images, got {got}")
-        return self._apply(images, params)
+        return self._render(images, params)
 
-    def _apply(self, images: Tensor, params: GradedViewParams) -> Tensor:
+    def _render(self, images: Tensor, params: GradedViewParams) -> Tensor:
         m, c, h, w = images.shape
         n = self.num_levels
 
