@@ -93,8 +93,9 @@ class FastAPLoss(MetricLoss):
         return hist[:, num_bins + 1 :], hist[:, : num_bins + 1]
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
-        positive = labels.positive_mask()
-        negative = labels.negative_mask()
+        # One intersection matrix for both masks (positives exclude the anchor itself).
+        related = labels.intersects()
+        positive, negative = related.clone().fill_diagonal_(False), ~related
         num_positives = positive.sum(dim=1)
         has_positive = num_positives > 0
         if not bool(has_positive.any()):

@@ -210,7 +210,9 @@ class PELLoss(MetricLoss):
         log_match, log_mismatch = match_log_probabilities(
             samples, self.scale.to(mean.dtype), self.bias.to(mean.dtype), self.sample_pairing
         )
-        positive, negative = labels.positive_mask(), labels.negative_mask()
+        # One intersection matrix for both masks (positives exclude self-pairs).
+        related = labels.intersects()
+        positive, negative = related.clone().fill_diagonal_(False), ~related
         parts = []
         if bool(positive.any()):
             parts.append(-log_match[positive].mean())

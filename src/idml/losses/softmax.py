@@ -74,10 +74,10 @@ def set_label_cross_entropy(
     log_probs = torch.log_softmax(logits, dim=1)
     if set_target == "sum":
         return -torch.logsumexp(log_probs.masked_fill(~membership, float("-inf")), dim=1)
-    weights = membership.to(log_probs.dtype)
-    # masked_fill, not multiplication: a -inf log-probability outside the set must not give 0·inf.
-    picked = log_probs.masked_fill(~membership, 0.0)
-    return -(picked.sum(dim=1) / weights.sum(dim=1))
+    # log_softmax of finite logits is finite, so multiplying by a 0/1 target never meets 0·inf.
+    target = membership.to(log_probs.dtype)
+    target = target / target.sum(dim=1, keepdim=True)
+    return -(log_probs * target).sum(dim=1)
 
 
 def similarity_logits(metric: Metric, values: Tensor) -> Tensor:
