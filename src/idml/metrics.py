@@ -236,7 +236,8 @@ class IntrospectiveMetric(Metric):
         """``y = (β^p + γ) / (τ·α^p)``; exactly 0 where ``β^p + γ = 0`` (even at ``α = 0``)."""
         # pow(1) is not free (a copy forward, extra multiplies backward): skip it for the paper's p = 1.
         if self.power == 1:
-            return (beta + self.gamma) / (self.tau * alpha.clamp_min(1e-6))
+            num = beta if self.gamma == 0 else beta + self.gamma
+            return num / (self.tau * alpha.clamp_min(1e-6))
         return (beta.square() + self.gamma) / (self.tau * alpha.clamp_min(1e-6).square())
 
     def weaken(self, plain: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
@@ -265,7 +266,8 @@ class IntrospectiveMetric(Metric):
             return plain
         if self.delta_normalized and isinstance(self.base, CosineSimilarity):
             # On the unit sphere ||x̂ − ŷ||² = 2 − 2·cos: no second normalisation and Gram matrix.
-            return safe_norm_from_squares(2.0 - 2.0 * plain)
+            # relative_uncertainty clamps α at 1e-6 anyway, so a plain clamp replaces the safe norm.
+            return (2.0 - 2.0 * plain).clamp_min(1e-12).sqrt()
         if self.delta_normalized:
             x, y = F.normalize(x, dim=1), F.normalize(y, dim=1)
         return safe_norm_from_squares(pairwise_squared_distance(x, y))
