@@ -202,18 +202,22 @@ def reference_pel(
     scale: float,
     bias: float,
     kl_weight: float,
+    sample_pairing: str = "all",
 ) -> float:
-    """Scalar-loop reference of the PEL loss (all K² sample pairs, balanced BCE, KL)."""
+    """Scalar-loop reference of the PEL loss (K² or K sample pairs, balanced BCE, KL)."""
     num_samples, batch, dim = noise.shape
     z = [[[mean[i, c].item() + math.exp(0.5 * log_var[i, c].item()) * noise[k, i, c].item()
            for c in range(dim)] for i in range(batch)] for k in range(num_samples)]  # fmt: skip
     pos, neg = [], []
     for i, j in itertools.permutations(range(batch), 2):
+        if sample_pairing == "all":
+            sample_pairs = list(itertools.product(range(num_samples), repeat=2))
+        else:
+            sample_pairs = [(k, k) for k in range(num_samples)]
         p = 0.0
-        for k, k2 in itertools.product(range(num_samples), repeat=2):
-            distance = math.dist(z[k][i], z[k2][j])
-            p += sigmoid(-scale * distance + bias)
-        p /= num_samples**2
+        for k, k2 in sample_pairs:
+            p += sigmoid(-scale * math.dist(z[k][i], z[k2][j]) + bias)
+        p /= len(sample_pairs)
         if label_sets[i] & label_sets[j]:
             pos.append(-math.log(p))
         else:
@@ -227,8 +231,9 @@ def reference_pel(
     return sum(parts) / len(parts) + kl_weight * kl / batch
 
 
+@pytest.mark.parametrize("sample_pairing", ["all", "matched"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_pel_loss_equals_scalar_reference_with_set_labels(seed: int) -> None:
+def test_pel_loss_equals_scalar_reference_with_set_labels(seed: int, sample_pairing: str) -> None:
     generator = torch.Generator().manual_seed(100 + seed)
     batch, dim, num_samples = 6, 3, 3
     mean = torch.randn(batch, dim, generator=generator, dtype=torch.float64)
@@ -240,6 +245,7 @@ def test_pel_loss_equals_scalar_reference_with_set_labels(seed: int) -> None:
         kl_weight=0.3,  # large, so that a wrong KL shows
         init_scale=0.7,
         init_bias=1.2,
+        sample_pairing=sample_pairing,  # type: ignore[arg-type]
         generator=torch.Generator().manual_seed(seed),
     ).double()
     value = loss_fn(Embeddings(mean, log_var), labels).item()
@@ -249,12 +255,12 @@ def test_pel_loss_equals_scalar_reference_with_set_labels(seed: int) -> None:
     # The parameters were created in float32: compare against the values actually stored.
     scale, bias = loss_fn.scale.item(), loss_fn.bias.item()
     assert (scale, bias) == pytest.approx((0.7, 1.2), rel=1e-6)
-    expected = reference_pel(mean, log_var, noise, label_sets, scale, bias, 0.3)
+    expected = reference_pel(mean, log_var, noise, label_sets, scale, bias, 0.3, sample_pairing)
     assert value == pytest.approx(expected, rel=1e-10)
     # Read as singletons, the mixed images' extra positives vanish and the value changes.
     singles = loss_fn.__class__(
         num_samples=num_samples, kl_weight=0.3, init_scale=0.7, init_bias=1.2,
-        generator=torch.Generator().manual_seed(seed),
+        sample_pairing=sample_pairing, generator=torch.Generator().manual_seed(seed),
     ).double()(Embeddings(mean, log_var), labels.primary)  # fmt: skip
     assert singles.item() != pytest.approx(value, rel=1e-6)
 

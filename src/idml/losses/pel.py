@@ -70,6 +70,22 @@ def _sample_distances(samples: Tensor, sample_pairing: SamplePairing) -> Tensor:
     return safe_norm_from_squares(squared)
 
 
+def _check_samples(samples: Tensor, sample_pairing: str) -> None:
+    if sample_pairing not in _PAIRINGS:
+        raise ValueError(f"sample_pairing must be one of {_PAIRINGS}, got {sample_pairing!r}")
+    if samples.dim() != 3:
+        raise ValueError(
+            f"samples must have shape (num_samples, batch, dim), got {tuple(samples.shape)}"
+        )
+
+
+def _log_mean_sigmoid(logits: Tensor, sample_pairing: SamplePairing) -> Tensor:
+    """``log mean sigmoid(ℓ)`` over the sample axes, as ``logsumexp(logsigmoid(ℓ)) − log(#pairs)``."""
+    sample_dims = (0, 2) if sample_pairing == "all" else (0,)
+    log_count = math.log(math.prod(logits.shape[d] for d in sample_dims))
+    return torch.logsumexp(F.logsigmoid(logits), dim=sample_dims) - log_count
+
+
 def match_log_probabilities(
     samples: Tensor,
     scale: Tensor | float,
@@ -89,18 +105,9 @@ def match_log_probabilities(
         bias: ``b``.
         sample_pairing: ``"all"`` or ``"matched"``.
     """
-    if sample_pairing not in _PAIRINGS:
-        raise ValueError(f"sample_pairing must be one of {_PAIRINGS}, got {sample_pairing!r}")
-    if samples.dim() != 3:
-        raise ValueError(
-            f"samples must have shape (num_samples, batch, dim), got {tuple(samples.shape)}"
-        )
+    _check_samples(samples, sample_pairing)
     logits = -scale * _sample_distances(samples, sample_pairing) + bias
-    sample_dims = (0, 2) if sample_pairing == "all" else (0,)
-    log_count = math.log(math.prod(logits.shape[d] for d in sample_dims))
-    log_match = torch.logsumexp(F.logsigmoid(logits), dim=sample_dims) - log_count
-    log_mismatch = torch.logsumexp(F.logsigmoid(-logits), dim=sample_dims) - log_count
-    return log_match, log_mismatch
+    return _log_mean_sigmoid(logits, sample_pairing), _log_mean_sigmoid(-logits, sample_pairing)
 
 
 def match_probability(
@@ -207,17 +214,21 @@ class PELLoss(MetricLoss):
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         mean, log_variance = self._gaussian(embeddings)
         samples = self.sample(mean, log_variance)
-        log_match, log_mismatch = match_log_probabilities(
-            samples, self.scale.to(mean.dtype), self.bias.to(mean.dtype), self.sample_pairing
-        )
         # One intersection matrix for both masks (positives exclude self-pairs).
         related = labels.intersects()
         positive, negative = related.clone().fill_diagonal_(False), ~related
+        # Each pair needs only its own side: log p for positives, log(1 − p) = log mean sigmoid(−ℓ)
+        # for negatives. Flipping the sign of ℓ per pair halves the work on the (K, B, K, B) logits.
+        logits = -self.scale.to(mean.dtype) * _sample_distances(samples, self.sample_pairing)
+        logits = logits + self.bias.to(mean.dtype)
+        sign = torch.where(related, 1.0, -1.0).to(mean.dtype)
+        sign = sign[None, :, None, :] if self.sample_pairing == "all" else sign
+        log_likelihood = _log_mean_sigmoid(logits * sign, self.sample_pairing)
         parts = []
         if bool(positive.any()):
-            parts.append(-log_match[positive].mean())
+            parts.append(-log_likelihood[positive].mean())
         if bool(negative.any()):
-            parts.append(-log_mismatch[negative].mean())
+            parts.append(-log_likelihood[negative].mean())
         kl = gaussian_kl_to_standard(mean, log_variance).mean()
         match = torch.stack(parts).mean() if parts else kl * 0.0
         return match + self.kl_weight * kl
