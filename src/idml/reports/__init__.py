@@ -1,0 +1,20 @@
+"""Run reports: an offline HTML page with training curves, test metrics and the papers' figures.
+
+* :mod:`idml.reports.runs` — read a run folder (:func:`read_run`) and analyse its checkpoint on the
+  test split (:func:`analyse_run`).
+* :mod:`idml.reports.figures` — the Matplotlib figures.
+* :mod:`idml.reports.page` — :func:`write_report`, the page itself (``idml report``).
+"""
+
+from idml.reports.page import RunReport, write_report
+from idml.reports.runs import AnalysisOptions, RunLog, TestAnalysis, analyse_run, read_run
+
+__all__ = [
+    "AnalysisOptions",
+    "RunLog",
+    "RunReport",
+    "TestAnalysis",
+    "analyse_run",
+    "read_run",
+    "write_report",
+]

@@ -1,0 +1,326 @@
+"""``idml report``: one offline HTML page (plus its PNG figures) for one or several runs.
+
+The page has a comparison section (a table of every run's method and test metrics, Recall@K bars and
+precision–recall curves) and a section per run: training curves, the uncertainty trend of original
+vs mixed training images (Wang et al. 2022, Fig. 7), the histogram of test-set uncertainty levels of
+original vs mixed test images (Fig. 9), a top-5 retrieval grid (Fu et al. 2021, Fig. 5) and a t-SNE
+of test embeddings. What a run cannot show (no uncertainty head, SSR off, no checkpoint) is said in
+words instead of drawn as an empty plot. The page needs no network and no JavaScript: figures are
+PNG files beside it (``figures/``), or also embedded as ``data:`` URIs with ``inline=True``.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure
+
+from idml.reports import figures
+from idml.reports.runs import AnalysisOptions, RunLog, TestAnalysis, analyse_run, read_run
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222;
+       padding: 0 1em; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 2em; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }
+th { background: #f3f3f3; } td.text, th.text { text-align: left; }
+figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { font-size: 0.85em; color: #555; }
+p.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: 0.4em 0.8em; }
+.meta { color: #666; font-size: 0.85em; }
+"""
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>{title}</title>
+<style>{style}</style>
+</head>
+<body>
+<h1>{title}</h1>
+<p class="meta">{meta}</p>
+{body}
+</body>
+</html>
+"""
+
+
+@dataclass
+class RunReport:
+    """One run's log, its test analysis (``None`` when skipped) and why things are missing."""
+
+    log: RunLog
+    label: str
+    analysis: TestAnalysis | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Test metrics of the analysed checkpoint, else of the last logged evaluation."""
+        return self.analysis.metrics if self.analysis is not None else self.log.last_metrics
+
+
+def write_report(
+    run_dirs: Sequence[Path],
+    out_dir: Path,
+    options: AnalysisOptions | None = None,
+    analyse: bool = True,
+    inline: bool = False,
+    device: torch.device | None = None,
+    progress: bool = False,
+    log: Callable[[str], object] = lambda _: None,
+) -> Path:
+    """Write ``out_dir/index.html`` and ``out_dir/figures/*.png`` for the given run folders.
+
+    Args:
+        run_dirs: run folders written by ``idml train`` (at least one).
+        out_dir: where the page and its figures go (created).
+        options: test-set analysis settings (checkpoint, queries, sample sizes, seed).
+        analyse: load each run's checkpoint and analyse the test split; ``False`` draws only what
+            the logs hold (training curves, uncertainty trend, Recall@K of the last evaluation).
+        inline: also embed every figure in the page as a base64 ``data:`` URI (one-file page).
+        device: where to embed test images (default CPU).
+        progress: progress bars while embedding.
+        log: receives a line per run analysed.
+
+    Returns:
+        The path of the HTML page.
+    """
+    from idml.checkpoint import CheckpointError
+
+    if not run_dirs:
+        raise ValueError("give at least one run folder to report on")
+    options = options or AnalysisOptions()
+    runs = [read_run(Path(d)) for d in run_dirs]
+    reports = [RunReport(run, label, None) for run, label in zip(runs, _labels(runs), strict=True)]
+    for report in reports:
+        if not analyse:
+            report.notes.append(
+                "Test-set analysis was not requested (--no-test): metrics are those of the last "
+                "logged evaluation; no retrieval grid, test uncertainty or t-SNE."
+            )
+            continue
+        try:
+            report.analysis = analyse_run(report.log, options, device, progress)
+        except CheckpointError as err:
+            report.notes.append(f"No test-set analysis: {err}")
+            continue
+        log(
+            f"analysed {report.label}: {report.analysis.checkpoint} checkpoint, "
+            f"epoch {report.analysis.epoch}"
+        )
+
+    out_dir = Path(out_dir)
+    figure_dir = out_dir / "figures"
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    page = _Page(out_dir, inline)
+    body = [_comparison(reports, page)]
+    body += [_run_section(i, report, page) for i, report in enumerate(reports)]
+    title = "idml report: " + ", ".join(r.label for r in reports)
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    from idml import __version__
+
+    meta = f"Generated {stamp} by idml {__version__} from {len(reports)} run(s)."
+    index = out_dir / "index.html"
+    index.write_text(
+        _PAGE.format(
+            title=html.escape(title), style=_STYLE, meta=html.escape(meta), body="\n".join(body)
+        ),
+        encoding="utf-8",
+    )
+    return index
+
+
+# --------------------------------------------------------------------------- page pieces
+class _Page:
+    """Writes figures into ``figures/`` and returns the ``<figure>`` markup that shows them."""
+
+    def __init__(self, out_dir: Path, inline: bool) -> None:
+        self.out_dir = out_dir
+        self.inline = inline
+
+    def figure(self, figure: Figure, name: str, caption: str) -> str:
+        path = figures.save_png(figure, self.out_dir / "figures" / f"{name}.png")
+        if self.inline:
+            source = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+        else:
+            source = f"figures/{path.name}"
+        text = html.escape(caption)
+        return (
+            f'<figure><img src="{html.escape(source)}" alt="{text}">'
+            f"<figcaption>{text}</figcaption></figure>"
+        )
+
+
+def _note(text: str) -> str:
+    return f'<p class="note">{html.escape(text)}</p>'
+
+
+def _labels(runs: Sequence[RunLog]) -> list[str]:
+    """Distinct display names: the folder name, with its parent when folder names repeat."""
+    labels = [run.run_dir.name or str(run.run_dir) for run in runs]
+    if len(set(labels)) < len(labels):
+        labels = [f"{run.run_dir.parent.name}/{run.run_dir.name}" for run in runs]
+    if len(set(labels)) < len(labels):
+        labels = [f"{i + 1}: {label}" for i, label in enumerate(labels)]
+    return labels
+
+
+def _slug(index: int, label: str) -> str:
+    return f"{index + 1:02d}-" + re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")[:60]
+
+
+def _metric_keys(reports: Sequence[RunReport]) -> list[str]:
+    from idml.ablation import metric_sort_key
+
+    keys = {k for r in reports for k in r.metrics}
+    return sorted(keys, key=metric_sort_key)
+
+
+def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
+    from idml.ablation import metric_label
+
+    keys = _metric_keys(reports)
+    head = "".join(f"<th>{html.escape(metric_label(k))} (%)</th>" for k in keys)
+    rows = []
+    for report in reports:
+        cfg = report.log.config
+        if report.analysis is not None:
+            source = f"{report.analysis.checkpoint} checkpoint, epoch {report.analysis.epoch}"
+        else:
+            source = "last logged evaluation" if report.metrics else "not evaluated"
+        cells = "".join(
+            f"<td>{100 * report.metrics[k]:.2f}</td>" if k in report.metrics else "<td>–</td>"
+            for k in keys
+        )
+        rows.append(
+            f'<tr><td class="text">{html.escape(report.label)}</td>'
+            f'<td class="text">{html.escape(report.log.method)}</td>'
+            f'<td class="text">{html.escape(cfg.data.dataset)}, {html.escape(cfg.model.backbone)}, '
+            f"d={cfg.model.embedding_dim}</td>"
+            f"<td>{len(report.log.history)}/{cfg.optim.epochs}</td>"
+            f'<td class="text">{html.escape(source)}</td>{cells}'
+            f"<td>{report.log.training_seconds:.1f}</td></tr>"
+        )
+    table = (
+        '<table><tr><th class="text">run</th><th class="text">method</th>'
+        '<th class="text">data, backbone</th><th>epochs</th><th class="text">metrics from</th>'
+        f"{head}<th>train time (s)</th></tr>\n" + "\n".join(rows) + "</table>"
+    )
+    parts = ["<h2>Comparison</h2>", table]
+    names = [r.label for r in reports]
+    if any(k.startswith("recall@") for k in keys):
+        bars = figures.recall_bars(names, [r.metrics for r in reports])
+        parts.append(page.figure(bars, "00-recall", "Recall@K on the test split, per run."))
+    else:
+        parts.append(_note("No run has Recall@K results yet, so there are no Recall@K bars."))
+    curves = [(r.label, r.analysis.pr_curve) for r in reports if r.analysis and r.analysis.pr_curve]
+    if curves:
+        figure = figures.pr_curves([c[0] for c in curves], [c[1] for c in curves])
+        parts.append(
+            page.figure(
+                figure,
+                "00-precision-recall",
+                "Precision against recall over each query's ranked test gallery, averaged over "
+                "queries.",
+            )
+        )
+    else:
+        parts.append(
+            _note("No precision–recall curve: it needs the test-set analysis of a checkpoint.")
+        )
+    return "\n".join(parts)
+
+
+def _run_section(index: int, report: RunReport, page: _Page) -> str:
+    run, analysis = report.log, report.analysis
+    cfg = run.config
+    slug = _slug(index, report.label)
+    batch = cfg.sampler.effective_batch_size
+    parts = [
+        f"<h2>Run {html.escape(report.label)}</h2>",
+        f'<p class="meta">Folder {html.escape(str(run.run_dir))}; name {html.escape(cfg.name)}; '
+        f"{html.escape(run.method)}; batch {batch}; seed {cfg.seed}.</p>",
+        *(_note(text) for text in report.notes),
+        "<h3>Training curves</h3>",
+        page.figure(
+            figures.training_curves(run),
+            f"{slug}-curves",
+            "Mean training losses, test metrics (evaluated epochs) and learning rates per epoch.",
+        ),
+    ]
+    if not run.ssr_enabled:
+        parts.append(_note("SSR was off in this run, so there is no ranking-loss curve."))
+
+    parts.append("<h3>Uncertainty during training</h3>")
+    if run.has_uncertainty:
+        parts.append(
+            page.figure(
+                figures.uncertainty_trend(run),
+                f"{slug}-uncertainty-trend",
+                "Mean uncertainty level ||u|| of original and mixed training images per epoch "
+                "(IDML paper, Fig. 7).",
+            )
+        )
+        if not run.mixup_enabled:
+            parts.append(_note("Mixup was off in training, so only original images appear."))
+    else:
+        parts.append(
+            _note(
+                "This run has no uncertainty head (plain metric), so there is no uncertainty "
+                "level to follow during training."
+            )
+        )
+
+    if analysis is None:
+        return "\n".join(parts)
+    parts.append("<h3>Test-set uncertainty</h3>")
+    if analysis.uncertainty is not None:
+        parts.append(
+            page.figure(
+                figures.uncertainty_histogram(analysis.uncertainty, analysis.mixed_uncertainty),
+                f"{slug}-uncertainty-test",
+                "Uncertainty levels ||u|| of the original test images and of Mixup images of "
+                f"random test pairs, {analysis.checkpoint} checkpoint (IDML paper, Fig. 9).",
+            )
+        )
+    else:
+        parts.append(
+            _note("This run has no uncertainty head (plain metric): no test uncertainty levels.")
+        )
+
+    parts.append("<h3>Retrieval examples</h3>")
+    if len(analysis.queries):
+        parts.append(
+            page.figure(
+                figures.retrieval_grid(analysis),
+                f"{slug}-retrieval",
+                f"Random test queries (left) and their top-{analysis.neighbors.shape[1]} "
+                "neighbours; green: same class, red: another class (SSR paper, Fig. 5).",
+            )
+        )
+    else:
+        parts.append(_note("No query has another image of its class, so there is no grid."))
+
+    parts.append("<h3>Embedding t-SNE</h3>")
+    if analysis.tsne is not None:
+        parts.append(
+            page.figure(
+                figures.tsne_scatter(analysis.tsne, analysis.tsne_labels, analysis.class_names),
+                f"{slug}-tsne",
+                "t-SNE of L2-normalised semantic test embeddings, coloured by class.",
+            )
+        )
+    parts.extend(_note(text) for text in analysis.notes)
+    return "\n".join(parts)

@@ -1,0 +1,416 @@
+"""What a report knows about a run: its log (no model needed) and a fresh test-set analysis.
+
+:func:`read_run` reads a run folder written by :class:`~idml.training.Trainer` (``config.yaml`` and
+``metrics.jsonl``). :func:`analyse_run` loads the run's checkpoint and measures on the test split
+everything the figures need: retrieval metrics and the precision–recall curve, each test image's
+uncertainty level ``||u||`` next to that of Mixup images made from test images (Wang et al. 2022,
+Fig. 9), the top-``k`` neighbours of sampled queries (Fu et al. 2021, Fig. 5) and a t-SNE of the
+semantic embeddings (van der Maaten & Hinton 2008).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from torch import Tensor
+from torch.utils.data import DataLoader, Subset
+
+from idml.config import Config, validate_config
+from idml.embeddings import Embeddings
+
+
+# --------------------------------------------------------------------------- run log
+@dataclass(frozen=True)
+class RunLog:
+    """A run folder's config and per-epoch log (one dict per line of ``metrics.jsonl``).
+
+    Log keys (see :mod:`idml.training`): ``epoch`` (0-based), ``seconds``, ``steps``,
+    ``loss/<part>``, ``lr/<group>``, ``uncertainty/<original|mixed|degraded>`` (mean ``||u||``)
+    and ``test/<metric>`` on evaluated epochs.
+    """
+
+    run_dir: Path
+    config: Config
+    history: tuple[dict[str, float], ...]
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def keys(self, prefix: str) -> list[str]:
+        """Log keys starting with ``prefix``, in first-seen order."""
+        seen: dict[str, None] = {}
+        for line in self.history:
+            for key in line:
+                if key.startswith(prefix):
+                    seen[key] = None
+        return list(seen)
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(epochs, values)`` of one key over the epochs that logged a finite value (1-based)."""
+        points = [
+            (int(line["epoch"]) + 1, float(line[key]))
+            for line in self.history
+            if isinstance(line.get(key), (int, float)) and math.isfinite(float(line[key]))
+        ]
+        if not points:
+            return np.zeros(0), np.zeros(0)
+        epochs, values = zip(*points, strict=True)
+        return np.asarray(epochs), np.asarray(values)
+
+    @property
+    def has_uncertainty(self) -> bool:
+        """The model has an uncertainty head (IDML) whose levels were logged."""
+        return bool(self.keys("uncertainty/"))
+
+    @property
+    def ssr_enabled(self) -> bool:
+        return self.config.ssr.enabled
+
+    @property
+    def mixup_enabled(self) -> bool:
+        return self.config.mixup.enabled
+
+    @property
+    def training_seconds(self) -> float:
+        """Sum of the logged epoch times (training only, evaluation excluded)."""
+        return float(sum(float(line.get("seconds", 0.0)) for line in self.history))
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """Test metrics of the last evaluated epoch (``{}`` if none was evaluated)."""
+        for line in reversed(self.history):
+            found = {k[5:]: float(v) for k, v in line.items() if k.startswith("test/")}
+            if found:
+                return found
+        return {}
+
+    @property
+    def method(self) -> str:
+        """Short description: loss, metric (plain / ISM variant), Mixup, SSR."""
+        cfg = self.config
+        parts = [cfg.loss.name]
+        if cfg.metric.introspective:
+            variant = {"soft": "ISM", "dissimilar": "ISM-Dis", "strict": "ISM-strict"}
+            parts.append(
+                f"{variant[cfg.metric.variant]} (γ={cfg.metric.gamma:g}, τ={cfg.metric.tau:g})"
+            )
+        if cfg.mixup.enabled:
+            parts.append("Mixup")
+        if cfg.ssr.enabled:
+            parts.append("SSR")
+        return " + ".join(parts)
+
+
+def read_run(run_dir: Path) -> RunLog:
+    """Read ``config.yaml`` and ``metrics.jsonl`` of a run folder written by ``idml train``.
+
+    Raises:
+        FileNotFoundError: the folder or one of the two files is missing.
+        ValueError: a file is not valid (names the file and line), or no epoch has finished.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(
+            f"run folder {run_dir} does not exist; pass a folder written by `idml train`"
+        )
+    config_path, log_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    for path in (config_path, log_path):
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing; {run_dir} is not a run folder written by `idml train`"
+            )
+    try:
+        raw = yaml.safe_load(config_path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{config_path} is not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} must hold a mapping of config keys")
+    config = validate_config(raw, source=str(config_path))
+    history = []
+    for number, line in enumerate(log_path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{log_path}, line {number}, is not JSON ({err.msg}); the run was probably cut "
+                "off while writing: delete that line"
+            ) from err
+        if not isinstance(entry, dict) or "epoch" not in entry:
+            raise ValueError(f"{log_path}, line {number}: expected an object with an 'epoch' key")
+        history.append(entry)
+    if not history:
+        raise ValueError(f"{log_path} is empty: the run has not finished an epoch yet")
+    return RunLog(run_dir, config, tuple(history))
+
+
+# --------------------------------------------------------------------------- analysis
+@dataclass(frozen=True)
+class AnalysisOptions:
+    """How much of the test split the analysis looks at (all sampling uses ``seed``)."""
+
+    which: str = "best"
+    """Checkpoint: ``best`` (falls back to ``latest`` for runs never evaluated) or ``latest``."""
+    num_queries: int = 6
+    """Queries in the retrieval grid."""
+    top_k: int = 5
+    """Neighbours per query in the retrieval grid (Fu et al. 2021, Fig. 5: top 5)."""
+    max_mixed: int = 2000
+    """Mixed test images for the uncertainty histogram."""
+    tsne_points: int = 1000
+    """Test embeddings in the t-SNE (a random subsample above this)."""
+    batch_size: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.which not in ("best", "latest"):
+            raise ValueError(f"which must be 'best' or 'latest', got {self.which!r}")
+        for name in ("num_queries", "top_k", "max_mixed", "tsne_points", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class TestAnalysis:
+    """Test-split measurements of one checkpoint (arrays are NumPy, on the CPU)."""
+
+    checkpoint: str
+    """Which checkpoint was analysed: ``best`` or ``latest``."""
+    epoch: int
+    """Its epoch (1-based)."""
+    metrics: dict[str, float]
+    labels: np.ndarray
+    class_names: tuple[str, ...]
+    pr_curve: tuple[np.ndarray, np.ndarray] | None
+    """``(recall, precision)`` averaged over queries (see :func:`precision_recall_curve`)."""
+    uncertainty: np.ndarray | None
+    """``||u||`` of every test image (``None`` without an uncertainty head)."""
+    mixed_uncertainty: np.ndarray | None
+    """``||u||`` of Mixup images ``λ·x_a + (1 − λ)·x_b`` of random test pairs, ``λ ~ Beta(a, a)``."""
+    queries: np.ndarray
+    """``(Q,)`` test indices of the retrieval-grid queries."""
+    neighbors: np.ndarray
+    """``(Q, k)`` their nearest test images (self excluded), nearest first."""
+    grid_images: np.ndarray
+    """``(Q, 1 + k, H, W, C)`` pixels in [0, 1]: each query followed by its neighbours."""
+    tsne: np.ndarray | None
+    """``(n, 2)`` t-SNE of a subsample of semantic embeddings (``None`` when too few points)."""
+    tsne_labels: np.ndarray
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def correct(self) -> np.ndarray:
+        """``(Q, k)``: neighbour shares the query's class (Fu et al. 2021, Fig. 5: green vs red)."""
+        return self.labels[self.neighbors] == self.labels[self.queries][:, None]
+
+
+def analyse_run(
+    log: RunLog,
+    options: AnalysisOptions | None = None,
+    device: torch.device | None = None,
+    progress: bool = False,
+) -> TestAnalysis:
+    """Load the run's checkpoint and measure the test split (see :class:`TestAnalysis`).
+
+    Raises:
+        idml.checkpoint.CheckpointError: the run folder holds no checkpoint.
+    """
+    from idml import build
+    from idml.checkpoint import read_state
+    from idml.export import load_trained_model
+
+    options = options or AnalysisOptions()
+    device = device or torch.device("cpu")
+    ckpt = _checkpoint(log.run_dir, options.which)
+    cfg, model = load_trained_model(log.run_dir, which=options.which)
+    model = model.to(device)
+    epoch = int(read_state(ckpt).get("epoch", -1)) + 1
+    # "best" falls back to the latest checkpoint for a run that was never evaluated.
+    label = options.which if (ckpt.parent / options.which).is_file() else "latest"
+    test = build.build_data(cfg).test
+    embeddings, labels = build.embed_dataset(model, test, options.batch_size, device, progress)
+    metrics, pr_curve = _evaluate(cfg, embeddings, labels, device)
+    generator = torch.Generator().manual_seed(options.seed)
+
+    uncertainty = mixed = None
+    notes: list[str] = []
+    if embeddings.uncertainty is not None:
+        uncertainty = embeddings.uncertainty_level().numpy()
+        mixed = _mixed_uncertainty(cfg, model, test, options, device, generator)
+
+    queries, neighbors = _retrieval_grid_neighbours(cfg, embeddings, labels, options, generator)
+    grid = _load_images(test, np.concatenate([queries[:, None], neighbors], axis=1), options)
+
+    tsne, tsne_labels = _tsne(embeddings.semantic, labels, options, generator)
+    if tsne is None:
+        notes.append(f"t-SNE skipped: only {len(labels)} test images (it needs at least 10).")
+    return TestAnalysis(
+        checkpoint=label,
+        epoch=epoch,
+        metrics=metrics,
+        labels=labels.numpy(),
+        class_names=tuple(test.class_names),
+        pr_curve=pr_curve,
+        uncertainty=uncertainty,
+        mixed_uncertainty=mixed,
+        queries=queries,
+        neighbors=neighbors,
+        grid_images=grid,
+        tsne=tsne,
+        tsne_labels=tsne_labels,
+        notes=notes,
+    )
+
+
+def _checkpoint(run_dir: Path, which: str) -> Path:
+    """The checkpoint :func:`~idml.export.load_trained_model` loads for ``which``."""
+    from idml.checkpoint import CheckpointError, resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(run_dir, which)
+    except CheckpointError:
+        if which != "best":
+            raise
+        return resolve_checkpoint(run_dir, "latest")  # never evaluated: no best yet
+
+
+def _evaluate(
+    cfg: Config, embeddings: Embeddings, labels: Tensor, device: torch.device
+) -> tuple[dict[str, float], tuple[np.ndarray, np.ndarray] | None]:
+    """Retrieval metrics as training computes them (SPEC §9), plus the precision–recall curve."""
+    from idml import build
+    from idml.evaluation import evaluate_embeddings
+
+    ism = build.build_metric(cfg) if cfg.eval.introspective and cfg.metric.introspective else None
+    report = evaluate_embeddings(
+        embeddings.semantic,
+        labels,
+        ks=tuple(cfg.eval.ks),
+        uncertainty=embeddings.uncertainty,
+        introspective_metric=ism,
+        device=device,
+        nmi=cfg.eval.nmi,
+    )
+    curve = getattr(report, "pr_curve", None)
+    pr = None
+    if curve is not None:
+        pr = (np.asarray(curve.recall, float), np.asarray(curve.precision, float))
+    return dict(report.metrics), pr
+
+
+@torch.no_grad()
+def _mixed_uncertainty(
+    cfg: Config,
+    model: torch.nn.Module,
+    test: torch.utils.data.Dataset,
+    options: AnalysisOptions,
+    device: torch.device,
+    generator: torch.Generator,
+) -> np.ndarray:
+    """``||u||`` of Mixup images of random test pairs (Wang et al. 2022, Fig. 9).
+
+    Each shuffled batch of test images gets one mixed image per image, its partner a random other
+    image of the batch and ``λ ~ Beta(a, a)`` with the run's ``mixup.alpha`` (1 if Mixup was off).
+    """
+    from idml.augment import Mixup
+
+    mixup = Mixup(alpha=cfg.mixup.alpha if cfg.mixup.enabled else 1.0, fraction=1.0)
+    loader = DataLoader(test, batch_size=options.batch_size, shuffle=True, generator=generator)
+    was_training = model.training
+    model.eval()
+    levels: list[Tensor] = []
+    count = 0
+    for images, labels, _ in loader:
+        if count >= options.max_mixed:
+            break
+        batch = mixup(images, labels, generator)
+        mixed = batch.images[batch.mixed][: options.max_mixed - count]
+        out = model(mixed.to(device))
+        levels.append(out.uncertainty.float().norm(dim=1).cpu())
+        count += len(mixed)
+    model.train(was_training)
+    return torch.cat(levels).numpy()
+
+
+def _retrieval_grid_neighbours(
+    cfg: Config,
+    embeddings: Embeddings,
+    labels: Tensor,
+    options: AnalysisOptions,
+    generator: torch.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random queries that have at least one other image of their class, and their top-k.
+
+    Neighbours come from the exact search of the evaluation (same metric and tie rule), so the
+    grid shows exactly what Recall@K counted.
+    """
+    from idml import build
+    from idml.evaluation.knn import exact_search
+
+    n = len(labels)
+    k = min(options.top_k, n - 1)
+    counts = torch.bincount(labels)
+    eligible = torch.nonzero(counts[labels] > 1).flatten()
+    if k < 1 or len(eligible) == 0:
+        return np.zeros(0, np.int64), np.zeros((0, max(k, 0)), np.int64)
+    pick = torch.randperm(len(eligible), generator=generator)[: options.num_queries]
+    queries = eligible[pick].sort().values
+    ism = cfg.eval.introspective and cfg.metric.introspective
+    metric = build.build_metric(cfg) if ism else "cosine"
+    # The query itself is in the gallery: search k + 1 and drop it by index.
+    found = exact_search(
+        embeddings.semantic[queries],
+        labels[queries],
+        k + 1,
+        embeddings.semantic,
+        labels,
+        metric=metric,
+        query_uncertainty=None
+        if embeddings.uncertainty is None or not ism
+        else embeddings.uncertainty[queries],
+        reference_uncertainty=embeddings.uncertainty if ism else None,
+    ).neighbors.indices
+    not_self = found != queries.unsqueeze(1)
+    # Exactly one entry per row is dropped: the query, or the (k+1)-th when ties put it lower.
+    keep = torch.cumsum(not_self.long(), dim=1) <= k
+    neighbors = found[not_self & keep].view(len(queries), k)
+    return queries.numpy(), neighbors.numpy()
+
+
+def _load_images(
+    dataset: torch.utils.data.Dataset, indices: np.ndarray, options: AnalysisOptions
+) -> np.ndarray:
+    """Pixels of ``indices`` (any shape) as ``indices.shape + (H, W, C)`` in [0, 1]."""
+    flat = indices.reshape(-1).tolist()
+    if not flat:
+        return np.zeros((*indices.shape, 1, 1, 3))
+    loader = DataLoader(Subset(dataset, flat), batch_size=len(flat), shuffle=False)
+    images = next(iter(loader))[0].clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    return images.reshape(*indices.shape, *images.shape[1:])
+
+
+def _tsne(
+    semantic: Tensor, labels: Tensor, options: AnalysisOptions, generator: torch.Generator
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """t-SNE (van der Maaten & Hinton 2008) of at most ``tsne_points`` normalised embeddings."""
+    from sklearn.manifold import TSNE
+
+    n = len(labels)
+    if n < 10:
+        return None, labels.numpy()
+    chosen = torch.randperm(n, generator=generator)[: options.tsne_points].sort().values
+    points = torch.nn.functional.normalize(semantic[chosen].float(), dim=1).numpy()
+    # Perplexity must stay below the number of points; 30 is the usual value.
+    perplexity = float(min(30.0, (len(chosen) - 1) / 3))
+    embedded = TSNE(
+        n_components=2, perplexity=perplexity, init="pca", random_state=options.seed
+    ).fit_transform(points)
+    return embedded, labels[chosen].numpy()
