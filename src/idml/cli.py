@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="idml", description="Deep metric learning with IDML and SSR."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_evaluate, _add_embed, _add_demo):
+    for add in (_add_train, _add_evaluate, _add_embed, _add_demo, _add_report, _add_ablate):
         add(sub)
     return parser
 
@@ -119,3 +119,120 @@ def format_metrics(title: str, metrics: dict[str, float]) -> str:
     width = max((len(k) for k in metrics), default=6)
     lines = [title] + [f"  {k.ljust(width)}  {v:.4f}" for k, v in metrics.items()]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- report
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="HTML report (figures, metrics, comparison) of one or more runs",
+        description="Write an offline HTML page with PNG figures: training curves, Recall@K, "
+        "precision-recall, uncertainty trend and test histogram, retrieval grid, t-SNE, and a "
+        "comparison table of all runs given.",
+    )
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="run folders")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="report folder (default: RUN_DIR/report for one run, ./report for several)",
+    )
+    p.add_argument("--which", choices=["best", "latest"], default="best", help="checkpoint")
+    p.add_argument("--no-test", action="store_true", help="logs only: no test-set analysis")
+    p.add_argument("--inline", action="store_true", help="also embed figures in the HTML")
+    p.add_argument("--queries", type=int, default=6, help="queries in the retrieval grid")
+    p.add_argument("--tsne-points", type=int, default=1000, help="points in the t-SNE")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0, help="seed of all sampling in the report")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from idml.reports import AnalysisOptions, write_report
+    from idml.training import resolve_device
+
+    out = args.out or (args.runs[0] / "report" if len(args.runs) == 1 else Path("report"))
+    options = AnalysisOptions(
+        which=args.which,
+        num_queries=args.queries,
+        tsne_points=args.tsne_points,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    page = write_report(
+        args.runs,
+        out,
+        options,
+        analyse=not args.no_test,
+        inline=args.inline,
+        device=resolve_device(args.device),
+        progress=not args.no_progress,
+        log=print,
+    )
+    print(f"report: {page}")
+    return 0
+
+
+# --------------------------------------------------------------------------- ablate
+def _add_ablate(sub: argparse._SubParsersAction) -> None:
+    from idml.ablation import describe_presets
+
+    p = sub.add_parser(
+        "ablate",
+        help="train a grid of configs over seeds and tabulate mean ± std",
+        description="Run every cell of a grid for N seeds (finished cells are reused) and write "
+        "OUT/ablation.md and OUT/ablation.csv.",
+        epilog="grid keys are raw config keys (metric.gamma=0,2,4) or presets:\n"
+        + describe_presets(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", type=Path, help="YAML config of the base run")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        required=True,
+        metavar="KEY=V1,V2",
+        help="one axis of the grid (repeatable), e.g. --grid metric=plain,ism --grid mixup=on,off",
+    )
+    p.add_argument("--seeds", type=int, default=1, help="seeds per cell (config seed, +1, ...)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a base config value for every cell (repeatable)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="folder (default: runs/ablation-<name>)")
+    p.add_argument("--select", choices=["final", "best"], default="final", help="which epoch")
+    p.add_argument(
+        "--metrics", default=None, help="comma-separated metric columns (default: all reported)"
+    )
+    p.add_argument("--progress", action="store_true", help="show the trainer's progress bars")
+    p.set_defaults(run=_run_ablate)
+
+
+def _run_ablate(args: argparse.Namespace) -> int:
+    from idml.ablation import parse_grid, run_ablation
+    from idml.config import load_config
+
+    axes = parse_grid(args.grid)
+    out = args.out or Path("runs") / f"ablation-{load_config(args.config, args.overrides).name}"
+    metrics = [m.strip() for m in args.metrics.split(",")] if args.metrics else None
+    result = run_ablation(
+        args.config,
+        axes,
+        args.seeds,
+        out,
+        overrides=args.overrides,
+        select=args.select,
+        metrics=metrics,
+        progress=args.progress,
+        log=print,
+    )
+    print(result.markdown(), end="")
+    print(f"tables: {out / 'ablation.md'}, {out / 'ablation.csv'}")
+    return 0
