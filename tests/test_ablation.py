@@ -184,7 +184,7 @@ def test_config_difference_ignores_keys_that_cannot_change_results() -> None:
 
 # --------------------------------------------------------------------------- table
 def _seed(seed: int, r1: float, nmi: float, seconds: float) -> SeedResult:
-    return SeedResult(seed, Path(f"s{seed}"), {"recall@1": r1, "nmi": nmi}, {}, seconds, False)
+    return SeedResult(seed, Path(f"s{seed}"), {"recall@1": r1, "nmi": nmi}, {}, seconds, "trained")
 
 
 def test_table_shows_mean_and_sample_std_in_percent_and_raw_fractions_in_csv(
@@ -245,6 +245,7 @@ def test_grid_of_2x2_cells_and_2_seeds_writes_the_table_and_reuses_finished_cell
     result = run_ablation(config, axes, seeds=2, out_dir=out, log=lines.append)
     assert len(count_fits) == 8 and not any(resume for _, resume in count_fits)
     assert len(lines) == 4 and lines[0].startswith("[1/4] metric=plain mixup=on: R@1 ")
+    assert "(2 run(s): 2 trained; " in lines[0]
 
     # Cells and seeds land where documented, each with the run's own files.
     ids = [
@@ -292,7 +293,7 @@ def test_grid_of_2x2_cells_and_2_seeds_writes_the_table_and_reuses_finished_cell
     assert all(run.reused for cell in again.cells for run in cell.runs)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert (out / "ablation.md").read_text() == before
-    assert "2 run(s), 2 reused" in lines[-1]
+    assert lines[-1].endswith("(2 run(s): 2 reused; 0.0 s of training)")
 
     # The CLI on the same folder reuses everything too and prints the table.
     assert (
@@ -331,6 +332,7 @@ def test_changed_config_reruns_and_an_interrupted_run_resumes(
     (run / "result.json").unlink()
     resumed = run_ablation(config, axes, seeds=1, out_dir=out, log=lambda _: None)
     assert count_fits[-1] == (run, True)
+    assert resumed.cells[0].runs[0].status == "resumed"
     assert resumed.cells[0].runs[0].final_metrics["recall@1"] == r1
 
     # A base-config change makes the stored result stale: the run is redone from scratch.
@@ -338,7 +340,7 @@ def test_changed_config_reruns_and_an_interrupted_run_resumes(
         config, axes, seeds=1, out_dir=out, overrides=["optim.lr=0.002"], log=lambda _: None
     )
     assert count_fits[-1] == (run, False) and len(count_fits) == 3
-    assert not changed.cells[0].runs[0].reused
+    assert changed.cells[0].runs[0].status == "retrained"
     assert json.loads((run / "result.json").read_text())["config"]["optim"]["lr"] == 0.002
 
 

@@ -42,6 +42,7 @@ import os
 import re
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -404,7 +405,12 @@ class SeedResult:
     final_metrics: dict[str, float]
     best_metrics: dict[str, float]
     wall_seconds: float
-    reused: bool
+    status: Literal["reused", "trained", "resumed", "retrained"]
+    """``retrained``: a stored result of another config was replaced."""
+
+    @property
+    def reused(self) -> bool:
+        return self.status == "reused"
 
     def metrics(self, select: Selection) -> dict[str, float]:
         """Metrics of the last epoch (``final``) or of the best epoch (``best``)."""
@@ -677,8 +683,9 @@ def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
     result_path = plan.run_dir / RESULT_FILE
     stored = _read_result(result_path)
     if stored is not None and not config_difference(stored.get("config", {}), wanted):
-        return _seed_result(plan, stored, reused=True)
-    if stored is not None or (plan.run_dir.exists() and not _resumable(plan)):
+        return _seed_result(plan, stored, "reused")
+    stale = stored is not None
+    if stale or (plan.run_dir.exists() and not _resumable(plan)):
         # A finished run of another config (the base config or a preset changed), or the debris of
         # one: its checkpoints must not be resumed nor mixed with the new run's.
         shutil.rmtree(plan.run_dir)
@@ -705,7 +712,7 @@ def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
         "config": wanted,
     }
     _atomic_write(result_path, json.dumps(record, indent=2))
-    return _seed_result(plan, record, reused=False)
+    return _seed_result(plan, record, "resumed" if resume else "retrained" if stale else "trained")
 
 
 def _resumable(plan: _Plan) -> bool:
@@ -719,24 +726,31 @@ def _resumable(plan: _Plan) -> bool:
     return not config_difference(state.get("config", {}), config_to_dict(plan.cfg))
 
 
-def _seed_result(plan: _Plan, record: Mapping[str, Any], reused: bool) -> SeedResult:
+def _seed_result(
+    plan: _Plan,
+    record: Mapping[str, Any],
+    status: Literal["reused", "trained", "resumed", "retrained"],
+) -> SeedResult:
     return SeedResult(
         seed=plan.seed,
         run_dir=plan.run_dir,
         final_metrics={k: float(v) for k, v in record.get("final_metrics", {}).items()},
         best_metrics={k: float(v) for k, v in record.get("best_metrics", {}).items()},
         wall_seconds=float(record.get("wall_seconds", math.nan)),
-        reused=reused,
+        status=status,
     )
 
 
 def _cell_line(number: int, total: int, result: CellResult, select: Selection) -> str:
-    reused = sum(r.reused for r in result.runs)
+    counts = Counter(r.status for r in result.runs)
     keys = sorted({k for r in result.runs for k in r.metrics(select)}, key=metric_sort_key)
     shown = "  ".join(
         f"{metric_label(k)} {_format(*result.mean_std(k, select), scale=100.0, digits=1)}"
         for k in keys[:3]
     )
     wall = sum(r.wall_seconds for r in result.runs if not r.reused)
-    runs = f"{len(result.runs)} run(s), {reused} reused, {wall:.1f} s trained"
+    statuses = ", ".join(
+        f"{counts[s]} {s}" for s in ("reused", "trained", "resumed", "retrained") if counts[s]
+    )
+    runs = f"{len(result.runs)} run(s): {statuses}; {wall:.1f} s of training"
     return f"[{number}/{total}] {result.cell.name}: {shown} ({runs})"
