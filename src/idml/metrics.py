@@ -145,7 +145,16 @@ class EuclideanDistance(Metric):
     ) -> Tensor:
         x = self.prepare(x)
         y = x if y is None else self.prepare(y)
-        sq = pairwise_squared_distance(x, y)
+        if self.normalize:
+            # ||x̂||² is 1 (0 for a zero row) and has zero gradient through the normalisation, so the
+            # squared norms are taken detached: the same values and gradients, a cheaper backward.
+            sq = (
+                x.detach().pow(2).sum(1, keepdim=True)
+                + y.detach().pow(2).sum(1).unsqueeze(0)
+                - 2.0 * x @ y.T
+            ).clamp_min(0)
+        else:
+            sq = pairwise_squared_distance(x, y)
         return sq if self.power == 2 else safe_norm_from_squares(sq)
 
     def paired(
