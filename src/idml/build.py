@@ -77,8 +77,19 @@ def build_data(cfg: Config) -> DMLSplit:
     return load_split(d.dataset, root, train_transform=train_tf, test_transform=test_tf, **options)
 
 
-def train_loader(cfg: Config, data: DMLSplit, epoch: int, generator: torch.Generator) -> DataLoader:
-    """The epoch's loader: batches are a function of ``(seed, epoch)`` so resumed runs replay them."""
+def train_loader(
+    cfg: Config,
+    data: DMLSplit,
+    epoch: int,
+    generator: torch.Generator,
+    num_replicas: int = 1,
+    rank: int = 0,
+) -> DataLoader:
+    """The epoch's loader: batches are a function of ``(seed, epoch)`` so resumed runs replay them.
+
+    With ``num_replicas`` processes, rank ``rank`` loads its share of every global batch (the global
+    batch, and so a resumed run's batches, do not depend on the number of processes).
+    """
     s = cfg.sampler
     kind = "class_balanced" if s.kind == "balanced" else "random"
     sampler = build_batch_sampler(
@@ -88,6 +99,8 @@ def train_loader(cfg: Config, data: DMLSplit, epoch: int, generator: torch.Gener
         images_per_class=s.images_per_class,
         replacement=s.replacement,
         seed=cfg.seed,
+        num_replicas=num_replicas,
+        rank=rank,
     )
     sampler.set_epoch(epoch)
     workers = cfg.data.num_workers
@@ -110,7 +123,7 @@ def sample_images(dataset: Dataset, count: int, generator: torch.Generator) -> T
 @torch.no_grad()
 def embed_dataset(
     model: EmbeddingModel,
-    dataset: ImageDataset,
+    dataset: ImageDataset | Dataset,
     batch_size: int,
     device: torch.device,
     progress: bool = False,
@@ -251,6 +264,21 @@ def build_ssr(cfg: Config, feature_dim: int) -> SelfSupervisedRanking | None:
     if not cfg.ssr.enabled:
         return None
     return SelfSupervisedRanking(feature_dim, cfg.ssr.task)
+
+
+def needs_unused_parameter_search(cfg: Config) -> bool:
+    """Whether some trainable parameter can miss a gradient in a step (DDP must then look for it).
+
+    Warm-up epochs freeze the backbone; SSR's head is idle when the task is skipped (``p_task < 1``)
+    and, when alternating, each of the two backward passes leaves the other's parameters out; an
+    uncertainty head under the plain metric gets no gradient.
+    """
+    task = cfg.ssr.task
+    idle_ssr = cfg.ssr.enabled and (task.update == "alternating" or task.p_task < 1)
+    unused_head = (
+        cfg.model.uncertainty.enabled and not cfg.metric.introspective and cfg.loss.name != "pel"
+    )
+    return cfg.optim.warmup_epochs > 0 or idle_ssr or unused_head
 
 
 def iter_parameters(*modules: torch.nn.Module) -> Iterator[torch.nn.Parameter]:

@@ -44,7 +44,12 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- train
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train (and evaluate) a model from a YAML config")
+    p = sub.add_parser(
+        "train",
+        help="train (and evaluate) a model from a YAML config",
+        description="Train and evaluate a run. Several GPUs or nodes: start it with torchrun, e.g. "
+        "`torchrun --nproc_per_node=8 -m idml train CONFIG` (see the README).",
+    )
     p.add_argument("config", type=Path, help="YAML config, e.g. configs/idml/cub_proxy_anchor.yaml")
     p.add_argument(
         "--set",
@@ -62,11 +67,20 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from idml.config import load_config
+    from idml.distributed import destroy_distributed, init_distributed
     from idml.training import Trainer
 
     cfg = load_config(args.config, args.overrides)
     out = args.out or Path("runs") / cfg.name
-    result = Trainer(cfg, out, progress=not args.no_progress).fit(resume=args.resume)
+    # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
+    context = init_distributed(device=cfg.device)
+    try:
+        trainer = Trainer(cfg, out, progress=not args.no_progress, distributed=context)
+        result = trainer.fit(resume=args.resume)
+    finally:
+        destroy_distributed(context)
+    if not context.is_main:
+        return 0
     print(format_metrics(f"{cfg.name}: final", result.final_metrics))
     if result.best_epoch >= 0:
         print(format_metrics(f"best epoch {result.best_epoch + 1}", result.best_metrics))

@@ -6,6 +6,11 @@ losses, metrics, learning rates, mean ``||u||`` of original and of mixed images)
 
 Determinism: every epoch reseeds its own generators from ``(seed, epoch)``, so a run resumed from the
 checkpoint of epoch ``e`` replays epochs ``e+1..`` exactly as an uninterrupted run would (on CPU).
+
+Several processes (``torchrun``, see :mod:`idml.distributed`): each loads its share of every global
+batch, the model, loss and SSR head train under one DistributedDataParallel, the loss sees the
+gathered global batch, evaluation is sharded, and only rank 0 writes files. The global batches do not
+depend on the number of processes, so a run may resume with another one.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import json
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +39,20 @@ from idml.checkpoint import (
     save_checkpoint,
 )
 from idml.config import Config, config_to_dict, dump_config
+from idml.distributed import (
+    DistributedContext,
+    ShardPlan,
+    contiguous_shard,
+    gather_embeddings,
+    rank_generator,
+    rank_seed,
+    select_share,
+    wrap_ddp,
+)
 from idml.embeddings import Embeddings
+from idml.ranking import RankingOutput
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -83,6 +102,17 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     """Train and evaluate one configured run.
 
+    Args:
+        cfg: the run's configuration.
+        run_dir: folder for the config, log and checkpoints.
+        progress: show progress bars (rank 0 only).
+        device: overrides ``cfg.device`` (and the distributed context's device).
+        distributed: this process's place in a ``torchrun`` job (:func:`idml.distributed.init_distributed`);
+            ``None``: a single process.
+        shards: split each global batch into this many shards for the per-shard random draws (Mixup,
+            degradations, SSR); defaults to the number of processes. A single process with
+            ``shards=R`` reproduces an ``R``-process run exactly (:class:`idml.distributed.ShardPlan`).
+
     Example:
         >>> from idml.config import load_config
         >>> cfg = load_config("configs/demo/digits_baseline.yaml", ["optim.epochs=1"])  # doctest: +SKIP
@@ -95,11 +125,17 @@ class Trainer:
         run_dir: Path,
         progress: bool = True,
         device: torch.device | None = None,
+        distributed: DistributedContext | None = None,
+        shards: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.progress = progress
-        self.device = device or resolve_device(cfg.device)
+        self.dist = distributed if distributed is not None else DistributedContext()
+        self.plan = ShardPlan.create(self.dist, shards)
+        self.progress = progress and self.dist.is_main
+        if device is None:
+            device = self.dist.device if self.dist.is_distributed else resolve_device(cfg.device)
+        self.device = device
         torch.manual_seed(cfg.seed)
         self.data = build.build_data(cfg)
         self.model = build.build_model(cfg).to(self.device)
@@ -118,6 +154,12 @@ class Trainer:
         self.best_metrics: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
         self._tb: Any = None
+        # One DDP over model, loss (proxies) and SSR head: their gradients are averaged over ranks.
+        self._ddp = wrap_ddp(
+            {"model": self.model, **self._training_modules()},
+            self.dist,
+            find_unused_parameters=build.needs_unused_parameter_search(cfg),
+        )
 
     # ------------------------------------------------------------------ set-up
     def _optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
@@ -206,7 +248,9 @@ class Trainer:
         self.history = [
             json.loads(line) for line in self._log_path.read_text().splitlines() if line
         ][: self.start_epoch]
-        self._log_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        self.dist.barrier()  # every rank has read the log before rank 0 truncates it
+        if self.dist.is_main:
+            self._log_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
 
     # ------------------------------------------------------------------ main loop
     @property
@@ -217,9 +261,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self.resume()
-        else:
+        elif self.dist.is_main:
             self._log_path.write_text("")
-        dump_config(self.cfg, self.run_dir / "config.yaml")
+        if self.dist.is_main:
+            dump_config(self.cfg, self.run_dir / "config.yaml")
         self._open_tensorboard()
         epochs = self.cfg.optim.epochs
         metrics: dict[str, float] = {}
@@ -236,6 +281,7 @@ class Trainer:
             self._checkpoint(epoch)
         if self._tb is not None:
             self._tb.close()
+        self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
         if not metrics and self.history:
             metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
         return TrainResult(self.run_dir, metrics, self.best_metrics, self.best_epoch, self.history)
@@ -252,11 +298,19 @@ class Trainer:
         warm = epoch < cfg.optim.warmup_epochs
         for p in self.model.backbone_parameters():
             p.requires_grad_(not warm)
-        torch.manual_seed(cfg.seed * 7919 + epoch)
-        loader = build.train_loader(cfg, self.data, epoch, self._generator(epoch, 0))
-        aug_gen = self._generator(epoch, 1)
+        rank = self.dist.rank
+        # Pixel transforms draw from these: per rank, so ranks do not crop their images alike.
+        torch.manual_seed(rank_seed(cfg.seed * 7919 + epoch, rank))
+        loader_gen = rank_generator(self._generator(epoch, 0), rank)
+        loader = build.train_loader(
+            cfg, self.data, epoch, loader_gen, num_replicas=self.dist.world_size, rank=rank
+        )
+        one_lambda = cfg.mixup.enabled and cfg.mixup.mode == "interpolate"
+        aug_gen = self.plan.generators(self._generator(epoch, 1), shared=one_lambda)
         ssr_gen = self._generator(epoch, 2)
         gate = self.ssr.make_gate(ssr_gen) if self.ssr is not None else None
+        # The gate's draws must agree on every rank, so shards draw their SSR images elsewhere.
+        ssr_shard_gen = self.plan.generators(ssr_gen)
         if gate is not None:
             gate.new_epoch()
         sums: dict[str, float] = defaultdict(float)
@@ -277,7 +331,7 @@ class Trainer:
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             ssr_on = gate() if gate is not None else False
-            parts = self.train_step(images, labels, aug_gen, ssr_gen, ssr_on)
+            parts = self.train_step(images, labels, aug_gen, ssr_shard_gen, ssr_on)
             for k, v in parts.items():
                 sums[k] += v
                 counts[k] += 1
@@ -295,24 +349,46 @@ class Trainer:
         self,
         images: Tensor,
         labels: Tensor,
-        aug_gen: torch.Generator,
-        ssr_gen: torch.Generator,
+        aug_gen: torch.Generator | Sequence[torch.Generator],
+        ssr_gen: torch.Generator | Sequence[torch.Generator],
         ssr_on: bool,
     ) -> dict[str, float]:
-        """One optimisation step; returns the loss parts and uncertainty levels for logging."""
-        batch = self.augment(images, labels, aug_gen)
-        with torch.autocast(self.device.type, enabled=self.amp):
-            emb = self.model(batch.images)
-            emb = Embeddings(
-                emb.semantic.float(), None if emb.uncertainty is None else emb.uncertainty.float()
-            )
-            metric_loss = self._metric_loss(emb, batch)
-        parts: dict[str, float] = {"metric": float(metric_loss.detach())}
-        total = metric_loss
+        """One optimisation step; returns the loss parts and uncertainty levels for logging.
+
+        ``images``/``labels`` are this process's rows; ``aug_gen``/``ssr_gen`` hold one generator per
+        shard it computes (or a single generator for a single shard). With several processes the loss
+        sees the gathered global batch and the returned values are those of the global batch.
+        """
+        aug_gens = [aug_gen] if isinstance(aug_gen, torch.Generator) else list(aug_gen)
+        ssr_gens = [ssr_gen] if isinstance(ssr_gen, torch.Generator) else list(ssr_gen)
         joint = self.ranking_optimizer is None
-        if ssr_on and joint and self.ssr is not None:
-            total = total + self.ssr.weight * self._ranking_loss(images, ssr_gen, parts)
-        parts["total"] = float(total.detach())
+        batch = self.plan.augment(self.augment, images, labels, aug_gens)
+
+        def forward() -> tuple[Tensor, Embeddings, AugmentedBatch, dict[str, float]]:
+            parts: dict[str, float] = {}
+            with torch.autocast(self.device.type, enabled=self.amp):
+                out = self.model(batch.images)
+                unc = None if out.uncertainty is None else _upcast(out.uncertainty)
+                emb, global_batch = self.plan.gather(Embeddings(_upcast(out.semantic), unc), batch)
+                metric_loss = self._metric_loss(emb, global_batch)
+            parts["metric"] = float(metric_loss.detach())
+            total = metric_loss
+            if ssr_on and joint and self.ssr is not None:
+                total = total + self.ssr.weight * self._ranking_loss(images, ssr_gens, parts)
+            parts["total"] = float(total.detach())
+            return total, emb, global_batch, parts
+
+        total, emb, batch, parts = self._forward(forward)
+        if emb.uncertainty is not None:
+            level = self.model.uncertainty_level(emb.detach())
+            parts["u_original"] = (
+                float(level[~batch.mixed].mean()) if (~batch.mixed).any() else math.nan
+            )
+            if batch.mixed.any():
+                parts["u_mixed"] = float(level[batch.mixed].mean())
+            if batch.degraded is not None and batch.degraded.any():
+                parts["u_degraded"] = float(level[batch.degraded].mean())
+        parts = self.dist.mean(parts)
         if not math.isfinite(parts["total"]):
             raise FloatingPointError(
                 f"non-finite loss {parts} at this step; lower optim.lr, enable optim.grad_clip or "
@@ -328,20 +404,21 @@ class Trainer:
             # on γ_r·L_ranking alone (it must see the updated weights, so it cannot reuse a graph).
             self.optimizer.zero_grad(set_to_none=True)
             self.ranking_optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-            ranking = self._ranking_loss(images, ssr_gen, parts)
+            ranking_parts: dict[str, float] = {}
+            ranking = self._forward(lambda: self._ranking_loss(images, ssr_gens, ranking_parts))
+            parts.update(self.dist.mean(ranking_parts))
             self.scaler.scale(self.ssr.weight * ranking).backward()
             self._clip_and_step(self.optimizer)
             self._clip_and_step(self.ranking_optimizer)  # type: ignore[arg-type]
-        if emb.uncertainty is not None:
-            level = self.model.uncertainty_level(emb.detach())
-            parts["u_original"] = (
-                float(level[~batch.mixed].mean()) if (~batch.mixed).any() else math.nan
-            )
-            if batch.mixed.any():
-                parts["u_mixed"] = float(level[batch.mixed].mean())
-            if batch.degraded is not None and batch.degraded.any():
-                parts["u_degraded"] = float(level[batch.degraded].mean())
         return {k: v for k, v in parts.items() if not (isinstance(v, float) and math.isnan(v))}
+
+    def _forward(self, compute: Callable[[], _T]) -> _T:
+        """Run a loss computation, through DDP when there are several processes.
+
+        DDP hooks the gradients of the parameters the computation uses, so the next backward
+        averages them over ranks (:class:`idml.distributed.ParallelModules`).
+        """
+        return self._ddp(compute) if self._ddp is not None else compute()
 
     def _metric_loss(self, emb: Embeddings, batch: AugmentedBatch) -> Tensor:
         if not self.cfg.metric.introspective and self.cfg.loss.name != "pel":
@@ -350,21 +427,30 @@ class Trainer:
         return batch.loss(self.loss, emb)
 
     def _ranking_loss(
-        self, images: Tensor, gen: torch.Generator, parts: dict[str, float]
+        self, images: Tensor, gens: Sequence[torch.Generator], parts: dict[str, float]
     ) -> Tensor:
-        """SSR's L_ranking on M images from the metric batch or sampled separately."""
+        """SSR's L_ranking on M images from the metric batch or sampled separately.
+
+        Each shard ranks its share ``M_s`` of the ``M`` images with its own generator, weighted so
+        that the average over processes is the mean over all ``M`` images
+        (:meth:`idml.distributed.ShardPlan.ranking_shares`); one shard is the plain loss.
+        """
         assert self.ssr is not None
         task = self.cfg.ssr.task
-        if task.source == "metric_batch":
-            chosen = self.ssr.select_images(images, gen)
-        else:
-            chosen = build.sample_images(self.data.train, task.num_images, gen).to(self.device)
-        with torch.autocast(self.device.type, enabled=self.amp):
-            out = self.ssr.loss(self.model.features, chosen, generator=gen)
-        parts["ranking"] = float(out.loss.detach())
-        parts["ranking_sort"] = float(out.sort.detach())
-        parts["ranking_pos"] = float(out.pos.detach())
-        return out.loss.float()
+        shares = self.plan.ranking_shares(task.num_images, images.shape[0])
+        weighted: list[tuple[float, RankingOutput]] = []
+        for shard, gen, (count, weight) in zip(self.plan.split(images), gens, shares, strict=True):
+            if task.source == "metric_batch":
+                chosen = select_share(shard, count, gen)
+            else:
+                chosen = build.sample_images(self.data.train, count, gen).to(self.device)
+            with torch.autocast(self.device.type, enabled=self.amp):
+                weighted.append((weight, self.ssr.loss(self.model.features, chosen, generator=gen)))
+        loss = sum(w * out.loss for w, out in weighted)
+        parts["ranking"] = float(loss.detach())
+        parts["ranking_sort"] = float(sum(w * out.sort.detach() for w, out in weighted))
+        parts["ranking_pos"] = float(sum(w * out.pos.detach() for w, out in weighted))
+        return _upcast(loss)
 
     def _clip_and_step(
         self, opt: torch.optim.Optimizer, *also_unscaled: torch.optim.Optimizer
@@ -379,14 +465,20 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def embed_test(self) -> tuple[Embeddings, Tensor]:
-        return build.embed_dataset(
-            self.model, self.data.test, self.cfg.eval.batch_size, self.device, self.progress
+        """Test-set embeddings in dataset order; each process embeds a contiguous shard."""
+        shard = contiguous_shard(self.data.test, self.dist)
+        emb, labels = build.embed_dataset(
+            self.model, shard, self.cfg.eval.batch_size, self.device, self.progress
         )
+        return gather_embeddings(emb, labels, self.dist)
 
     def evaluate(self) -> dict[str, float]:
+        """Test metrics, computed once (by rank 0) on the gathered test set, known to every rank."""
         emb, labels = self.embed_test()
-        report = build.evaluate(self.cfg, emb, labels, self.device, progress=self.progress)
-        return report
+        report = None
+        if self.dist.is_main:
+            report = build.evaluate(self.cfg, emb, labels, self.device, progress=self.progress)
+        return self.dist.broadcast_object(report)
 
     def _track_best(self, epoch: int, metrics: dict[str, float]) -> None:
         key = self.cfg.eval.select
@@ -401,6 +493,8 @@ class Trainer:
     def _log(self, record: EpochRecord) -> None:
         line = record.to_json()
         self.history.append(line)
+        if not self.dist.is_main:
+            return
         with open(self._log_path, "a") as fh:
             fh.write(json.dumps(line) + "\n")
         if self._tb is not None:
@@ -409,7 +503,7 @@ class Trainer:
                     self._tb.add_scalar(key, value, record.epoch)
 
     def _open_tensorboard(self) -> None:
-        if not self.cfg.tensorboard:
+        if not self.cfg.tensorboard or not self.dist.is_main:
             return
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -418,6 +512,8 @@ class Trainer:
         self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def _checkpoint(self, epoch: int) -> None:
+        if not self.dist.is_main:
+            return
         name = f"epoch_{epoch:04d}"
         state = {
             "epoch": epoch,
@@ -436,6 +532,11 @@ class Trainer:
         if self.best_epoch == epoch:
             mark_best(self.run_dir, name)
         _prune(self.run_dir / "checkpoints", keep={name, f"epoch_{self.best_epoch:04d}"})
+
+
+def _upcast(tensor: Tensor) -> Tensor:
+    """Half-precision autocast outputs in float32 for the loss; float32/float64 stay as they are."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
 def _prune(root: Path, keep: set[str]) -> None:
