@@ -1,0 +1,255 @@
+"""End-to-end training on scikit-learn's digits: every loss plain and with IDML, resume, configs, CLI."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from idml.checkpoint import CheckpointError
+from idml.cli import main
+from idml.config import ConfigError, load_config
+from idml.export import load_trained_model
+from idml.training import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = [
+    "data.dataset=digits",
+    "data.image_size=8",
+    "data.resize_size=null",
+    "data.train_crop_scale=[0.8, 1.0]",
+    "data.horizontal_flip=false",
+    "data.num_workers=0",
+    "data.samples_per_class=40",
+    "model.backbone=small_cnn",
+    "model.pretrained=false",
+    "model.embedding_dim=16",
+    "sampler.classes_per_batch=5",
+    "sampler.images_per_class=4",
+    "optim.epochs=1",
+    "optim.max_steps_per_epoch=2",
+    "optim.lr=0.001",
+    "optim.amp=false",
+    "eval.nmi=false",
+    "tensorboard=false",
+]
+IDML = ["model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true"]
+LOSSES = [
+    "contrastive",
+    "margin",
+    "triplet",
+    "multi_similarity",
+    "normalized_softmax",
+    "proxy_nca",
+    "proxy_anchor",
+    "fastap",
+]
+
+
+def run(tmp_path: Path, *overrides: str, name: str = "run") -> tuple[Trainer, object]:
+    cfg = load_config(None, [*TINY, *overrides])
+    trainer = Trainer(cfg, tmp_path / name, progress=False)
+    return trainer, trainer.fit()
+
+
+def assert_finite_log(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines, "no epoch was logged"
+    for line in lines:
+        losses = {k: v for k, v in line.items() if k.startswith("loss/")}
+        assert losses and all(math.isfinite(v) for v in losses.values()), line
+    return lines
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("variant", ["plain", "idml"])
+def test_every_loss_trains_plain_and_with_idml(tmp_path: Path, loss: str, variant: str) -> None:
+    extra = IDML if variant == "idml" else []
+    _, result = run(tmp_path, f"loss.name={loss}", *extra)
+    lines = assert_finite_log(result.run_dir)
+    assert 0.0 <= result.final_metrics["recall@1"] <= 1.0
+    if variant == "idml":
+        # The log tracks ||u|| of original and of mixed images (paper Fig. 7).
+        assert {"uncertainty/original", "uncertainty/mixed"} <= set(lines[-1])
+
+
+def test_pel_baseline_trains(tmp_path: Path) -> None:
+    _, result = run(tmp_path, "loss.name=pel")
+    assert_finite_log(result.run_dir)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["mixup.enabled=true", "mixup.mode=interpolate"],
+        ["degradations.blur_fraction=0.5", "degradations.occlusion_fraction=0.25"],
+        ["metric.variant=dissimilar", *IDML],
+        ["metric.variant=strict", *IDML, "loss.name=triplet"],
+        ["metric.proxy_uncertainty=true", *IDML, "loss.name=proxy_anchor"],
+    ],
+    ids=["interpolate", "degradations", "ism-dis", "strict", "proxy-uncertainty"],
+)
+def test_variants_train(tmp_path: Path, extra: list[str]) -> None:
+    _, result = run(tmp_path, *extra)
+    assert_finite_log(result.run_dir)
+
+
+@pytest.mark.parametrize("idml", [False, True], ids=["ssr", "ssr+idml"])
+@pytest.mark.parametrize("update", ["joint", "alternating"])
+def test_ssr_trains_with_and_without_idml(tmp_path: Path, idml: bool, update: str) -> None:
+    extra = [
+        "ssr.enabled=true",
+        "ssr.task.p_task=1.0",
+        "ssr.task.num_images=4",
+        f"ssr.task.update={update}",
+        "loss.name=multi_similarity",
+    ]
+    trainer, result = run(tmp_path, *extra, *(IDML if idml else []))
+    line = assert_finite_log(result.run_dir)[-1]
+    assert {"loss/ranking", "loss/ranking_sort", "loss/ranking_pos"} <= set(line)
+    # The exported retrieval model holds no ranking head.
+    _, model = load_trained_model(result.run_dir)
+    assert not any("ranking" in k or k.startswith("head.") for k in model.state_dict())
+    assert trainer.ssr is not None
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    common = ["optim.epochs=3", "loss.name=proxy_anchor", *IDML, "optim.scheduler=step"]
+    common += ["optim.step_size=1", "optim.warmup_epochs=1"]
+    _, full = run(tmp_path, *common, name="full")
+    # "Interrupt" after epoch 2 by training a 2-epoch run, then resume it to 3 epochs.
+    cfg2 = load_config(None, [*TINY, *common])
+    part = Trainer(cfg2, tmp_path / "part", progress=False)
+    part.cfg.optim.epochs = 2
+    part.fit()
+    cfg3 = load_config(None, [*TINY, *common])
+    resumed = Trainer(cfg3, tmp_path / "part", progress=False).fit(resume=True)
+    assert resumed.final_metrics == full.final_metrics
+    a = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    b = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
+    strip = [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in a]
+    strip_b = [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in b]
+    assert strip == strip_b
+
+
+def test_resume_with_another_config_is_refused(tmp_path: Path) -> None:
+    run(tmp_path, name="r")
+    cfg = load_config(None, [*TINY, "model.embedding_dim=8"])
+    with pytest.raises(ValueError, match="embedding_dim"):
+        Trainer(cfg, tmp_path / "r", progress=False).fit(resume=True)
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path: Path) -> None:
+    from idml.checkpoint import load_model_weights, resolve_checkpoint
+
+    _, result = run(tmp_path, name="a")
+    other = load_config(None, [*TINY, "model.embedding_dim=8"])
+    from idml.build import build_model
+
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        load_model_weights(resolve_checkpoint(result.run_dir), build_model(other))
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path: Path) -> None:
+    _, result = run(tmp_path, "optim.epochs=3")
+    root = result.run_dir / "checkpoints"
+    assert (root / "latest").read_text().strip() == "epoch_0002"
+    assert not list(root.glob("*.tmp"))
+    kept = sorted(p.name for p in root.glob("epoch_*"))
+    assert "epoch_0002" in kept and len(kept) <= 2
+
+
+def test_unknown_key_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["optim.learnig_rate=0.1"])
+    text = str(err.value)
+    assert "optim.learnig_rate" in text and "lr" in text and "weight_decay" in text
+    with pytest.raises(ConfigError, match="valid keys here: margin, name"):
+        load_config(None, ["loss.name=triplet", "loss.alpha=2"])
+    with pytest.raises(ConfigError, match=r"optim\.epochs"):
+        load_config(None, ["optim.epochs=many"])
+
+
+def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  backbone: resnet18\n  embeding_dim: 64\n")
+    with pytest.raises(ConfigError, match=r"(?s)model.embeding_dim.*embedding_dim.*bad.yaml"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "path", sorted(glob.glob(str(REPO / "configs" / "**" / "*.yaml"), recursive=True))
+)
+def test_every_preset_validates(path: str) -> None:
+    cfg = load_config(path)
+    assert cfg.name
+
+
+def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from PIL import Image
+
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text("\n".join(f"# {x}" for x in ["tiny digits run"]) + "\n")
+    args = ["train", str(cfg_path), "--out", str(tmp_path / "run"), "--no-progress"]
+    for item in [*TINY, *IDML]:
+        args += ["--set", item]
+    assert main(args) == 0
+    assert "recall@1" in capsys.readouterr().out
+    images = tmp_path / "imgs"
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b"):
+        (images / cls).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)).save(
+                images / cls / f"{i}.png"
+            )
+    out = tmp_path / "emb.npz"
+    assert (
+        main(
+            [
+                "embed",
+                "--checkpoint",
+                str(tmp_path / "run"),
+                "--images",
+                str(images),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    data = np.load(out)
+    assert data["embeddings"].shape == (6, 16)
+    assert data["uncertainty"].shape == (6,) and (data["uncertainty"] > 0).all()
+    assert np.allclose(np.linalg.norm(data["embeddings"], axis=1), 1, atol=1e-5)
+
+
+def test_cli_reports_config_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: -1\n")
+    assert main(["train", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert "optim.lr" in capsys.readouterr().err
+
+
+def test_demo_runs_with_a_small_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--epochs", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and "IDML" in out and "recall@1" in out
+
+
+@pytest.mark.slow
+def test_training_beats_the_untrained_network_on_unseen_digits(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    common = ["data.samples_per_class=null", "optim.max_steps_per_epoch=null", "optim.epochs=4"]
+    common += ["loss.name=multi_similarity", "sampler.images_per_class=8", "optim.lr=0.003"]
+    _, result = run(tmp_path, *common, "data.image_size=16", "model.embedding_dim=32")
+    # Untrained: the same architecture and seed, evaluated before any step.
+    cfg = load_config(None, [*TINY, *common, "data.image_size=16", "model.embedding_dim=32"])
+    untrained = Trainer(cfg, tmp_path / "untrained", progress=False).evaluate()["recall@1"]
+    assert result.final_metrics["recall@1"] > untrained + 0.03, (untrained, result.final_metrics)
