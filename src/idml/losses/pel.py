@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss, check_positive
-from idml.metrics import EuclideanDistance, safe_norm_from_squares
+from idml.metrics import EuclideanDistance, pairwise_squared_distance, safe_norm_from_squares
 from idml.relations import LabelSets
 
 SamplePairing = Literal["all", "matched"]
@@ -59,7 +59,7 @@ def _sample_distances(samples: Tensor, sample_pairing: SamplePairing) -> Tensor:
     num_samples, batch, dim = samples.shape
     if sample_pairing == "all":
         flat = samples.reshape(num_samples * batch, dim)
-        distance = EuclideanDistance(normalize=False)(flat)
+        distance = safe_norm_from_squares(pairwise_squared_distance(flat, flat))
         return distance.view(num_samples, batch, num_samples, batch)
     squared_norms = samples.pow(2).sum(dim=2)
     squared = (
@@ -161,7 +161,8 @@ class PELLoss(MetricLoss):
         sample_pairing: SamplePairing = "all",
         generator: torch.Generator | None = None,
     ) -> None:
-        # HIB compares raw (unnormalised) samples; the metric records that and computes the distances.
+        # The metric records HIB's comparison (Euclidean distance of raw, unnormalised samples); the
+        # distances are computed for all K·B samples at once by _sample_distances.
         super().__init__(EuclideanDistance(normalize=False))
         if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 1:
             raise ValueError(f"num_samples must be an integer >= 1, got {num_samples}")
