@@ -34,12 +34,103 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # --------------------------------------------------------------------------- evaluate
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("evaluate", help="retrieval metrics of embeddings or of a trained run")
+    def int_list(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected integers like 1,2,4,8, got {text!r}"
+            ) from None
+
+    p = sub.add_parser(
+        "evaluate",
+        help="retrieval metrics of embeddings or of a trained run",
+        description="Recall@K, R-Precision, MAP@R, MAP, MRR, NMI and ||u|| of saved embeddings "
+        "(.npy/.npz/.pt/.safetensors), exact and blocked (SPEC §9).",
+    )
+    src = p.add_argument_group("input")
+    src.add_argument(
+        "--embeddings", type=Path, help="embeddings file (the gallery; also the queries)"
+    )
+    src.add_argument("--labels", type=Path, help="labels file (default: the 'labels' entry)")
+    src.add_argument("--query-embeddings", type=Path, help="separate query embeddings file")
+    src.add_argument("--query-labels", type=Path, help="labels of the separate queries")
+    src.add_argument(
+        "--embeddings-key", help="entry name of the embeddings (default embeddings|semantic)"
+    )
+    src.add_argument(
+        "--uncertainty-key", help="entry name of the uncertainty (default uncertainty)"
+    )
+    src.add_argument("--labels-key", help="entry name of the labels (default labels)")
+    opt = p.add_argument_group("evaluation")
+    opt.add_argument(
+        "--ks", type=int_list, default=(1, 2, 4, 8), help="K of Recall@K, e.g. 1,10,100,1000"
+    )
+    opt.add_argument("--metric", choices=("cosine", "euclidean"), default="cosine")
+    opt.add_argument("--no-normalize", action="store_true", help="do not L2-normalise embeddings")
+    opt.add_argument(
+        "--introspective",
+        action="store_true",
+        help="rank with ISM on semantic + uncertainty (ablation)",
+    )
+    opt.add_argument("--gamma", type=float, default=0.0, help="ISM introspective bias γ")
+    opt.add_argument("--tau", type=float, default=5.0, help="ISM weakening degree τ")
+    opt.add_argument("--no-nmi", action="store_true", help="skip NMI (k-means)")
+    opt.add_argument("--nmi-backend", choices=("auto", "faiss", "sklearn"), default="auto")
+    opt.add_argument("--seed", type=int, default=1234, help="k-means seed")
+    opt.add_argument("--knn-backend", choices=("exact", "faiss"), default="exact")
+    opt.add_argument("--faiss-index", default="HNSW32", help="faiss index factory string")
+    opt.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cpu)")
+    opt.add_argument("--block-size", type=int, default=None, help="tile side of the blocked search")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument(
+        "--per-class",
+        type=int,
+        default=0,
+        metavar="N",
+        help="table: the N worst classes; JSON: include every class when N > 0",
+    )
+    out.add_argument("--progress", action="store_true", help="show progress bars")
     p.set_defaults(run=_run_evaluate)
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    raise NotImplementedError("evaluate is being built")
+    from idml.evaluation import evaluate_files
+    from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
+
+    if args.embeddings is None:
+        raise ValueError("give --embeddings FILE (and --labels FILE unless the file has 'labels')")
+    ism = None
+    if args.introspective:
+        base = CosineSimilarity() if args.metric == "cosine" else EuclideanDistance()
+        ism = IntrospectiveMetric(base, gamma=args.gamma, tau=args.tau)
+    report = evaluate_files(
+        args.embeddings,
+        args.labels,
+        query_embeddings_path=args.query_embeddings,
+        query_labels_path=args.query_labels,
+        embeddings_key=args.embeddings_key,
+        uncertainty_key=args.uncertainty_key,
+        labels_key=args.labels_key,
+        ks=args.ks,
+        metric=args.metric,
+        normalize=not args.no_normalize,
+        introspective_metric=ism,
+        nmi=not args.no_nmi,
+        nmi_backend=args.nmi_backend,
+        seed=args.seed,
+        knn_backend=args.knn_backend,
+        faiss_index=args.faiss_index,
+        device=args.device,
+        block_size=args.block_size,
+        progress=args.progress,
+    )
+    if args.json:
+        print(report.to_json(per_class=args.per_class > 0))
+    else:
+        print(report.format_table(per_class=args.per_class))
+    return 0
 
 
 # --------------------------------------------------------------------------- train

@@ -1,0 +1,45 @@
+"""Evaluation: exact blocked retrieval at Stanford-Online-Products scale, metrics, NMI, ``||u||``.
+
+Entry point: :func:`evaluate_embeddings` → :class:`EvaluationReport` (``.metrics``,
+``.format_table()``, ``.to_json()``). Building blocks: :func:`exact_search` (blocked exact k-NN
+plus the rank of every relevant item, never an N×N matrix), :func:`faiss_search` (approximate,
+optional ``faiss`` extra), :class:`RankAccumulator` (Recall@K, R-Precision, MAP@R, MAP, MRR,
+precision–recall from ranks), :func:`nmi_score`, :func:`summarize_uncertainty` and the file readers
+:func:`load_embedding_file` / :func:`load_labels`. Conventions: SPEC §9 and
+:mod:`idml.evaluation.knn`.
+"""
+
+from idml.evaluation.clustering import kmeans_assign, nmi_score
+from idml.evaluation.evaluate import (
+    EvaluationReport,
+    RetrievalResult,
+    evaluate_embeddings,
+    evaluate_files,
+)
+from idml.evaluation.io import EmbeddingFile, load_embedding_file, load_labels
+from idml.evaluation.knn import NeighborLists, SearchOutput, exact_search, faiss_search
+from idml.evaluation.retrieval_metrics import PRCurve, RankAccumulator, per_query_metrics
+from idml.evaluation.scoring import PairScorer
+from idml.evaluation.uncertainty import UncertaintySummary, summarize_uncertainty
+
+__all__ = [
+    "EmbeddingFile",
+    "EvaluationReport",
+    "NeighborLists",
+    "PRCurve",
+    "PairScorer",
+    "RankAccumulator",
+    "RetrievalResult",
+    "SearchOutput",
+    "UncertaintySummary",
+    "evaluate_embeddings",
+    "evaluate_files",
+    "exact_search",
+    "faiss_search",
+    "kmeans_assign",
+    "load_embedding_file",
+    "load_labels",
+    "nmi_score",
+    "per_query_metrics",
+    "summarize_uncertainty",
+]

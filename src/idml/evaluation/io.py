@@ -1,0 +1,175 @@
+"""Reading embeddings and labels from ``.npy``, ``.npz``, ``.pt`` and ``.safetensors`` files.
+
+* ``.npy``: one array — the embeddings (or the labels, for a labels file).
+* ``.npz`` / ``.safetensors`` / ``.pt`` (a dict of tensors, or a bare tensor): named entries.
+  Semantic embeddings are found under ``embeddings`` or ``semantic``, uncertainty embeddings under
+  ``uncertainty``, labels under ``labels``; other names can be given explicitly. A missing entry is
+  a ``ValueError`` that lists the keys the file does have.
+
+``.pt`` files are read with ``torch.load(weights_only=True)``: tensors and plain containers only,
+never arbitrary pickled code.
+
+Example:
+    >>> import tempfile, pathlib, numpy as np
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "emb.npz"
+    >>> np.savez(path, semantic=np.eye(3, dtype=np.float32), labels=np.array([0, 0, 1]))
+    >>> f = load_embedding_file(path)
+    >>> tuple(f.semantic.shape), f.labels.tolist(), f.uncertainty is None
+    ((3, 3), [0, 0, 1], True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+SEMANTIC_KEYS: tuple[str, ...] = ("embeddings", "semantic")
+UNCERTAINTY_KEYS: tuple[str, ...] = ("uncertainty",)
+LABEL_KEYS: tuple[str, ...] = ("labels",)
+SUFFIXES: tuple[str, ...] = (".npy", ".npz", ".pt", ".pth", ".safetensors")
+
+
+@dataclass
+class EmbeddingFile:
+    """What a file provides: semantic embeddings, and optionally uncertainty and labels."""
+
+    path: Path
+    semantic: Tensor
+    uncertainty: Tensor | None
+    labels: Tensor | None
+    keys: tuple[str, ...]
+
+
+def _as_tensor(value: object, path: Path, key: str) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            raise ValueError(f"{path}: entry {key!r} is an object array; save numeric arrays only")
+        return torch.from_numpy(np.ascontiguousarray(value))
+    raise ValueError(
+        f"{path}: entry {key!r} is a {type(value).__name__}, expected an array or tensor"
+    )
+
+
+def read_entries(path: str | Path) -> dict[str, Tensor]:
+    """All named arrays of a file (a single-array file gives the one key ``""``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ValueError(
+            f"{path}: unsupported file type {suffix!r}; use one of {', '.join(SUFFIXES)}"
+        )
+    try:
+        if suffix == ".npy":
+            return {"": _as_tensor(np.load(path, allow_pickle=False), path, "")}
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                return {key: _as_tensor(archive[key], path, key) for key in archive.files}
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return dict(load_file(str(path)))
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as err:
+        if isinstance(err, ValueError) and str(err).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: cannot read the file ({err})") from err
+    if isinstance(loaded, Mapping):
+        return {str(key): _as_tensor(value, path, str(key)) for key, value in loaded.items()}
+    return {"": _as_tensor(loaded, path, "")}
+
+
+def _pick(
+    entries: Mapping[str, Tensor],
+    path: Path,
+    what: str,
+    explicit: str | None,
+    candidates: Sequence[str],
+    required: bool,
+) -> Tensor | None:
+    if explicit is not None:
+        if explicit not in entries:
+            raise ValueError(
+                f"{path}: no entry {explicit!r} for the {what}; keys found: {_key_list(entries)}"
+            )
+        return entries[explicit]
+    for key in candidates:
+        if key in entries:
+            return entries[key]
+    if required:
+        names = " or ".join(repr(k) for k in candidates)
+        raise ValueError(
+            f"{path}: no {what} entry (looked for {names}); keys found: {_key_list(entries)}. "
+            f"Name the entry explicitly (e.g. --embeddings-key)"
+        )
+    return None
+
+
+def _key_list(entries: Mapping[str, Tensor]) -> str:
+    shown = [f"{k!r} {tuple(v.shape)}" for k, v in entries.items() if k]
+    return ", ".join(shown) if shown else "(a single unnamed array)"
+
+
+def load_embedding_file(
+    path: str | Path,
+    *,
+    embeddings_key: str | None = None,
+    uncertainty_key: str | None = None,
+    labels_key: str | None = None,
+) -> EmbeddingFile:
+    """Read semantic embeddings (required), uncertainty and labels (if present) from one file."""
+    path = Path(path)
+    entries = read_entries(path)
+    if set(entries) == {""}:
+        semantic: Tensor | None = entries[""]
+        uncertainty = labels = None
+    else:
+        semantic = _pick(entries, path, "embeddings", embeddings_key, SEMANTIC_KEYS, True)
+        uncertainty = _pick(entries, path, "uncertainty", uncertainty_key, UNCERTAINTY_KEYS, False)
+        labels = _pick(entries, path, "labels", labels_key, LABEL_KEYS, False)
+    assert semantic is not None
+    if semantic.dim() != 2 or not semantic.dtype.is_floating_point:
+        raise ValueError(
+            f"{path}: embeddings must be a floating (N, d) array, got dtype {semantic.dtype} "
+            f"and shape {tuple(semantic.shape)}"
+        )
+    return EmbeddingFile(path, semantic, uncertainty, labels, tuple(k for k in entries if k))
+
+
+def load_labels(path: str | Path, key: str | None = None) -> Tensor:
+    """Read an integer label vector ``(N,)`` from a file (a bare array or a ``labels`` entry)."""
+    path = Path(path)
+    entries = read_entries(path)
+    if set(entries) == {""}:
+        labels = entries[""]
+    else:
+        picked = _pick(entries, path, "labels", key, LABEL_KEYS, True)
+        assert picked is not None
+        labels = picked
+    return check_labels(labels, f"{path}: labels")
+
+
+def check_labels(labels: Tensor, name: str = "labels") -> Tensor:
+    """A 1-D integer label vector (integral floats are accepted and converted), else ``ValueError``."""
+    labels = torch.as_tensor(labels)
+    if labels.dim() == 2 and labels.shape[1] == 1:
+        labels = labels[:, 0]
+    if labels.dim() != 1:
+        raise ValueError(
+            f"{name} must be a 1-D vector of class ids, got shape {tuple(labels.shape)}"
+        )
+    if labels.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer class ids, got booleans")
+    if labels.dtype.is_floating_point and not (
+        bool(torch.isfinite(labels).all()) and bool((labels == labels.round()).all())
+    ):
+        raise ValueError(f"{name} must be integer class ids, got non-integer values")
+    return labels.long()

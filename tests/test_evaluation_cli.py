@@ -1,0 +1,153 @@
+"""``idml evaluate`` on embedding files of every supported format."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from idml.cli import main
+from idml.evaluation import evaluate_embeddings
+
+
+@pytest.fixture
+def data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(6), 5)
+    centers = rng.standard_normal((6, 8))
+    x = (centers[labels] + 0.8 * rng.standard_normal((30, 8))).astype(np.float32)
+    u = rng.random((30, 4)).astype(np.float32)
+    return x, labels, u
+
+
+def _write(path: Path, fmt: str, entries: dict[str, np.ndarray]) -> Path:
+    if fmt == "npz":
+        np.savez(path, **entries)
+    elif fmt == "pt":
+        torch.save({k: torch.from_numpy(v) for k, v in entries.items()}, path)
+    elif fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in entries.items()}, path)
+    return path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("fmt", ["npz", "pt", "safetensors"])
+def test_keyed_files_json(fmt: str, tmp_path: Path, data, capsys) -> None:
+    x, labels, u = data
+    path = _write(tmp_path / f"emb.{fmt}", fmt, {"semantic": x, "uncertainty": u, "labels": labels})
+    code, out, _ = _run(capsys, "evaluate", "--embeddings", str(path), "--ks", "1,2,4", "--json")
+    assert code == 0
+    result = json.loads(out)
+    expected = evaluate_embeddings(x, labels, ks=(1, 2, 4), uncertainty=u).metrics
+    assert result["metrics"] == pytest.approx(expected, abs=1e-12)
+    assert result["uncertainty"]["mean"] == pytest.approx(float(np.linalg.norm(u, axis=1).mean()))
+
+
+def test_npy_embeddings_and_labels_table(tmp_path: Path, data, capsys) -> None:
+    x, labels, _ = data
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", labels)
+    code, out, _ = _run(
+        capsys,
+        "evaluate",
+        "--embeddings",
+        str(tmp_path / "x.npy"),
+        "--labels",
+        str(tmp_path / "y.npy"),
+        "--no-nmi",
+        "--per-class",
+        "2",
+    )
+    assert code == 0
+    expected = evaluate_embeddings(x, labels, nmi=False).metrics
+    assert "30 queries against themselves" in out
+    assert re.search(rf"recall@1 +{expected['recall@1']:.4f}\n", out)
+    assert "map@r" in out and "nmi" not in out
+    assert "lowest recall@1" in out
+
+
+def test_separate_query_set_and_euclidean(tmp_path: Path, data, capsys) -> None:
+    x, labels, _ = data
+    q = np.arange(30) % 5 == 0  # one query per class, the rest is the gallery
+    _write(tmp_path / "g.npz", "npz", {"embeddings": x[~q], "labels": labels[~q]})
+    _write(tmp_path / "q.npz", "npz", {"embeddings": x[q], "labels": labels[q]})
+    code, out, _ = _run(
+        capsys,
+        "evaluate",
+        "--embeddings",
+        str(tmp_path / "g.npz"),
+        "--query-embeddings",
+        str(tmp_path / "q.npz"),
+        "--metric",
+        "euclidean",
+        "--no-nmi",
+        "--json",
+    )
+    assert code == 0
+    result = json.loads(out)
+    expected = evaluate_embeddings(
+        x[~q], labels[~q], query=(x[q], labels[q]), metric="euclidean", nmi=False
+    ).metrics
+    assert result["metrics"] == pytest.approx(expected, abs=1e-12)
+    assert result["num_queries"] == 6 and result["same_set"] is False
+
+
+def test_introspective_ranking_flag(tmp_path: Path, data, capsys) -> None:
+    x, labels, u = data
+    path = _write(tmp_path / "e.npz", "npz", {"semantic": x, "uncertainty": u, "labels": labels})
+    code, out, _ = _run(
+        capsys,
+        "evaluate",
+        "--embeddings",
+        str(path),
+        "--introspective",
+        "--gamma",
+        "0.5",
+        "--no-nmi",
+        "--json",
+    )
+    assert code == 0
+    assert json.loads(out)["metric"].startswith("introspective(CosineSimilarity")
+
+
+def test_missing_key_lists_the_keys_found(tmp_path: Path, data, capsys) -> None:
+    x, labels, _ = data
+    path = _write(tmp_path / "e.npz", "npz", {"feats": x, "labels": labels})
+    code, _, err = _run(capsys, "evaluate", "--embeddings", str(path))
+    assert code == 2
+    assert "no embeddings entry" in err and "'feats' (30, 8)" in err and "'labels' (30,)" in err
+    code, out, _ = _run(
+        capsys, "evaluate", "--embeddings", str(path), "--embeddings-key", "feats", "--no-nmi"
+    )
+    assert code == 0 and "recall@1" in out
+
+
+def test_missing_labels_and_files_are_clear_errors(tmp_path: Path, data, capsys) -> None:
+    x, _, _ = data
+    np.save(tmp_path / "x.npy", x)
+    code, _, err = _run(capsys, "evaluate", "--embeddings", str(tmp_path / "x.npy"))
+    assert code == 2 and "no labels entry" in err
+    code, _, err = _run(capsys, "evaluate", "--embeddings", str(tmp_path / "nope.npz"))
+    assert code == 2 and "no such file" in err
+    code, _, err = _run(capsys, "evaluate")
+    assert code == 2 and "--embeddings" in err
+    (tmp_path / "x.csv").write_text("1,2\n")
+    code, _, err = _run(capsys, "evaluate", "--embeddings", str(tmp_path / "x.csv"))
+    assert code == 2 and "unsupported file type" in err
+
+
+def test_bad_ks_is_rejected_by_the_parser(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--embeddings", "x.npy", "--ks", "1,two"])
+    assert "expected integers" in capsys.readouterr().err

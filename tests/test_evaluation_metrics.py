@@ -1,0 +1,245 @@
+"""Retrieval metrics: golden values, pytorch-metric-learning parity, NMI, ||u||, reports, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from idml.embeddings import Embeddings
+from idml.evaluation import (
+    evaluate_embeddings,
+    faiss_search,
+    nmi_score,
+    per_query_metrics,
+    summarize_uncertainty,
+)
+from idml.evaluation.clustering import faiss_available
+from idml.evaluation.retrieval_metrics import (
+    RankAccumulator,
+    interpolated_precision,
+    ranks_from_neighbors,
+)
+
+needs_faiss = pytest.mark.skipif(not faiss_available(), reason="faiss is not installed")
+
+
+def clustered(n: int, classes: int, dim: int, noise: float, seed: int):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, n)
+    centers = rng.standard_normal((classes, dim))
+    x = centers[labels] + noise * rng.standard_normal((n, dim))
+    return x.astype(np.float32), labels
+
+
+# ----------------------------------------------------------------------------- golden values
+def test_golden_map_at_r_and_r_precision() -> None:
+    # R = 3, ranked relevance [1, 0, 1, 0, 1] -> relevant at positions 1, 3, 5.
+    m = per_query_metrics(torch.tensor([[1, 3, 5]]), torch.tensor([3]))
+    assert m["map@r"].item() == pytest.approx((1 + 2 / 3) / 3, abs=1e-15)
+    assert m["r_precision"].item() == pytest.approx(2 / 3, abs=1e-15)
+    assert m["map"].item() == pytest.approx((1 + 2 / 3 + 3 / 5) / 3, abs=1e-15)
+    assert m["mrr"].item() == 1.0
+
+
+def test_golden_interpolated_precision_and_cutoffs() -> None:
+    ranks, r = torch.tensor([[2, 3, 10]]), torch.tensor([3])
+    # precision at hits: 1/2, 2/3, 3/10; suffix max: 2/3, 2/3, 3/10
+    p = interpolated_precision(ranks, r, (0.0, 0.3, 1 / 3, 0.5, 0.7, 1.0))[0].tolist()
+    assert p == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2 / 3, 3 / 10, 3 / 10])
+    acc = RankAccumulator(1, (1, 2), (1, 3, 10))
+    acc.add(torch.tensor([0]), ranks, r)
+    curve = acc.pr_curve()
+    assert curve.precision_at_cutoff == pytest.approx([0.0, 2 / 3, 3 / 10])
+    assert curve.recall_at_cutoff == pytest.approx([0.0, 2 / 3, 1.0])
+    assert acc.means()["recall@1"] == 0.0 and acc.means()["recall@2"] == 1.0
+
+
+def test_ranks_from_truncated_neighbour_lists() -> None:
+    # Neighbour labels of a class-0 query with R = 3: hits at 2 and 4, the third beyond k = 4.
+    ranks = ranks_from_neighbors(torch.tensor([[1, 0, 2, 0]]), torch.tensor([0]), torch.tensor([3]))
+    assert ranks.tolist() == [[2, 4, 5]]
+    m = per_query_metrics(ranks, torch.tensor([3]))
+    assert m["r_precision"].item() == pytest.approx(1 / 3)
+    assert m["map@r"].item() == pytest.approx((1 / 2) / 3)
+
+
+# ----------------------------------------------------------------------------- pml parity
+def _pml(query, q_labels, reference=None, r_labels=None):
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
+    calc = AccuracyCalculator(
+        include=("precision_at_1", "r_precision", "mean_average_precision_at_r"),
+        k="max_bin_count",
+        device=torch.device("cpu"),
+    )
+    return calc.get_accuracy(query, q_labels, reference, r_labels, reference is None)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_pytorch_metric_learning_on_clustered_data(seed: int) -> None:
+    x, y = clustered(600, 40, 16, 1.3, seed)
+    x[0] = x[1]  # a duplicate pair
+    y[5] = 1000  # a lone query
+    xn = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
+    pml = _pml(xn, torch.from_numpy(y))
+    report = evaluate_embeddings(x, y, ks=(1, 2, 4, 8), nmi=False, block_size=128)
+    assert report.metrics["recall@1"] == pytest.approx(pml["precision_at_1"], abs=1e-12)
+    assert report.metrics["r_precision"] == pytest.approx(pml["r_precision"], abs=1e-6)
+    assert report.metrics["map@r"] == pytest.approx(pml["mean_average_precision_at_r"], abs=1e-6)
+    assert report.retrieval.num_lone_queries == 1
+
+
+def test_matches_pytorch_metric_learning_with_separate_gallery() -> None:
+    q, qy = clustered(150, 20, 12, 1.2, seed=4)
+    g, gy = clustered(400, 20, 12, 1.2, seed=4)
+    qn = torch.nn.functional.normalize(torch.from_numpy(q), dim=1)
+    gn = torch.nn.functional.normalize(torch.from_numpy(g), dim=1)
+    pml = _pml(qn, torch.from_numpy(qy), gn, torch.from_numpy(gy))
+    report = evaluate_embeddings(g, gy, query=(q, qy), nmi=False, block_size=64)
+    assert not report.retrieval.same_set
+    assert report.metrics["recall@1"] == pytest.approx(pml["precision_at_1"], abs=1e-12)
+    assert report.metrics["r_precision"] == pytest.approx(pml["r_precision"], abs=1e-6)
+    assert report.metrics["map@r"] == pytest.approx(pml["mean_average_precision_at_r"], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- NMI
+def test_nmi_is_reproducible_and_in_range() -> None:
+    x, y = clustered(300, 8, 8, 0.8, seed=2)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for backend in ("sklearn", *(("faiss",) if faiss_available() else ())):
+        a = nmi_score(xt, yt, backend=backend, seed=3)
+        assert a == nmi_score(xt, yt, backend=backend, seed=3)
+        assert 0.5 < a <= 1.0  # well-separated clusters
+    noise = nmi_score(torch.randn(300, 8), yt, backend="sklearn", seed=0)
+    assert 0.0 <= noise < 0.3
+
+
+@needs_faiss
+def test_nmi_with_faiss_equals_pytorch_metric_learning() -> None:
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
+    x, y = clustered(400, 12, 8, 1.0, seed=6)
+    xn = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
+    calc = AccuracyCalculator(include=("NMI",), device=torch.device("cpu"))
+    pml = calc.get_accuracy(xn, torch.from_numpy(y))["NMI"]
+    report = evaluate_embeddings(x, y, nmi_backend="faiss")
+    assert report.nmi == pytest.approx(pml, abs=1e-12)
+    sk = evaluate_embeddings(x, y, nmi_backend="sklearn").nmi
+    assert sk == pytest.approx(pml, abs=0.1)  # another k-means, same value range
+
+
+# ----------------------------------------------------------------------------- uncertainty
+def test_uncertainty_summary_values() -> None:
+    levels = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    recall = torch.tensor([1.0, 1.0, 1.0, math.nan, 0.0, 1.0, 0.0, 0.0])
+    s = summarize_uncertainty(levels, labels, quantiles=(0.0, 0.5, 1.0), recall_at_1=recall)
+    assert (s.count, s.mean, s.min, s.max) == (8, 4.5, 1.0, 8.0)
+    assert s.std == pytest.approx(float(np.std(levels.numpy())))
+    assert s.quantiles == {0.0: 1.0, 0.5: 4.5, 1.0: 8.0}
+    assert s.per_class_mean == {0: 2.5, 1: 6.5}
+    # NaN (lone) skipped: levels 1,2,3,5,6,7,8 -> quartiles [1,2], [3,5], [6,7], [8]
+    assert s.recall_at_1_by_quartile == [1.0, 0.5, 0.5, 0.0]
+
+
+def test_report_carries_uncertainty_from_embeddings() -> None:
+    x, y = clustered(40, 4, 6, 0.7, seed=1)
+    u = torch.rand(40, 3)
+    report = evaluate_embeddings(Embeddings(torch.from_numpy(x), u), y, nmi=False)
+    assert report.uncertainty is not None
+    assert report.uncertainty.mean == pytest.approx(float(u.norm(dim=1).mean()), rel=1e-6)
+    assert "uncertainty ||u||" in report.format_table()
+
+
+# ----------------------------------------------------------------------------- report
+def test_report_json_and_table() -> None:
+    x, y = clustered(50, 5, 6, 0.8, seed=8)
+    report = evaluate_embeddings(x, y, ks=(1, 4), nmi_backend="sklearn", seed=0)
+    data = json.loads(report.to_json(per_class=True))
+    assert set(data["metrics"]) == {
+        "recall@1",
+        "recall@4",
+        "r_precision",
+        "map@r",
+        "map",
+        "mrr",
+        "nmi",
+    }
+    assert data["metrics"]["recall@1"] == report.metrics["recall@1"]
+    assert len(data["per_class"]) == 5
+    assert data["pr_curve"]["cutoffs"][-1] == 49
+    table = report.format_table(per_class=2)
+    assert "recall@4" in table and "nmi" in table and "lowest recall@1" in table
+    assert report.pr_curve.recall == report.retrieval.pr_curve.recall_at_cutoff
+
+
+def test_neighbor_values_are_distances_for_euclidean() -> None:
+    x = torch.tensor([[3.0, 0.0], [0.0, 4.0], [3.0, 1.0]])
+    report = evaluate_embeddings(
+        x, [0, 0, 1], metric="euclidean", normalize=False, nmi=False, num_neighbors=2
+    )
+    r = report.retrieval
+    assert not r.values_are_similarities
+    assert r.neighbor_indices[0].tolist() == [2, 1]
+    assert r.neighbor_values[0].tolist() == pytest.approx([1.0, 5.0])
+
+
+@needs_faiss
+def test_faiss_backend_flat_index_gives_exact_truncated_metrics() -> None:
+    x, y = clustered(200, 10, 8, 1.0, seed=3)
+    exact = evaluate_embeddings(x, y, ks=(1, 2), nmi=False)
+    approx = evaluate_embeddings(
+        x, y, ks=(1, 2), nmi=False, knn_backend="faiss", faiss_index="Flat"
+    )
+    for key in ("recall@1", "recall@2", "r_precision", "map@r"):
+        assert approx.metrics[key] == pytest.approx(exact.metrics[key], abs=1e-12)
+    assert "map" not in approx.metrics and approx.retrieval.backend == "faiss:Flat"
+    hnsw = faiss_search(torch.from_numpy(x), 5, index_factory="HNSW16")
+    assert hnsw.indices.shape == (200, 5)
+    assert not (hnsw.indices == torch.arange(200).unsqueeze(1)).any()
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"labels": [0, 1, 0]}, "labels has 3 entries but there are 4"),
+        ({"ks": (1, 0)}, "ks must be positive integers"),
+        ({"ks": (-2,)}, "ks must be positive integers"),
+        ({"ks": ()}, "at least one K"),
+        ({"labels": [5, 5, 5, 5]}, "same label"),
+        ({"labels": [0.5, 1, 0, 1]}, "integer class ids"),
+        ({"query": (torch.randn(2, 3), [0, 1])}, "dimension 3"),
+        ({"query": (torch.randn(2, 2), [7, 8])}, "no query has a same-class reference"),
+        ({"metric": "manhattan"}, "metric must be"),
+        ({"num_neighbors": -1}, "num_neighbors"),
+    ],
+)
+def test_bad_input_raises_clear_errors(kwargs: dict, match: str) -> None:
+    args = {"embeddings": torch.randn(4, 2), "labels": [0, 1, 0, 1], "nmi": False}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        evaluate_embeddings(**args)
+
+
+def test_nan_rows_are_named() -> None:
+    x = torch.randn(5, 3)
+    x[2, 1] = math.nan
+    with pytest.raises(ValueError, match=r"embeddings contains NaN or inf \(rows \[2\]"):
+        evaluate_embeddings(x, [0, 0, 1, 1, 1], nmi=False)
+
+
+def test_ism_without_uncertainty_is_rejected() -> None:
+    from idml.metrics import CosineSimilarity, IntrospectiveMetric
+
+    with pytest.raises(ValueError, match="needs uncertainty embeddings"):
+        evaluate_embeddings(
+            torch.randn(4, 2),
+            [0, 1, 0, 1],
+            introspective_metric=IntrospectiveMetric(CosineSimilarity()),
+            nmi=False,
+        )

@@ -1,0 +1,301 @@
+"""Exact blocked search and every retrieval metric against a brute-force numpy reference.
+
+The reference ranks each query's whole gallery with one float64 sort, using the documented tie
+rules: neighbour lists by (score descending, index ascending); ranks for metrics "pessimistic"
+(a relevant item tied with non-relevant ones comes after them). Metrics are then computed from the
+definitions over the 0/1 relevance list, not from positions as the library does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import idml.evaluation.knn as knn_module
+from idml.evaluation import RankAccumulator, evaluate_embeddings, exact_search
+from idml.evaluation.retrieval_metrics import default_cutoffs
+
+LEVELS = tuple(i / 10 for i in range(11))
+
+
+# ----------------------------------------------------------------------------- reference
+def reference_scores(q: np.ndarray, r: np.ndarray, metric: str, normalize: bool) -> np.ndarray:
+    q, r = q.astype(np.float64), r.astype(np.float64)
+    if metric == "cosine" or normalize:
+        q = q / np.linalg.norm(q, axis=1, keepdims=True)
+        r = r / np.linalg.norm(r, axis=1, keepdims=True)
+    if metric == "cosine":
+        return q @ r.T
+    return -((q[:, None, :] - r[None, :, :]) ** 2).sum(-1)
+
+
+def brute_force(
+    q: np.ndarray,
+    q_labels: np.ndarray,
+    r: np.ndarray | None = None,
+    r_labels: np.ndarray | None = None,
+    *,
+    k: int,
+    ks: tuple[int, ...],
+    cutoffs: tuple[int, ...],
+    metric: str = "cosine",
+    normalize: bool = True,
+) -> dict[str, object]:
+    same = r is None
+    r, r_labels = (q, q_labels) if same else (r, r_labels)
+    s = reference_scores(q, r, metric, normalize)
+    idx = np.arange(len(r))
+    out: dict[str, list] = {key: [] for key in ("neighbors", "rp", "mapr", "map", "mrr", "first")}
+    out.update({f"r@{kk}": [] for kk in ks})
+    pr_p, pr_r, interp, lone = [], [], [], []
+    for i in range(len(q)):
+        keep = idx != i if same else np.ones(len(r), bool)
+        cand, sc = idx[keep], s[i, keep]
+        rel = r_labels[cand] == q_labels[i]
+        # neighbour order: score desc, index asc
+        out["neighbors"].append(cand[np.lexsort((cand, -sc))][:k].tolist())
+        # metric order: score desc, non-relevant before relevant on ties
+        order = np.lexsort((cand, rel, -sc))
+        relevance = rel[order].astype(float)
+        big_r = int(relevance.sum())
+        if big_r == 0:
+            lone.append(i)
+            continue
+        hits = np.cumsum(relevance)
+        prec = hits / np.arange(1, len(relevance) + 1)
+        out["rp"].append(relevance[:big_r].sum() / big_r)
+        out["mapr"].append((prec[:big_r] * relevance[:big_r]).sum() / big_r)
+        out["map"].append((prec * relevance).sum() / big_r)
+        first = int(np.argmax(relevance)) + 1
+        out["first"].append(first)
+        out["mrr"].append(1.0 / first)
+        for kk in ks:
+            out[f"r@{kk}"].append(float(relevance[:kk].any()))
+        pr_p.append([hits[c - 1] / c for c in cutoffs])
+        pr_r.append([hits[c - 1] / big_r for c in cutoffs])
+        recall = hits / big_r
+        interp.append([prec[recall >= rho - 1e-12].max() for rho in LEVELS])
+    means = {key: float(np.mean(v)) for key, v in out.items() if key not in ("neighbors", "first")}
+    return {
+        "neighbors": out["neighbors"],
+        "means": means,
+        "lone": lone,
+        "pr_precision": np.mean(pr_p, 0),
+        "pr_recall": np.mean(pr_r, 0),
+        "interp": np.mean(interp, 0),
+    }
+
+
+def ours(
+    q: np.ndarray,
+    q_labels: np.ndarray,
+    r: np.ndarray | None = None,
+    r_labels: np.ndarray | None = None,
+    *,
+    k: int,
+    ks: tuple[int, ...],
+    cutoffs: tuple[int, ...],
+    block_size: int,
+    metric: str = "cosine",
+    normalize: bool = True,
+    max_rank_entries: int = 1 << 24,
+):
+    out = exact_search(
+        torch.from_numpy(q),
+        torch.from_numpy(q_labels),
+        k,
+        None if r is None else torch.from_numpy(r),
+        None if r_labels is None else torch.from_numpy(r_labels),
+        metric=metric,
+        normalize=normalize,
+        block_size=block_size,
+        max_rank_entries=max_rank_entries,
+    )
+    acc = RankAccumulator(len(q), ks, cutoffs)
+    for chunk in out.rank_chunks:
+        acc.add(*chunk)
+    return out, acc
+
+
+def assert_matches(ref: dict, out, acc: RankAccumulator, ks: tuple[int, ...]) -> None:
+    got = [[i for i in row if i >= 0] for row in out.neighbors.indices.tolist()]
+    assert got == ref["neighbors"]
+    means = acc.means()
+    expected = ref["means"]
+    for kk in ks:
+        assert means[f"recall@{kk}"] == pytest.approx(expected[f"r@{kk}"], abs=1e-12)
+    assert means["r_precision"] == pytest.approx(expected["rp"], abs=1e-12)
+    assert means["map@r"] == pytest.approx(expected["mapr"], abs=1e-12)
+    assert means["map"] == pytest.approx(expected["map"], abs=1e-12)
+    assert means["mrr"] == pytest.approx(expected["mrr"], abs=1e-12)
+    assert acc.lone.nonzero().flatten().tolist() == ref["lone"]
+    curve = acc.pr_curve()
+    np.testing.assert_allclose(curve.precision_at_cutoff, ref["pr_precision"], atol=1e-12)
+    np.testing.assert_allclose(curve.recall_at_cutoff, ref["pr_recall"], atol=1e-12)
+    np.testing.assert_allclose(curve.interpolated_precision, ref["interp"], atol=1e-12)
+
+
+def clustered(n: int, classes: int, dim: int, noise: float, seed: int):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, n)
+    centers = rng.standard_normal((classes, dim))
+    x = centers[labels] + noise * rng.standard_normal((n, dim))
+    return x.astype(np.float32), labels
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("block_size", [1, 3, 7, 16, 1000])
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+def test_same_set_matches_brute_force_across_block_boundaries(block_size: int, metric: str) -> None:
+    # 37 is prime: no block size divides it, so every run has a ragged last block.
+    x, y = clustered(37, 6, 5, 1.0, seed=block_size)
+    ks, cutoffs = (1, 2, 5, 40), default_cutoffs(36)
+    ref = brute_force(x, y, k=6, ks=ks, cutoffs=cutoffs, metric=metric)
+    out, acc = ours(x, y, k=6, ks=ks, cutoffs=cutoffs, block_size=block_size, metric=metric)
+    assert out.symmetric
+    assert_matches(ref, out, acc, ks)
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 64])
+def test_separate_query_and_gallery_matches_brute_force(block_size: int) -> None:
+    q, qy = clustered(23, 5, 6, 1.0, seed=1)
+    g, gy = clustered(41, 5, 6, 1.0, seed=1)  # same seed: same class centres
+    qy[0] = 99  # a query whose class is absent from the gallery: lone
+    ks, cutoffs = (1, 3, 8), (1, 2, 10, 41)
+    ref = brute_force(q, qy, g, gy, k=4, ks=ks, cutoffs=cutoffs)
+    out, acc = ours(q, qy, g, gy, k=4, ks=ks, cutoffs=cutoffs, block_size=block_size)
+    assert not out.symmetric
+    assert ref["lone"] == [0]
+    assert_matches(ref, out, acc, ks)
+
+
+@pytest.mark.parametrize("max_rank_entries", [1, 20, 70])
+def test_chunked_queries_give_the_same_results(max_rank_entries: int) -> None:
+    # Large classes relative to the state budget force the chunked, non-symmetric path.
+    x, y = clustered(40, 3, 4, 1.5, seed=7)
+    ks, cutoffs = (1, 4), default_cutoffs(39)
+    ref = brute_force(x, y, k=5, ks=ks, cutoffs=cutoffs)
+    out, acc = ours(
+        x, y, k=5, ks=ks, cutoffs=cutoffs, block_size=6, max_rank_entries=max_rank_entries
+    )
+    assert not out.symmetric
+    assert len(out.rank_chunks) > 1
+    assert_matches(ref, out, acc, ks)
+
+
+def test_batched_count_path_for_many_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Force the padded searchsorted path that large classes with many candidates take.
+    monkeypatch.setattr(knn_module, "_FLAT_COUNT_MAX_ENTRIES", 0)
+    x, y = clustered(45, 3, 3, 3.0, seed=3)
+    ks, cutoffs = (1, 2), default_cutoffs(44)
+    ref = brute_force(x, y, k=3, ks=ks, cutoffs=cutoffs)
+    out, acc = ours(x, y, k=3, ks=ks, cutoffs=cutoffs, block_size=8)
+    assert_matches(ref, out, acc, ks)
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 50])
+def test_ties_and_duplicate_vectors_follow_the_documented_rules(block_size: int) -> None:
+    # Integer vectors, Euclidean, no normalisation: every score is an exact integer, so ties are
+    # real ties in float32 and float64 alike; many rows are exact duplicates of each other.
+    rng = np.random.default_rng(0)
+    x = rng.integers(-1, 2, (30, 2)).astype(np.float32)
+    y = rng.integers(0, 3, 30)
+    kw = {"metric": "euclidean", "normalize": False}
+    ks, cutoffs = (1, 2, 4), default_cutoffs(29)
+    ref = brute_force(x, y, k=7, ks=ks, cutoffs=cutoffs, **kw)
+    out, acc = ours(x, y, k=7, ks=ks, cutoffs=cutoffs, block_size=block_size, **kw)
+    assert_matches(ref, out, acc, ks)
+
+
+def test_tie_rules_on_a_hand_made_example() -> None:
+    # Query 0 at the origin; references 1..4 all at distance 1 (a four-way tie).
+    x = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
+    labels = torch.tensor([0, 1, 0, 1, 2])
+    out = exact_search(x, labels, 3, metric="euclidean", normalize=False, block_size=2)
+    # Neighbour lists: equal scores in index order.
+    assert out.neighbors.indices[0].tolist() == [1, 2, 3]
+    # Ranks: query 0's only relevant item (2) is tied with 1, 3, 4 -> ranked after all of them.
+    ranks = {int(q): (r[:n].tolist()) for q, r, n in zip(*out.rank_chunks[0])}
+    assert ranks[0] == [4]
+
+
+def test_collapsed_embeddings_score_worst_not_best() -> None:
+    # Every embedding identical: pessimistic ties give the chance-free worst case.
+    x = torch.ones(12, 4)
+    labels = torch.arange(12) % 4
+    report = evaluate_embeddings(x, labels, ks=(1, 8), nmi=False)
+    assert report.metrics["recall@1"] == 0.0
+    # Each query has 9 other-class items, all ranked before its 2 relevant ones (ranks 10, 11).
+    assert report.metrics["recall@8"] == 0.0
+    assert report.metrics["map@r"] == 0.0
+    assert report.metrics["mrr"] == pytest.approx(1 / 10)
+    assert report.metrics["map"] == pytest.approx((1 / 10 + 2 / 11) / 2)
+
+
+def test_duplicate_of_the_query_is_a_neighbour_self_is_excluded_by_index() -> None:
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    labels = torch.tensor([0, 1, 0, 1])
+    out = exact_search(x, labels, 3, block_size=1)
+    assert out.neighbors.indices.tolist() == [[1, 2, 3], [0, 2, 3], [3, 0, 1], [2, 0, 1]]
+
+
+def test_k_larger_than_class_and_gallery() -> None:
+    x, y = clustered(9, 3, 3, 0.5, seed=2)
+    out = exact_search(torch.from_numpy(x), torch.from_numpy(y), 50, block_size=4)
+    assert out.neighbors.k == 8  # capped at the other 8 items
+    assert sorted(out.neighbors.indices[0].tolist()) == list(range(1, 9))
+    report = evaluate_embeddings(x, y, ks=(1, 5, 100), nmi=False)
+    assert report.metrics["recall@100"] == 1.0
+
+
+def test_lone_queries_are_excluded_and_counted() -> None:
+    x, y = clustered(20, 4, 3, 0.5, seed=5)
+    y[[3, 11]] = [50, 51]  # two singletons
+    report = evaluate_embeddings(x, y, ks=(1,), nmi=False)
+    assert report.retrieval.lone_queries.tolist() == [3, 11]
+    assert math.isnan(report.retrieval.per_query["map@r"][3].item())
+    assert report.retrieval.per_class[50]["num_lone_queries"] == 1
+    ref = brute_force(x, y, k=1, ks=(1,), cutoffs=(1,))
+    assert report.metrics["map@r"] == pytest.approx(ref["means"]["mapr"], abs=1e-12)
+
+
+def test_per_class_breakdown_matches_per_query_means() -> None:
+    x, y = clustered(30, 3, 4, 1.2, seed=9)
+    report = evaluate_embeddings(x, y, ks=(1, 2), nmi=False)
+    per_query = report.retrieval.per_query
+    for c, row in report.retrieval.per_class.items():
+        mask = torch.from_numpy(y == c)
+        assert row["num_queries"] == int(mask.sum())
+        for key in ("recall@1", "r_precision", "map@r", "map", "mrr"):
+            assert row[key] == pytest.approx(float(per_query[key][mask].mean()), abs=1e-12)
+
+
+def test_introspective_ranking_matches_a_dense_ism_matrix() -> None:
+    from idml.metrics import CosineSimilarity, IntrospectiveMetric
+
+    torch.manual_seed(0)
+    x, u = torch.randn(25, 6), torch.randn(25, 4)
+    labels = torch.randint(0, 4, (25,))
+    ism = IntrospectiveMetric(CosineSimilarity(), gamma=0.5, tau=2.0)
+    out = exact_search(x, labels, 24, metric=ism, query_uncertainty=u, block_size=4)
+    dense = ism(x, ux=u).double()
+    dense.fill_diagonal_(-math.inf)
+    expected = torch.sort(dense, dim=1, descending=True, stable=True).indices[:, :24]
+    assert out.neighbors.indices.tolist() == expected.tolist()
+    report = evaluate_embeddings(x, labels, uncertainty=u, introspective_metric=ism, nmi=False)
+    plain = evaluate_embeddings(x, labels, nmi=False)
+    assert report.retrieval.metric_name.startswith("introspective")
+    assert report.metrics != plain.metrics
+
+
+@pytest.mark.parametrize("n_classes", [1, 3])
+def test_neighbors_only_and_gallery_smaller_than_k(n_classes: int) -> None:
+    q = torch.randn(5, 3)
+    g = torch.randn(2, 3)
+    out = exact_search(q, torch.zeros(5, dtype=torch.long), 4, g, torch.arange(2) % n_classes)
+    assert out.neighbors.k == 2
+    scores = torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(g, dim=1).T
+    assert out.neighbors.indices.tolist() == scores.argsort(1, descending=True).tolist()
