@@ -305,9 +305,11 @@ def main() -> None:
     if args.only:
         cases = [c for c in cases if c.name in set(args.only)]
 
+    machine = platform.processor() or platform.machine()
     print(
-        f"# torch {torch.__version__}, {torch.get_num_threads()} thread(s), {platform.processor() or platform.machine()}; "
-        f"B = 240 (120 real + 120 mixed), d = {DIM}, d_u = {args.uncertainty_dim}, C = {NUM_CLASSES}, "
+        f"# torch {torch.__version__}, {torch.get_num_threads()} thread(s), {machine}; "
+        f"B = 240 (120 real + 120 mixed), d = {DIM}, d_u = {args.uncertainty_dim}, "
+        f"C = {NUM_CLASSES}, "
         f"float32 CPU; {args.clock} time, median of {args.repeats} after {args.warmup} warm-up"
     )
     header = ["loss", "pml ms", "ours ms", "ours+ISM ms", "ours/pml", "ISM/plain"]

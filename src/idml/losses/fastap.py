@@ -1,10 +1,11 @@
 """FastAP: a differentiable average precision through soft histogram binning of distances.
 
-Cakir et al. 2019 ("Deep Metric Learning to Rank", eq. 9–11). Each anchor ranks the rest of the batch
-by squared distance ``d ∈ [0, 4]`` (L2-normalised embeddings). The range is cut into ``L`` bins with
-``L + 1`` centres ``c_l = l·Δ``, ``Δ = 4/L``, and every distance is spread over its two nearest centres
-by a triangular kernel ``δ(d, c_l) = max(0, 1 − |d − c_l| / Δ)``. With ``h⁺_l`` / ``h_l`` the soft counts of
-positives / of all others in bin ``l`` and ``H⁺_l``, ``H_l`` their cumulative sums::
+Cakir et al. 2019 ("Deep Metric Learning to Rank", FastAP with linear histogram binning). Each
+anchor ranks the rest of the batch by squared distance ``d ∈ [0, 4]`` (L2-normalised embeddings).
+The range is cut into ``L`` bins with ``L + 1`` centres ``c_l = l·Δ``, ``Δ = 4/L``, and every
+distance is spread over its two nearest centres by a triangular kernel
+``δ(d, c_l) = max(0, 1 − |d − c_l| / Δ)``. With ``h⁺_l`` / ``h_l`` the soft counts of positives / of
+all others in bin ``l`` and ``H⁺_l``, ``H_l`` their cumulative sums::
 
     FastAP_i = (1 / N⁺_i) Σ_l h⁺_l · H⁺_l / H_l          (terms with h⁺_l·H⁺_l = 0 are 0)
     L        = mean_{i : N⁺_i > 0} (1 − FastAP_i)
@@ -43,7 +44,7 @@ MAX_SQUARED_DISTANCE = 4.0
 
 
 class FastAPLoss(MetricLoss):
-    """FastAP (Cakir et al. 2019, eq. 9–11) with linear (triangular) histogram binning.
+    """FastAP (Cakir et al. 2019) with linear (triangular) histogram binning.
 
     Args:
         metric: squared Euclidean distance on L2-normalised embeddings by default; any metric that

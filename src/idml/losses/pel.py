@@ -1,6 +1,6 @@
 """PEL baseline: probabilistic embeddings with a Monte-Carlo match probability (HIB).
 
-Oh et al. 2019 ("Modeling Uncertainty with Hedged Instance Embedding", §2; SPEC §4) — the IDML paper's
+Oh et al. 2019 ("Modeling Uncertainty with Hedged Instance Embedding"; SPEC §4) — the IDML paper's
 "uncertainty as a distribution" comparison point (PEL-MDW in its Table 2). Every image is a Gaussian
 ``N(μ_i, diag σ_i²)``; ``K`` reparameterised samples ``z_i^k = μ_i + σ_i ⊙ ε_i^k``, ``ε ~ N(0, I)``, give the
 match probability of a pair::
@@ -92,7 +92,7 @@ def match_log_probabilities(
     bias: Tensor | float,
     sample_pairing: SamplePairing = "all",
 ) -> tuple[Tensor, Tensor]:
-    """``(log p, log(1 − p))`` of the HIB match probability (Oh et al. 2019, §2), each ``(B, B)``.
+    """``(log p, log(1 − p))`` of the HIB match probability (Oh et al. 2019), each ``(B, B)``.
 
     ``p_ij = mean sigmoid(−scale·||z_i − z_j|| + bias)`` over the sample pairs selected by
     ``sample_pairing`` (``"all"``: the ``K²`` pairs ``(k, k')``; ``"matched"``: the ``K`` pairs ``(k, k)``).
@@ -116,7 +116,7 @@ def match_probability(
     bias: Tensor | float,
     sample_pairing: SamplePairing = "all",
 ) -> Tensor:
-    """HIB match probability ``p_ij`` (Oh et al. 2019, §2) from ``(K, B, d)`` samples, shape ``(B, B)``.
+    """HIB match probability ``p_ij`` (Oh et al. 2019) from ``(K, B, d)`` samples, shape ``(B, B)``.
 
     See :func:`match_log_probabilities` for the estimator.
     """
@@ -136,7 +136,7 @@ def gaussian_kl_to_standard(mean: Tensor, log_variance: Tensor) -> Tensor:
 
 
 class PELLoss(MetricLoss):
-    """Probabilistic embedding loss of HIB (Oh et al. 2019, §2): balanced BCE on ``p_ij`` + ``w``·KL.
+    """Probabilistic embedding loss of HIB (Oh et al. 2019): balanced BCE on ``p_ij`` + ``w``·KL.
 
     Args:
         num_samples: Monte-Carlo samples ``K ≥ 1`` per image [8].

@@ -1,15 +1,15 @@
 """ProxyNCA: neighbourhood component analysis against one proxy per class.
 
-Movshovitz-Attias et al. 2017 ("No fuss distance metric learning using proxies", eq. 4) on squared
-Euclidean distances between L2-normalised samples and proxies, both scaled to norm ``√scale``
-(SPEC §4: ``scale = 9``, i.e. norm 3)::
+Movshovitz-Attias et al. 2017 ("No fuss distance metric learning using proxies", the ProxyNCA
+loss) on squared Euclidean distances between L2-normalised samples and proxies, both scaled to norm
+``√scale`` (SPEC §4: ``scale = 9``, i.e. norm 3)::
 
     d_ic = scale · ||ŝ_i − p̂_c||²
     L    = mean_i −log( exp(−d_{i,l_i}) / Σ_c exp(−d_ic) )
 
 The positive proxy stays in the denominator (a softmax over all proxies), which is the convention of
-pytorch-metric-learning's ``ProxyNCALoss`` with ``softmax_scale = scale`` (the paper's eq. 4 leaves
-it out; including it keeps the loss bounded below by 0).
+pytorch-metric-learning's ``ProxyNCALoss`` with ``softmax_scale = scale`` (the paper leaves it out
+of the denominator; including it keeps the loss bounded below by 0).
 
 The squared distance is taken from whatever metric is configured: ``EuclideanDistance(power=2)`` as
 is, any other distance (notably the introspective ``D_IN``) squared, and a similarity ``S`` as
@@ -54,7 +54,7 @@ def squared_distance_view(metric: Metric, values: Tensor) -> Tensor:
 
 
 class ProxyNCALoss(ProxyLoss):
-    """ProxyNCA (Movshovitz-Attias et al. 2017, eq. 4, softmax form): ``mean_i CE(−scale·d²_i·, S_i)``.
+    """ProxyNCA (Movshovitz-Attias et al. 2017, softmax form): ``mean_i CE(−scale·d²_i·, S_i)``.
 
     Args:
         num_classes: number of training classes ``C`` (one proxy each).

@@ -1,6 +1,7 @@
 """Normalised softmax loss: cross-entropy over temperature-scaled cosine similarities to class proxies.
 
-Zhai & Wu 2019 ("Classification is a strong baseline for deep metric learning", eq. 2): with
+Zhai & Wu 2019 ("Classification is a strong baseline for deep metric learning", the
+normalised-softmax loss): with
 L2-normalised embeddings ``ŝ_i`` and proxies ``p̂_c``, the logits are ``z_ic = S(s_i, p_c) / T`` and the
 loss is the cross-entropy ``−log softmax(z_i)_{l_i}`` averaged over the batch (SPEC §4, ``T = 0.05``).
 
@@ -57,7 +58,7 @@ def set_label_cross_entropy(
       on the set; its minimum puts equal mass on every source class, so a mixed image is pulled
       toward both proxies (the λ-free analogue of the official code's ``λ·L(l_a) + (1−λ)·L(l_b)``).
     - ``"sum"``: ``−log Σ_{c∈S_i} P_c`` — NCA's probability that the sample is assigned to *some*
-      positive (Goldberger et al. 2004, eq. 1; Movshovitz-Attias et al. 2017, eq. 4). Satisfied by
+      positive (Goldberger et al. 2004, NCA; Movshovitz-Attias et al. 2017, ProxyNCA). Satisfied by
       matching either source.
 
     Both equal the ordinary cross-entropy ``−log P_{l_i}`` for singleton sets.
@@ -86,7 +87,7 @@ def similarity_logits(metric: Metric, values: Tensor) -> Tensor:
 
 
 class NormalizedSoftmaxLoss(ProxyLoss):
-    """Normalised softmax (Zhai & Wu 2019, eq. 2): ``mean_i CE(S(s_i, p_·)/T, S_i)``.
+    """Normalised softmax (Zhai & Wu 2019): ``mean_i CE(S(s_i, p_·)/T, S_i)``.
 
     Args:
         num_classes: number of training classes ``C`` (one proxy each).
