@@ -266,7 +266,9 @@ def test_grid_of_2x2_cells_and_2_seeds_writes_the_table_and_reuses_finished_cell
 
     # Each table cell is the mean ± std of the runs' own logged final recall@1.
     table = (out / "ablation.md").read_text().splitlines()
-    assert table[0].startswith("| metric | mixup | R@1 | R@2 | R@4 | R@8 | time (s) |")
+    assert (
+        table[0] == "| metric | mixup | R@1 | R@2 | R@4 | R@8 | RP | MAP@R | MAP | MRR | time (s) |"
+    )
     expected_labels = [("plain", "✓"), ("plain", "–"), ("ISM", "✓"), ("ISM", "–")]
     for row, cell_id, labels in zip(table[2:6], ids, expected_labels, strict=True):
         values = []
@@ -295,6 +297,10 @@ def test_grid_of_2x2_cells_and_2_seeds_writes_the_table_and_reuses_finished_cell
     assert (out / "ablation.md").read_text() == before
     assert lines[-1].endswith("(2 run(s): 2 reused; 0.0 s of training)")
 
+    # A metric column no run reports is refused, naming the ones that exist (nothing retrains).
+    with pytest.raises(ValueError, match=r"--metrics recal@1: no run reports them.*recall@1"):
+        run_ablation(config, axes, 2, out, metrics=["recal@1"], log=lines.append)
+
     # The CLI on the same folder reuses everything too and prints the table.
     assert (
         main(
@@ -309,13 +315,16 @@ def test_grid_of_2x2_cells_and_2_seeds_writes_the_table_and_reuses_finished_cell
                 "2",
                 "--out",
                 str(out),
+                "--metrics",
+                "recall@1,map@r",
             ]
         )
         == 0
     )
     assert len(count_fits) == 8
     printed = capsys.readouterr().out
-    assert "| metric | mixup | R@1" in printed and "ablation.md" in printed
+    assert "| metric | mixup | R@1 | MAP@R | time (s) |" in printed and "ablation.md" in printed
+    assert printed.count("2 reused") == 4
 
 
 @pytest.mark.slow

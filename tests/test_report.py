@@ -122,6 +122,7 @@ def test_report_page_shows_every_figure_as_an_existing_nonempty_png(report: Path
     # Plain run: curves, retrieval grid, t-SNE; IDML run adds the uncertainty trend and histogram.
     expected = {
         "00-recall.png",
+        "00-precision-recall.png",
         "01-plain-curves.png",
         "01-plain-retrieval.png",
         "01-plain-tsne.png",
@@ -131,8 +132,7 @@ def test_report_page_shows_every_figure_as_an_existing_nonempty_png(report: Path
         "02-idml-retrieval.png",
         "02-idml-tsne.png",
     }
-    assert expected <= set(names)
-    assert set(names) - expected <= {"00-precision-recall.png"}
+    assert set(names) == expected
 
 
 @pytest.mark.slow
@@ -213,6 +213,11 @@ def test_analysis_agrees_with_the_log_and_independent_recomputation(
     assert len(set(analysis.queries.tolist())) == 4
     counts = np.bincount(labels)
     assert (counts[labels[analysis.queries]] > 1).all()
+
+    # Interpolated precision at recall 0, 0.1, ..., 1 never increases with recall.
+    levels, precision = analysis.pr_curve
+    np.testing.assert_allclose(levels, np.linspace(0, 1, 11), atol=1e-12)
+    assert (np.diff(precision) <= 1e-12).all() and 0 < precision[-1] <= precision[0] <= 1
 
     # Mixed test images: as many as asked, finite positive levels; t-SNE of the asked subsample.
     assert analysis.mixed_uncertainty.shape == (150,)

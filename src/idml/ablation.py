@@ -671,7 +671,15 @@ def run_ablation(
         done = [_run_one(plan, progress, Trainer) for plan in runs]
         cell_result = CellResult(runs[0].cell, done)
         results.append(cell_result)
-        log(_cell_line(number, len(plans), cell_result, select))
+        log(_cell_line(number, len(plans), cell_result, select, metrics))
+    reported = {k for cell in results for run in cell.runs for k in run.metrics(select)}
+    unknown = [m for m in metrics or [] if m not in reported]
+    if unknown:
+        # Every run is stored by now, so re-running with corrected names only redraws the table.
+        raise ValueError(
+            f"--metrics {', '.join(unknown)}: no run reports them; the runs report "
+            f"{', '.join(sorted(reported, key=metric_sort_key))}"
+        )
     table = AblationResult(list(axes), results, out_dir, select, list(metrics) if metrics else None)
     table.write()
     return table
@@ -741,9 +749,17 @@ def _seed_result(
     )
 
 
-def _cell_line(number: int, total: int, result: CellResult, select: Selection) -> str:
+def _cell_line(
+    number: int,
+    total: int,
+    result: CellResult,
+    select: Selection,
+    metrics: Sequence[str] | None,
+) -> str:
     counts = Counter(r.status for r in result.runs)
-    keys = sorted({k for r in result.runs for k in r.metrics(select)}, key=metric_sort_key)
+    keys = list(metrics or [])
+    if not keys:
+        keys = sorted({k for r in result.runs for k in r.metrics(select)}, key=metric_sort_key)
     shown = "  ".join(
         f"{metric_label(k)} {_format(*result.mean_std(k, select), scale=100.0, digits=1)}"
         for k in keys[:3]

@@ -38,7 +38,10 @@ def _plot_series(axes: Axes, log: RunLog, keys: Sequence[str], prefix: str) -> N
             # Markers keep one-epoch runs visible (a line needs two points).
             axes.plot(epochs, values, marker="o", markersize=3, label=key.removeprefix(prefix))
     axes.set_xlabel("epoch")
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # Whole epochs only, with a margin, so a one-epoch run gets one tick instead of fractions.
+    last = max((int(line["epoch"]) + 1 for line in log.history), default=1)
+    axes.set_xlim(0.5, last + 0.5)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
 
@@ -118,11 +121,11 @@ def recall_bars(names: Sequence[str], metrics: Sequence[dict[str, float]]) -> Fi
 
 
 def pr_curves(names: Sequence[str], curves: Sequence[tuple[np.ndarray, np.ndarray]]) -> Figure:
-    """Precision against recall, averaged over queries, one line per run."""
+    """Interpolated precision against recall, averaged over queries, one line per run."""
     figure = Figure(figsize=(5.0, 3.8))
     axes = figure.subplots()
     for name, (recall, precision) in zip(names, curves, strict=True):
-        axes.plot(recall, precision, label=name)
+        axes.plot(recall, precision, marker="o", markersize=3, label=name)
     axes.set_xlabel("recall")
     axes.set_ylabel("precision")
     axes.set_xlim(0, 1)

@@ -225,15 +225,15 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
         parts.append(page.figure(bars, "00-recall", "Recall@K on the test split, per run."))
     else:
         parts.append(_note("No run has Recall@K results yet, so there are no Recall@K bars."))
-    curves = [(r.label, r.analysis.pr_curve) for r in reports if r.analysis and r.analysis.pr_curve]
+    curves = [(r.label, r.analysis.pr_curve) for r in reports if r.analysis is not None]
     if curves:
         figure = figures.pr_curves([c[0] for c in curves], [c[1] for c in curves])
         parts.append(
             page.figure(
                 figure,
                 "00-precision-recall",
-                "Precision against recall over each query's ranked test gallery, averaged over "
-                "queries.",
+                "Interpolated precision at recall 0, 0.1, …, 1 over each query's ranked test "
+                "gallery, averaged over queries (TREC 11-point curve).",
             )
         )
     else:

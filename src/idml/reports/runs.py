@@ -189,8 +189,9 @@ class TestAnalysis:
     metrics: dict[str, float]
     labels: np.ndarray
     class_names: tuple[str, ...]
-    pr_curve: tuple[np.ndarray, np.ndarray] | None
-    """``(recall, precision)`` averaged over queries (see :func:`precision_recall_curve`)."""
+    pr_curve: tuple[np.ndarray, np.ndarray]
+    """``(recall levels, interpolated precision)``: at each level ``ρ`` the mean over queries of
+    ``max_{t/R ≥ ρ} t/p_t`` (``p_t``: rank of the t-th relevant image; the TREC 11-point curve)."""
     uncertainty: np.ndarray | None
     """``||u||`` of every test image (``None`` without an uncertainty head)."""
     mixed_uncertainty: np.ndarray | None
@@ -237,7 +238,7 @@ def analyse_run(
     label = options.which if (ckpt.parent / options.which).is_file() else "latest"
     test = build.build_data(cfg).test
     embeddings, labels = build.embed_dataset(model, test, options.batch_size, device, progress)
-    metrics, pr_curve = _evaluate(cfg, embeddings, labels, device)
+    metrics, pr_curve, all_neighbors = _evaluate(cfg, embeddings, labels, device, options.top_k)
     generator = torch.Generator().manual_seed(options.seed)
 
     uncertainty = mixed = None
@@ -246,7 +247,7 @@ def analyse_run(
         uncertainty = embeddings.uncertainty_level().numpy()
         mixed = _mixed_uncertainty(cfg, model, test, options, device, generator)
 
-    queries, neighbors = _retrieval_grid_neighbours(cfg, embeddings, labels, options, generator)
+    queries, neighbors = _sample_queries(labels, all_neighbors, options, generator)
     grid = _load_images(test, np.concatenate([queries[:, None], neighbors], axis=1), options)
 
     tsne, tsne_labels = _tsne(embeddings.semantic, labels, options, generator)
@@ -283,9 +284,16 @@ def _checkpoint(run_dir: Path, which: str) -> Path:
 
 
 def _evaluate(
-    cfg: Config, embeddings: Embeddings, labels: Tensor, device: torch.device
-) -> tuple[dict[str, float], tuple[np.ndarray, np.ndarray] | None]:
-    """Retrieval metrics as training computes them (SPEC §9), plus the precision–recall curve."""
+    cfg: Config,
+    embeddings: Embeddings,
+    labels: Tensor,
+    device: torch.device,
+    num_neighbors: int,
+) -> tuple[dict[str, float], tuple[np.ndarray, np.ndarray], Tensor]:
+    """Retrieval metrics exactly as training computes them (SPEC §9; ISM only with
+    ``eval.introspective``), the interpolated precision–recall curve and each test image's
+    ``num_neighbors`` nearest other test images (by the same search, so the retrieval grid shows
+    what Recall@K counted)."""
     from idml import build
     from idml.evaluation import evaluate_embeddings
 
@@ -295,15 +303,14 @@ def _evaluate(
         labels,
         ks=tuple(cfg.eval.ks),
         uncertainty=embeddings.uncertainty,
-        introspective_metric=ism,
+        introspective_metric=ism,  # type: ignore[arg-type]
         device=device,
         nmi=cfg.eval.nmi,
+        num_neighbors=num_neighbors,
     )
-    curve = getattr(report, "pr_curve", None)
-    pr = None
-    if curve is not None:
-        pr = (np.asarray(curve.recall, float), np.asarray(curve.precision, float))
-    return dict(report.metrics), pr
+    curve = report.retrieval.pr_curve
+    pr = (np.asarray(curve.recall_levels, float), np.asarray(curve.interpolated_precision, float))
+    return dict(report.metrics), pr, report.retrieval.neighbor_indices.cpu()
 
 
 @torch.no_grad()
@@ -340,49 +347,18 @@ def _mixed_uncertainty(
     return torch.cat(levels).numpy()
 
 
-def _retrieval_grid_neighbours(
-    cfg: Config,
-    embeddings: Embeddings,
-    labels: Tensor,
-    options: AnalysisOptions,
-    generator: torch.Generator,
+def _sample_queries(
+    labels: Tensor, neighbors: Tensor, options: AnalysisOptions, generator: torch.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Random queries that have at least one other image of their class, and their top-k.
-
-    Neighbours come from the exact search of the evaluation (same metric and tie rule), so the
-    grid shows exactly what Recall@K counted.
-    """
-    from idml import build
-    from idml.evaluation.knn import exact_search
-
-    n = len(labels)
-    k = min(options.top_k, n - 1)
-    counts = torch.bincount(labels)
-    eligible = torch.nonzero(counts[labels] > 1).flatten()
+    """``num_queries`` random test images that have another image of their class, and their
+    nearest neighbours (``(Q,)`` and ``(Q, k)``; empty when no image qualifies)."""
+    k = min(options.top_k, neighbors.shape[1])
+    eligible = torch.nonzero(torch.bincount(labels)[labels] > 1).flatten()
     if k < 1 or len(eligible) == 0:
         return np.zeros(0, np.int64), np.zeros((0, max(k, 0)), np.int64)
     pick = torch.randperm(len(eligible), generator=generator)[: options.num_queries]
     queries = eligible[pick].sort().values
-    ism = cfg.eval.introspective and cfg.metric.introspective
-    metric = build.build_metric(cfg) if ism else "cosine"
-    # The query itself is in the gallery: search k + 1 and drop it by index.
-    found = exact_search(
-        embeddings.semantic[queries],
-        labels[queries],
-        k + 1,
-        embeddings.semantic,
-        labels,
-        metric=metric,
-        query_uncertainty=None
-        if embeddings.uncertainty is None or not ism
-        else embeddings.uncertainty[queries],
-        reference_uncertainty=embeddings.uncertainty if ism else None,
-    ).neighbors.indices
-    not_self = found != queries.unsqueeze(1)
-    # Exactly one entry per row is dropped: the query, or the (k+1)-th when ties put it lower.
-    keep = torch.cumsum(not_self.long(), dim=1) <= k
-    neighbors = found[not_self & keep].view(len(queries), k)
-    return queries.numpy(), neighbors.numpy()
+    return queries.numpy(), neighbors[queries, :k].numpy()
 
 
 def _load_images(
