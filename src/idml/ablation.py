@@ -111,12 +111,15 @@ class AliasPreset:
     description: str
 
     def canonical(self, value: str) -> str:
+        """The value in one spelling (see :func:`canonical_value`)."""
         return canonical_value(value)
 
     def overrides(self, value: str, base: Config | None) -> tuple[str, ...]:
+        """``key=value`` for the aliased key."""
         return (f"{self.key}={value}",)
 
     def label(self, value: str) -> str:
+        """The value itself."""
         return value
 
 
@@ -133,6 +136,7 @@ class BatchSizePreset:
     description: str = "batch size B (balanced sampler: B / images_per_class classes per batch)"
 
     def canonical(self, value: str) -> str:
+        """The batch size as a decimal integer; ``ValueError`` unless positive."""
         try:
             size = int(value)
         except ValueError:
@@ -142,6 +146,7 @@ class BatchSizePreset:
         return str(size)
 
     def overrides(self, value: str, base: Config | None) -> tuple[str, ...]:
+        """Sampler settings for batch size ``value`` given the base config's sampler."""
         size = int(value)
         if base is None or base.sampler.kind == "random":
             return (f"sampler.batch_size={size}",)
@@ -155,6 +160,7 @@ class BatchSizePreset:
         return (f"sampler.classes_per_batch={size // per_class}", f"sampler.batch_size={size}")
 
     def label(self, value: str) -> str:
+        """The batch size itself."""
         return value
 
 
@@ -246,6 +252,7 @@ class GridAxis:
 
     @property
     def preset(self) -> Preset | None:
+        """The named preset of this axis (``None`` for a raw config key)."""
         return PRESETS.get(self.key)
 
     def label(self, value: str) -> str:
@@ -254,6 +261,7 @@ class GridAxis:
         return preset.label(value) if preset is not None else value
 
     def overrides(self, value: str, base: Config | None) -> tuple[str, ...]:
+        """Config overrides of one value of this axis."""
         preset = self.preset
         if preset is not None:
             return preset.overrides(value, base)
@@ -410,6 +418,7 @@ class SeedResult:
 
     @property
     def reused(self) -> bool:
+        """The run was not trained now: its stored result matched the config."""
         return self.status == "reused"
 
     def metrics(self, select: Selection) -> dict[str, float]:
@@ -433,6 +442,7 @@ class CellResult:
         return _mean_std(self.values(metric, select))
 
     def wall_mean_std(self) -> tuple[float, float]:
+        """Mean and sample standard deviation of the runs' wall-clock seconds."""
         return _mean_std(np.array([r.wall_seconds for r in self.runs], float))
 
 

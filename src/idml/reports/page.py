@@ -151,6 +151,7 @@ class _Page:
         self.inline = inline
 
     def figure(self, figure: Figure, name: str, caption: str) -> str:
+        """Save ``figure`` as ``figures/<name>.png`` and return its escaped ``<figure>`` markup."""
         path = figures.save_png(figure, self.out_dir / "figures" / f"{name}.png")
         if self.inline:
             source = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")

@@ -41,6 +41,7 @@ class RunLog:
 
     @property
     def name(self) -> str:
+        """The run's config name."""
         return self.config.name
 
     def keys(self, prefix: str) -> list[str]:
@@ -71,10 +72,12 @@ class RunLog:
 
     @property
     def ssr_enabled(self) -> bool:
+        """The run trained with the SSR auxiliary task."""
         return self.config.ssr.enabled
 
     @property
     def mixup_enabled(self) -> bool:
+        """The run added Mixup images with set labels."""
         return self.config.mixup.enabled
 
     @property
@@ -248,7 +251,7 @@ def analyse_run(
         mixed = _mixed_uncertainty(cfg, model, test, options, device, generator)
 
     queries, neighbors = _sample_queries(labels, all_neighbors, options, generator)
-    grid = _load_images(test, np.concatenate([queries[:, None], neighbors], axis=1), options)
+    grid = _load_images(test, np.concatenate([queries[:, None], neighbors], axis=1))
 
     tsne, tsne_labels = _tsne(embeddings.semantic, labels, options, generator)
     if tsne is None:
@@ -324,8 +327,10 @@ def _mixed_uncertainty(
 ) -> np.ndarray:
     """``||u||`` of Mixup images of random test pairs (Wang et al. 2022, Fig. 9).
 
-    Each shuffled batch of test images gets one mixed image per image, its partner a random other
-    image of the batch and ``λ ~ Beta(a, a)`` with the run's ``mixup.alpha`` (1 if Mixup was off).
+    The training augmentation (:class:`~idml.augment.Mixup`) applied to shuffled batches of test
+    images: one mixed image per image, its partner drawn by a random permutation of the batch (so
+    itself with probability ``1/B``) and ``λ ~ Beta(a, a)`` with the run's ``mixup.alpha`` (1 when
+    the run trained without Mixup).
     """
     from idml.augment import Mixup
 
@@ -361,9 +366,7 @@ def _sample_queries(
     return queries.numpy(), neighbors[queries, :k].numpy()
 
 
-def _load_images(
-    dataset: torch.utils.data.Dataset, indices: np.ndarray, options: AnalysisOptions
-) -> np.ndarray:
+def _load_images(dataset: torch.utils.data.Dataset, indices: np.ndarray) -> np.ndarray:
     """Pixels of ``indices`` (any shape) as ``indices.shape + (H, W, C)`` in [0, 1]."""
     flat = indices.reshape(-1).tolist()
     if not flat:
