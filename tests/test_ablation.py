@@ -364,3 +364,18 @@ def test_bad_cell_config_fails_before_any_training(
     with pytest.raises(ValueError, match="--seeds must be >= 1"):
         run_ablation(config, parse_grid(["metric=plain"]), 0, tmp_path / "out")
     assert count_fits == [] and not (tmp_path / "out" / "cells").exists()
+
+
+@pytest.mark.slow
+def test_a_failing_run_names_its_cell_and_finished_cells_are_kept(
+    tmp_path: Path, count_fits: list[tuple[Path, bool]]
+) -> None:
+    config, out = _base_config(tmp_path), tmp_path / "ablation"
+    # eval.select is only checked once the first evaluation is done, i.e. inside Trainer.fit.
+    axes = parse_grid(["eval.select=recall@1,recall@3"])
+    with pytest.raises(ValueError, match=r"grid cell eval\.select=recall@3, seed 0: .*recall@3"):
+        run_ablation(config, axes, seeds=1, out_dir=out, log=lambda _: None)
+    assert len(count_fits) == 2
+    # The finished cell is stored: a grid of it alone reuses it.
+    again = run_ablation(config, parse_grid(["eval.select=recall@1"]), 1, out, log=lambda _: None)
+    assert again.cells[0].runs[0].reused and len(count_fits) == 2

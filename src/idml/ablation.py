@@ -712,9 +712,11 @@ def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
     trainer = trainer_cls(plan.cfg, plan.run_dir, progress=progress)
     try:
         outcome = trainer.fit(resume=resume)
-    except (ValueError, FloatingPointError) as err:
+    except FloatingPointError as err:
         # Name the cell: a failure deep inside the grid is otherwise hard to place.
-        raise type(err)(f"grid cell {plan.cell.name}, seed {plan.seed}: {err}") from err
+        raise FloatingPointError(f"grid cell {plan.cell.name}, seed {plan.seed}: {err}") from err
+    except ValueError as err:
+        raise ValueError(f"grid cell {plan.cell.name}, seed {plan.seed}: {err}") from err
     wall = time.perf_counter() - start
     if resume:
         # The epochs trained before the interruption count towards the run's wall time too.
