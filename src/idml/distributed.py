@@ -9,8 +9,8 @@ Accelerating Data Parallel Training", VLDB — the design of DDP):
   torchrun's environment variables; a single-process context when they are absent.
 - :func:`all_gather_with_grad`: the **global batch** for the loss. Pair- and proxy-based DML losses
   need every pair of the batch, so each rank gathers all ranks' embeddings (and label sets, see
-  :func:`gather_batch`); positives and negatives then cross ranks, as with cross-replica negatives in
-  SimCLR (Chen et al. 2020, §2.2 "global BN"/all-gather).
+  :func:`gather_batch`); positives and negatives then cross ranks, as the negatives of large-batch
+  contrastive training come from the whole multi-device batch (SimCLR, Chen et al. 2020, §2.2).
 - :class:`ShardPlan`: which shards of the global batch this process computes, and their random
   streams (Mixup, degradations and SSR draw per shard; see "Augmentation" below).
 - :func:`gather_embeddings` and :func:`contiguous_shard`: distributed evaluation.
