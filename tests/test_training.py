@@ -253,3 +253,33 @@ def test_training_beats_the_untrained_network_on_unseen_digits(tmp_path: Path) -
     cfg = load_config(None, [*TINY, *common, "data.image_size=16", "model.embedding_dim=32"])
     untrained = Trainer(cfg, tmp_path / "untrained", progress=False).evaluate()["recall@1"]
     assert result.final_metrics["recall@1"] > untrained + 0.03, (untrained, result.final_metrics)
+
+
+@pytest.mark.parametrize("preset", ["official", "idml"])
+def test_uncertainty_head_gradient_official_preset_versus_default(preset: str) -> None:
+    """The released code L2-normalises u, so its ISM-ProxyAnchor gives the u head no gradient."""
+    from idml import build
+
+    path = (
+        REPO
+        / "configs"
+        / (
+            "official/cub_proxy_anchor_official.yaml"
+            if preset == "official"
+            else "idml/cub_proxy_anchor_idml.yaml"
+        )
+    )
+    small = ["model.backbone=small_cnn", "model.pretrained=false", "model.embedding_dim=16"]
+    cfg = load_config(path, small)
+    torch.manual_seed(0)
+    model = build.build_model(cfg)
+    loss = build.build_loss(cfg, num_classes=4)
+    images, labels = torch.rand(8, 3, 16, 16), torch.arange(8) % 4
+    loss(model(images), labels).backward()
+    u_grad = model.uncertainty_head.linear.weight.grad
+    s_grad = model.semantic_head.linear.weight.grad
+    assert u_grad is not None and s_grad is not None
+    if preset == "official":
+        assert u_grad.norm() < 1e-6 * s_grad.norm()
+    else:
+        assert u_grad.norm() > 1e-3 * s_grad.norm()
