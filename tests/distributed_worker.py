@@ -53,6 +53,7 @@ CASES: dict[str, list[str]] = {
         "mixup.enabled=true",
         "mixup.mode=interpolate",
     ],
+    "warmup": ["loss.name=proxy_anchor", *IDML, "mixup.enabled=true", "optim.warmup_epochs=1"],
 }
 STEPS = 3
 BATCH, CLASSES = 16, 4
@@ -90,6 +91,8 @@ def run_case(name: str, context: Any, shards: int | None, run_dir: Path) -> dict
 
     cfg = load_config(None, [*TINY, *CASES[name]])
     trainer = Trainer(cfg, run_dir / name, progress=False, distributed=context, shards=shards)
+    for param in trainer.model.backbone_parameters():  # as train_epoch does in a warm-up epoch
+        param.requires_grad_(cfg.optim.warmup_epochs == 0)
     initial = state_of(trainer)
     one_lambda = cfg.mixup.mode == "interpolate"
     aug = trainer.plan.generators(trainer._generator(0, 1), shared=one_lambda)

@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "distributed_worker.py"
 # Cases whose random draws depend on the shard layout are compared with one process computing the
 # same 2 shards; ProxyAnchor + ISM draws nothing, so it is compared with the plain 1-process run.
-REFERENCE_CASES = "ms_ism_mixup:2,pa_ism:1,ssr_joint:2,ssr_alternating:2,interpolate:2"
-TRAINING_CASES = ["ms_ism_mixup", "pa_ism", "ssr_joint", "ssr_alternating", "interpolate"]
+REFERENCE_CASES = "ms_ism_mixup:2,pa_ism:1,ssr_joint:2,ssr_alternating:2,interpolate:2,warmup:2"
+TRAINING_CASES = ["ms_ism_mixup", "pa_ism", "ssr_joint", "ssr_alternating", "interpolate", "warmup"]
 WEIGHT_TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-8
 LOSS_TOLERANCE = 1e-9
@@ -149,6 +149,16 @@ def test_two_processes_train_like_one(results: dict[str, Any], case: str) -> Non
         tolerance = GRADIENT_TOLERANCE if key.startswith("grad.") else WEIGHT_TOLERANCE
         assert torch.allclose(rank0["state"][key], value, atol=tolerance, rtol=0), key
         assert torch.equal(rank1["state"][key], rank0["state"][key]), key
+
+
+@pytest.mark.slow
+def test_warm_up_leaves_the_frozen_backbone_alone_on_every_rank(results: dict[str, Any]) -> None:
+    # DDP finds the backbone unused on every rank and leaves its gradients None, so AdamW skips it
+    # (no weight decay, no momentum) exactly as in one process.
+    for run in (results["one"]["warmup"], results["rank0"]["warmup"], results["rank1"]["warmup"]):
+        backbone = [k for k in run["initial"] if k.startswith("model.backbone.")]
+        assert backbone and not any(k.startswith("grad.model.backbone.") for k in run["state"])
+        assert all(torch.equal(run["state"][k], run["initial"][k]) for k in backbone)
 
 
 @pytest.mark.slow
