@@ -429,7 +429,8 @@ def gather_batch(
     all_rows = all_gather_rows(rows.to(context.device), sizes).to(batch.mixed.device)
     pieces: list[AugmentedBatch] = []
     placeholder = batch.images[:0]
-    mixups = _gather_mixup(batch.mixup, [row[3] for row in table], context) if has_mixup else None
+    counts = [row[3] for row in table]
+    mixups = None if batch.mixup is None else _gather_mixup(batch.mixup, counts, context)
     start = 0
     for rank, n in enumerate(sizes):
         part = all_rows[start : start + n]
@@ -454,9 +455,9 @@ def gather_batch(
 
 
 def _gather_mixup(
-    info: MixupInfo | None, counts: list[int], context: DistributedContext
+    info: MixupInfo, counts: list[int], context: DistributedContext
 ) -> list[MixupInfo]:
-    assert info is not None
+    """Every rank's Mixup details (``counts`` mixed rows each), as one :class:`MixupInfo` per rank."""
     ints = torch.stack([info.index_a, info.index_b, info.labels_a, info.labels_b], dim=1)
     ints = all_gather_rows(ints.long().to(context.device), counts).to(info.lam.device)
     lam = all_gather_rows(info.lam.to(context.device), counts).to(info.lam.device)
