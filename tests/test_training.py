@@ -238,7 +238,8 @@ def test_cli_reports_config_errors(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_demo_runs_with_a_small_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--epochs", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    args = ["demo", "--epochs", "1", "--out", str(tmp_path), "--no-progress", "--no-report"]
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "baseline" in out and "IDML" in out and "recall@1" in out
 

@@ -202,10 +202,11 @@ def _run_embed(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- demo
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="baseline vs IDML on the bundled digits (no download)")
-    p.add_argument("--epochs", type=int, default=12, help="training epochs of each run")
+    p.add_argument("--epochs", type=int, default=8, help="training epochs of each run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-report", action="store_true", help="skip the HTML report of both runs")
     p.set_defaults(run=_run_demo)
 
 
@@ -216,6 +217,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     print("Digits 0-4 train, unseen digits 5-9 test; small CNN, Multi-Similarity loss")
     print(result.table())
     print(f"runs: {args.out}/baseline, {args.out}/idml")
+    if not args.no_report:
+        from idml.reports import write_report
+
+        page = write_report([args.out / "baseline", args.out / "idml"], args.out / "report")
+        print(f"report: {page} (open it in a browser)")
     return 0
 
 

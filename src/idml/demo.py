@@ -32,6 +32,7 @@ DEMO_BASE: list[str] = [
     "optim.scheduler=cosine",
     "optim.amp=false",
     "eval.ks=[1,2,4,8]",
+    "eval.every=4",
     "tensorboard=false",
 ]
 """Shared settings of both demo runs (digits are 8×8; upscaled to 16 px for the CNN)."""
@@ -73,7 +74,7 @@ def demo_configs(
     return baseline, idml
 
 
-def run_demo(out_dir: Path, epochs: int = 12, seed: int = 0, progress: bool = True) -> DemoResult:
+def run_demo(out_dir: Path, epochs: int = 8, seed: int = 0, progress: bool = True) -> DemoResult:
     """Train both demo runs under ``out_dir`` and return their results."""
     baseline_cfg, idml_cfg = demo_configs(epochs, seed)
     baseline = Trainer(baseline_cfg, out_dir / "baseline", progress=progress).fit()
