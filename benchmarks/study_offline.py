@@ -53,7 +53,7 @@ SETTINGS: dict[str, list[str]] = {
     "fashion": [
         *COMMON,
         "data.dataset=fashion_mnist",
-        "data.samples_per_class=200",
+        "data.samples_per_class=100",
         "data.image_size=32",
         "model.backbone=efficientnet_lite0",
         "model.pretrained=true",
