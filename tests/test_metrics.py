@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -330,3 +331,220 @@ def test_direction_flags() -> None:
 def test_bad_configuration_raises(factory: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         factory()  # type: ignore[operator]
+
+
+# ------------------------------------------------------------------------------ fused autograd
+# IntrospectiveMetric runs β = ||u_i + u_j|| and the weakening as autograd Functions with closed-form
+# backward passes. These tests hold them against finite differences (gradcheck, float64) and against
+# the ISM formulas written directly with autograd ops on explicitly enumerated pairs.
+FORMS = [
+    (similarity, variant, power, gamma)
+    for similarity in (False, True)
+    for variant in ("soft", "dissimilar")
+    for power in (1, 2)
+    for gamma in (0.0, 0.5)
+]
+
+
+def form_id(form: tuple) -> str:
+    similarity, variant, power, gamma = form
+    return f"{'sim' if similarity else 'dist'}-{variant}-p{power}-g{gamma}"
+
+
+def reference_weaken(
+    plain: Tensor,
+    alpha: Tensor,
+    beta: Tensor,
+    similarity: bool,
+    variant: str,
+    gamma: float,
+    tau: float,
+    power: int,
+) -> Tensor:
+    """``t + (P − t)·exp(−(β^p + γ)/(τ·max(α, 10⁻⁶)^p))`` with autograd ops (SPEC §3)."""
+    y = (beta**power + gamma) / (tau * alpha.clamp_min(1e-6) ** power)
+    # The limit at full uncertainty: soft forms go to "alike", ISM-Dis to "unlike" (d_max = 2).
+    limits = {("soft", False): 0.0, ("soft", True): 1.0, ("dissimilar", False): 2.0}
+    target = limits.get((variant, similarity), -1.0)
+    return target + (plain - target) * torch.exp(-y)
+
+
+def form_metric(form: tuple, tau: float = 5.0) -> IntrospectiveMetric:
+    similarity, variant, power, gamma = form
+    return ism(
+        "similarity" if similarity else "distance",
+        gamma=gamma,
+        tau=tau,
+        power=power,
+        variant=variant,
+    )
+
+
+@pytest.mark.parametrize("form", FORMS, ids=form_id)
+def test_weakening_backward_passes_gradcheck(form: tuple) -> None:
+    similarity, *_ = form
+    metric = form_metric(form, tau=0.7)
+    alpha = 0.05 + 2 * torch.rand(4, 5, dtype=F64, generator=torch.Generator().manual_seed(22))
+    beta = 3 * rand(4, 5, seed=23).abs()
+    beta[0, :2] = 0.0  # certain pairs
+    alpha.requires_grad_(True)
+    beta.requires_grad_(True)
+    if similarity:
+        cosine = (2 * torch.rand(4, 5, dtype=F64) - 1).requires_grad_(True)
+        assert torch.autograd.gradcheck(metric.weaken, (cosine, alpha, beta))
+    else:  # the distance form weakens α itself: both of its paths meet in one gradient
+        assert torch.autograd.gradcheck(lambda a, b: metric.weaken(a, a, b), (alpha, beta))
+    # One-sided uncertainty broadcasts β over the columns.
+    column = beta[:, :1].detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: metric.weaken(a, a, b), (alpha, column))
+
+
+@pytest.mark.parametrize("form", FORMS, ids=form_id)
+def test_weakening_matches_the_autograd_formula_including_the_alpha_floor(form: tuple) -> None:
+    similarity, variant, power, gamma = form
+    metric = form_metric(form)
+    # α at, below and just above the 10⁻⁶ floor, where the clamp passes no gradient.
+    alpha = torch.tensor([0.0, 5e-7, 1e-6, 1.1e-6, 0.01, 0.4, 1.3, 2.0], dtype=F64)
+    beta = torch.tensor([0.0, 0.0, 1e-7, 0.2, 0.0, 0.7, 2.5, 1e-3], dtype=F64)
+    plain = torch.linspace(-0.9, 0.95, 8, dtype=F64) if similarity else alpha
+    upstream = torch.linspace(-1.0, 2.0, 8, dtype=F64)
+    results = []
+    for weaken in (metric.weaken, reference_weaken):
+        a, b = alpha.clone().requires_grad_(True), beta.clone().requires_grad_(True)
+        p = plain.clone().requires_grad_(True) if similarity else a
+        args = (similarity, variant, gamma, 5.0, power) if weaken is reference_weaken else ()
+        value = weaken(p, a, b, *args)
+        grads = torch.autograd.grad(value, (p, a, b) if similarity else (a, b), upstream)
+        results.append((value, *grads))
+    for ours, expected in zip(*results):
+        torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-15)
+
+
+def pairwise_reference(
+    form: tuple,
+    x: Tensor,
+    y: Tensor,
+    ux: Tensor | None,
+    uy: Tensor | None,
+    rows: Tensor,
+    cols: Tensor,
+) -> Tensor:
+    """ISM values of the listed pairs ``(x[rows], y[cols])`` from row differences, not Gram matrices."""
+    similarity, variant, power, gamma = form
+    xs, ys = F.normalize(x, dim=1)[rows], F.normalize(y, dim=1)[cols]
+    alpha = (xs - ys).norm(dim=1)
+    joint = (ux[rows] if ux is not None else 0) + (uy[cols] if uy is not None else 0)
+    beta = joint.norm(dim=1) if isinstance(joint, Tensor) else torch.zeros_like(alpha)
+    plain = (xs * ys).sum(1) if similarity else alpha
+    return reference_weaken(plain, alpha, beta, similarity, variant, gamma, 5.0, power)
+
+
+def all_pairs_of(rows: int, cols: int) -> tuple[Tensor, Tensor]:
+    grid = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    return grid[0].reshape(-1), grid[1].reshape(-1)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=form_id)
+def test_pairwise_ism_gradients_match_the_pair_by_pair_formula(form: tuple) -> None:
+    """Self pairs (the symmetric fast path), cross pairs and one-sided uncertainty, all gradients."""
+    metric = form_metric(form)
+    x, y = rand(7, 6, seed=24), rand(5, 6, seed=25)
+    ux, uy = rand(7, 4, seed=26, scale=0.5), rand(5, 4, seed=27, scale=0.5)
+    self_weights = rand(7, 7, seed=28)
+    self_weights.fill_diagonal_(0.0)  # α_ii = 0 has no derivative; the diagonal is tested above
+    cross_weights = rand(7, 5, seed=29)
+
+    def compare(ours: Callable[..., Tensor], reference: Callable[..., Tensor], *inputs: Tensor):
+        results = []
+        for run in (ours, reference):
+            leaves = [t.clone().requires_grad_(True) for t in inputs]
+            value = run(*leaves)
+            results.append((value, *torch.autograd.grad(value, leaves)))
+        for mine, expected in zip(*results):
+            torch.testing.assert_close(mine, expected, rtol=1e-10, atol=1e-12)
+
+    pairs = self_weights.nonzero(as_tuple=True)
+    compare(
+        lambda a, ua: (metric(a, ux=ua) * self_weights).sum(),
+        lambda a, ua: (pairwise_reference(form, a, a, ua, ua, *pairs) * self_weights[pairs]).sum(),
+        x,
+        ux,
+    )
+    pairs = all_pairs_of(7, 5)
+    compare(
+        lambda a, b, ua, ub: (metric(a, b, ua, ub) * cross_weights).sum(),
+        lambda a, b, ua, ub: (
+            pairwise_reference(form, a, b, ua, ub, *pairs) * cross_weights[pairs]
+        ).sum(),
+        x,
+        y,
+        ux,
+        uy,
+    )
+    compare(
+        lambda a, b, ua: (metric(a, b, ua, None) * cross_weights).sum(),
+        lambda a, b, ua: (
+            pairwise_reference(form, a, b, ua, None, *pairs) * cross_weights[pairs]
+        ).sum(),
+        x,
+        y,
+        ux,
+    )
+
+
+@pytest.mark.parametrize("form", FORMS[:4], ids=form_id)
+def test_pairwise_ism_passes_gradcheck_between_distinct_sets(form: tuple) -> None:
+    metric = form_metric(form)
+    inputs = tuple(
+        t.requires_grad_(True)
+        for t in (
+            rand(4, 5, seed=31),
+            rand(3, 5, seed=32),
+            rand(4, 3, seed=33),
+            rand(3, 3, seed=34),
+        )
+    )
+    assert torch.autograd.gradcheck(metric, inputs)
+
+
+def test_joint_uncertainty_matches_broadcast_norms_and_gradcheck() -> None:
+    from idml.metrics import pairwise_uncertainty
+
+    u, v = rand(6, 4, seed=35).requires_grad_(True), rand(5, 4, seed=36).requires_grad_(True)
+    weights = rand(6, 5, seed=37)
+    for left, right, w in ((u, u, rand(6, 6, seed=38)), (u, v, weights)):
+        ours = pairwise_uncertainty(left, right, len(left), len(right), left)
+        expected = (left[:, None, :] + right[None, :, :]).norm(dim=2)
+        torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-14)
+        leaves = (u,) if right is left else (u, v)
+        torch.testing.assert_close(
+            torch.autograd.grad((ours * w).sum(), leaves),
+            torch.autograd.grad((expected * w).sum(), leaves),
+            rtol=1e-12,
+            atol=1e-14,
+        )
+    assert torch.autograd.gradcheck(lambda a: pairwise_uncertainty(a, a, 6, 6, a), (u,))
+    assert torch.autograd.gradcheck(lambda a, b: pairwise_uncertainty(a, b, 6, 5, a), (u, v))
+
+
+def test_joint_uncertainty_is_zero_with_zero_gradient_for_opposite_vectors() -> None:
+    from idml.metrics import pairwise_uncertainty
+
+    u = torch.tensor([[0.3, -0.4], [-0.3, 0.4], [1.0, 0.0]], dtype=F64, requires_grad=True)
+    beta = pairwise_uncertainty(u, u, 3, 3, u)
+    assert beta[0, 1].item() == 0.0 and beta[1, 0].item() == 0.0
+    only_zero_pair = torch.zeros(3, 3, dtype=F64)
+    only_zero_pair[0, 1] = 1.0
+    (grad,) = torch.autograd.grad((beta * only_zero_pair).sum(), u)
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_fused_weakening_is_not_twice_differentiable() -> None:
+    alpha = torch.tensor([0.5, 1.0], dtype=F64, requires_grad=True)
+    (grad,) = torch.autograd.grad(
+        ism("distance", gamma=0.5).weaken(alpha, alpha, alpha.detach()).square().sum(),
+        alpha,
+        create_graph=True,
+    )
+    with pytest.raises(RuntimeError, match="twice"):
+        grad.sum().backward()
