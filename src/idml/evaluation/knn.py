@@ -325,7 +325,8 @@ def exact_search(
         n = chunk.stop - chunk.start
         chunk_r_max = int(layout.num_relevant[chunk].max()) if n else 0
         state = _QueryState(n, k, chunk_r_max, dev)
-        _fill_relevant_scores(state, scorer, queries, refs, layout, chunk, block_size)
+        # Thin query blocks keep the band (block + class span wide) a small fraction of the work.
+        _fill_relevant_scores(state, scorer, queries, refs, layout, chunk, min(block_size, 256))
         for rows, cols, both in _tiles(chunk, n_r, block_size, symmetric):
             _process_tile(state, scorer, queries, refs, layout, chunk, rows, cols, both, ref_ids)
             output.num_tiles += 1
@@ -355,6 +356,11 @@ def _tiles(
             yield rows, cols, symmetric and c0 != r0
 
 
+_GROUP = 32
+"""Scores are scanned in groups of this many along the reference axis: one group maximum decides
+whether the group's individual scores need looking at."""
+
+
 def _process_tile(
     state: _QueryState,
     scorer: PairScorer,
@@ -371,6 +377,11 @@ def _process_tile(
     tile = scorer.tile(queries, refs, rows, cols)
     if layout.same_set:
         _exclude_self(tile, rows.start, cols.start)
+    r, c = tile.shape
+    pad_r, pad_c = -r % _GROUP, -c % _GROUP
+    if pad_r or pad_c:
+        # Ragged last blocks: pad with scores that never qualify so groups tile exactly.
+        tile = torch.nn.functional.pad(tile, (0, pad_c, 0, pad_r), value=-_INF)
     dev = tile.device
     row_state = torch.arange(rows.start - chunk.start, rows.stop - chunk.start, device=dev)
     _process_direction(
@@ -394,34 +405,32 @@ def _process_direction(
     query0: int,
     transposed: bool,
 ) -> None:
-    """Update the queries along one side of a tile (rows, or columns when ``transposed``).
+    """Update the queries along one side of a (padded) tile: rows, or columns when ``transposed``.
 
     A query's running top-k changes only through scores ``≥`` its current k-th score, and its
-    relevant ranks only through non-relevant scores ``≥`` its least relevant score; one comparison
-    pass finds both kinds of candidates, everything after it works on that sparse list.
+    relevant ranks only through non-relevant scores ``≥`` its least relevant score. Both kinds of
+    candidates are found in one sweep over group maxima (:data:`_GROUP` scores each), then only the
+    qualifying groups are read; everything after that works on the sparse candidate list.
     """
     k = state.top_scores.shape[1]
-    inf = torch.full((len(query_rows),), _INF, device=tile.device)
-    theta = inf
+    n_q, n_ref = len(query_rows), len(ref_ids)
+    theta = torch.full((n_q,), _INF, device=tile.device)
     if k > 0:
         theta = state.kth_score[query_rows]
         fresh = theta == -_INF
         if bool(fresh.any()):
             # Lists not yet full: take the tile's top-k densely (first tiles of each query only).
-            sel = fresh.nonzero().flatten()
-            block = tile[:, sel].T if transposed else tile[sel]
+            real = tile.T[:n_q, :n_ref] if transposed else tile[:n_q, :n_ref]
+            if bool(fresh.all()):
+                sel, block = torch.arange(n_q, device=tile.device), real
+            else:
+                sel = fresh.nonzero().flatten()
+                block = real[sel]
             _merge_topk(state, query_rows[sel], block.contiguous(), ref_ids)
             theta = theta.masked_fill(fresh, _INF)
     least = state.least_relevant[query_rows]
     reach = torch.minimum(theta, least)
-    if transposed:
-        ref_local, q_local = (tile >= reach.unsqueeze(0)).nonzero(as_tuple=True)
-        order = q_local.argsort(stable=True)
-        ref_local, q_local = ref_local[order], q_local[order]
-        values = tile[ref_local, q_local]
-    else:
-        q_local, ref_local = (tile >= reach.unsqueeze(1)).nonzero(as_tuple=True)
-        values = tile[q_local, ref_local]
+    q_local, ref_local, values = _candidates(tile, reach, transposed)
     if q_local.numel() == 0:
         return
     if k > 0:
@@ -435,6 +444,34 @@ def _process_direction(
     keep = (values >= least[q_local]) & ~relevant
     if bool(keep.any()):
         _count_sparse(state, query_rows, q_local[keep], values[keep])
+
+
+def _candidates(tile: Tensor, reach: Tensor, transposed: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """All ``(query, reference, score)`` with ``score ≥ reach[query]``, sorted by query.
+
+    ``tile`` is padded to multiples of :data:`_GROUP` with ``-inf``; queries are its rows (or its
+    columns when ``transposed``) and ``reach`` has one entry per real query.
+    """
+    r, c = tile.shape
+    n_q = c if transposed else r
+    bar = torch.full((n_q,), _INF, device=tile.device)
+    bar[: len(reach)] = reach
+    if transposed:
+        groups = tile.view(r // _GROUP, _GROUP, c)
+        g_ref, g_q = (groups.amax(1) >= bar.unsqueeze(0)).nonzero(as_tuple=True)
+        block = groups[g_ref, :, g_q]
+    else:
+        groups = tile.view(r, c // _GROUP, _GROUP)
+        g_q, g_ref = (groups.amax(2) >= bar.unsqueeze(1)).nonzero(as_tuple=True)
+        block = groups[g_q, g_ref]
+    which, offset = (block >= bar[g_q].unsqueeze(1)).nonzero(as_tuple=True)
+    q_local = g_q[which]
+    ref_local = g_ref[which] * _GROUP + offset
+    values = block[which, offset]
+    if transposed:
+        order = q_local.argsort(stable=True)
+        q_local, ref_local, values = q_local[order], ref_local[order], values[order]
+    return q_local, ref_local, values
 
 
 def _pad_by_row(
