@@ -548,3 +548,47 @@ def test_fused_weakening_is_not_twice_differentiable() -> None:
     )
     with pytest.raises(RuntimeError, match="twice"):
         grad.sum().backward()
+
+
+def composite_ism(form: tuple, x: Tensor, u: Tensor) -> Tensor:
+    """The self-pair ISM matrix from autograd ops alone: Gram expansions, double-``where`` square
+    roots, ``δ = √max(2 − 2C, 10⁻¹²)`` and the clamped exponent (the semantics at α = 0 and β = 0)."""
+    similarity, variant, power, gamma = form
+
+    def safe_sqrt(sq: Tensor) -> Tensor:
+        positive = sq.clamp_min(0) > 1e-12
+        return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
+
+    unit = F.normalize(x, dim=1)
+    cosine = unit @ unit.T
+    norms = u.pow(2).sum(1)
+    beta = safe_sqrt(norms[:, None] + norms[None, :] + 2 * u @ u.T)
+    if similarity:
+        alpha = (2 - 2 * cosine).clamp_min(1e-12).sqrt()
+        return reference_weaken(cosine, alpha, beta, similarity, variant, gamma, 5.0, power)
+    alpha = safe_sqrt(2 - 2 * cosine)
+    return reference_weaken(alpha, alpha, beta, similarity, variant, gamma, 5.0, power)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=form_id)
+def test_self_pair_matrix_matches_the_composite_at_zero_distance_and_zero_uncertainty(
+    form: tuple,
+) -> None:
+    """Duplicate rows (α = 0 off the diagonal too) and opposite uncertainties (β = 0), gradients
+    over the whole matrix, the diagonal included."""
+    base = rand(5, 6, seed=39)
+    x = torch.cat([base, base[:2]])
+    u = rand(7, 4, seed=40, scale=0.5)
+    u[4] = -u[3]  # β_34 = 0
+    weights = rand(7, 7, seed=41)
+    results = []
+    for run in (
+        lambda a, ua: form_metric(form)(a, ux=ua),
+        lambda a, ua: composite_ism(form, a, ua),
+    ):
+        leaves = [x.clone().requires_grad_(True), u.clone().requires_grad_(True)]
+        value = run(*leaves)
+        results.append((value, *torch.autograd.grad((value * weights).sum(), leaves)))
+    for ours, expected in zip(*results):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)

@@ -172,27 +172,6 @@ def _negative_relative_uncertainty(
     return num / neg_den, neg_den
 
 
-class _ChordFromCosine(torch.autograd.Function):
-    """``δ = √max(2 − 2C, 10⁻¹²)``: the distance between unit vectors from their cosine ``C``.
-
-    ``||x̂ − ŷ||² = 2 − 2C``; the clamp keeps ``δ ≥ 10⁻⁶`` (the ISM exponent clamps there anyway).
-    Backward: ``∂δ/∂C = −1/δ`` where ``2 − 2C > 10⁻¹²``, else 0 (the clamp).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, cosine: Tensor) -> Tensor:
-        gap = 2.0 - 2.0 * cosine
-        chord = gap.clamp_min(_EPS).sqrt_()
-        ctx.save_for_backward(gap, chord)
-        return chord
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        gap, chord = ctx.saved_tensors
-        return _mask_at_or_below(grad / chord, gap, _EPS).neg_()
-
-
 class _Weakening(torch.autograd.Function):
     """The soft and dissimilar ISM forms as one autograd node (IDML eq. 5–7, SPEC §3).
 
@@ -216,13 +195,17 @@ class _Weakening(torch.autograd.Function):
     ``∂L/∂α = −p·τ·α_c^{p−1}·y·s``. One node with about eight elementwise passes replaces a chain of
     autograd nodes (on a 240 × 240 matrix, forward + backward of ``D_IN`` went from about 1.7 to
     1.1 ms CPU time). Not twice differentiable.
+
+    With ``alpha=None`` the plain value is a cosine and ``α`` is the chord between the unit vectors,
+    ``δ = √max(2 − 2C, 10⁻¹²)`` (``||x̂ − ŷ||² = 2 − 2C``), computed inside; its gradient
+    ``∂δ/∂C = −1/δ`` (0 where the clamp is active) is folded into ``∂L/∂C``.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
         plain: Tensor,
-        alpha: Tensor,
+        alpha: Tensor | None,
         beta: Tensor,
         tau: float,
         gamma: float,
@@ -230,36 +213,46 @@ class _Weakening(torch.autograd.Function):
         target: float,
         multiplicative: bool,
     ) -> Tensor:
+        gap = None
+        if alpha is None:
+            gap = torch.rsub(plain, 2.0, alpha=2.0)  # 2 − 2C in one pass
+            alpha = gap.clamp_min(_EPS).sqrt_()
         neg_y, neg_den = _negative_relative_uncertainty(alpha, beta, tau, gamma, power)
         if multiplicative:
             factor = torch.exp(neg_y)
             out = plain * factor
         else:
             factor = torch.expm1(neg_y)
+            # Not addcmul: a fused multiply-add would round differently from the separate steps.
             out = plain + (plain - target) * factor
         ctx.params = (tau, power, target, multiplicative)
-        ctx.plain_is_alpha = plain is alpha and plain.shape == out.shape
-        ctx.save_for_backward(plain, alpha, beta, neg_y, neg_den, factor)
+        ctx.plain_is_alpha = plain is alpha and plain.shape == out.shape and gap is None
+        ctx.save_for_backward(plain, alpha, beta, neg_y, neg_den, factor, gap)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        plain, alpha, beta, neg_y, neg_den, factor = ctx.saved_tensors
+        plain, alpha, beta, neg_y, neg_den, factor, gap = ctx.saved_tensors
         tau, power, target, multiplicative = ctx.params
+        chord = gap is not None
         # ∂out/∂P = e^{−y}; the additive forms stored expm1(−y) = e^{−y} − 1.
         grad_plain = grad * factor if multiplicative else torch.addcmul(grad, grad, factor)
         grad_alpha = grad_beta = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        if chord or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             q = grad_plain * plain if target == 0 else (plain - target).mul_(grad_plain)
             shared = q.div_(neg_den)  # s = −q/(τ·α_c^p)
-            if ctx.needs_input_grad[1]:
+            if chord or ctx.needs_input_grad[1]:
                 grad_alpha = _mask_at_or_below(neg_y, alpha, _ALPHA_FLOOR).mul_(shared)
                 grad_alpha.mul_(power * tau)
                 if power == 2:
                     grad_alpha.mul_(alpha.clamp_min(_ALPHA_FLOOR))
             if ctx.needs_input_grad[2]:
                 grad_beta = shared if power == 1 else shared.mul_(beta).mul_(2.0)
+        if chord:
+            # ∂δ/∂C = −1/δ above the clamp.
+            grad_plain.sub_(_mask_at_or_below(grad_alpha.div_(alpha), gap, _EPS))
+            return _sum_to(grad_plain, plain), None, _sum_to(grad_beta, beta), *_NO_GRADS
         if ctx.plain_is_alpha and grad_alpha is not None:
             # D_IN weakens α itself: hand autograd one summed gradient instead of two to add.
             return grad_plain.add_(grad_alpha), None, _sum_to(grad_beta, beta), *_NO_GRADS
@@ -457,6 +450,10 @@ class IntrospectiveMetric(Metric):
             if self.is_similarity:
                 return torch.where(keep, plain, torch.ones_like(plain))
             return torch.where(keep, plain, torch.zeros_like(plain))
+        return self._smooth_weaken(plain, alpha, beta)
+
+    def _smooth_weaken(self, plain: Tensor, alpha: Tensor | None, beta: Tensor) -> Tensor:
+        """The soft or dissimilar form; ``alpha=None``: the chord of the cosine ``plain``."""
         # The value the metric tends to as the pair's uncertainty grows (SPEC §3): soft forms pull
         # toward "alike" (D → 0, S → 1), ISM-Dis toward "unlike" (D → d_max, S → −1).
         if self.variant is ISMVariant.SOFT:
@@ -468,12 +465,19 @@ class IntrospectiveMetric(Metric):
             plain, alpha, beta, self.tau, self.gamma, self.power, target, multiplicative
         )
 
+    @property
+    def _chord_alpha(self) -> bool:
+        """Whether ``δ`` is the chord of the base cosine (no second normalisation or Gram matrix)."""
+        return (
+            self.is_similarity and self.delta_normalized and isinstance(self.base, CosineSimilarity)
+        )
+
     def _alpha(self, x: Tensor, y: Tensor, plain: Tensor) -> Tensor:
         if not self.is_similarity:
             return plain
-        if self.delta_normalized and isinstance(self.base, CosineSimilarity):
-            # On the unit sphere ||x̂ − ŷ||² = 2 − 2·cos: no second normalisation and Gram matrix.
-            return _ChordFromCosine.apply(plain)
+        if self._chord_alpha:
+            # On the unit sphere ||x̂ − ŷ||² = 2 − 2·cos (the soft forms compute this inside _Weakening).
+            return (2.0 - 2.0 * plain).clamp_min(_EPS).sqrt()
         if self.delta_normalized:
             x, y = F.normalize(x, dim=1), F.normalize(y, dim=1)
         return safe_norm_from_squares(pairwise_squared_distance(x, y))
@@ -492,9 +496,10 @@ class IntrospectiveMetric(Metric):
             y, uy = x, ux
         else:
             plain = self.base(x, y)
-        alpha = self._alpha(x, y, plain)
         beta = pairwise_uncertainty(ux, uy, x.shape[0], y.shape[0], plain)
-        return self.weaken(plain, alpha, beta)
+        if self._chord_alpha and self.variant is not ISMVariant.STRICT:
+            return self._smooth_weaken(plain, None, beta)
+        return self.weaken(plain, self._alpha(x, y, plain), beta)
 
     def paired(
         self, x: Tensor, y: Tensor, ux: Tensor | None = None, uy: Tensor | None = None
