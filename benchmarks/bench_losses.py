@@ -18,7 +18,18 @@ The default clock is the process's CPU time, not wall time: on a machine shared 
 time mostly measures how long the scheduler kept this process waiting. Run with
 ``OMP_NUM_THREADS=1`` so that CPU time and work coincide (``--clock wall`` is available).
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/bench_losses.py [--repeats 30] [--markdown]``.
+``--breakdown`` adds a second table that splits the ISM overhead of each loss, timed the same way:
+
+- **ISM, u = 0**: the ISM loss without an uncertainty embedding (``β = 0``): the cost of the
+  weakening node alone;
+- **β**: the joint uncertainty ``β_ij = ||u_i + u_j||`` (:func:`~idml.metrics.pairwise_uncertainty`)
+  forward + backward on its own, or ``||u_i||`` for the proxy losses;
+- **u-Gram floor**: the two matrix products that any exact ``β`` for all pairs needs, ``u·uᵀ``
+  forward and one ``(B×B)·(B×d_u)`` product backward, with nothing else (0 for proxy losses, whose
+  proxies have no uncertainty). ``floor/plain`` is its share of the plain loss: the ISM target
+  (≤ 1.25) cannot be met where the floor alone nears 0.25.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/bench_losses.py [--repeats 30] [--markdown] [--breakdown]``.
 """
 
 from __future__ import annotations
@@ -46,7 +57,13 @@ from idml.losses.proxy_anchor import ProxyAnchorLoss
 from idml.losses.proxy_nca import ProxyNCALoss
 from idml.losses.softmax import NormalizedSoftmaxLoss
 from idml.losses.triplet import TripletLoss
-from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
+from idml.metrics import (
+    CosineSimilarity,
+    EuclideanDistance,
+    IntrospectiveMetric,
+    Metric,
+    pairwise_uncertainty,
+)
 from idml.relations import LabelSets
 
 NUM_CLASSES = 100
@@ -96,13 +113,20 @@ def ism(base: Metric) -> IntrospectiveMetric:
 
 @dataclass
 class Case:
-    """One row of the table: how to run pml, ours plain and ours with ISM (None: not applicable)."""
+    """One row of the table: how to run pml, ours plain and ours with ISM (None: not applicable).
+
+    ``ism_without_uncertainty`` is the ISM loss on semantic embeddings only (``β = 0``) and
+    ``proxies`` says whether ``β`` is ``||u_i||`` against proxies rather than a pairwise matrix; both
+    serve the ``--breakdown`` table.
+    """
 
     name: str
     pml: Callable[[Batch], Tensor] | None
     plain: Callable[[Batch], Tensor]
     ism: Callable[[Batch], Tensor] | None
     modules: tuple[nn.Module, ...] = ()
+    ism_without_uncertainty: Callable[[Batch], Tensor] | None = None
+    proxies: bool = False
 
 
 def leaf(t: Tensor) -> Tensor:
@@ -177,6 +201,7 @@ def build_cases(seed: int) -> list[Case]:
                 pml_runner(pml_loss, pml_miner),
                 ours_runner(plain, with_uncertainty=False),
                 ours_runner(introspective, with_uncertainty=True),
+                ism_without_uncertainty=ours_runner(introspective, with_uncertainty=False),
             )
         )
 
@@ -216,15 +241,19 @@ def build_cases(seed: int) -> list[Case]:
                 ours_runner(plain, with_uncertainty=False),
                 ours_runner(introspective, with_uncertainty=True),
                 modules=(plain, introspective, pml_loss),
+                ism_without_uncertainty=ours_runner(introspective, with_uncertainty=False),
+                proxies=True,
             )
         )
 
+    fastap_ism = FastAPLoss(metric=ism(EuclideanDistance()))
     cases.append(
         Case(
             "FastAP",
             pml_runner(pml_losses.FastAPLoss(num_bins=10), None),
             ours_runner(FastAPLoss(), with_uncertainty=False),
-            ours_runner(FastAPLoss(metric=ism(EuclideanDistance())), with_uncertainty=True),
+            ours_runner(fastap_ism, with_uncertainty=True),
+            ism_without_uncertainty=ours_runner(fastap_ism, with_uncertainty=False),
         )
     )
 
@@ -246,29 +275,81 @@ def time_once(
     modules: tuple[nn.Module, ...],
     clock: Callable[[], float] = time.process_time,
 ) -> float:
-    """Seconds of one forward + backward, gradients of the loss modules cleared first."""
+    """Seconds of one forward + backward (backward only for a result that needs one), gradients of
+    the loss modules cleared first."""
     for module in modules:
         module.zero_grad(set_to_none=True)
     start = clock()
-    run(batch).backward()
+    result = run(batch)
+    if result.requires_grad:
+        result.backward()
     return clock() - start
 
 
-def measure(
-    case: Case, batch: Batch, repeats: int, warmup: int, clock: Callable[[], float]
+def measure_variants(
+    variants: dict[str, Callable[[Batch], Tensor] | None],
+    batch: Batch,
+    repeats: int,
+    warmup: int,
+    clock: Callable[[], float],
+    modules: tuple[nn.Module, ...] = (),
 ) -> dict[str, float]:
-    """Median seconds per variant; the variants alternate within each repeat, in rotating order."""
-    variants = {"pml": case.pml, "plain": case.plain, "ism": case.ism}
+    """Median seconds per variant (None: skipped); the variants alternate within each repeat, in
+    rotating order, so that load changes on the machine hit them alike."""
     active = {k: v for k, v in variants.items() if v is not None}
     times: dict[str, list[float]] = {k: [] for k in active}
     names = list(active)
     for repeat in range(warmup + repeats):
         shift = repeat % len(names)
         for key in names[shift:] + names[:shift]:
-            elapsed = time_once(active[key], batch, case.modules, clock)
+            elapsed = time_once(active[key], batch, modules, clock)
             if repeat >= warmup:
                 times[key].append(elapsed)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def measure(
+    case: Case, batch: Batch, repeats: int, warmup: int, clock: Callable[[], float]
+) -> dict[str, float]:
+    """Median seconds of pml, ours plain and ours with ISM."""
+    variants = {"pml": case.pml, "plain": case.plain, "ism": case.ism}
+    return measure_variants(variants, batch, repeats, warmup, clock, case.modules)
+
+
+def joint_uncertainty_runner(proxies: bool) -> Callable[[Batch], Tensor]:
+    """``β`` alone, forward + backward: all pairs of the batch, or ``||u_i||`` against C proxies."""
+
+    def run(batch: Batch) -> Tensor:
+        u = leaf(batch.uncertainty)
+        if proxies:
+            return pairwise_uncertainty(u, None, len(u), NUM_CLASSES, u).sum()
+        return pairwise_uncertainty(u, u, len(u), len(u), u).sum()
+
+    return run
+
+
+def gram_floor(batch: Batch) -> Tensor:
+    """The two products an exact pairwise ``β`` needs: ``u·uᵀ`` and one ``(B×B)·(B×d_u)`` backward."""
+    u = batch.uncertainty
+    with torch.no_grad():
+        gram = u @ u.T
+        return gram @ u
+
+
+def breakdown(
+    case: Case, batch: Batch, repeats: int, warmup: int, clock: Callable[[], float]
+) -> dict[str, float]:
+    """Median seconds of plain, ISM, ISM with ``u = 0``, ``β`` alone and the u-Gram floor."""
+    variants = {
+        "plain": case.plain,
+        "ism": case.ism,
+        "ism_u0": case.ism_without_uncertainty,
+        "beta": joint_uncertainty_runner(case.proxies),
+        "floor": None if case.proxies else gram_floor,
+    }
+    medians = measure_variants(variants, batch, repeats, warmup, clock, case.modules)
+    medians.setdefault("floor", 0.0)
+    return medians
 
 
 def fmt_ms(seconds: float | None) -> str:
@@ -296,6 +377,11 @@ def main() -> None:
         help="cpu: process CPU time (robust on a shared machine); wall: elapsed time",
     )
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also split each ISM overhead: weakening only (u = 0), β alone, u-Gram floor",
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -334,25 +420,75 @@ def main() -> None:
             misses.append(f"{case.name}: ISM/plain {ism_time / plain:.2f} > {ISM_TARGET}")
         print(f"  done {case.name}", flush=True)
 
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-    else:
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        for row in [header, *rows]:
-            print(
-                "  ".join(
-                    cell.ljust(w) if i == 0 else cell.rjust(w)
-                    for i, (cell, w) in enumerate(zip(row, widths))
-                )
-            )
+    print_table(header, rows, args.markdown)
     print(
         "targets: ours/pml <= {:.2f}, ISM/plain <= {:.2f}: {}".format(
             PLAIN_TARGET, ISM_TARGET, "all met" if not misses else "MISSED " + "; ".join(misses)
         )
     )
+    if args.breakdown:
+        print_breakdown(
+            [c for c in cases if c.ism is not None],
+            batch,
+            args.repeats,
+            args.warmup,
+            CLOCKS[args.clock],
+            args.markdown,
+        )
+
+
+def print_table(header: list[str], rows: list[list[str]], markdown: bool) -> None:
+    """A Markdown table, or aligned plain-text columns."""
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print(
+            "  ".join(
+                cell.ljust(w) if i == 0 else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(row, widths))
+            )
+        )
+
+
+def print_breakdown(
+    cases: list[Case],
+    batch: Batch,
+    repeats: int,
+    warmup: int,
+    clock: Callable[[], float],
+    markdown: bool,
+) -> None:
+    """The ISM overhead of each loss split into the weakening, ``β`` and the u-Gram floor."""
+    header = [
+        "loss",
+        "plain ms",
+        "ISM − plain",
+        "ISM(u=0) − plain",
+        "β ms",
+        "u-Gram floor ms",
+        "floor/plain",
+    ]
+    rows = []
+    for case in cases:
+        t = breakdown(case, batch, repeats, warmup, clock)
+        rows.append(
+            [
+                case.name,
+                fmt_ms(t["plain"]),
+                fmt_ms(t["ism"] - t["plain"]),
+                fmt_ms(t["ism_u0"] - t["plain"]),
+                fmt_ms(t["beta"]),
+                fmt_ms(t["floor"]),
+                fmt_ratio(t["floor"], t["plain"]),
+            ]
+        )
+        print(f"  done breakdown {case.name}", flush=True)
+    print_table(header, rows, markdown)
 
 
 if __name__ == "__main__":
