@@ -592,3 +592,12 @@ def test_self_pair_matrix_matches_the_composite_at_zero_distance_and_zero_uncert
     for ours, expected in zip(*results):
         assert torch.isfinite(ours).all()
         torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("base", ["distance", "similarity"])
+def test_gradient_reaches_the_uncertainty_alone_when_the_semantic_side_is_frozen(base: str) -> None:
+    """Only u requires a gradient (e.g. a frozen backbone): self pairs, the diagonal included."""
+    metric = ism(base, gamma=0.5)
+    x = rand(5, 3, seed=42)
+    u = rand(5, 2, seed=43).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda uu: metric(x, ux=uu), (u,))
