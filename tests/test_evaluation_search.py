@@ -186,6 +186,24 @@ def test_chunked_queries_give_the_same_results(max_rank_entries: int) -> None:
     assert_matches(ref, out, acc, ks)
 
 
+@pytest.mark.parametrize("dense_fraction", [0, 10**9])
+@pytest.mark.parametrize("same_set", [True, False])
+def test_sparse_and_dense_counting_agree_with_brute_force(
+    dense_fraction: int, same_set: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 0: always list candidates sparsely; 10**9: count on whole tiles whenever any group qualifies.
+    monkeypatch.setattr(knn_module, "_DENSE_GROUP_FRACTION", dense_fraction)
+    x, y = clustered(70, 4, 5, 1.5, seed=11)
+    ks, cutoffs = (1, 3), (1, 5, 50)
+    if same_set:
+        ref = brute_force(x, y, k=4, ks=ks, cutoffs=cutoffs)
+        out, acc = ours(x, y, k=4, ks=ks, cutoffs=cutoffs, block_size=9)
+    else:
+        ref = brute_force(x[:20], y[:20], x[20:], y[20:], k=4, ks=ks, cutoffs=cutoffs)
+        out, acc = ours(x[:20], y[:20], x[20:], y[20:], k=4, ks=ks, cutoffs=cutoffs, block_size=9)
+    assert_matches(ref, out, acc, ks)
+
+
 def test_batched_count_path_for_many_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     # Force the padded searchsorted path that large classes with many candidates take.
     monkeypatch.setattr(knn_module, "_FLAT_COUNT_MAX_ENTRIES", 0)

@@ -116,6 +116,7 @@ class RetrievalResult:
         return out
 
     def to_json(self, per_class: bool = False, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as JSON (NaN written as ``null``)."""
         return json.dumps(self.to_dict(per_class), indent=indent)
 
     def format_table(self) -> str:
@@ -150,6 +151,7 @@ class EvaluationReport:
         return self.retrieval.pr_curve
 
     def to_dict(self, per_class: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict: metrics (with NMI), counts, PR curve, ``||u||``, timings, settings."""
         out = self.retrieval.to_dict(per_class)
         out["metrics"] = {k: _clean(v) for k, v in self.metrics.items()}
         if self.uncertainty is not None:

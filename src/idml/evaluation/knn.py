@@ -15,11 +15,13 @@ How the ranks are obtained without the N×N matrix. For a query with relevant re
 
 (relevant items above it account for ``t − 1`` places). Because the data are processed in
 label-sorted order, a query's relevant references form one contiguous range, so their scores
-``v_t`` are computed first from one thin "band" tile per query block. The main pass then only has
-to count, per query and per ``v_t``, the non-relevant scores at or above it. Only rows whose tile
-maximum reaches their least relevant score ``v_R`` are looked at (for trained embeddings: few),
-and the count is a batched ``searchsorted`` against the sorted ``v`` — relevant sets are small.
-Likewise a row only enters the top-k merge when its tile maximum reaches its current k-th score.
+``v_t`` are computed first from one thin "band" tile per block of 256 queries. The main pass then
+only has to count, per query and per ``v_t``, the non-relevant scores at or above it, and to merge
+the scores at or above the query's current k-th best into its top-k. Both kinds of candidates are
+rare: each tile is scanned through the maxima of groups of 32 scores, only qualifying groups are
+read, and the candidates are handled as one sparse list per tile (a batched ``searchsorted`` of
+each score among its query's sorted ``v`` — relevant sets are small — and a sorted merge).
+Every relevant pair's score comes from exactly one computation, so ranks are consistent.
 
 When the query set *is* the reference set, scores are symmetric, so only tiles on and above the
 diagonal are computed and each serves its rows and its columns: half the matrix products.
@@ -76,6 +78,7 @@ class NeighborLists:
 
     @property
     def k(self) -> int:
+        """Neighbours per query."""
         return int(self.indices.shape[1])
 
 
@@ -429,14 +432,26 @@ def _process_direction(
             _merge_topk(state, query_rows[sel], block.contiguous(), ref_ids)
             theta = theta.masked_fill(fresh, _INF)
     least = state.least_relevant[query_rows]
-    reach = torch.minimum(theta, least)
-    q_local, ref_local, values = _candidates(tile, reach, transposed)
+    group_max = _group_max(tile, transposed)
+    reached = _pad_to(least, group_max.shape[1 if transposed else 0])
+    reached = group_max >= (reached.unsqueeze(0) if transposed else reached.unsqueeze(1))
+    dense = int(reached.sum()) * _DENSE_GROUP_FRACTION > reached.numel()
+    if dense:
+        # Most groups hold count candidates (large classes): count on the whole tile instead of
+        # listing nearly every score, and list only the top-k candidates.
+        _count_dense(state, tile, query_rows, ref0, ref_ids, layout, query0, transposed)
+        reach = theta
+    else:
+        reach = torch.minimum(theta, least)
+    q_local, ref_local, values = _candidates(tile, group_max, reach, transposed)
     if q_local.numel() == 0:
         return
     if k > 0:
         keep = values >= theta[q_local]
         if bool(keep.any()):
             _merge_sparse(state, query_rows, q_local[keep], ref_ids[ref_local[keep]], values[keep])
+    if dense:
+        return
     # Relevant references are ranked by their own (band) scores: count only the others.
     ref_pos = ref0 + ref_local
     q_pos = query0 + q_local
@@ -446,24 +461,45 @@ def _process_direction(
         _count_sparse(state, query_rows, q_local[keep], values[keep])
 
 
-def _candidates(tile: Tensor, reach: Tensor, transposed: bool) -> tuple[Tensor, Tensor, Tensor]:
+_DENSE_GROUP_FRACTION = 4
+"""Count on the whole tile once more than 1/this of its score groups hold count candidates."""
+
+
+def _pad_to(values: Tensor, length: int) -> Tensor:
+    """``values`` followed by ``+inf`` up to ``length`` (padded tile rows/columns never qualify)."""
+    out = values.new_full((length,), _INF)
+    out[: len(values)] = values
+    return out
+
+
+def _group_max(tile: Tensor, transposed: bool) -> Tensor:
+    """Maxima of groups of :data:`_GROUP` consecutive scores along the reference axis.
+
+    ``(queries, groups)``-shaped as ``(r, c / G)`` for row queries, ``(r / G, c)`` for columns.
+    """
+    r, c = tile.shape
+    if transposed:
+        return tile.view(r // _GROUP, _GROUP, c).amax(1)
+    return tile.view(r, c // _GROUP, _GROUP).amax(2)
+
+
+def _candidates(
+    tile: Tensor, group_max: Tensor, reach: Tensor, transposed: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """All ``(query, reference, score)`` with ``score ≥ reach[query]``, sorted by query.
 
     ``tile`` is padded to multiples of :data:`_GROUP` with ``-inf``; queries are its rows (or its
-    columns when ``transposed``) and ``reach`` has one entry per real query.
+    columns when ``transposed``), ``reach`` has one entry per real query and ``group_max`` comes
+    from :func:`_group_max`.
     """
     r, c = tile.shape
-    n_q = c if transposed else r
-    bar = torch.full((n_q,), _INF, device=tile.device)
-    bar[: len(reach)] = reach
+    bar = _pad_to(reach, c if transposed else r)
     if transposed:
-        groups = tile.view(r // _GROUP, _GROUP, c)
-        g_ref, g_q = (groups.amax(1) >= bar.unsqueeze(0)).nonzero(as_tuple=True)
-        block = groups[g_ref, :, g_q]
+        g_ref, g_q = (group_max >= bar.unsqueeze(0)).nonzero(as_tuple=True)
+        block = tile.view(r // _GROUP, _GROUP, c)[g_ref, :, g_q]
     else:
-        groups = tile.view(r, c // _GROUP, _GROUP)
-        g_q, g_ref = (groups.amax(2) >= bar.unsqueeze(1)).nonzero(as_tuple=True)
-        block = groups[g_q, g_ref]
+        g_q, g_ref = (group_max >= bar.unsqueeze(1)).nonzero(as_tuple=True)
+        block = tile.view(r, c // _GROUP, _GROUP)[g_q, g_ref]
     which, offset = (block >= bar[g_q].unsqueeze(1)).nonzero(as_tuple=True)
     q_local = g_q[which]
     ref_local = g_ref[which] * _GROUP + offset
@@ -472,6 +508,47 @@ def _candidates(tile: Tensor, reach: Tensor, transposed: bool) -> tuple[Tensor, 
         order = q_local.argsort(stable=True)
         q_local, ref_local, values = q_local[order], ref_local[order], values[order]
     return q_local, ref_local, values
+
+
+def _count_dense(
+    state: _QueryState,
+    tile: Tensor,
+    query_rows: Tensor,
+    ref0: int,
+    ref_ids: Tensor,
+    layout: _Layout,
+    query0: int,
+    transposed: bool,
+) -> None:
+    """Relevant-rank counting over every score of the tile (the large-class regime).
+
+    Same rule as :func:`_count_sparse`: each non-relevant score lands in the bucket "how many of
+    its query's relevant scores it reaches"; relevant references (a contiguous range per query in
+    label-sorted order) are masked out first.
+    """
+    n_q, n_ref = len(query_rows), len(ref_ids)
+    scores = (tile.T if transposed else tile)[:n_q, :n_ref]
+    q_pos = torch.arange(query0, query0 + n_q, device=tile.device)
+    start = layout.relevant_start[q_pos] - ref0
+    end = layout.relevant_end[q_pos] - ref0
+    lo, hi = max(int(start.min()), 0), min(int(end.max()), n_ref)
+    if lo < hi:
+        # A private contiguous copy: the tile is still needed unmasked by the top-k step.
+        scores = scores.clone(memory_format=torch.contiguous_format)
+        cols = torch.arange(lo, hi, device=tile.device)
+        mask = (cols >= start.unsqueeze(1)) & (cols < end.unsqueeze(1))
+        scores[:, lo:hi].masked_fill_(mask, -_INF)
+    else:
+        scores = scores.contiguous()
+    thresholds = state.relevant_scores[query_rows]
+    width = int((thresholds < _INF).sum(1).max())
+    if width == 0:
+        return
+    thresholds = thresholds[:, :width].contiguous()
+    bucket = torch.searchsorted(thresholds, scores, right=True)
+    hist = torch.zeros((n_q, width + 1), dtype=torch.long, device=tile.device)
+    hist.scatter_add_(1, bucket, torch.ones_like(bucket))
+    state.counts[query_rows, :width] += hist[:, 1:].flip(1).cumsum(1).flip(1)
 
 
 def _pad_by_row(

@@ -150,6 +150,7 @@ class PRCurve:
         return self.precision_at_cutoff
 
     def to_dict(self) -> dict[str, list[float] | list[int]]:
+        """The curve data as a JSON-ready dict."""
         return {
             "cutoffs": self.cutoffs,
             "precision_at_cutoff": self.precision_at_cutoff,

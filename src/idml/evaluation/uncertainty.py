@@ -38,6 +38,7 @@ class UncertaintySummary:
     """Recall@1 of the queries in each ``||u||`` quartile, least uncertain first (empty if unknown)."""
 
     def to_dict(self, per_class: bool = True) -> dict[str, object]:
+        """A JSON-ready dict (per-class means on request)."""
         out: dict[str, object] = {
             "count": self.count,
             "mean": self.mean,
