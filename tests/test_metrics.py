@@ -601,3 +601,20 @@ def test_gradient_reaches_the_uncertainty_alone_when_the_semantic_side_is_frozen
     x = rand(5, 3, seed=42)
     u = rand(5, 2, seed=43).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda uu: metric(x, ux=uu), (u,))
+
+
+def test_safe_norm_from_squares_zeroes_tiny_and_negative_squares_with_zero_gradient() -> None:
+    from idml.metrics import safe_norm_from_squares
+
+    squared = torch.tensor([-1e-3, 0.0, 1e-13, 1e-12, 4e-12, 0.25, 9.0], dtype=F64)
+    squared.requires_grad_(True)
+    root = safe_norm_from_squares(squared)
+    expected = torch.tensor([0.0, 0.0, 0.0, 0.0, 2e-6, 0.5, 3.0], dtype=F64)
+    torch.testing.assert_close(root.detach(), expected, rtol=1e-15, atol=0)
+    (grad,) = torch.autograd.grad(root, squared, torch.ones_like(root))
+    # d√s/ds = 1/(2√s) above 10⁻¹², else 0.
+    expected_grad = torch.tensor([0.0, 0.0, 0.0, 0.0, 2.5e5, 1.0, 1 / 6], dtype=F64)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=0)
+    assert torch.autograd.gradcheck(
+        safe_norm_from_squares, (squared[-2:].detach().requires_grad_(),)
+    )
