@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(SETTINGS), default=None)
     parser.add_argument("--quick", action="store_true", help="1 epoch on a tiny subsample")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "study")
+    parser.add_argument(
+        "--tables-only", action="store_true", help="train nothing; tabulate the finished runs"
+    )
     args = parser.parse_args()
     tables_dir = REPO / "benchmarks" / "study"
     tables_dir.mkdir(parents=True, exist_ok=True)
@@ -113,6 +116,7 @@ def main() -> None:
                 out_dir=out,
                 overrides=[*overrides, *extra],
                 metrics=["recall@1", "map@r", "nmi"],
+                train_missing=not args.tables_only,
             )
             sections.append(f"## {name}\n\n" + (out / "ablation.md").read_text())
             del result

@@ -379,3 +379,19 @@ def test_a_failing_run_names_its_cell_and_finished_cells_are_kept(
     # The finished cell is stored: a grid of it alone reuses it.
     again = run_ablation(config, parse_grid(["eval.select=recall@1"]), 1, out, log=lambda _: None)
     assert again.cells[0].runs[0].reused and len(count_fits) == 2
+
+
+def test_tables_only_tabulates_finished_runs_and_trains_nothing(
+    tmp_path: Path, count_fits: list[tuple[Path, bool]]
+) -> None:
+    config, out = _base_config(tmp_path), tmp_path / "ablation"
+    axes = parse_grid(["eval.select=recall@1,recall@3"])
+    with pytest.raises(ValueError, match="recall@3"):
+        run_ablation(config, axes, seeds=1, out_dir=out, log=lambda _: None)
+    fits = len(count_fits)
+    lines: list[str] = []
+    table = run_ablation(config, axes, 1, out, log=lines.append, train_missing=False)
+    assert len(count_fits) == fits  # nothing trained
+    assert [c.cell.name for c in table.cells] == ["eval.select=recall@1"]
+    assert any("no finished run, left out" in line for line in lines)
+    assert (out / "ablation.md").is_file()

@@ -611,6 +611,7 @@ def run_ablation(
     metrics: Sequence[str] | None = None,
     progress: bool = False,
     log: Callable[[str], object] = print,
+    train_missing: bool = True,
 ) -> AblationResult:
     """Train every cell of the grid for ``seeds`` seeds (reusing finished runs) and write the table.
 
@@ -627,6 +628,8 @@ def run_ablation(
         metrics: metric columns (default: all the runs report).
         progress: show the trainer's progress bars.
         log: where progress lines go.
+        train_missing: ``False`` trains nothing: the table is drawn from the finished runs alone
+            (cells without any are left out and logged), e.g. to tabulate a grid cut short.
 
     Returns:
         The :class:`AblationResult` (already written to ``ablation.md``/``ablation.csv``).
@@ -678,7 +681,13 @@ def run_ablation(
     )
     results: list[CellResult] = []
     for number, runs in enumerate(plans, start=1):
-        done = [_run_one(plan, progress, Trainer) for plan in runs]
+        if train_missing:
+            done = [_run_one(plan, progress, Trainer) for plan in runs]
+        else:
+            done = [r for r in (_finished(plan) for plan in runs) if r is not None]
+            if not done:
+                log(f"[{number}/{len(plans)}] {runs[0].cell.name}: no finished run, left out")
+                continue
         cell_result = CellResult(runs[0].cell, done)
         results.append(cell_result)
         log(_cell_line(number, len(plans), cell_result, select, metrics))
@@ -695,14 +704,22 @@ def run_ablation(
     return table
 
 
+def _finished(plan: _Plan) -> SeedResult | None:
+    """The seed's finished run when its stored config matches the grid's, else ``None``."""
+    stored = _read_result(plan.run_dir / RESULT_FILE)
+    if stored is None or config_difference(stored.get("config", {}), config_to_dict(plan.cfg)):
+        return None
+    return _seed_result(plan, stored, "reused")
+
+
 def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
     """Reuse the seed's finished run when its config matches; else (re)train it."""
     wanted = config_to_dict(plan.cfg)
     result_path = plan.run_dir / RESULT_FILE
-    stored = _read_result(result_path)
-    if stored is not None and not config_difference(stored.get("config", {}), wanted):
-        return _seed_result(plan, stored, "reused")
-    stale = stored is not None
+    reusable = _finished(plan)
+    if reusable is not None:
+        return reusable
+    stale = _read_result(result_path) is not None
     if stale or (plan.run_dir.exists() and not _resumable(plan)):
         # A finished run of another config (the base config or a preset changed), or the debris of
         # one: its checkpoints must not be resumed nor mixed with the new run's.
