@@ -107,7 +107,7 @@ def main() -> None:
     settings: list[tuple[str, list[str]]] = []
     tmp = tempfile.TemporaryDirectory()
     if args.only in (None, "demo"):
-        settings.append(("demo", [*DEMO_BASE, "optim.epochs=1"]))
+        settings.append(("demo", [*DEMO_BASE, "optim.epochs=1", "data.num_workers=2"]))
     if args.only in (None, "resnet50"):
         root = Path(tmp.name) / "jpegs"
         make_jpeg_folder(root)
