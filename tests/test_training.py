@@ -228,6 +228,16 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert data["embeddings"].shape == (6, 16)
     assert data["uncertainty"].shape == (6,) and (data["uncertainty"] > 0).all()
     assert np.allclose(np.linalg.norm(data["embeddings"], axis=1), 1, atol=1e-5)
+    # `idml evaluate --checkpoint` scores the run's test split and agrees with the training log.
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--json"]) == 0
+    scored = json.loads(_last_json(capsys))
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert scored["metrics"]["recall@1"] == pytest.approx(logged["test/recall@1"])
+
+
+def _last_json(capsys: pytest.CaptureFixture[str]) -> str:
+    out = capsys.readouterr().out
+    return out[out.index("{") :]
 
 
 def test_cli_reports_config_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -53,6 +53,14 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         "--embeddings", type=Path, help="embeddings file (the gallery; also the queries)"
     )
     src.add_argument("--labels", type=Path, help="labels file (default: the 'labels' entry)")
+    src.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a run folder of `idml train`: embed and score its test split",
+    )
+    src.add_argument(
+        "--which", choices=("best", "latest"), default="best", help="with --checkpoint"
+    )
     src.add_argument("--query-embeddings", type=Path, help="separate query embeddings file")
     src.add_argument("--query-labels", type=Path, help="labels of the separate queries")
     src.add_argument(
@@ -64,7 +72,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--labels-key", help="entry name of the labels (default labels)")
     opt = p.add_argument_group("evaluation")
     opt.add_argument(
-        "--ks", type=int_list, default=(1, 2, 4, 8), help="K of Recall@K, e.g. 1,10,100,1000"
+        "--ks",
+        type=int_list,
+        default=None,
+        help="K of Recall@K, e.g. 1,10,100,1000 (default 1,2,4,8, or the run's eval.ks)",
     )
     opt.add_argument("--metric", choices=("cosine", "euclidean"), default="cosine")
     opt.add_argument("--no-normalize", action="store_true", help="do not L2-normalise embeddings")
@@ -99,8 +110,26 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     from idml.evaluation import evaluate_files
     from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 
+    if args.checkpoint is not None:
+        from idml.export import evaluate_checkpoint
+
+        if args.embeddings is not None:
+            raise ValueError("give either --checkpoint RUN or --embeddings FILE, not both")
+        report = evaluate_checkpoint(
+            args.checkpoint,
+            args.which,
+            ks=args.ks,
+            introspective=True if args.introspective else None,
+            device=args.device,
+            progress=args.progress,
+        )
+        print(report.to_json() if args.json else report.format_table(per_class=args.per_class))
+        return 0
     if args.embeddings is None:
-        raise ValueError("give --embeddings FILE (and --labels FILE unless the file has 'labels')")
+        raise ValueError(
+            "give --embeddings FILE (and --labels FILE unless the file has 'labels'), "
+            "or --checkpoint RUN"
+        )
     ism = None
     if args.introspective:
         base = CosineSimilarity() if args.metric == "cosine" else EuclideanDistance()
@@ -113,7 +142,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         embeddings_key=args.embeddings_key,
         uncertainty_key=args.uncertainty_key,
         labels_key=args.labels_key,
-        ks=args.ks,
+        ks=args.ks or (1, 2, 4, 8),
         metric=args.metric,
         normalize=not args.no_normalize,
         introspective_metric=ism,

@@ -19,6 +19,7 @@ from idml import build
 from idml.checkpoint import CheckpointError, load_model_weights, read_state, resolve_checkpoint
 from idml.config import Config, validate_config
 from idml.data import IMAGE_EXTENSIONS, FileImageDataset, ImageRecords, build_transforms
+from idml.evaluation import EvaluationReport
 from idml.models import EmbeddingModel
 
 
@@ -108,3 +109,39 @@ def embed_images(
     else:
         raise ValueError(f"--out {out}: use a .npz, .pt or .safetensors file name")
     return len(files)
+
+
+def evaluate_checkpoint(
+    path: Path,
+    which: str = "best",
+    ks: tuple[int, ...] | None = None,
+    introspective: bool | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> EvaluationReport:
+    """Evaluate a trained run on its own test split, with its config's evaluation settings.
+
+    ``ks`` and ``introspective`` override ``eval.ks`` and ``eval.introspective`` when given.
+    """
+    from idml.evaluation import evaluate_embeddings
+
+    cfg, model = load_trained_model(path, which)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model.to(device)
+    data = build.build_data(cfg)
+    emb, labels = build.embed_dataset(model, data.test, cfg.eval.batch_size, device, progress)
+    use_ism = cfg.eval.introspective if introspective is None else introspective
+    if use_ism and not cfg.metric.introspective:
+        raise ValueError(
+            f"{path}: --introspective needs a run trained with ISM (metric.introspective=true)"
+        )
+    return evaluate_embeddings(
+        emb.semantic,
+        labels,
+        ks=ks or tuple(cfg.eval.ks),
+        uncertainty=emb.uncertainty,
+        introspective_metric=build.build_metric(cfg) if use_ism else None,
+        device=device,
+        nmi=cfg.eval.nmi,
+        progress=progress,
+    )
