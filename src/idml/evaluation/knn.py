@@ -378,6 +378,29 @@ def _process_tile(
 ) -> None:
     """Top-k merge and relevant-rank counting for one tile (its rows, and its columns if ``both``)."""
     tile = scorer.tile(queries, refs, rows, cols)
+    threads = torch.get_num_threads()
+    if tile.device.type == "cpu" and threads > 1:
+        # The matrix product uses every thread; the rest is many small gathers whose parallel
+        # regions cost more than they save (and stall badly on a loaded machine).
+        torch.set_num_threads(1)
+    try:
+        _process_scores(state, tile, layout, chunk, rows, cols, both, ref_ids)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _process_scores(
+    state: _QueryState,
+    tile: Tensor,
+    layout: _Layout,
+    chunk: slice,
+    rows: slice,
+    cols: slice,
+    both: bool,
+    ref_ids: Tensor,
+) -> None:
+    """Everything after the matrix product of one tile (see :func:`_process_tile`)."""
     if layout.same_set:
         _exclude_self(tile, rows.start, cols.start)
     r, c = tile.shape
