@@ -123,7 +123,7 @@ class _JointUncertainty(torch.autograd.Function):
         other = ux if uy is None else uy
         sq_x = ux.square().sum(1)
         sq_y = sq_x if uy is None else other.square().sum(1)
-        sq = torch.addmm(sq_x[:, None] + sq_y[None, :], ux, other.T, alpha=2.0)
+        sq = (sq_x[:, None] + sq_y[None, :]).addmm_(ux, other.T, alpha=2.0)
         beta = torch.threshold(sq, _EPS, 0.0).sqrt_()
         ctx.self_pairs = uy is None
         ctx.save_for_backward(ux, other, beta)
@@ -243,8 +243,9 @@ class _Weakening(torch.autograd.Function):
             out = plain * factor
         else:
             factor = torch.expm1(neg_y)
-            # Not addcmul: a fused multiply-add would round differently from the separate steps.
-            out = plain + (plain - target) * factor
+            # (P − t)·expm1(−y) + P in place. Not addcmul: its fused multiply-add rounds once and
+            # would move values by an ulp from the two-step formula the tests and old runs used.
+            out = (plain - target).mul_(factor).add_(plain)
         ctx.params = (tau, power, target, multiplicative)
         ctx.plain_is_alpha = plain is alpha and plain.shape == out.shape and gap is None
         ctx.save_for_backward(plain, alpha, beta, neg_y, neg_den, factor, gap)
