@@ -512,8 +512,8 @@ class IntrospectiveMetric(Metric):
         uy: Tensor | None = None,
     ) -> Tensor:
         if y is None:
-            # The base metric is told it compares the batch with itself, so it normalises once and
-            # takes its symmetric path: bit for bit the plain metric's matrix.
+            # The base metric is told it compares the batch with itself, so it normalises the batch
+            # once (not once per side): bit for bit the plain metric's matrix.
             plain = self.base(x)
             y, uy = x, ux
         else:
