@@ -40,8 +40,8 @@ class TripletLoss(MetricLoss):
         margin: ``δ ≥ 0``.
         miner: ``"default"`` (semi-hard with window ``δ``), another miner, or ``None`` (all triplets).
 
-    Semi-hard mining and ``miner=None`` compare all ``B³`` triplets at once (memory ``O(B³)``: about
-    17 M entries for ``B = 256``).
+    Semi-hard mining checks each anchor–positive pair against the ``B`` candidates in bounded chunks
+    (memory ``O(P·B)`` for ``P`` positive pairs); ``miner=None`` enumerates all valid triplets.
     """
 
     def __init__(
