@@ -127,7 +127,7 @@ def masked_logsumexp(values: Tensor, mask: Tensor, dim: int, add_one: bool = Fal
     """``log Σ_{mask} exp(values)`` (``log(1 + Σ ...)`` with ``add_one``); empty sums give ``-inf``/0."""
     values = values.masked_fill(~mask, float("-inf"))
     if add_one:
-        zeros = values.new_zeros(values.shape[:dim] + (1,) + values.shape[dim + 1 :])
+        zeros = values.new_zeros((*values.shape[:dim], 1, *values.shape[dim + 1 :]))
         values = torch.cat([values, zeros], dim=dim)
     return torch.logsumexp(values, dim=dim)
 
