@@ -19,15 +19,15 @@ demo: setup
 	idml demo
 
 lint: setup
-	ruff format --check src tests benchmarks
-	ruff check src tests benchmarks
+	ruff format --check src tests benchmarks scripts
+	ruff check src tests benchmarks scripts
 
 test: lint
 	$(PYTHON) -m pytest -q --timeout=900
 
 format:
-	ruff format src tests benchmarks
-	ruff check --fix src tests benchmarks
+	ruff format src tests benchmarks scripts
+	ruff check --fix src tests benchmarks scripts
 
 bench: setup
 	$(PYTHON) benchmarks/bench_losses.py
