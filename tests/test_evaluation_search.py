@@ -317,3 +317,40 @@ def test_neighbors_only_and_gallery_smaller_than_k(n_classes: int) -> None:
     assert out.neighbors.k == 2
     scores = torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(g, dim=1).T
     assert out.neighbors.indices.tolist() == scores.argsort(1, descending=True).tolist()
+
+
+def test_asymmetric_user_metric_takes_the_one_sided_path() -> None:
+    from idml.metrics import Metric
+
+    class Bilinear(Metric):
+        """score(x, y) = x W yᵀ with a non-symmetric W: score(a, b) != score(b, a)."""
+
+        is_similarity = True
+
+        def __init__(self, weight: torch.Tensor) -> None:
+            super().__init__(normalize=False)
+            self.weight = weight
+
+        def forward(self, x, y=None, ux=None, uy=None):  # type: ignore[override]
+            y = x if y is None else y
+            return x @ self.weight @ y.T
+
+    torch.manual_seed(1)
+    x, labels = torch.randn(30, 4), torch.randint(0, 4, (30,))
+    metric = Bilinear(torch.randn(4, 4))
+    out = exact_search(x, labels, 5, metric=metric, block_size=7)
+    assert not out.symmetric
+    dense = metric(x).double().fill_diagonal_(-math.inf)
+    expected = torch.sort(dense, dim=1, descending=True, stable=True).indices[:, :5]
+    assert out.neighbors.indices.tolist() == expected.tolist()
+
+
+def test_progress_callback_counts_every_tile() -> None:
+    seen: list[int] = []
+    x, y = clustered(50, 5, 4, 1.0, seed=0)
+    out = exact_search(
+        torch.from_numpy(x), torch.from_numpy(y), 3, block_size=16, progress=seen.append
+    )
+    assert (
+        sum(seen) == out.num_tiles == 10
+    )  # 4 blocks: 4 + 3 + 2 + 1 tiles on and above the diagonal

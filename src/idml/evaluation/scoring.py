@@ -125,8 +125,11 @@ class PairScorer:
         True for the plain metrics and for ISM (``α`` and ``β_ij = ||u_i + u_j||`` are symmetric);
         an arbitrary user metric is not assumed to be symmetric.
         """
-        return self.kind != "metric" or isinstance(
-            self.metric, IntrospectiveMetric | CosineSimilarity | EuclideanDistance
+        if self.kind != "metric":
+            return True
+        return isinstance(self.metric, IntrospectiveMetric) or type(self.metric) in (
+            CosineSimilarity,
+            EuclideanDistance,
         )
 
     # ------------------------------------------------------------------ computation
