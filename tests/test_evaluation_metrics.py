@@ -217,6 +217,7 @@ def test_faiss_backend_flat_index_gives_exact_truncated_metrics() -> None:
         ({"query": (torch.randn(2, 2), [7, 8])}, "no query has a same-class reference"),
         ({"metric": "manhattan"}, "metric must be"),
         ({"num_neighbors": -1}, "num_neighbors"),
+        *([({"device": "cuda"}, "CUDA is not available")] if not torch.cuda.is_available() else []),
     ],
 )
 def test_bad_input_raises_clear_errors(kwargs: dict, match: str) -> None:

@@ -277,6 +277,8 @@ def exact_search(
         raise ValueError(f"k (number of neighbours) must be >= 0, got {k}")
     scorer = metric if isinstance(metric, PairScorer) else PairScorer.from_spec(metric, normalize)
     dev = torch.device(device) if device is not None else query.device
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r} requested but CUDA is not available; use 'cpu'")
     if block_size is None:
         block_size = 8192 if dev.type == "cuda" else 2048
     if block_size < 1:
