@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -378,31 +379,14 @@ def _process_tile(
     both: bool,
     ref_ids: Tensor,
 ) -> None:
-    """Top-k merge and relevant-rank counting for one tile (its rows, and its columns if ``both``)."""
+    """Top-k merge and relevant-rank counting for one tile (its rows, and its columns if ``both``).
+
+    On CPU the matrix product uses every intra-op thread; the candidate work that follows is many
+    small gathers whose parallel regions cost more than they save, so it is instead split into
+    independent pieces (row halves, column halves: disjoint queries) run by a small thread pool,
+    each single-threaded.
+    """
     tile = scorer.tile(queries, refs, rows, cols)
-    threads = torch.get_num_threads()
-    if tile.device.type == "cpu" and threads > 1:
-        # The matrix product uses every thread; the rest is many small gathers whose parallel
-        # regions cost more than they save (and stall badly on a loaded machine).
-        torch.set_num_threads(1)
-    try:
-        _process_scores(state, tile, layout, chunk, rows, cols, both, ref_ids)
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-
-def _process_scores(
-    state: _QueryState,
-    tile: Tensor,
-    layout: _Layout,
-    chunk: slice,
-    rows: slice,
-    cols: slice,
-    both: bool,
-    ref_ids: Tensor,
-) -> None:
-    """Everything after the matrix product of one tile (see :func:`_process_tile`)."""
     if layout.same_set:
         _exclude_self(tile, rows.start, cols.start)
     r, c = tile.shape
@@ -410,17 +394,52 @@ def _process_scores(
     if pad_r or pad_c:
         # Ragged last blocks: pad with scores that never qualify so groups tile exactly.
         tile = torch.nn.functional.pad(tile, (0, pad_c, 0, pad_r), value=-_INF)
-    dev = tile.device
-    row_state = torch.arange(rows.start - chunk.start, rows.stop - chunk.start, device=dev)
-    _process_direction(
-        state, tile, row_state, cols.start, ref_ids[cols], layout, rows.start, transposed=False
-    )
+    workers = torch.get_num_threads() if tile.device.type == "cpu" else 1
+    pieces = _split(tile.shape[0], r, workers)
+    jobs = [
+        (tile[a:b], rows.start + a, min(b, r) - a, cols.start, ref_ids[cols], False)
+        for a, b in pieces
+    ]
     if both:
-        # Symmetric search: column j of the tile is query j against the references of the rows.
-        col_state = torch.arange(cols.start - chunk.start, cols.stop - chunk.start, device=dev)
-        _process_direction(
-            state, tile, col_state, rows.start, ref_ids[rows], layout, cols.start, transposed=True
-        )
+        jobs += [
+            (tile[:, a:b], cols.start + a, min(b, c) - a, rows.start, ref_ids[rows], True)
+            for a, b in _split(tile.shape[1], c, workers)
+        ]
+
+    def run(job: tuple[Tensor, int, int, int, Tensor, bool]) -> None:
+        part, query0, n_queries, ref0, ids, transposed = job
+        query_rows = torch.arange(n_queries, device=part.device) + (query0 - chunk.start)
+        _process_direction(state, part, query_rows, ref0, ids, layout, query0, transposed)
+
+    if workers <= 1 or len(jobs) == 1:
+        for job in jobs:
+            run(job)
+        return
+    for future in [_pool(workers).submit(_single_threaded, run, job) for job in jobs]:
+        future.result()
+
+
+def _split(padded: int, real: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` group-aligned ranges covering ``[0, padded)``, dropping those past ``real``."""
+    per = -(-padded // (parts * _GROUP)) * _GROUP
+    return [(a, min(a + per, padded)) for a in range(0, padded, per) if a < real]
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``workers`` threads for the per-tile candidate work."""
+    if workers not in _POOLS:
+        _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="idml-search")
+    return _POOLS[workers]
+
+
+def _single_threaded(fn: Callable[..., None], *args: object) -> None:
+    """Run ``fn`` with one intra-op thread (the setting is per thread under OpenMP)."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    fn(*args)
 
 
 def _process_direction(
