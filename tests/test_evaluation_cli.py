@@ -151,3 +151,17 @@ def test_bad_ks_is_rejected_by_the_parser(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["evaluate", "--embeddings", "x.npy", "--ks", "1,two"])
     assert "expected integers" in capsys.readouterr().err
+
+
+def test_fast_nmi_backend_flag(tmp_path: Path, data, capsys) -> None:
+    x, labels, _ = data
+    path = _write(tmp_path / "e.npz", "npz", {"embeddings": x, "labels": labels})
+    code, out, _ = _run(
+        capsys, "evaluate", "--embeddings", str(path), "--nmi-backend", "knn", "--json"
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert result["settings"]["nmi_backend"] == "knn"
+    assert result["metrics"]["nmi"] == pytest.approx(
+        evaluate_embeddings(x, labels, nmi_backend="knn").nmi, abs=1e-12
+    )

@@ -132,6 +132,40 @@ def test_nmi_with_faiss_equals_pytorch_metric_learning() -> None:
     assert sk == pytest.approx(pml, abs=0.1)  # another k-means, same value range
 
 
+def test_knn_graph_kmeans_close_to_lloyd_and_reproducible() -> None:
+    from idml.evaluation import exact_search
+
+    x, y = clustered(500, 25, 8, 0.9, seed=12)
+    xt, yt = torch.nn.functional.normalize(torch.from_numpy(x), dim=1), torch.from_numpy(y)
+    graph = exact_search(xt, yt, 10).neighbors.indices
+    fast = nmi_score(xt, yt, backend="knn", neighbors=graph, seed=5)
+    assert fast == nmi_score(xt, yt, backend="knn", neighbors=graph, seed=5)
+    lloyd = nmi_score(xt, yt, backend="sklearn", seed=5)
+    assert abs(fast - lloyd) < 0.05
+    report = evaluate_embeddings(x, y, nmi_backend="knn", seed=5)
+    assert report.nmi == pytest.approx(fast, abs=1e-12)  # same neighbours, same k-means
+    separate = evaluate_embeddings(x[100:], y[100:], query=(x[:100], y[:100]), nmi_backend="knn")
+    assert separate.nmi is not None and 0.0 < separate.nmi <= 1.0
+
+
+def test_knn_graph_kmeans_without_neighbours_is_nearest_seed() -> None:
+    from idml.evaluation.clustering import knn_kmeans
+
+    torch.manual_seed(0)
+    x = torch.randn(60, 3)
+    no_graph = torch.full((60, 4), -1)
+    got = knn_kmeans(x, 7, no_graph, seed=9, iterations=5)
+    # Independent reference: the same seeded draw, then each point to its nearest seed.
+    seeds = torch.randperm(60, generator=torch.Generator().manual_seed(9))[:7]
+    expected = torch.cdist(x.double(), x[seeds].double()).argmin(1)
+    assert got.tolist() == expected.tolist()
+
+
+def test_knn_backend_requires_neighbours() -> None:
+    with pytest.raises(ValueError, match="needs neighbour lists"):
+        nmi_score(torch.randn(10, 2), torch.arange(10) % 2, backend="knn")
+
+
 # ----------------------------------------------------------------------------- uncertainty
 def test_uncertainty_summary_values() -> None:
     levels = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])

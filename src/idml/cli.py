@@ -87,7 +87,12 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     opt.add_argument("--gamma", type=float, default=0.0, help="ISM introspective bias γ")
     opt.add_argument("--tau", type=float, default=5.0, help="ISM weakening degree τ")
     opt.add_argument("--no-nmi", action="store_true", help="skip NMI (k-means)")
-    opt.add_argument("--nmi-backend", choices=("auto", "faiss", "sklearn"), default="auto")
+    opt.add_argument(
+        "--nmi-backend",
+        choices=("auto", "faiss", "sklearn", "knn"),
+        default="auto",
+        help="k-means for NMI: auto (faiss if installed, else sklearn) or knn (fast, many classes)",
+    )
     opt.add_argument("--seed", type=int, default=1234, help="k-means seed")
     opt.add_argument("--knn-backend", choices=("exact", "faiss"), default="exact")
     opt.add_argument("--faiss-index", default="HNSW32", help="faiss index factory string")

@@ -8,8 +8,17 @@ Backends: ``"faiss"`` (Lloyd's algorithm, ``iterations`` rounds, seeded random i
 with the default ``iterations=20`` and ``seed=1234`` it is exactly what pytorch-metric-learning
 computes, so NMI values match it), ``"sklearn"`` (k-means++ initialisation, one run, at most
 ``iterations`` rounds) and ``"auto"`` (faiss when installed — the ``faiss`` extra — else
-scikit-learn). k-means costs ``iterations × N × C × d``: at Stanford Online Products scale (11,316
-classes) that is minutes even with faiss and impractical with scikit-learn's k-means++.
+scikit-learn). Lloyd's assignment step costs ``N × C × d`` per round: at Stanford Online Products
+scale (11,316 classes) a run takes minutes even with faiss, and scikit-learn's k-means++ is
+impractical there.
+
+``"knn"`` is the fast alternative for large C: Lloyd's algorithm whose assignment step only
+considers the clusters of a point's k nearest neighbours and its own (Deng & Zhao 2018, "Fast
+k-means based on k-NN graph"), on the neighbour lists the exact search has already produced. A
+round costs ``N × (k + 1) × d``; the first assignment to the seeded random initial centroids uses
+the seeds among a point's neighbours and an exact search only for points with none. The result is
+a k-means local optimum like Lloyd's, not the same one, so its NMI is close to — not equal to —
+the other backends' (on the SOP-scale benchmark: 0.8819 for both; see benchmarks/RESULTS.md).
 
 Example:
     >>> import torch
@@ -28,7 +37,7 @@ import torch
 from sklearn.metrics import normalized_mutual_info_score
 from torch import Tensor
 
-KMeansBackend = Literal["auto", "faiss", "sklearn"]
+KMeansBackend = Literal["auto", "faiss", "sklearn", "knn"]
 
 
 def faiss_available() -> bool:
@@ -40,7 +49,7 @@ def faiss_available() -> bool:
     return True
 
 
-def resolve_backend(backend: KMeansBackend) -> Literal["faiss", "sklearn"]:
+def resolve_backend(backend: KMeansBackend) -> Literal["faiss", "sklearn", "knn"]:
     """``"auto"`` → faiss when installed, else scikit-learn; an explicit faiss request must be met."""
     if backend == "auto":
         return "faiss" if faiss_available() else "sklearn"
@@ -49,8 +58,10 @@ def resolve_backend(backend: KMeansBackend) -> Literal["faiss", "sklearn"]:
             "nmi backend 'faiss' requested but faiss is not installed; "
             "`pip install idml[faiss]` or use backend='sklearn'"
         )
-    if backend not in ("faiss", "sklearn"):
-        raise ValueError(f"k-means backend must be 'auto', 'faiss' or 'sklearn', got {backend!r}")
+    if backend not in ("faiss", "sklearn", "knn"):
+        raise ValueError(
+            f"k-means backend must be 'auto', 'faiss', 'sklearn' or 'knn', got {backend!r}"
+        )
     return backend
 
 
@@ -61,8 +72,13 @@ def kmeans_assign(
     backend: KMeansBackend = "auto",
     seed: int = 1234,
     iterations: int = 20,
+    neighbors: Tensor | None = None,
 ) -> Tensor:
-    """Cluster index ``(N,)`` of each row of ``x`` after k-means with ``num_clusters`` clusters."""
+    """Cluster index ``(N,)`` of each row of ``x`` after k-means with ``num_clusters`` clusters.
+
+    ``neighbors`` ``(N, k)`` (indices into ``x``, ``-1`` for none) are required by the ``"knn"``
+    backend; :func:`idml.evaluation.evaluate_embeddings` passes the search's neighbour lists.
+    """
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"k-means needs a non-empty (N, d) matrix, got shape {tuple(x.shape)}")
     n = x.shape[0]
@@ -70,8 +86,15 @@ def kmeans_assign(
         raise ValueError(f"num_clusters must be between 1 and the {n} points, got {num_clusters}")
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
+    resolved = resolve_backend(backend)
+    if resolved == "knn":
+        if neighbors is None or neighbors.dim() != 2 or neighbors.shape[0] != n:
+            raise ValueError(
+                "the 'knn' k-means backend needs neighbour lists of shape (N, k) for the N points"
+            )
+        return knn_kmeans(x.detach().float(), num_clusters, neighbors, seed, iterations)
     data = np.ascontiguousarray(x.detach().float().cpu().numpy())
-    if resolve_backend(backend) == "faiss":
+    if resolved == "faiss":
         import faiss
 
         # faiss warns below 39 points per centroid; ~5 images per class (SOP) is normal here.
@@ -92,6 +115,67 @@ def kmeans_assign(
     return torch.from_numpy(km_sk.fit_predict(data).astype(np.int64))
 
 
+_CHUNK = 4096
+
+
+def _closest(x: Tensor, centroids: Tensor, candidates: Tensor) -> Tensor:
+    """Per row, the candidate centroid (``-1`` = none) nearest in Euclidean distance.
+
+    ``argmin ||x − c||² = argmax 2 x·c − ||c||²``; ties go to the first candidate listed.
+    """
+    sq = centroids.pow(2).sum(1)
+    out = torch.empty(len(x), dtype=torch.long, device=x.device)
+    for i in range(0, len(x), _CHUNK):
+        cand = candidates[i : i + _CHUNK]
+        safe = cand.clamp_min(0)
+        score = 2 * torch.einsum("nd,nkd->nk", x[i : i + _CHUNK], centroids[safe]) - sq[safe]
+        score = score.masked_fill(cand < 0, -torch.inf)
+        out[i : i + _CHUNK] = cand.gather(1, score.argmax(1, keepdim=True)).squeeze(1)
+    return out
+
+
+def knn_kmeans(
+    x: Tensor, num_clusters: int, neighbors: Tensor, seed: int = 1234, iterations: int = 20
+) -> Tensor:
+    """Lloyd's k-means with the assignment restricted by a k-NN graph (Deng & Zhao 2018).
+
+    Initial centroids: ``num_clusters`` distinct points drawn with ``seed``. Initial assignment:
+    the nearest of the seeds among the point itself and its neighbours, or, for points with no
+    seed there, the nearest of all seeds (exact, blocked). Each round then recomputes centroids as
+    member means (an emptied cluster keeps its centroid) and moves each point to the nearest of
+    its own cluster and its neighbours' clusters; it stops early when nothing moves.
+    """
+    n = x.shape[0]
+    neighbors = neighbors.to(x.device).long()
+    gen = torch.Generator().manual_seed(seed)
+    seeds = torch.randperm(n, generator=gen)[:num_clusters].to(x.device)
+    centroids = x[seeds].clone()
+    seed_cluster = torch.full((n,), -1, dtype=torch.long, device=x.device)
+    seed_cluster[seeds] = torch.arange(num_clusters, device=x.device)
+    own = torch.arange(n, device=x.device).unsqueeze(1)
+    graph = torch.cat([own, neighbors], dim=1)
+    cand = torch.where(graph >= 0, seed_cluster[graph.clamp_min(0)], -1)
+    assignment = _closest(x, centroids, cand)
+    orphans = (cand < 0).all(1).nonzero().flatten()
+    sq = centroids.pow(2).sum(1)
+    for i in range(0, len(orphans), 1024):
+        rows = orphans[i : i + 1024]
+        assignment[rows] = (2 * x[rows] @ centroids.T - sq).argmax(1)
+    valid = graph >= 0
+    for _ in range(iterations):
+        counts = torch.bincount(assignment, minlength=num_clusters)
+        sums = torch.zeros_like(centroids).index_add_(0, assignment, x)
+        centroids = torch.where(
+            (counts > 0).unsqueeze(1), sums / counts.clamp_min(1).unsqueeze(1), centroids
+        )
+        cand = torch.where(valid, assignment[graph.clamp_min(0)], -1)
+        moved = _closest(x, centroids, cand)
+        if torch.equal(moved, assignment):
+            break
+        assignment = moved
+    return assignment.cpu()
+
+
 def nmi_score(
     x: Tensor,
     labels: Tensor,
@@ -99,6 +183,7 @@ def nmi_score(
     backend: KMeansBackend = "auto",
     seed: int = 1234,
     iterations: int = 20,
+    neighbors: Tensor | None = None,
 ) -> float:
     """NMI between ``labels`` and k-means clusters of ``x`` (#clusters = #distinct labels)."""
     labels = torch.as_tensor(labels)
@@ -108,5 +193,7 @@ def nmi_score(
             f"got shape {tuple(labels.shape)}"
         )
     num_clusters = int(torch.unique(labels).numel())
-    clusters = kmeans_assign(x, num_clusters, backend=backend, seed=seed, iterations=iterations)
+    clusters = kmeans_assign(
+        x, num_clusters, backend=backend, seed=seed, iterations=iterations, neighbors=neighbors
+    )
     return float(normalized_mutual_info_score(labels.cpu().numpy(), clusters.numpy()))

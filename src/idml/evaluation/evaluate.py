@@ -38,7 +38,7 @@ from torch import Tensor
 from idml.embeddings import Embeddings, check_matrix
 from idml.evaluation.clustering import KMeansBackend, nmi_score, resolve_backend
 from idml.evaluation.io import EmbeddingFile, check_labels, load_embedding_file, load_labels
-from idml.evaluation.knn import exact_search, faiss_search
+from idml.evaluation.knn import exact_search, faiss_search, neighbors_only
 from idml.evaluation.retrieval_metrics import (
     DEFAULT_RECALL_LEVELS,
     PRCurve,
@@ -312,7 +312,8 @@ def evaluate_embeddings(
         num_neighbors: neighbour lists to return per query (metrics never depend on them).
         nmi: compute NMI of k-means (#clusters = #query classes) on the query embeddings.
         nmi_backend, seed, kmeans_iterations: k-means settings (see
-            :mod:`idml.evaluation.clustering`; the defaults reproduce pytorch-metric-learning).
+            :mod:`idml.evaluation.clustering`; with faiss the defaults reproduce
+            pytorch-metric-learning; ``"knn"`` is the fast k-NN-graph k-means for many classes).
         pr_cutoffs: rank cut-offs of the precision–recall curve (default 1, 2, 4, …, all).
         recall_levels: recall levels of interpolated precision (default 0.0, 0.1, …, 1.0).
         knn_backend: ``"exact"`` (default) or ``"faiss"`` (approximate index ``faiss_index`` with
@@ -452,8 +453,22 @@ def evaluate_embeddings(
     if nmi:
         start = time.perf_counter()
         x = torch.nn.functional.normalize(q_semantic.float(), dim=1) if normalize else q_semantic
+        graph = None
+        if resolve_backend(nmi_backend) == "knn":
+            # k-NN-graph k-means: reuse the search's neighbour lists when they are within the
+            # query set, else search the query set once more.
+            if same_set and neighbors.k > 0:
+                graph = neighbors.indices.cpu()
+            else:
+                graph = neighbors_only(x, 10, metric="cosine" if normalize else "euclidean")
+                graph = graph.indices.cpu()
         nmi_value = nmi_score(
-            x, q_labels, backend=nmi_backend, seed=seed, iterations=kmeans_iterations
+            x,
+            q_labels,
+            backend=nmi_backend,
+            seed=seed,
+            iterations=kmeans_iterations,
+            neighbors=graph,
         )
         timings["nmi"] = time.perf_counter() - start
 
