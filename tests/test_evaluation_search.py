@@ -191,8 +191,8 @@ def test_chunked_queries_give_the_same_results(max_rank_entries: int) -> None:
 def test_sparse_and_dense_counting_agree_with_brute_force(
     dense_fraction: int, same_set: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 0: always list candidates sparsely; 10**9: count on whole tiles whenever any group qualifies.
-    monkeypatch.setattr(knn_module, "_DENSE_GROUP_FRACTION", dense_fraction)
+    # 0: always list candidates sparsely; 10**9: count on whole tiles whenever any score qualifies.
+    monkeypatch.setattr(knn_module, "_DENSE_CANDIDATE_FRACTION", dense_fraction)
     x, y = clustered(70, 4, 5, 1.5, seed=11)
     ks, cutoffs = (1, 3), (1, 5, 50)
     if same_set:
@@ -214,12 +214,16 @@ def test_batched_count_path_for_many_candidates(monkeypatch: pytest.MonkeyPatch)
     assert_matches(ref, out, acc, ks)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("block_size", [2, 5, 50])
-def test_ties_and_duplicate_vectors_follow_the_documented_rules(block_size: int) -> None:
+def test_ties_and_duplicate_vectors_follow_the_documented_rules(
+    block_size: int, dtype: type[np.floating]
+) -> None:
     # Integer vectors, Euclidean, no normalisation: every score is an exact integer, so ties are
     # real ties in float32 and float64 alike; many rows are exact duplicates of each other.
+    # float64 input is scored in float32 like everything else; ties must survive the cast.
     rng = np.random.default_rng(0)
-    x = rng.integers(-1, 2, (30, 2)).astype(np.float32)
+    x = rng.integers(-1, 2, (30, 2)).astype(dtype)
     y = rng.integers(0, 3, 30)
     kw = {"metric": "euclidean", "normalize": False}
     ks, cutoffs = (1, 2, 4), default_cutoffs(29)
