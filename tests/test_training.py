@@ -176,6 +176,21 @@ def test_unknown_key_lists_valid_keys() -> None:
         load_config(None, ["optim.epochs=many"])
 
 
+def test_uncertainty_init_std_reaches_the_head_and_is_validated() -> None:
+    from idml import build
+
+    cfg = load_config(None, [*TINY, *IDML, "model.uncertainty.init_std=0.0"])
+    model = build.build_model(cfg)
+    x = torch.rand(3, 3, 8, 8)
+    u = model(x).uncertainty
+    assert u is not None and torch.count_nonzero(u) == 0  # zero weights, zero bias: ISM = plain
+    default = build.build_model(load_config(None, [*TINY, *IDML]))
+    assert torch.count_nonzero(default(x).uncertainty) > 0
+    for bad in ("-0.1", "nan", "small"):
+        with pytest.raises(ConfigError, match=r"model\.uncertainty\.init_std"):
+            load_config(None, [*TINY, *IDML, f"model.uncertainty.init_std={bad}"])
+
+
 def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  backbone: resnet18\n  embeding_dim: 64\n")

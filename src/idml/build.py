@@ -158,6 +158,7 @@ def build_model(cfg: Config) -> EmbeddingModel:
         uncertainty_dim=m.uncertainty.dim,
         uncertainty_activation=m.uncertainty.activation,
         uncertainty_normalize=m.uncertainty.normalize,
+        uncertainty_init_std=m.uncertainty.init_std,
         pooling=m.pooling,
         freeze_bn=m.freeze_bn,
         freeze_bn_affine=m.freeze_bn_affine,

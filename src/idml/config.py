@@ -95,6 +95,13 @@ class UncertaintyHeadConfig(Section):
         False, description="L2-normalise u as the official code does (starves the head)"
     )
     activation: Literal["none", "relu", "softplus"] = "none"
+    init_std: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="initial weights W ~ N(0, init_std²), b = 0 (None: PyTorch's default Linear "
+        "init). A small value starts every ||u|| near 0, i.e. ISM near the plain metric",
+    )
 
 
 class ModelConfig(Section):
