@@ -192,41 +192,6 @@ def _exclude_self(tile: Tensor, row0: int, col0: int) -> None:
         tile[own - row0, own - col0] = -_INF
 
 
-def _fill_relevant_scores(
-    state: _QueryState,
-    scorer: PairScorer,
-    queries: PreparedSide,
-    refs: PreparedSide,
-    layout: _Layout,
-    chunk: slice,
-    block: int,
-) -> None:
-    """Scores of every (query, relevant reference) pair of the chunk, sorted ascending per query.
-
-    Each block of label-sorted queries needs one thin tile: its relevant references are the
-    contiguous range spanned by its classes.
-    """
-    r_max = state.relevant_scores.shape[1]
-    for b0 in range(chunk.start, chunk.stop, block):
-        b1 = min(b0 + block, chunk.stop)
-        n_rel = layout.num_relevant[b0:b1]
-        if not bool((n_rel > 0).any()):
-            continue
-        start, end = layout.relevant_start[b0:b1], layout.relevant_end[b0:b1]
-        lo, hi = int(start.min()), int(end.max())
-        band = scorer.tile(queries, refs, slice(b0, b1), slice(lo, hi))
-        t = torch.arange(r_max, device=band.device).unsqueeze(0)
-        col = start.unsqueeze(1) - lo + t
-        if layout.same_set:
-            # Skip the query's own position inside its class range.
-            own = (torch.arange(b0, b1, device=band.device) - start).unsqueeze(1)
-            col = col + (t >= own).long()
-        valid = t < n_rel.unsqueeze(1)
-        values = band.gather(1, col.clamp(max=hi - lo - 1))
-        values = values.masked_fill(~valid, _INF)
-        state.relevant_scores[b0 - chunk.start : b1 - chunk.start] = values.sort(dim=1).values
-
-
 def _final_ranks(state: _QueryState, num_relevant: Tensor) -> Tensor:
     """1-based positions ``pos_t = t + count(v_t)`` of the relevant items, ascending; pads are 0."""
     n, r_max = state.counts.shape
@@ -334,9 +299,9 @@ def exact_search(
         chunk_r_max = int(layout.num_relevant[chunk].max()) if n else 0
         state = _QueryState(n, k, chunk_r_max, dev)
         # Thin query blocks keep the band (block + class span wide) a small fraction of the work.
-        _fill_relevant_scores(state, scorer, queries, refs, layout, chunk, min(block_size, 256))
-        tiles = list(_tiles(chunk, n_r, block_size, symmetric))
         work = _TileWork(state, scorer, queries, refs, layout, chunk, ref_ids)
+        work.fill_relevant_scores(min(block_size, 256))
+        tiles = list(_tiles(chunk, n_r, block_size, symmetric))
         for _ in work.run(tiles, _search_workers(dev)):
             output.num_tiles += 1
             bar(1)
@@ -396,6 +361,34 @@ class _TileWork:
         self.queries, self.refs, self.ref_ids = queries, refs, ref_ids
         self._locks: dict[int, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+
+    def fill_relevant_scores(self, block: int) -> None:
+        """Scores of every (query, relevant reference) pair of the chunk, sorted ascending per query
+        (run once, before the tiles: the counts compare against them).
+
+        Each block of label-sorted queries needs one thin tile: its relevant references are the
+        contiguous range spanned by its classes.
+        """
+        r_max = self.state.relevant_scores.shape[1]
+        for b0 in range(self.chunk.start, self.chunk.stop, block):
+            b1 = min(b0 + block, self.chunk.stop)
+            n_rel = self.layout.num_relevant[b0:b1]
+            if not bool((n_rel > 0).any()):
+                continue
+            start, end = self.layout.relevant_start[b0:b1], self.layout.relevant_end[b0:b1]
+            lo, hi = int(start.min()), int(end.max())
+            band = self.scorer.tile(self.queries, self.refs, slice(b0, b1), slice(lo, hi))
+            t = torch.arange(r_max, device=band.device).unsqueeze(0)
+            col = start.unsqueeze(1) - lo + t
+            if self.layout.same_set:
+                # Skip the query's own position inside its class range.
+                own = (torch.arange(b0, b1, device=band.device) - start).unsqueeze(1)
+                col = col + (t >= own).long()
+            valid = t < n_rel.unsqueeze(1)
+            values = band.gather(1, col.clamp(max=hi - lo - 1))
+            values = values.masked_fill(~valid, _INF)
+            rows = slice(b0 - self.chunk.start, b1 - self.chunk.start)
+            self.state.relevant_scores[rows] = values.sort(dim=1).values
 
     def run(self, tiles: list[tuple[slice, slice, bool]], workers: int) -> Iterator[None]:
         """Process ``tiles``, yielding once per finished tile (for progress)."""
