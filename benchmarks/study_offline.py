@@ -78,6 +78,16 @@ GRIDS: dict[str, list[tuple[str, list[str]]]] = {
         ("ism_dis", [LOSSES, "metric=ism_dis", "mixup=on"]),
         ("ssr", [LOSSES, "method=ssr,idml_ssr"]),
         ("pel", ["loss=pel"]),
+        # ProxyAnchor + ISM collapses from the default head init: start with a small ||u||.
+        (
+            "ism_init",
+            [
+                "loss=proxy_anchor",
+                "metric=ism",
+                "mixup=on",
+                "model.uncertainty.init_std=0.01,0.001",
+            ],
+        ),
     ],
 }
 
