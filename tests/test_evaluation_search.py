@@ -358,3 +358,26 @@ def test_progress_callback_counts_every_tile() -> None:
     assert (
         sum(seen) == out.num_tiles == 10
     )  # 4 blocks: 4 + 3 + 2 + 1 tiles on and above the diagonal
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(7, 5), (64, 300), (300, 64)])
+def test_numpy_and_torch_candidate_paths_agree(shape: tuple[int, int], transposed: bool) -> None:
+    # The torch path is what CUDA runs; on CPU both must list the same (query, ref, score) triples
+    # in the same order, with ties at the threshold included and -inf never listed.
+    gen = torch.Generator().manual_seed(sum(shape))
+    tile = torch.randn(shape, generator=gen).round(decimals=1)
+    tile[0, 0] = -math.inf
+    n_queries = shape[1] if transposed else shape[0]
+    reach = torch.randn(n_queries, generator=gen).round(decimals=1)
+    reach[0] = -100.0  # a query reaching every finite score
+    expected = knn_module._candidates_torch(tile, reach, transposed)
+    got = knn_module._candidates_numpy(tile, reach, transposed)
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+    q, r, v = got
+    assert bool((v >= reach[q]).all()) and bool(torch.isfinite(v).all())
+    dense = tile.T if transposed else tile
+    assert int((q == 0).sum()) == dense.shape[1] - 1  # all but the -inf score
+    assert len(q) == int((dense >= reach.unsqueeze(1)).sum())
+    assert torch.equal(dense[q, r], v)

@@ -527,24 +527,38 @@ def _candidates(tile: Tensor, reach: Tensor, transposed: bool) -> tuple[Tensor, 
 
     Queries are the rows of ``tile`` (its columns when ``transposed``); ``reach`` has one entry per
     query. One comparison pass in the tile's memory order, then the positions of the hits. On CPU
-    this runs in NumPy, whose vectorised compare and ``flatnonzero`` take a third of the time of
-    torch's, and whose radix sort orders column hits by query in linear time.
+    this runs in NumPy (:func:`_candidates_numpy`), elsewhere in torch (:func:`_candidates_torch`);
+    both return the same lists.
     """
-    if tile.device.type != "cpu":
-        hit = tile >= (reach.unsqueeze(0) if transposed else reach.unsqueeze(1))
-        major_t, minor_t = hit.nonzero(as_tuple=True)
-        values_t = tile[major_t, minor_t]
-        if not transposed:
-            return major_t, minor_t, values_t
-        order_t = minor_t.argsort(stable=True)
-        return minor_t[order_t], major_t[order_t], values_t[order_t]
+    if tile.device.type == "cpu":
+        return _candidates_numpy(tile, reach, transposed)
+    return _candidates_torch(tile, reach, transposed)
+
+
+def _candidates_torch(
+    tile: Tensor, reach: Tensor, transposed: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_candidates` with torch ops (any device)."""
+    hit = tile >= (reach.unsqueeze(0) if transposed else reach.unsqueeze(1))
+    major, minor = hit.nonzero(as_tuple=True)
+    values = tile[major, minor]
+    if not transposed:
+        return major, minor, values
+    order = minor.argsort(stable=True)
+    return minor[order], major[order], values[order]
+
+
+def _candidates_numpy(
+    tile: Tensor, reach: Tensor, transposed: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_candidates` on CPU with NumPy, whose vectorised compare and ``flatnonzero`` take a
+    third of the time of torch's, and whose stable sort of small integer keys is a radix sort."""
     scores = tile.detach().numpy()
     bar = reach.numpy()
     flat = np.flatnonzero(scores >= (bar[None, :] if transposed else bar[:, None]))
     values = scores.reshape(-1)[flat]
     major, minor = np.divmod(flat, scores.shape[1])
     if transposed:
-        # Small integer keys make NumPy's stable sort a radix sort.
         narrow = np.int16 if scores.shape[1] <= np.iinfo(np.int16).max else np.int32
         order = np.argsort(minor.astype(narrow), kind="stable")
         major, minor, values = minor[order], major[order], values[order]
