@@ -28,27 +28,7 @@ from idml.ablation import (
 from idml.cli import main
 from idml.config import dump_config, load_config
 from idml.training import Trainer
-
-TINY = [
-    "data.dataset=digits",
-    "data.image_size=8",
-    "data.resize_size=null",
-    "data.train_crop_scale=[0.8, 1.0]",
-    "data.horizontal_flip=false",
-    "data.num_workers=0",
-    "data.samples_per_class=40",
-    "model.backbone=small_cnn",
-    "model.pretrained=false",
-    "model.embedding_dim=16",
-    "sampler.classes_per_batch=5",
-    "sampler.images_per_class=4",
-    "optim.epochs=1",
-    "optim.max_steps_per_epoch=2",
-    "optim.lr=0.001",
-    "optim.amp=false",
-    "eval.nmi=false",
-    "tensorboard=false",
-]
+from tiny_run import TINY
 
 
 # --------------------------------------------------------------------------- grid parsing

@@ -29,28 +29,8 @@ from idml.config import dump_config, load_config
 from idml.export import load_trained_model
 from idml.reports import AnalysisOptions, analyse_run, read_run, write_report
 from idml.training import Trainer
+from tiny_run import IDML, TINY
 
-TINY = [
-    "data.dataset=digits",
-    "data.image_size=8",
-    "data.resize_size=null",
-    "data.train_crop_scale=[0.8, 1.0]",
-    "data.horizontal_flip=false",
-    "data.num_workers=0",
-    "data.samples_per_class=40",
-    "model.backbone=small_cnn",
-    "model.pretrained=false",
-    "model.embedding_dim=16",
-    "sampler.classes_per_batch=5",
-    "sampler.images_per_class=4",
-    "optim.epochs=1",
-    "optim.max_steps_per_epoch=2",
-    "optim.lr=0.001",
-    "optim.amp=false",
-    "eval.nmi=false",
-    "tensorboard=false",
-]
-IDML = ["model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true"]
 SSR = ["ssr.enabled=true", "ssr.task.p_task=1.0", "ssr.task.num_images=4"]
 HOSTILE_NAME = "plain<script>alert(1)</script>&"
 
