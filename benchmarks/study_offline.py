@@ -88,6 +88,23 @@ GRIDS: dict[str, list[tuple[str, list[str]]]] = {
                 "model.uncertainty.init_std=0.01,0.001",
             ],
         ),
+        # ... and let it grow slowly: the uncertainty head at 1 and 0.1 × lr, vs 10 × for the
+        # semantic head (optim.head_lr_mult).
+        (
+            "ism_slow_u",
+            [
+                "loss=proxy_anchor",
+                "metric=ism",
+                "mixup=on",
+                "model.uncertainty.init_std=0.001",
+                "optim.uncertainty_lr_mult=1,0.1",
+            ],
+        ),
+        # The slow head alone, from PyTorch's default Linear init.
+        (
+            "ism_slow_u_default_init",
+            ["loss=proxy_anchor", "metric=ism", "mixup=on", "optim.uncertainty_lr_mult=1"],
+        ),
     ],
 }
 

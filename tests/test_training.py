@@ -171,6 +171,27 @@ def test_uncertainty_init_std_reaches_the_head_and_is_validated() -> None:
             load_config(None, [*TINY, *IDML, f"model.uncertainty.init_std={bad}"])
 
 
+def test_uncertainty_lr_mult_gives_the_uncertainty_head_its_own_group(tmp_path: Path) -> None:
+    common = [*TINY, *IDML, "optim.lr=0.01", "optim.head_lr_mult=10"]
+    cfg = load_config(None, [*common, "optim.uncertainty_lr_mult=0.5"])
+    trainer = Trainer(cfg, tmp_path / "own", progress=False)
+    groups = {g["name"]: g for g in trainer.optimizer.param_groups}
+    unc = {id(p) for p in trainer.model.uncertainty_head_parameters()}
+    assert unc and {id(p) for p in groups["uncertainty"]["params"]} == unc
+    assert not unc & {id(p) for p in groups["heads"]["params"]}
+    assert groups["uncertainty"]["lr"] == pytest.approx(0.005)
+    assert groups["heads"]["lr"] == pytest.approx(0.1)
+    # Unset: one heads group as before (so earlier checkpoints' optimizer state still loads).
+    default = Trainer(load_config(None, common), tmp_path / "default", progress=False)
+    names = [g["name"] for g in default.optimizer.param_groups]
+    assert "uncertainty" not in names
+    heads = next(g for g in default.optimizer.param_groups if g["name"] == "heads")
+    default_unc = {id(p) for p in default.model.uncertainty_head_parameters()}
+    assert default_unc and default_unc <= {id(p) for p in heads["params"]}
+    with pytest.raises(ConfigError, match=r"optim\.uncertainty_lr_mult"):
+        load_config(None, [*common, "optim.uncertainty_lr_mult=-1"])
+
+
 def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  backbone: resnet18\n  embeding_dim: 64\n")

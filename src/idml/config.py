@@ -262,6 +262,13 @@ class OptimConfig(Section):
     weight_decay: float = Field(1e-4, ge=0)
     backbone_lr_mult: float = Field(1.0, ge=0)
     head_lr_mult: float = Field(1.0, ge=0)
+    uncertainty_lr_mult: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="learning-rate multiplier of the uncertainty head (None: head_lr_mult, one "
+        "group with the semantic head); a smaller value slows the growth of ||u||",
+    )
     proxy_lr_mult: float = Field(100.0, ge=0)
     scheduler: Literal["none", "step", "cosine"] = "step"
     step_size: int = Field(10, gt=0)

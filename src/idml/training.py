@@ -164,6 +164,11 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
     def _optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
         o = self.cfg.optim
+        # The uncertainty head gets its own group only when asked to: the default layout (and so
+        # the optimizer state of existing checkpoints) stays two model groups.
+        uncertainty_mult = o.uncertainty_lr_mult
+        own_uncertainty_group = uncertainty_mult is not None
+        uncertainty = {id(p) for p in self.model.uncertainty_head_parameters()}
         groups = [
             {
                 "params": list(self.model.backbone_parameters()),
@@ -171,11 +176,23 @@ class Trainer:
                 "name": "backbone",
             },
             {
-                "params": list(self.model.head_parameters()),
+                "params": [
+                    p
+                    for p in self.model.head_parameters()
+                    if not (own_uncertainty_group and id(p) in uncertainty)
+                ],
                 "lr": o.lr * o.head_lr_mult,
                 "name": "heads",
             },
         ]
+        if uncertainty_mult is not None:
+            groups.append(
+                {
+                    "params": list(self.model.uncertainty_head_parameters()),
+                    "lr": o.lr * uncertainty_mult,
+                    "name": "uncertainty",
+                }
+            )
         proxies = [
             p
             for n, p in self.loss.named_parameters()

@@ -369,6 +369,10 @@ class EmbeddingModel(nn.Module):
     def head_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of the semantic and uncertainty heads (trained at the head learning rate)."""
         yield from self.semantic_head.parameters()
+        yield from self.uncertainty_head_parameters()
+
+    def uncertainty_head_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of the uncertainty head (none without one)."""
         if self.uncertainty_head is not None:
             yield from self.uncertainty_head.parameters()
 
