@@ -192,6 +192,25 @@ def test_uncertainty_lr_mult_gives_the_uncertainty_head_its_own_group(tmp_path: 
         load_config(None, [*common, "optim.uncertainty_lr_mult=-1"])
 
 
+def test_eval_options_come_from_the_config() -> None:
+    from idml import build
+
+    cfg = load_config(None, [*TINY, "eval.nmi=true", "eval.nmi_backend=knn", "eval.ks=[1, 3]"])
+    options = build.evaluation_options(cfg)
+    assert options == {
+        "ks": (1, 3),
+        "introspective_metric": None,
+        "nmi": True,
+        "nmi_backend": "knn",
+    }
+    # ISM at test time only for a run trained with it, whatever is asked.
+    ism_cfg = load_config(None, [*TINY, *IDML, "eval.introspective=true"])
+    assert build.evaluation_options(ism_cfg)["introspective_metric"] is not None
+    assert build.evaluation_options(cfg, introspective=True)["introspective_metric"] is None
+    with pytest.raises(ConfigError, match=r"eval\.nmi_backend"):
+        load_config(None, [*TINY, "eval.nmi_backend=kmeans"])
+
+
 def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  backbone: resnet18\n  embeding_dim: 64\n")
@@ -249,6 +268,17 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
     scored = json.loads(_last_json(capsys))
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert scored["metrics"]["recall@1"] == pytest.approx(logged["test/recall@1"])
+    assert "nmi" not in scored["metrics"]  # the run's eval.nmi=false
+    # Evaluation flags that apply to a run override its config; naming a backend asks for NMI.
+    run_dir = str(tmp_path / "run")
+    assert main(["evaluate", "--checkpoint", run_dir, "--json", "--nmi-backend", "knn"]) == 0
+    with_nmi = json.loads(_last_json(capsys))["metrics"]
+    assert 0.0 <= with_nmi["nmi"] <= 1.0
+    assert with_nmi["recall@1"] == pytest.approx(logged["test/recall@1"])
+    # File-only options are refused rather than silently ignored.
+    assert main(["evaluate", "--checkpoint", run_dir, "--metric", "euclidean", "--tau", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--metric, --tau" in err and "--embeddings" in err
 
 
 def _last_json(capsys: pytest.CaptureFixture[str]) -> str:

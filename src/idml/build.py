@@ -6,7 +6,7 @@ config types and the trainer and CLI stay free of construction details.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -298,15 +298,27 @@ def evaluate(
     """Test-set retrieval metrics of SPEC §9 (ISM at test time only when ``eval.introspective``)."""
     from idml.evaluation import evaluate_embeddings
 
-    ism = build_metric(cfg) if cfg.eval.introspective and cfg.metric.introspective else None
     report = evaluate_embeddings(
         embeddings.semantic,
         labels,
-        ks=tuple(cfg.eval.ks),
         uncertainty=embeddings.uncertainty,
-        introspective_metric=ism,
         device=device,
-        nmi=cfg.eval.nmi,
         progress=progress,
+        **evaluation_options(cfg),
     )
     return dict(report.metrics)
+
+
+def evaluation_options(
+    cfg: Config, ks: Sequence[int] | None = None, introspective: bool | None = None
+) -> dict[str, Any]:
+    """The :func:`~idml.evaluation.evaluate_embeddings` options a config sets: ``eval.ks`` (or
+    ``ks``), ISM at test time (``eval.introspective``, or ``introspective``, and only for a run
+    trained with ISM), ``eval.nmi`` and ``eval.nmi_backend``."""
+    use_ism = cfg.eval.introspective if introspective is None else introspective
+    return {
+        "ks": tuple(ks or cfg.eval.ks),
+        "introspective_metric": build_metric(cfg) if use_ism and cfg.metric.introspective else None,
+        "nmi": cfg.eval.nmi,
+        "nmi_backend": cfg.eval.nmi_backend,
+    }

@@ -90,8 +90,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     opt.add_argument(
         "--nmi-backend",
         choices=("auto", "faiss", "sklearn", "knn"),
-        default="auto",
-        help="k-means for NMI: auto (faiss if installed, else sklearn) or knn (fast, many classes)",
+        default=None,
+        help="k-means for NMI: auto (faiss if installed, else sklearn; the default, or the run's "
+        "eval.nmi_backend) or knn (fast, many classes)",
     )
     opt.add_argument("--seed", type=int, default=1234, help="k-means seed")
     opt.add_argument("--knn-backend", choices=("exact", "faiss"), default="exact")
@@ -120,6 +121,32 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
         if args.embeddings is not None:
             raise ValueError("give either --checkpoint RUN or --embeddings FILE, not both")
+        # A run is scored with its own config's metric and ISM; file-only options would be
+        # silently ignored, so they are refused.
+        file_only = [
+            flag
+            for flag, given in (
+                ("--labels", args.labels is not None),
+                ("--query-embeddings", args.query_embeddings is not None),
+                ("--query-labels", args.query_labels is not None),
+                ("--embeddings-key", args.embeddings_key is not None),
+                ("--uncertainty-key", args.uncertainty_key is not None),
+                ("--labels-key", args.labels_key is not None),
+                ("--metric", args.metric != "cosine"),
+                ("--no-normalize", args.no_normalize),
+                ("--gamma", args.gamma != 0.0),
+                ("--tau", args.tau != 5.0),
+                ("--knn-backend", args.knn_backend != "exact"),
+                ("--faiss-index", args.faiss_index != "HNSW32"),
+            )
+            if given
+        ]
+        if file_only:
+            raise ValueError(
+                f"{', '.join(file_only)} only apply to --embeddings files; with --checkpoint the "
+                "run's own config decides (metric.*, eval.*). Drop them, or export embeddings "
+                "with `idml embed` and evaluate the file"
+            )
         report = evaluate_checkpoint(
             args.checkpoint,
             args.which,
@@ -127,6 +154,11 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             introspective=True if args.introspective else None,
             device=args.device,
             progress=args.progress,
+            # Naming a k-means backend asks for NMI, even where the run's eval.nmi is off.
+            nmi=False if args.no_nmi else (True if args.nmi_backend else None),
+            nmi_backend=args.nmi_backend,
+            block_size=args.block_size,
+            seed=args.seed,
         )
         print(report.to_json() if args.json else report.format_table(per_class=args.per_class))
         return 0
@@ -152,7 +184,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         normalize=not args.no_normalize,
         introspective_metric=ism,
         nmi=not args.no_nmi,
-        nmi_backend=args.nmi_backend,
+        nmi_backend=args.nmi_backend or "auto",
         seed=args.seed,
         knn_backend=args.knn_backend,
         faiss_index=args.faiss_index,

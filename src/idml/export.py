@@ -20,6 +20,7 @@ from idml.checkpoint import CheckpointError, load_model_weights, read_state, res
 from idml.config import Config, validate_config
 from idml.data import IMAGE_EXTENSIONS, FileImageDataset, ImageRecords, build_transforms
 from idml.evaluation import EvaluationReport
+from idml.evaluation.clustering import KMeansBackend
 from idml.models import EmbeddingModel
 
 
@@ -118,10 +119,17 @@ def evaluate_checkpoint(
     introspective: bool | None = None,
     device: torch.device | str | None = None,
     progress: bool = False,
+    *,
+    nmi: bool | None = None,
+    nmi_backend: KMeansBackend | None = None,
+    block_size: int | None = None,
+    seed: int = 1234,
 ) -> EvaluationReport:
     """Evaluate a trained run on its own test split, with its config's evaluation settings.
 
-    ``ks`` and ``introspective`` override ``eval.ks`` and ``eval.introspective`` when given.
+    ``ks``, ``introspective``, ``nmi`` and ``nmi_backend`` override ``eval.ks``,
+    ``eval.introspective``, ``eval.nmi`` and ``eval.nmi_backend`` when given; ``block_size`` and
+    ``seed`` (k-means) are passed to :func:`~idml.evaluation.evaluate_embeddings`.
     """
     from idml.evaluation import evaluate_embeddings
 
@@ -135,13 +143,18 @@ def evaluate_checkpoint(
         raise ValueError(
             f"{path}: --introspective needs a run trained with ISM (metric.introspective=true)"
         )
+    options = build.evaluation_options(cfg, ks, use_ism)
+    if nmi is not None:
+        options["nmi"] = nmi
+    if nmi_backend is not None:
+        options["nmi_backend"] = nmi_backend
     return evaluate_embeddings(
         emb.semantic,
         labels,
-        ks=ks or tuple(cfg.eval.ks),
         uncertainty=emb.uncertainty,
-        introspective_metric=build.build_metric(cfg) if use_ism else None,
         device=device,
-        nmi=cfg.eval.nmi,
         progress=progress,
+        block_size=block_size,
+        seed=seed,
+        **options,
     )

@@ -300,16 +300,13 @@ def _evaluate(
     from idml import build
     from idml.evaluation import evaluate_embeddings
 
-    ism = build.build_metric(cfg) if cfg.eval.introspective and cfg.metric.introspective else None
     report = evaluate_embeddings(
         embeddings.semantic,
         labels,
-        ks=tuple(cfg.eval.ks),
         uncertainty=embeddings.uncertainty,
-        introspective_metric=ism,  # type: ignore[arg-type]
         device=device,
-        nmi=cfg.eval.nmi,
         num_neighbors=num_neighbors,
+        **build.evaluation_options(cfg),
     )
     curve = report.retrieval.pr_curve
     pr = (np.asarray(curve.recall_levels, float), np.asarray(curve.interpolated_precision, float))
