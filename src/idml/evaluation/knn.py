@@ -18,10 +18,12 @@ label-sorted order, a query's relevant references form one contiguous range, so 
 ``v_t`` are computed first from one thin "band" tile per block of 256 queries. The main pass then
 only has to count, per query and per ``v_t``, the non-relevant scores at or above it, and to merge
 the scores at or above the query's current k-th best into its top-k. Both kinds of candidates are
-rare: each tile is scanned through the maxima of groups of 32 scores, only qualifying groups are
-read, and the candidates are handled as one sparse list per tile (a batched ``searchsorted`` of
-each score among its query's sorted ``v`` — relevant sets are small — and a sorted merge).
-Every relevant pair's score comes from exactly one computation, so ranks are consistent.
+rare: one thresholding pass per tile side lists them (NumPy on CPU), and they are handled as one
+sparse list (a batched ``searchsorted`` of each score among its query's sorted ``v`` — relevant sets
+are small — and a top-k merge on packed (score, index) keys). Every relevant pair's score comes
+from exactly one computation, so ranks are consistent. On CPU, each intra-op thread takes whole
+tiles (product and candidates, single-threaded) with a lock per query block; results do not depend
+on the order in which tiles finish.
 
 When the query set *is* the reference set, scores are symmetric, so only tiles on and above the
 diagonal are computed and each serves its rows and its columns: half the matrix products.
@@ -339,7 +341,7 @@ class _TileWork:
     """Computes tiles and folds them into the query state, sequentially or on a thread pool.
 
     On CPU each worker thread takes whole tiles, single-threaded: its own matrix product, then the
-    candidate work. On a 2-core machine that is ~1.6× the throughput of one multi-threaded product
+    candidate work. On a 2-core machine that is ~1.4× the throughput of one multi-threaded product
     followed by the (short, poorly parallel) candidate work, because the product scales by only
     ~1.5× over two threads and the candidate work not at all. A tile updates the queries of its
     row block (and of its column block when it serves both); a lock per block keeps two tiles
