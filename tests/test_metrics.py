@@ -527,6 +527,32 @@ def test_joint_uncertainty_matches_broadcast_norms_and_gradcheck() -> None:
     assert torch.autograd.gradcheck(lambda a, b: pairwise_uncertainty(a, b, 6, 5, a), (u, v))
 
 
+def test_one_sided_uncertainty_norm_matches_torch_and_gradcheck() -> None:
+    from idml.metrics import pairwise_uncertainty
+
+    u = rand(6, 4, seed=39)
+    u[2] = 0.0  # a zero row: β = 0 with a zero gradient, as torch's norm
+    u.requires_grad_(True)
+    w = rand(6, 5, seed=40)
+    for side in ("rows", "columns"):
+        if side == "rows":
+            ours = pairwise_uncertainty(u, None, 6, 5, u)
+            expected = u.norm(dim=1, keepdim=True).expand(6, 5)
+            weight = w
+        else:
+            ours = pairwise_uncertainty(None, u, 5, 6, u)
+            expected = u.norm(dim=1).unsqueeze(0).expand(5, 6)
+            weight = w.T
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+        (got,) = torch.autograd.grad((ours * weight).sum(), u)
+        (want,) = torch.autograd.grad((expected * weight).sum(), u)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        assert torch.equal(got[2], torch.zeros(4, dtype=F64))
+    nonzero = rand(6, 4, seed=41).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a: pairwise_uncertainty(a, None, 6, 3, a), (nonzero,))
+    assert torch.autograd.gradcheck(lambda a: pairwise_uncertainty(None, a, 3, 6, a), (nonzero,))
+
+
 def test_joint_uncertainty_is_zero_with_zero_gradient_for_opposite_vectors() -> None:
     from idml.metrics import pairwise_uncertainty
 

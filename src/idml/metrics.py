@@ -145,6 +145,28 @@ class _JointUncertainty(torch.autograd.Function):
         return grad_x, grad_y
 
 
+class _RowNorm(torch.autograd.Function):
+    """``||u_i||`` as an ``(n, 1)`` column, with the backward ``∂L/∂u_i = g_i·u_i/||u_i||`` (0 where
+    ``||u_i|| = 0``, as torch's norm) computed on the column before one broadcast multiply.
+
+    torch's own norm backward masks zero norms with a broadcast ``masked_fill`` over the whole
+    ``n×d_u`` gradient, several times the cost of the rest on the CPU; this is the one-sided
+    ``β_ij = ||u_i||`` of every proxy loss.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, u: Tensor) -> Tensor:
+        norm = torch.linalg.vector_norm(u, dim=1, keepdim=True)
+        ctx.save_for_backward(u, norm)
+        return norm
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        u, norm = ctx.saved_tensors
+        return u * (grad / _zero_to_inf(norm))
+
+
 def pairwise_uncertainty(
     ux: Tensor | None, uy: Tensor | None, n: int, m: int, like: Tensor
 ) -> Tensor:
@@ -163,9 +185,9 @@ def pairwise_uncertainty(
     if ux is None and uy is None:
         return like.new_zeros(n, m)
     if uy is None:
-        return ux.norm(dim=1, keepdim=True).expand(n, m)  # type: ignore[union-attr]
+        return _RowNorm.apply(ux).expand(n, m)
     if ux is None:
-        return uy.norm(dim=1).unsqueeze(0).expand(n, m)
+        return _RowNorm.apply(uy).T.expand(n, m)
     return _JointUncertainty.apply(ux, None if uy is ux else uy)
 
 
