@@ -420,27 +420,39 @@ class _TileWork:
         tile = self.scorer.tile(self.queries, self.refs, rows, cols)
         if self.layout.same_set:
             _exclude_self(tile, rows.start, cols.start)
-        sides = [(tile, rows, cols.start, self.ref_ids[cols], False)]
+        sides = [_TileSide.of(tile, False, rows, self.chunk, cols.start, self.ref_ids[cols])]
         if both:
-            sides.append((tile, cols, rows.start, self.ref_ids[rows], True))
-        for scores, query_block, ref0, ids, transposed in sides:
-            n = query_block.stop - query_block.start
-            query_rows = torch.arange(n, device=tile.device) + (
-                query_block.start - self.chunk.start
-            )
+            sides.append(_TileSide.of(tile, True, cols, self.chunk, rows.start, self.ref_ids[rows]))
+        for side in sides:
             # Row blocks of the chunk and column blocks of the reference set start at the same
             # positions in a symmetric search, so one lock per start covers both roles.
-            with self._lock(query_block.start):
-                _process_direction(
-                    self.state,
-                    scores,
-                    query_rows,
-                    ref0,
-                    ids,
-                    self.layout,
-                    query_block.start,
-                    transposed,
-                )
+            with self._lock(side.query0):
+                _process_side(self.state, self.layout, side)
+
+
+@dataclass(frozen=True)
+class _TileSide:
+    """The queries along one axis of a tile (its rows, or its columns when ``transposed``) against
+    the references along the other."""
+
+    tile: Tensor
+    transposed: bool
+    query0: int  # label-sorted position of the first query
+    query_rows: Tensor  # the queries' rows in the chunk's state
+    ref0: int  # label-sorted position of the first reference
+    ref_ids: Tensor  # original indices of the references
+
+    @staticmethod
+    def of(
+        tile: Tensor, transposed: bool, queries: slice, chunk: slice, ref0: int, ref_ids: Tensor
+    ) -> _TileSide:
+        rows = torch.arange(queries.start, queries.stop, device=tile.device) - chunk.start
+        return _TileSide(tile, transposed, queries.start, rows, ref0, ref_ids)
+
+    @property
+    def scores(self) -> Tensor:
+        """``(queries, references)`` view of the tile."""
+        return self.tile.T if self.transposed else self.tile
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -460,17 +472,8 @@ def _single_threaded(fn: Callable[..., None], *args: object) -> None:
     fn(*args)
 
 
-def _process_direction(
-    state: _QueryState,
-    tile: Tensor,
-    query_rows: Tensor,
-    ref0: int,
-    ref_ids: Tensor,
-    layout: _Layout,
-    query0: int,
-    transposed: bool,
-) -> None:
-    """Update the queries along one side of a tile: its rows, or its columns when ``transposed``.
+def _process_side(state: _QueryState, layout: _Layout, side: _TileSide) -> None:
+    """Update the queries along one side of a tile.
 
     A query's running top-k changes only through scores ``≥`` its current k-th score, and its
     relevant ranks only through non-relevant scores ``≥`` its least relevant score. Both kinds of
@@ -479,45 +482,39 @@ def _process_direction(
     classes), where counting over the whole tile is cheaper.
     """
     k = state.top_scores.shape[1]
-    n_q = len(query_rows)
-    theta = torch.full((n_q,), _INF, device=tile.device)
+    rows = side.query_rows
+    theta = torch.full((len(rows),), _INF, device=side.tile.device)
     if k > 0:
-        theta = state.kth_score[query_rows]
+        theta = state.kth_score[rows]
         fresh = theta == -_INF
         if bool(fresh.any()):
             # Lists not yet full: take the tile's top-k densely (first tiles of each query only).
-            real = tile.T if transposed else tile
-            if bool(fresh.all()):
-                sel, block = torch.arange(n_q, device=tile.device), real
-            else:
-                sel = fresh.nonzero().flatten()
-                block = real[sel]
-            _merge_topk(state, query_rows[sel], block.contiguous(), ref_ids)
+            block = side.scores if bool(fresh.all()) else side.scores[fresh]
+            _merge_topk(state, rows[fresh], block.contiguous(), side.ref_ids)
             theta = theta.masked_fill(fresh, _INF)
-    least = state.least_relevant[query_rows]
-    q_local, ref_local, values = _candidates(tile, torch.minimum(theta, least), transposed)
-    dense = len(values) * _DENSE_CANDIDATE_FRACTION > tile.numel()
+    least = state.least_relevant[rows]
+    q_local, ref_local, values = _candidates(
+        side.tile, torch.minimum(theta, least), side.transposed
+    )
+    # Large classes: count on the whole tile instead of handling most of its scores one by one;
+    # only the top-k candidates are then used from the sparse list.
+    dense = len(values) * _DENSE_CANDIDATE_FRACTION > side.tile.numel()
     if dense:
-        # Large classes: count on the whole tile instead of handling most of its scores one by
-        # one; only the top-k candidates stay on the sparse list.
-        _count_dense(state, tile, query_rows, ref0, ref_ids, layout, query0, transposed)
-        keep = values >= theta[q_local]
-        q_local, ref_local, values = q_local[keep], ref_local[keep], values[keep]
-    if q_local.numel() == 0:
-        return
+        _count_dense(state, layout, side)
     if k > 0:
         keep = values >= theta[q_local]
         if bool(keep.any()):
-            _merge_sparse(state, query_rows, q_local[keep], ref_ids[ref_local[keep]], values[keep])
-    if dense:
+            ids = side.ref_ids[ref_local[keep]]
+            _merge_sparse(state, rows, q_local[keep], ids, values[keep])
+    if dense or q_local.numel() == 0:
         return
     # Relevant references are ranked by their own (band) scores: count only the others.
-    ref_pos = ref0 + ref_local
-    q_pos = query0 + q_local
+    ref_pos = side.ref0 + ref_local
+    q_pos = side.query0 + q_local
     relevant = (ref_pos >= layout.relevant_start[q_pos]) & (ref_pos < layout.relevant_end[q_pos])
     keep = (values >= least[q_local]) & ~relevant
     if bool(keep.any()):
-        _count_sparse(state, query_rows, q_local[keep], values[keep])
+        _count_sparse(state, rows, q_local[keep], values[keep])
 
 
 _DENSE_CANDIDATE_FRACTION = 16
@@ -567,45 +564,36 @@ def _candidates_numpy(
     return torch.from_numpy(major), torch.from_numpy(minor), torch.from_numpy(values)
 
 
-def _count_dense(
-    state: _QueryState,
-    tile: Tensor,
-    query_rows: Tensor,
-    ref0: int,
-    ref_ids: Tensor,
-    layout: _Layout,
-    query0: int,
-    transposed: bool,
-) -> None:
+def _count_dense(state: _QueryState, layout: _Layout, side: _TileSide) -> None:
     """Relevant-rank counting over every score of the tile (the large-class regime).
 
     Same rule as :func:`_count_sparse`: each non-relevant score lands in the bucket "how many of
     its query's relevant scores it reaches"; relevant references (a contiguous range per query in
     label-sorted order) are masked out first.
     """
-    n_q, n_ref = len(query_rows), len(ref_ids)
-    scores = (tile.T if transposed else tile)[:n_q, :n_ref]
-    q_pos = torch.arange(query0, query0 + n_q, device=tile.device)
-    start = layout.relevant_start[q_pos] - ref0
-    end = layout.relevant_end[q_pos] - ref0
+    scores = side.scores
+    n_q, n_ref = scores.shape
+    q_pos = torch.arange(side.query0, side.query0 + n_q, device=scores.device)
+    start = layout.relevant_start[q_pos] - side.ref0
+    end = layout.relevant_end[q_pos] - side.ref0
     lo, hi = max(int(start.min()), 0), min(int(end.max()), n_ref)
     if lo < hi:
         # A private contiguous copy: the tile is still needed unmasked by the top-k step.
         scores = scores.clone(memory_format=torch.contiguous_format)
-        cols = torch.arange(lo, hi, device=tile.device)
+        cols = torch.arange(lo, hi, device=scores.device)
         mask = (cols >= start.unsqueeze(1)) & (cols < end.unsqueeze(1))
         scores[:, lo:hi].masked_fill_(mask, -_INF)
     else:
         scores = scores.contiguous()
-    thresholds = state.relevant_scores[query_rows]
+    thresholds = state.relevant_scores[side.query_rows]
     width = int((thresholds < _INF).sum(1).max())
     if width == 0:
         return
     thresholds = thresholds[:, :width].contiguous()
     bucket = torch.searchsorted(thresholds, scores, right=True)
-    hist = torch.zeros((n_q, width + 1), dtype=torch.long, device=tile.device)
+    hist = torch.zeros((n_q, width + 1), dtype=torch.long, device=scores.device)
     hist.scatter_add_(1, bucket, torch.ones_like(bucket))
-    state.counts[query_rows, :width] += hist[:, 1:].flip(1).cumsum(1).flip(1)
+    state.counts[side.query_rows, :width] += hist[:, 1:].flip(1).cumsum(1).flip(1)
 
 
 def _pad_by_row(
