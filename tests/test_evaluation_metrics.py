@@ -23,16 +23,9 @@ from idml.evaluation.retrieval_metrics import (
     interpolated_precision,
     ranks_from_neighbors,
 )
+from synthetic import clustered
 
 needs_faiss = pytest.mark.skipif(not faiss_available(), reason="faiss is not installed")
-
-
-def clustered(n: int, classes: int, dim: int, noise: float, seed: int):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, classes, n)
-    centers = rng.standard_normal((classes, dim))
-    x = centers[labels] + noise * rng.standard_normal((n, dim))
-    return x.astype(np.float32), labels
 
 
 # ----------------------------------------------------------------------------- golden values

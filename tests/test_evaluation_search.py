@@ -17,6 +17,7 @@ import torch
 import idml.evaluation.knn as knn_module
 from idml.evaluation import RankAccumulator, evaluate_embeddings, exact_search
 from idml.evaluation.retrieval_metrics import default_cutoffs
+from synthetic import clustered
 
 LEVELS = tuple(i / 10 for i in range(11))
 
@@ -136,14 +137,6 @@ def assert_matches(ref: dict, out, acc: RankAccumulator, ks: tuple[int, ...]) ->
     np.testing.assert_allclose(curve.precision_at_cutoff, ref["pr_precision"], atol=1e-12)
     np.testing.assert_allclose(curve.recall_at_cutoff, ref["pr_recall"], atol=1e-12)
     np.testing.assert_allclose(curve.interpolated_precision, ref["interp"], atol=1e-12)
-
-
-def clustered(n: int, classes: int, dim: int, noise: float, seed: int):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, classes, n)
-    centers = rng.standard_normal((classes, dim))
-    x = centers[labels] + noise * rng.standard_normal((n, dim))
-    return x.astype(np.float32), labels
 
 
 # ----------------------------------------------------------------------------- tests
