@@ -38,7 +38,6 @@ import io
 import itertools
 import json
 import math
-import os
 import re
 import shutil
 import time
@@ -51,6 +50,7 @@ from typing import Any, Literal
 import numpy as np
 import yaml
 
+from idml.checkpoint import atomic_write_text
 from idml.config import Config, config_to_dict, load_config
 
 RESULT_FILE = "result.json"
@@ -334,15 +334,13 @@ def split_values(text: str) -> list[str]:
     return [p.strip() for p in parts]
 
 
-_TOP_LEVEL_SCALARS = {"name", "device", "tensorboard"}
-
-
 def parse_grid(specs: Sequence[str]) -> list[GridAxis]:
     """Parse ``--grid`` arguments (``key=v1,v2,…``) into axes, validating keys and values.
 
     Raises:
         ValueError: malformed spec, empty or repeated value, repeated axis, ``seed`` as an axis
-            (use ``seeds``), or a dot-less key that is neither a preset nor a top-level config key.
+            (use ``seeds``), ``name`` or a key of :data:`IGNORED_KEYS` (every value would give the
+            same runs), or a dot-less key that is not a preset.
     """
     axes: list[GridAxis] = []
     seen: set[str] = set()
@@ -355,7 +353,13 @@ def parse_grid(specs: Sequence[str]) -> list[GridAxis]:
             raise ValueError("--grid seed=… is not an axis; use --seeds N to repeat every cell")
         if key in seen:
             raise ValueError(f"--grid {key} is given twice; list all its values in one --grid")
-        if "." not in key and key not in PRESETS and key not in _TOP_LEVEL_SCALARS:
+        if key == "name" or key in IGNORED_KEYS:
+            # name is set per cell and seed; the others cannot change a run's numbers.
+            raise ValueError(
+                f"--grid {key}=… cannot be an axis: every value would give the same runs "
+                f"(name is set per cell; {', '.join(sorted(IGNORED_KEYS))} do not change results)"
+            )
+        if "." not in key and key not in PRESETS:
             raise ValueError(
                 f"--grid {key}: not a preset and not a config key; presets are "
                 f"{', '.join(PRESETS)}, config keys look like section.key (e.g. metric.gamma)"
@@ -545,8 +549,8 @@ class AblationResult:
     def write(self) -> tuple[Path, Path]:
         """Write ``ablation.md`` and ``ablation.csv`` into the output folder."""
         md, table = self.out_dir / "ablation.md", self.out_dir / "ablation.csv"
-        _atomic_write(md, self.markdown())
-        _atomic_write(table, self.csv())
+        atomic_write_text(md, self.markdown())
+        atomic_write_text(table, self.csv())
         return md, table
 
 
@@ -578,12 +582,6 @@ def config_difference(
         elif a != b:
             diffs.append(f"{dotted}: {a!r} -> {b!r}")
     return diffs
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:
@@ -664,7 +662,7 @@ def run_ablation(
         plans.append(runs)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(
+    atomic_write_text(
         out_dir / "grid.json",
         json.dumps(
             {
@@ -748,7 +746,7 @@ def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
         "wall_seconds": wall,
         "config": wanted,
     }
-    _atomic_write(result_path, json.dumps(record, indent=2))
+    atomic_write_text(result_path, json.dumps(record, indent=2))
     return _seed_result(plan, record, "resumed" if resume else "retrained" if stale else "trained")
 
 
