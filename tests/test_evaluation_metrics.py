@@ -139,6 +139,23 @@ def test_knn_graph_kmeans_close_to_lloyd_and_reproducible() -> None:
     assert report.nmi == pytest.approx(fast, abs=1e-12)  # same neighbours, same k-means
     separate = evaluate_embeddings(x[100:], y[100:], query=(x[:100], y[:100]), nmi_backend="knn")
     assert separate.nmi is not None and 0.0 < separate.nmi <= 1.0
+    # The graph is the search's first 10 neighbours however many lists are returned.
+    for num_neighbors in (0, 1, 30):
+        other = evaluate_embeddings(x, y, nmi_backend="knn", seed=5, num_neighbors=num_neighbors)
+        assert other.nmi == report.nmi
+        assert other.retrieval.neighbor_indices.shape == (500, num_neighbors)
+
+
+def test_bad_nmi_backend_fails_before_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    import idml.evaluation.evaluate as evaluate_module
+
+    def no_search(*args: object, **kwargs: object) -> None:
+        raise AssertionError("searched before validating nmi_backend")
+
+    monkeypatch.setattr(evaluate_module, "exact_search", no_search)
+    x, y = clustered(20, 3, 4, 0.5, seed=1)
+    with pytest.raises(ValueError, match="k-means backend"):
+        evaluate_embeddings(x, y, nmi_backend="bogus")  # type: ignore[arg-type]
 
 
 def test_knn_graph_kmeans_without_neighbours_is_nearest_seed() -> None:

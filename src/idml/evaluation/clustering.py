@@ -115,6 +115,10 @@ def kmeans_assign(
     return torch.from_numpy(km_sk.fit_predict(data).astype(np.int64))
 
 
+KNN_GRAPH_NEIGHBORS = 10
+"""Neighbours per point of the graph the ``"knn"`` backend restricts assignments to; evaluation
+searches at least this many so the graph (and the NMI) does not depend on ``num_neighbors``."""
+
 _CHUNK = 4096
 
 

@@ -36,9 +36,14 @@ import torch
 from torch import Tensor
 
 from idml.embeddings import Embeddings, check_matrix
-from idml.evaluation.clustering import KMeansBackend, nmi_score, resolve_backend
+from idml.evaluation.clustering import (
+    KNN_GRAPH_NEIGHBORS,
+    KMeansBackend,
+    nmi_score,
+    resolve_backend,
+)
 from idml.evaluation.io import EmbeddingFile, check_labels, load_embedding_file, load_labels
-from idml.evaluation.knn import exact_search, faiss_search, neighbors_only
+from idml.evaluation.knn import NeighborLists, exact_search, faiss_search, neighbors_only
 from idml.evaluation.retrieval_metrics import (
     DEFAULT_RECALL_LEVELS,
     PRCurve,
@@ -365,6 +370,12 @@ def evaluate_embeddings(
     )
     if knn_backend not in ("exact", "faiss"):
         raise ValueError(f"knn_backend must be 'exact' or 'faiss', got {knn_backend!r}")
+    # Checked before the search, which takes minutes at SOP scale.
+    kmeans = resolve_backend(nmi_backend) if nmi else None
+    # The "knn" k-means reuses the search's lists when they are plain-metric neighbours within the
+    # query set: search at least its graph size, whatever num_neighbors asks to return.
+    graph_k = KNN_GRAPH_NEIGHBORS if kmeans == "knn" and same_set and scorer.kind != "metric" else 0
+    search_k = max(num_neighbors, graph_k)
     timings["validate"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -377,7 +388,7 @@ def evaluate_embeddings(
         out = exact_search(
             q_semantic,
             q_labels,
-            num_neighbors,
+            search_k,
             None if same_set else ref_semantic,
             None if same_set else ref_labels,
             metric=scorer,
@@ -396,7 +407,7 @@ def evaluate_embeddings(
         if scorer.kind == "metric":
             raise ValueError("the faiss backend supports only the plain cosine/euclidean metrics")
         num_rel = _num_relevant(q_labels, ref_labels, same_set)
-        depth = max(max(ks), int(num_rel.max()), num_neighbors)
+        depth = max(max(ks), int(num_rel.max()), search_k)
         neighbors = faiss_search(
             q_semantic,
             min(depth, num_ranked),
@@ -420,6 +431,10 @@ def evaluate_embeddings(
         )
         acc.add(torch.arange(n_q), ranks, num_rel)
         backend = f"faiss:{faiss_index}"
+    graph = neighbors.indices[:, :graph_k].cpu() if graph_k else None
+    neighbors = NeighborLists(
+        neighbors.indices[:, :num_neighbors], neighbors.scores[:, :num_neighbors]
+    )
     timings["retrieval"] = time.perf_counter() - start
 
     lone = acc.lone
@@ -450,22 +465,17 @@ def evaluate_embeddings(
     timings["metrics"] = time.perf_counter() - start
 
     nmi_value = None
-    if nmi:
+    if kmeans is not None:
         start = time.perf_counter()
         x = torch.nn.functional.normalize(q_semantic.float(), dim=1) if normalize else q_semantic
-        graph = None
-        if resolve_backend(nmi_backend) == "knn":
-            # k-NN-graph k-means: reuse the search's neighbour lists when they are within the
-            # query set, else search the query set once more.
-            if same_set and neighbors.k > 0:
-                graph = neighbors.indices.cpu()
-            else:
-                graph = neighbors_only(x, 10, metric="cosine" if normalize else "euclidean")
-                graph = graph.indices.cpu()
+        if kmeans == "knn" and graph is None:
+            # Separate queries, or an ISM ranking: the graph needs its own search of the queries.
+            metric_name = "cosine" if normalize else "euclidean"
+            graph = neighbors_only(x, KNN_GRAPH_NEIGHBORS, metric=metric_name).indices.cpu()
         nmi_value = nmi_score(
             x,
             q_labels,
-            backend=nmi_backend,
+            backend=kmeans,
             seed=seed,
             iterations=kmeans_iterations,
             neighbors=graph,
@@ -483,7 +493,7 @@ def evaluate_embeddings(
         "ks": list(ks),
         "knn_backend": backend,
         "block_size": block_size,
-        "nmi_backend": resolve_backend(nmi_backend) if nmi else None,
+        "nmi_backend": kmeans,
         "seed": seed,
         "kmeans_iterations": kmeans_iterations,
     }
