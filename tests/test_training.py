@@ -99,6 +99,37 @@ def test_ssr_trains_with_and_without_idml(tmp_path: Path, idml: bool, update: st
     assert trainer.ssr is not None
 
 
+def test_alternating_ssr_updates_the_amp_scale_once_per_backward(tmp_path: Path) -> None:
+    # GradScaler contract: unscale and step every optimizer of a backward, then update() once.
+    extra = ["ssr.enabled=true", "ssr.task.p_task=1.0", "ssr.task.num_images=4"]
+    cfg = load_config(None, [*TINY, *extra, "ssr.task.update=alternating"])
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    calls: list[str] = []
+    real = trainer.scaler
+
+    class Recorder:
+        def scale(self, loss: torch.Tensor) -> torch.Tensor:
+            return real.scale(loss)
+
+        def unscale_(self, opt: torch.optim.Optimizer) -> None:
+            calls.append("unscale")
+            real.unscale_(opt)
+
+        def step(self, opt: torch.optim.Optimizer) -> None:
+            calls.append("step")
+            real.step(opt)
+
+        def update(self) -> None:
+            calls.append("update")
+            real.update()
+
+    trainer.scaler = Recorder()  # type: ignore[assignment]
+    trainer.cfg.optim.max_steps_per_epoch = 1
+    trainer.fit()
+    # Metric step (one optimizer), then the ranking step (metric + ranking optimizers).
+    assert calls == ["unscale", "step", "update", "unscale", "step", "unscale", "step", "update"]
+
+
 def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     common = ["optim.epochs=3", "loss.name=proxy_anchor", *IDML, "optim.scheduler=step"]
     common += ["optim.step_size=1", "optim.warmup_epochs=1"]

@@ -425,8 +425,7 @@ class Trainer:
             ranking = self._forward(lambda: self._ranking_loss(images, ssr_gens, ranking_parts))
             parts.update(self.dist.mean(ranking_parts))
             self.scaler.scale(self.ssr.weight * ranking).backward()
-            self._clip_and_step(self.optimizer)
-            self._clip_and_step(self.ranking_optimizer)  # type: ignore[arg-type]
+            self._clip_and_step(self.optimizer, self.ranking_optimizer)  # type: ignore[arg-type]
         return {k: v for k, v in parts.items() if not (isinstance(v, float) and math.isnan(v))}
 
     def _forward(self, compute: Callable[[], _T]) -> _T:
@@ -469,14 +468,16 @@ class Trainer:
         parts["ranking_pos"] = float(sum(w * out.pos.detach() for w, out in weighted))
         return _upcast(loss)
 
-    def _clip_and_step(
-        self, opt: torch.optim.Optimizer, *also_unscaled: torch.optim.Optimizer
-    ) -> None:
-        self.scaler.unscale_(opt)
-        if self.cfg.optim.grad_clip is not None:
-            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
-        self.scaler.step(opt)
+    def _clip_and_step(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Unscale, clip and step each optimizer of one backward, then update the AMP scale once:
+        updating between them would unscale the later ones by a different factor than the one
+        their gradients were scaled with."""
+        for opt in optimizers:
+            self.scaler.unscale_(opt)
+            if self.cfg.optim.grad_clip is not None:
+                params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+            self.scaler.step(opt)
         self.scaler.update()
 
     # ------------------------------------------------------------------ evaluation
