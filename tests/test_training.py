@@ -312,6 +312,15 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "--metric, --tau" in err and "--embeddings" in err
 
 
+def test_embed_refuses_an_unknown_output_format_before_any_work(tmp_path: Path) -> None:
+    from idml.export import embed_images
+
+    cfg = load_config(None, TINY)
+    # No model and no images are needed to know that .txt cannot be written.
+    with pytest.raises(ValueError, match=r"e\.txt: use a \.npz, \.pt or \.safetensors"):
+        embed_images(cfg, None, tmp_path / "missing", tmp_path / "e.txt")  # type: ignore[arg-type]
+
+
 def _last_json(capsys: pytest.CaptureFixture[str]) -> str:
     out = capsys.readouterr().out
     return out[out.index("{") :]

@@ -6,7 +6,7 @@ config types and the trainer and CLI stay free of construction details.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -280,11 +280,6 @@ def needs_unused_parameter_search(cfg: Config) -> bool:
         cfg.model.uncertainty.enabled and not cfg.metric.introspective and cfg.loss.name != "pel"
     )
     return cfg.optim.warmup_epochs > 0 or idle_ssr or unused_head
-
-
-def iter_parameters(*modules: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
-    for module in modules:
-        yield from module.parameters()
 
 
 # --------------------------------------------------------------------------- evaluation

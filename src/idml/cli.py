@@ -327,8 +327,8 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    from idml.distributed import resolve_device
     from idml.reports import AnalysisOptions, write_report
-    from idml.training import resolve_device
 
     out = args.out or (args.runs[0] / "report" if len(args.runs) == 1 else Path("report"))
     options = AnalysisOptions(

@@ -84,10 +84,19 @@ def embed_images(
     ``embeddings`` ``(N, d)``, ``uncertainty`` ``(N,)`` (``||u||``; zeros without an uncertainty
     head), ``labels`` when the source has them.
     """
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix not in (".npz", ".pt", ".safetensors"):
+        # Checked before embedding: a wrong name must not cost the whole pass.
+        raise ValueError(f"--out {out}: use a .npz, .pt or .safetensors file name")
     files, names = list_images(images)
-    classes = sorted(set(names)) if names else []
-    ids = np.array([classes.index(n) for n in names]) if names else np.zeros(len(files), int)
-    records = ImageRecords(np.array([str(f) for f in files], dtype=object), ids)
+    paths = [str(f) for f in files]
+    if names:
+        unique, ids = np.unique(np.array(names), return_inverse=True)
+        classes = [str(c) for c in unique]
+    else:
+        classes, ids = [], np.zeros(len(files), int)
+    records = ImageRecords(np.array(paths, dtype=object), ids)
     transform = build_transforms(False, cfg.data.image_size, cfg.data.resize_size)
     dataset = FileImageDataset(records, transform)
     device = next(model.parameters()).device
@@ -96,10 +105,7 @@ def embed_images(
     payload = {"embeddings": emb.semantic, "uncertainty": level}
     if names:
         payload["labels"] = torch.as_tensor(ids)
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    suffix = out.suffix.lower()
-    paths = [str(f) for f in files]
     if suffix == ".npz":
         np.savez(out, **{k: v.numpy() for k, v in payload.items()}, paths=np.array(paths))
     elif suffix == ".pt":
@@ -107,8 +113,6 @@ def embed_images(
     elif suffix == ".safetensors":
         meta = {"paths": json.dumps(paths), "classes": json.dumps(classes)}
         save_file({k: v.contiguous() for k, v in payload.items()}, str(out), metadata=meta)
-    else:
-        raise ValueError(f"--out {out}: use a .npz, .pt or .safetensors file name")
     return len(files)
 
 

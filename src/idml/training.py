@@ -46,6 +46,7 @@ from idml.distributed import (
     gather_embeddings,
     rank_generator,
     rank_seed,
+    resolve_device,
     select_share,
     wrap_ddp,
 )
@@ -90,15 +91,6 @@ class TrainResult:
     history: list[dict[str, Any]]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available; use device=cpu or auto")
-    return device
-
-
 class Trainer:
     """Train and evaluate one configured run.
 
@@ -106,7 +98,6 @@ class Trainer:
         cfg: the run's configuration.
         run_dir: folder for the config, log and checkpoints.
         progress: show progress bars (rank 0 only).
-        device: overrides ``cfg.device`` (and the distributed context's device).
         distributed: this process's place in a ``torchrun`` job (:func:`idml.distributed.init_distributed`);
             ``None``: a single process.
         shards: split each global batch into this many shards for the per-shard random draws (Mixup,
@@ -124,7 +115,6 @@ class Trainer:
         cfg: Config,
         run_dir: Path,
         progress: bool = True,
-        device: torch.device | None = None,
         distributed: DistributedContext | None = None,
         shards: int | None = None,
     ) -> None:
@@ -133,9 +123,7 @@ class Trainer:
         self.dist = distributed if distributed is not None else DistributedContext()
         self.plan = ShardPlan.create(self.dist, shards)
         self.progress = progress and self.dist.is_main
-        if device is None:
-            device = self.dist.device if self.dist.is_distributed else resolve_device(cfg.device)
-        self.device = device
+        self.device = self.dist.device if self.dist.is_distributed else resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
         self.data = build.build_data(cfg)
         self.model = build.build_model(cfg).to(self.device)
@@ -193,16 +181,10 @@ class Trainer:
                     "name": "uncertainty",
                 }
             )
-        proxies = [
-            p
-            for n, p in self.loss.named_parameters()
-            if n.startswith("proxies") or n.startswith("proxy_")
-        ]
-        others = [
-            p
-            for n, p in self.loss.named_parameters()
-            if not (n.startswith("proxies") or n.startswith("proxy_"))
-        ]
+        proxies: list[nn.Parameter] = []
+        others: list[nn.Parameter] = []
+        for n, p in self.loss.named_parameters():
+            (proxies if n.startswith(("proxies", "proxy_")) else others).append(p)
         if proxies:
             groups.append({"params": proxies, "lr": o.lr * o.proxy_lr_mult, "name": "proxies"})
         if others:
