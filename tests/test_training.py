@@ -302,8 +302,20 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "nmi" not in scored["metrics"]  # the run's eval.nmi=false
     # Evaluation flags that apply to a run override its config; naming a backend asks for NMI.
     run_dir = str(tmp_path / "run")
-    assert main(["evaluate", "--checkpoint", run_dir, "--json", "--nmi-backend", "knn"]) == 0
-    with_nmi = json.loads(_last_json(capsys))["metrics"]
+    args = [
+        "evaluate",
+        "--checkpoint",
+        run_dir,
+        "--json",
+        "--nmi-backend",
+        "knn",
+        "--per-class",
+        "1",
+    ]
+    assert main(args) == 0
+    scored_again = json.loads(_last_json(capsys))
+    assert scored_again["per_class"]  # --per-class reaches the JSON as for files
+    with_nmi = scored_again["metrics"]
     assert 0.0 <= with_nmi["nmi"] <= 1.0
     assert with_nmi["recall@1"] == pytest.approx(logged["test/recall@1"])
     # File-only options are refused rather than silently ignored.

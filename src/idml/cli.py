@@ -10,6 +10,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from idml.evaluation import EvaluationReport
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,7 +164,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             seed=args.seed,
         )
-        print(report.to_json() if args.json else report.format_table(per_class=args.per_class))
+        _print_report(report, args)
         return 0
     if args.embeddings is None:
         raise ValueError(
@@ -192,11 +196,16 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         progress=args.progress,
     )
+    _print_report(report, args)
+    return 0
+
+
+def _print_report(report: EvaluationReport, args: argparse.Namespace) -> None:
+    """JSON (every class when ``--per-class N > 0``) or a table (the N worst classes)."""
     if args.json:
         print(report.to_json(per_class=args.per_class > 0))
     else:
         print(report.format_table(per_class=args.per_class))
-    return 0
 
 
 # --------------------------------------------------------------------------- train

@@ -120,17 +120,6 @@ class RetrievalResult:
             }
         return out
 
-    def to_json(self, per_class: bool = False, indent: int | None = 2) -> str:
-        """:meth:`to_dict` as JSON (NaN written as ``null``)."""
-        return json.dumps(self.to_dict(per_class), indent=indent)
-
-    def format_table(self) -> str:
-        """The metric means as an aligned two-column table."""
-        width = max(len(k) for k in self.metrics)
-        lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  ------"]
-        lines += [f"{k.ljust(width)}  {_fmt(v)}" for k, v in self.metrics.items()]
-        return "\n".join(lines)
-
 
 @dataclass
 class EvaluationReport:

@@ -235,13 +235,6 @@ class RankAccumulator:
         hit = ((first >= 1) & (first <= k)).double()
         return torch.where(self.lone, torch.full_like(hit, float("nan")), hit)
 
-    def metric_keys(self) -> list[str]:
-        """Names of the reported metrics, in report order."""
-        keys = [f"recall@{k}" for k in self.ks]
-        keys += ["r_precision", "map@r"]
-        keys += ["map", "mrr"] if self.complete else [f"mrr@{self.known_depth}"]
-        return keys
-
     def per_query_values(self) -> dict[str, Tensor]:
         """Every reported metric per query (NaN for lone queries), in query order."""
         out = {f"recall@{k}": self.recall_at(k) for k in self.ks}
