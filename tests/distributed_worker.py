@@ -182,7 +182,7 @@ def evaluation_check(context: Any, run_dir: Path) -> dict[str, Any]:
     except ImportError:  # the evaluation engine is a separate module; compare embeddings only
         return out
     out["metrics"] = trainer.evaluate()
-    out["whole_metrics"] = build.evaluate(cfg, whole, whole_labels, trainer.device)
+    out["whole_metrics"] = dict(build.evaluate(cfg, whole, whole_labels, trainer.device).metrics)
     return out
 
 

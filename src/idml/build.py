@@ -25,6 +25,7 @@ from idml.augment import (
 from idml.config import Config
 from idml.data import DMLSplit, ImageDataset, build_batch_sampler, build_transforms, load_split
 from idml.embeddings import Embeddings
+from idml.evaluation import EvaluationReport
 from idml.losses import (
     ContrastiveLoss,
     FastAPLoss,
@@ -289,19 +290,36 @@ def evaluate(
     labels: Tensor,
     device: torch.device,
     progress: bool = False,
-) -> dict[str, float]:
-    """Test-set retrieval metrics of SPEC §9 (ISM at test time only when ``eval.introspective``)."""
+    *,
+    ks: Sequence[int] | None = None,
+    introspective: bool | None = None,
+    nmi: bool | None = None,
+    nmi_backend: str | None = None,
+    **settings: Any,
+) -> EvaluationReport:
+    """Test-set evaluation of SPEC §9 with the run's ``eval.*`` settings (ISM at test time only
+    when ``eval.introspective`` and the run was trained with ISM).
+
+    ``ks``, ``introspective``, ``nmi`` and ``nmi_backend`` override their ``eval.*`` keys when
+    given; ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) go to
+    :func:`~idml.evaluation.evaluate_embeddings` as they are.
+    """
     from idml.evaluation import evaluate_embeddings
 
-    report = evaluate_embeddings(
+    options = evaluation_options(cfg, ks, introspective)
+    if nmi is not None:
+        options["nmi"] = nmi
+    if nmi_backend is not None:
+        options["nmi_backend"] = nmi_backend
+    return evaluate_embeddings(
         embeddings.semantic,
         labels,
         uncertainty=embeddings.uncertainty,
         device=device,
         progress=progress,
-        **evaluation_options(cfg),
+        **options,
+        **settings,
     )
-    return dict(report.metrics)
 
 
 def evaluation_options(

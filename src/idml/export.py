@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,15 +26,27 @@ from idml.evaluation.clustering import KMeansBackend
 from idml.models import EmbeddingModel
 
 
-def load_trained_model(path: Path, which: str = "best") -> tuple[Config, EmbeddingModel]:
-    """The config and the retrieval model of a run folder (its best or latest checkpoint)."""
+@dataclass(frozen=True)
+class TrainedRun:
+    """A run folder's retrieval model as loaded from one checkpoint."""
+
+    config: Config
+    model: EmbeddingModel
+    checkpoint: Path  # the checkpoint folder loaded
+    which: str  # "best" or "latest": the pointer that was followed
+    state: dict[str, Any]  # its state.json (epoch, config, …)
+
+
+def load_trained_run(path: Path, which: str = "best") -> TrainedRun:
+    """Load a run folder's ``which`` checkpoint (``"best"`` falls back to ``"latest"`` for a run
+    that was never evaluated), its config and its retrieval model (in eval mode, on the CPU)."""
     path = Path(path)
     try:
         ckpt = resolve_checkpoint(path, which)
     except CheckpointError:
         if which != "best":
             raise
-        ckpt = resolve_checkpoint(path, "latest")  # a run without evaluation has no best yet
+        ckpt, which = resolve_checkpoint(path, "latest"), "latest"
     state = read_state(ckpt)
     cfg = validate_config(state["config"], source=str(ckpt / "state.json"))
     # Never fetch pretrained weights just to overwrite them with the checkpoint's.
@@ -40,7 +54,13 @@ def load_trained_model(path: Path, which: str = "best") -> tuple[Config, Embeddi
     model = build.build_model(cfg)
     load_model_weights(ckpt, model)
     model.eval()
-    return cfg, model
+    return TrainedRun(cfg, model, ckpt, which, state)
+
+
+def load_trained_model(path: Path, which: str = "best") -> tuple[Config, EmbeddingModel]:
+    """The config and the retrieval model of a run folder (see :func:`load_trained_run`)."""
+    run = load_trained_run(path, which)
+    return run.config, run.model
 
 
 def list_images(source: Path) -> tuple[list[Path], list[str] | None]:
@@ -135,30 +155,26 @@ def evaluate_checkpoint(
     ``eval.introspective``, ``eval.nmi`` and ``eval.nmi_backend`` when given; ``block_size`` and
     ``seed`` (k-means) are passed to :func:`~idml.evaluation.evaluate_embeddings`.
     """
-    from idml.evaluation import evaluate_embeddings
-
     cfg, model = load_trained_model(path, which)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    model.to(device)
-    data = build.build_data(cfg)
-    emb, labels = build.embed_dataset(model, data.test, cfg.eval.batch_size, device, progress)
     use_ism = cfg.eval.introspective if introspective is None else introspective
     if use_ism and not cfg.metric.introspective:
         raise ValueError(
             f"{path}: --introspective needs a run trained with ISM (metric.introspective=true)"
         )
-    options = build.evaluation_options(cfg, ks, use_ism)
-    if nmi is not None:
-        options["nmi"] = nmi
-    if nmi_backend is not None:
-        options["nmi_backend"] = nmi_backend
-    return evaluate_embeddings(
-        emb.semantic,
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model.to(device)
+    data = build.build_data(cfg)
+    emb, labels = build.embed_dataset(model, data.test, cfg.eval.batch_size, device, progress)
+    return build.evaluate(
+        cfg,
+        emb,
         labels,
-        uncertainty=emb.uncertainty,
-        device=device,
-        progress=progress,
+        device,
+        progress,
+        ks=ks,
+        introspective=introspective,
+        nmi=nmi,
+        nmi_backend=nmi_backend,
         block_size=block_size,
         seed=seed,
-        **options,
     )

@@ -477,7 +477,8 @@ class Trainer:
         emb, labels = self.embed_test()
         report = None
         if self.dist.is_main:
-            report = build.evaluate(self.cfg, emb, labels, self.device, progress=self.progress)
+            evaluation = build.evaluate(self.cfg, emb, labels, self.device, self.progress)
+            report = dict(evaluation.metrics)
         return self.dist.broadcast_object(report)
 
     def _track_best(self, epoch: int, metrics: dict[str, float]) -> None:

@@ -228,17 +228,13 @@ def analyse_run(
         idml.checkpoint.CheckpointError: the run folder holds no checkpoint.
     """
     from idml import build
-    from idml.checkpoint import read_state
-    from idml.export import load_trained_model
+    from idml.export import load_trained_run
 
     options = options or AnalysisOptions()
     device = device or torch.device("cpu")
-    ckpt = _checkpoint(log.run_dir, options.which)
-    cfg, model = load_trained_model(log.run_dir, which=options.which)
-    model = model.to(device)
-    epoch = int(read_state(ckpt).get("epoch", -1)) + 1
-    # "best" falls back to the latest checkpoint for a run that was never evaluated.
-    label = options.which if (ckpt.parent / options.which).is_file() else "latest"
+    run = load_trained_run(log.run_dir, which=options.which)
+    cfg, model = run.config, run.model.to(device)
+    epoch = int(run.state.get("epoch", -1)) + 1
     test = build.build_data(cfg).test
     embeddings, labels = build.embed_dataset(model, test, options.batch_size, device, progress)
     metrics, pr_curve, all_neighbors = _evaluate(cfg, embeddings, labels, device, options.top_k)
@@ -257,7 +253,7 @@ def analyse_run(
     if tsne is None:
         notes.append(f"t-SNE skipped: only {len(labels)} test images (it needs at least 10).")
     return TestAnalysis(
-        checkpoint=label,
+        checkpoint=run.which,
         epoch=epoch,
         metrics=metrics,
         labels=labels.numpy(),
@@ -274,18 +270,6 @@ def analyse_run(
     )
 
 
-def _checkpoint(run_dir: Path, which: str) -> Path:
-    """The checkpoint :func:`~idml.export.load_trained_model` loads for ``which``."""
-    from idml.checkpoint import CheckpointError, resolve_checkpoint
-
-    try:
-        return resolve_checkpoint(run_dir, which)
-    except CheckpointError:
-        if which != "best":
-            raise
-        return resolve_checkpoint(run_dir, "latest")  # never evaluated: no best yet
-
-
 def _evaluate(
     cfg: Config,
     embeddings: Embeddings,
@@ -298,16 +282,8 @@ def _evaluate(
     ``num_neighbors`` nearest other test images (by the same search, so the retrieval grid shows
     what Recall@K counted)."""
     from idml import build
-    from idml.evaluation import evaluate_embeddings
 
-    report = evaluate_embeddings(
-        embeddings.semantic,
-        labels,
-        uncertainty=embeddings.uncertainty,
-        device=device,
-        num_neighbors=num_neighbors,
-        **build.evaluation_options(cfg),
-    )
+    report = build.evaluate(cfg, embeddings, labels, device, num_neighbors=num_neighbors)
     curve = report.retrieval.pr_curve
     pr = (np.asarray(curve.recall_levels, float), np.asarray(curve.interpolated_precision, float))
     return dict(report.metrics), pr, report.retrieval.neighbor_indices.cpu()
