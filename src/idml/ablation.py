@@ -51,14 +51,12 @@ import numpy as np
 import yaml
 
 from idml.checkpoint import atomic_write_text
-from idml.config import Config, config_to_dict, load_config
+from idml.config import RUNTIME_KEYS, Config, config_difference, config_to_dict, load_config
 
 RESULT_FILE = "result.json"
 """Written into a seed folder when its run has finished; its presence marks the run as reusable."""
 
-IGNORED_KEYS: frozenset[str] = frozenset(
-    {"device", "data.num_workers", "tensorboard", "eval.batch_size"}
-)
+IGNORED_KEYS: frozenset[str] = RUNTIME_KEYS
 """Config keys that cannot change a run's numbers (where and how fast it ran): ignored on reuse."""
 
 Selection = Literal["final", "best"]
@@ -563,27 +561,6 @@ def _format(mean: float, std: float, scale: float, digits: int) -> str:
 
 
 # --------------------------------------------------------------------------- running
-def config_difference(
-    stored: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str = ""
-) -> list[str]:
-    """Keys (dotted) whose values differ between two config dicts, :data:`IGNORED_KEYS` aside.
-
-    >>> config_difference({"a": {"b": 1, "c": 2}, "device": "cpu"}, {"a": {"b": 1, "c": 3}, "device": "cuda"})
-    ['a.c: 2 -> 3']
-    """
-    diffs: list[str] = []
-    for key in sorted(set(stored) | set(wanted)):
-        dotted = prefix + key
-        if dotted in IGNORED_KEYS:
-            continue
-        a, b = stored.get(key), wanted.get(key)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            diffs.extend(config_difference(a, b, dotted + "."))
-        elif a != b:
-            diffs.append(f"{dotted}: {a!r} -> {b!r}")
-    return diffs
-
-
 def _read_result(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())

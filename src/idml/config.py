@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import difflib
 import typing
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -373,6 +374,37 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
         return Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err, raw, source)) from None
+
+
+RUNTIME_KEYS: frozenset[str] = frozenset(
+    {"device", "data.num_workers", "tensorboard", "eval.batch_size"}
+)
+"""Config keys that say where and how fast a run goes, and cannot change its numbers."""
+
+
+def config_difference(
+    stored: Mapping[str, Any],
+    wanted: Mapping[str, Any],
+    ignore: Collection[str] = RUNTIME_KEYS,
+    prefix: str = "",
+) -> list[str]:
+    """``"key: old -> new"`` for every dotted key whose value differs between two config dicts,
+    keys in ``ignore`` aside.
+
+    >>> config_difference({"a": {"b": 1, "c": 2}, "device": "cpu"}, {"a": {"b": 1, "c": 3}, "device": "cuda"})
+    ['a.c: 2 -> 3']
+    """
+    diffs: list[str] = []
+    for key in sorted(set(stored) | set(wanted)):
+        dotted = prefix + key
+        if dotted in ignore:
+            continue
+        a, b = stored.get(key), wanted.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            diffs.extend(config_difference(a, b, ignore, dotted + "."))
+        elif a != b:
+            diffs.append(f"{dotted}: {a!r} -> {b!r}")
+    return diffs
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

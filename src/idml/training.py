@@ -38,7 +38,7 @@ from idml.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from idml.config import Config, config_to_dict, dump_config
+from idml.config import RUNTIME_KEYS, Config, config_difference, config_to_dict, dump_config
 from idml.distributed import (
     DistributedContext,
     ShardPlan,
@@ -228,7 +228,10 @@ class Trainer:
         """Continue from the run folder's latest checkpoint (exactly, for a fixed seed on CPU)."""
         ckpt = resolve_checkpoint(self.run_dir)
         saved = read_state(ckpt)
-        diff = _config_diff(saved.get("config", {}), config_to_dict(self.cfg))
+        changes = config_difference(
+            saved.get("config", {}), config_to_dict(self.cfg), RESUMABLE_CHANGES
+        )
+        diff = "; ".join(changes[:5])
         if diff:
             raise ValueError(
                 f"cannot resume {self.run_dir}: its config differs from the one given ({diff}); "
@@ -549,20 +552,5 @@ def _prune(root: Path, keep: set[str]) -> None:
             shutil.rmtree(path)
 
 
-RESUMABLE_CHANGES = {"optim.epochs", "data.num_workers", "tensorboard", "device", "eval.batch_size"}
+RESUMABLE_CHANGES = RUNTIME_KEYS | {"optim.epochs"}
 """Config keys a resumed run may change (more epochs, another machine); any other change is refused."""
-
-
-def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
-    diffs = []
-    for key in sorted(set(a) | set(b)):
-        if prefix + key in RESUMABLE_CHANGES:
-            continue
-        va, vb = a.get(key), b.get(key)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            inner = _config_diff(va, vb, prefix + key + ".")
-            if inner:
-                diffs.append(inner)
-        elif va != vb:
-            diffs.append(f"{prefix}{key}: {va!r} -> {vb!r}")
-    return "; ".join(diffs[:5])
