@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from idml.config import Config, validate_config
+from idml.config import Config, load_config
 from idml.embeddings import Embeddings
 
 
@@ -129,13 +128,7 @@ def read_run(run_dir: Path) -> RunLog:
             raise FileNotFoundError(
                 f"{path} is missing; {run_dir} is not a run folder written by `idml train`"
             )
-    try:
-        raw = yaml.safe_load(config_path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"{config_path} is not valid YAML: {err}") from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_path} must hold a mapping of config keys")
-    config = validate_config(raw, source=str(config_path))
+    config = load_config(config_path)
     history = []
     for number, line in enumerate(log_path.read_text().splitlines(), start=1):
         if not line.strip():
