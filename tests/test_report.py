@@ -351,6 +351,15 @@ def test_bad_run_folders_are_refused_with_the_file_named(
     assert main(["report", str(run), "--out", str(tmp_path / "out"), "--no-test"]) == 2
 
 
+def test_report_refuses_analysis_options_with_no_test(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --no-test skips the analysis, so its options would be silently ignored.
+    argv = ["report", str(tmp_path / "run"), "--no-test", "--queries", "3", "--device", "cpu"]
+    assert main(argv) == 2
+    assert "--queries, --device only apply to the test-set analysis" in capsys.readouterr().err
+
+
 def test_report_options_are_validated() -> None:
     with pytest.raises(ValueError, match="which must be 'best' or 'latest'"):
         AnalysisOptions(which="last")

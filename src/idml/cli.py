@@ -323,14 +323,16 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="report folder (default: RUN_DIR/report for one run, ./report for several)",
     )
-    p.add_argument("--which", choices=["best", "latest"], default="best", help="checkpoint")
     p.add_argument("--no-test", action="store_true", help="logs only: no test-set analysis")
     p.add_argument("--inline", action="store_true", help="also embed figures in the HTML")
-    p.add_argument("--queries", type=int, default=6, help="queries in the retrieval grid")
-    p.add_argument("--tsne-points", type=int, default=1000, help="points in the t-SNE")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0, help="seed of all sampling in the report")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    test = p.add_argument_group("test-set analysis (not with --no-test)")
+    # None = not given: the defaults come from AnalysisOptions, and --no-test can refuse them.
+    test.add_argument("--which", choices=["best", "latest"], help="checkpoint (default best)")
+    test.add_argument("--queries", type=int, help="queries in the retrieval grid (default 6)")
+    test.add_argument("--tsne-points", type=int, help="points in the t-SNE (default 1000)")
+    test.add_argument("--batch-size", type=int, help="embedding batch size (default 128)")
+    test.add_argument("--seed", type=int, help="seed of all sampling in the report (default 0)")
+    test.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=_run_report)
 
@@ -340,20 +342,28 @@ def _run_report(args: argparse.Namespace) -> int:
     from idml.reports import AnalysisOptions, write_report
 
     out = args.out or (args.runs[0] / "report" if len(args.runs) == 1 else Path("report"))
-    options = AnalysisOptions(
-        which=args.which,
-        num_queries=args.queries,
-        tsne_points=args.tsne_points,
-        batch_size=args.batch_size,
-        seed=args.seed,
-    )
+    analysis = [  # (flag, AnalysisOptions field or None, value given)
+        ("--which", "which", args.which),
+        ("--queries", "num_queries", args.queries),
+        ("--tsne-points", "tsne_points", args.tsne_points),
+        ("--batch-size", "batch_size", args.batch_size),
+        ("--seed", "seed", args.seed),
+        ("--device", None, args.device),
+    ]
+    given = [(flag, field, value) for flag, field, value in analysis if value is not None]
+    if args.no_test and given:
+        raise ValueError(
+            f"{', '.join(flag for flag, _, _ in given)} only apply to the test-set analysis, "
+            "which --no-test skips; drop them or --no-test"
+        )
+    options = AnalysisOptions(**{field: value for _, field, value in given if field})
     page = write_report(
         args.runs,
         out,
         options,
         analyse=not args.no_test,
         inline=args.inline,
-        device=resolve_device(args.device),
+        device=resolve_device(args.device or "auto"),
         progress=not args.no_progress,
         log=print,
     )
