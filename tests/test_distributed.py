@@ -29,7 +29,6 @@ from idml.distributed import (
     merge_rows,
     rank_generator,
     rank_seed,
-    select_share,
 )
 from idml.relations import PAD
 
@@ -395,14 +394,14 @@ def test_ranking_shares_average_to_the_mean_over_all_images() -> None:
         ShardPlan.create(DistributedContext(), num_shards=3).ranking_shares(2, 9)
 
 
-def test_select_share_matches_select_images() -> None:
-    from idml.ranking import SelfSupervisedRanking, SSRConfig
+def test_draw_images_matches_select_images() -> None:
+    from idml.ranking import SelfSupervisedRanking, SSRConfig, draw_images
 
     images = torch.rand(10, 3, 4, 4)
     ssr = SelfSupervisedRanking(8, SSRConfig(num_images=4, hidden_dim=8, out_dim=4))
     expected = ssr.select_images(images, torch.Generator().manual_seed(3))
-    assert torch.equal(select_share(images, 4, torch.Generator().manual_seed(3)), expected)
-    assert select_share(images, 12, None) is images
+    assert torch.equal(draw_images(images, 4, torch.Generator().manual_seed(3)), expected)
+    assert draw_images(images, 12, None) is images
 
 
 def test_sharded_mixup_merges_originals_first_with_shifted_partners() -> None:

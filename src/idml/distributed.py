@@ -576,20 +576,6 @@ def _split_counts(total: int, parts: int) -> list[int]:
     return [len(chunk) for chunk in torch.arange(total).tensor_split(parts)]
 
 
-def select_share(images: Tensor, count: int, generator: torch.Generator | None) -> Tensor:
-    """``count`` images drawn without replacement (all of them if fewer).
-
-    The same draw as :meth:`idml.ranking.SelfSupervisedRanking.select_images` with ``M = count``,
-    so one shard reproduces the single-process selection.
-    """
-    total = images.shape[0]
-    if total <= count:
-        return images
-    device = generator.device if generator is not None else images.device
-    chosen = torch.randperm(total, generator=generator, device=device)[:count]
-    return images[chosen.to(images.device)]
-
-
 # --------------------------------------------------------------------------- DDP
 class ParallelModules(nn.Module):
     """The trainable modules of a run (model, loss with its proxies, SSR head) as one module.

@@ -47,11 +47,10 @@ from idml.distributed import (
     rank_generator,
     rank_seed,
     resolve_device,
-    select_share,
     wrap_ddp,
 )
 from idml.embeddings import Embeddings
-from idml.ranking import RankingOutput
+from idml.ranking import RankingOutput, draw_images
 
 _T = TypeVar("_T")
 
@@ -442,7 +441,7 @@ class Trainer:
         weighted: list[tuple[float, RankingOutput]] = []
         for shard, gen, (count, weight) in zip(self.plan.split(images), gens, shares, strict=True):
             if task.source == "metric_batch":
-                chosen = select_share(shard, count, gen)
+                chosen = draw_images(shard, count, gen)
             else:
                 chosen = build.sample_images(self.data.train, count, gen).to(self.device)
             with torch.autocast(self.device.type, enabled=self.amp):

@@ -23,6 +23,7 @@ from idml.ranking.ssr import (
     TaskDraw,
     TaskGate,
     UpdateMode,
+    draw_images,
 )
 from idml.ranking.transforms import (
     GradedLevels,
@@ -48,6 +49,7 @@ __all__ = [
     "TaskGate",
     "UpdateMode",
     "color_jitter",
+    "draw_images",
     "order_accuracy",
     "positive_loss",
     "sort_loss",

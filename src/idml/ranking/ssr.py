@@ -191,6 +191,17 @@ class TaskGate:
         return self._epoch_decision
 
 
+def draw_images(images: Tensor, count: int, generator: torch.Generator | None = None) -> Tensor:
+    """``count`` rows of ``images`` drawn without replacement (all of them, in order, if fewer):
+    one ``randperm`` on the generator's device, so a seeded draw is the same wherever it runs."""
+    total = images.shape[0]
+    if total <= count:
+        return images
+    device = generator.device if generator is not None else images.device
+    chosen = torch.randperm(total, generator=generator, device=device)[:count]
+    return images[chosen.to(images.device)]
+
+
 class SelfSupervisedRanking(nn.Module):
     """SSR: graded views → backbone → ranking head ``g`` → ranking loss (Fu et al. 2021, eq. 10–17).
 
@@ -231,12 +242,7 @@ class SelfSupervisedRanking(nn.Module):
     def select_images(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """``M = num_images`` images drawn without replacement from a batch (all of them if fewer)."""
         check_images(images)
-        count = images.shape[0]
-        if count <= self.config.num_images:
-            return images
-        device = generator.device if generator is not None else images.device
-        chosen = torch.randperm(count, generator=generator, device=device)[: self.config.num_images]
-        return images[chosen.to(images.device)]
+        return draw_images(images, self.config.num_images, generator)
 
     def views(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """The graded views ``(M, N + 1, C, H, W)`` of ``images`` ``(M, C, H, W)`` in ``[0, 1]``."""
