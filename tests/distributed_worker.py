@@ -21,39 +21,32 @@ from typing import Any
 
 import torch
 
+import tiny_run
+
+# The shared tiny run, at 4 classes × 4 images from 20 per class, with frozen BatchNorm statistics
+# (they would differ between one process and a shard) and clipping that never triggers.
 TINY = [
-    "data.dataset=digits",
-    "data.image_size=8",
-    "data.resize_size=null",
-    "data.num_workers=0",
+    *tiny_run.TINY,
     "data.samples_per_class=20",
-    "model.backbone=small_cnn",
-    "model.pretrained=false",
-    "model.freeze_bn=true",
-    "model.embedding_dim=16",
     "sampler.classes_per_batch=4",
-    "sampler.images_per_class=4",
-    "optim.lr=0.001",
+    "model.freeze_bn=true",
     "optim.grad_clip=1000",
-    "optim.amp=false",
     "device=cpu",
-    "eval.nmi=false",
-    "tensorboard=false",
 ]
-IDML = ["model.uncertainty.enabled=true", "metric.introspective=true"]
+ISM = ["model.uncertainty.enabled=true", "metric.introspective=true"]
 SSR = ["ssr.enabled=true", "ssr.task.num_images=6", "ssr.task.p_task=1.0"]
 CASES: dict[str, list[str]] = {
-    "ms_ism_mixup": ["loss.name=multi_similarity", *IDML, "mixup.enabled=true"],
-    "pa_ism": ["loss.name=proxy_anchor", *IDML],
-    "ssr_joint": ["loss.name=multi_similarity", *IDML, "mixup.enabled=true", *SSR],
+    "ms_ism_mixup": ["loss.name=multi_similarity", *ISM, "mixup.enabled=true"],
+    "pa_ism": ["loss.name=proxy_anchor", *ISM],
+    "ssr_joint": ["loss.name=multi_similarity", *ISM, "mixup.enabled=true", *SSR],
     "ssr_alternating": ["loss.name=proxy_anchor", *SSR, "ssr.task.update=alternating"],
     "interpolate": [
         "loss.name=proxy_anchor",
-        *IDML,
+        *ISM,
         "mixup.enabled=true",
         "mixup.mode=interpolate",
     ],
-    "warmup": ["loss.name=proxy_anchor", *IDML, "mixup.enabled=true", "optim.warmup_epochs=1"],
+    "warmup": ["loss.name=proxy_anchor", *ISM, "mixup.enabled=true", "optim.warmup_epochs=1"],
 }
 STEPS = 3
 BATCH, CLASSES = 16, 4

@@ -31,6 +31,7 @@ from idml.distributed import (
     rank_seed,
 )
 from idml.relations import PAD
+from tiny_run import IDML, TINY
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "distributed_worker.py"
@@ -187,32 +188,13 @@ def _recall_at_1(x: torch.Tensor, labels: torch.Tensor) -> float:
 
 @pytest.mark.slow
 def test_torchrun_cli_trains_on_two_processes_and_resumes_on_one(tmp_path: Path) -> None:
-    pytest.importorskip("idml.evaluation")
-    from idml import evaluation
-
-    if not hasattr(evaluation, "evaluate_embeddings"):
-        pytest.skip("the evaluation engine (idml.evaluation.evaluate_embeddings) is not built yet")
     overrides = [
-        "data.dataset=digits",
-        "data.image_size=8",
-        "data.resize_size=null",
-        "data.num_workers=0",
+        *TINY,
+        *IDML,
         "data.samples_per_class=20",
-        "model.backbone=small_cnn",
-        "model.pretrained=false",
-        "model.embedding_dim=16",
-        "model.uncertainty.enabled=true",
-        "metric.introspective=true",
-        "mixup.enabled=true",
-        "loss.name=proxy_anchor",
         "sampler.classes_per_batch=4",
-        "sampler.images_per_class=4",
-        "optim.epochs=1",
-        "optim.max_steps_per_epoch=2",
-        "optim.amp=false",
-        "eval.nmi=false",
+        "loss.name=proxy_anchor",
         "device=cpu",
-        "tensorboard=false",
     ]
     config = tmp_path / "tiny.yaml"
     config.write_text("name: tiny-ddp\n")
