@@ -4,7 +4,8 @@ With SSR on (``p_task = 1``), each iteration also pushes ``M·(N+1)`` views thro
 the expected cost ratio is ``1 + M·(N+1)/B`` (B = metric batch). The script times full
 ``Trainer.train_step`` calls with SSR off and on in the same process, interleaved, and reports the
 measured ratio next to the expected one, plus the time of the graded transforms alone and the peak
-memory of each setting (CUDA: ``max_memory_allocated``; CPU: peak RSS of a child process).
+host memory of each setting (peak RSS growth of a child process; on CUDA this is host memory, not
+GPU memory — GPU memory is not measured).
 
 Run: ``python benchmarks/bench_ssr.py [--backbone resnet18] [--size 64] [--batch 120] [--steps 5]``
 """

@@ -33,8 +33,8 @@ average over ranks is the mean over all ``M`` images. If ranks compute *differen
 (a loss that samples with each rank's own random state), the same algebra gives the gradient of
 ``(1/R)·Σ_q L_q``: still an unbiased estimate, just not bit-identical to one process.
 
-**Augmentation.** Gathering images for Mixup partners would cost far more than the step, so each
-rank augments its own shard, with a random stream per *shard* (:meth:`ShardPlan.generators`). One
+**Augmentation.** Mixup partners come from the rank's own shard, so no images travel between ranks
+(only embeddings are gathered); each rank augments its own shard, with a random stream per *shard* (:meth:`ShardPlan.generators`). One
 process can reproduce an ``R``-process run exactly by computing all ``R`` shards itself
 (``ShardPlan.create(context, num_shards=R)``): the batch it builds equals the gathered one row for row.
 In ``mixup.mode=interpolate`` the loss needs one ``λ`` for the batch, so all shards share one stream.
