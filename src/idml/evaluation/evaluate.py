@@ -369,8 +369,10 @@ def evaluate_embeddings(
 
     start = time.perf_counter()
     num_ranked = ref_semantic.shape[0] - (1 if same_set else 0)
-    cutoffs = tuple(pr_cutoffs) if pr_cutoffs is not None else default_cutoffs(num_ranked)
-    if any(int(c) < 1 for c in cutoffs):
+    cutoffs = (
+        tuple(int(c) for c in pr_cutoffs) if pr_cutoffs is not None else default_cutoffs(num_ranked)
+    )
+    if any(c < 1 for c in cutoffs):
         raise ValueError(f"pr_cutoffs must be positive ranks, got {list(cutoffs)}")
     n_q = q_semantic.shape[0]
     if knn_backend == "exact":
@@ -387,7 +389,7 @@ def evaluate_embeddings(
             device=device,
             progress=progress,
         )
-        acc = RankAccumulator(n_q, ks, tuple(int(c) for c in cutoffs), tuple(recall_levels))
+        acc = RankAccumulator(n_q, ks, cutoffs, tuple(recall_levels))
         for query_ids, ranks, num_rel in out.rank_chunks:
             acc.add(query_ids, ranks, num_rel)
         neighbors = out.neighbors
@@ -413,7 +415,7 @@ def evaluate_embeddings(
         acc = RankAccumulator(
             n_q,
             ks,
-            tuple(int(c) for c in cutoffs),
+            cutoffs,
             tuple(recall_levels),
             complete=False,
             known_depth=neighbors.k,
