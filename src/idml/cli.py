@@ -217,18 +217,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "`torchrun --nproc_per_node=8 -m idml train CONFIG` (see the README).",
     )
     p.add_argument("config", type=Path, help="YAML config, e.g. configs/idml/cub_proxy_anchor.yaml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set optim.epochs=10 (repeatable)",
-    )
+    _add_overrides(p, "override a config value, e.g. --set optim.epochs=10 (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=_run_train)
+
+
+def _add_overrides(p: argparse.ArgumentParser, help_text: str) -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.overrides``, as :func:`load_config` takes them."""
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text
+    )
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -394,14 +394,7 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
         help="one axis of the grid (repeatable), e.g. --grid metric=plain,ism --grid mixup=on,off",
     )
     p.add_argument("--seeds", type=int, default=1, help="seeds per cell (config seed, +1, ...)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a base config value for every cell (repeatable)",
-    )
+    _add_overrides(p, "override a base config value for every cell (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="folder (default: runs/ablation-<name>)")
     p.add_argument("--select", choices=["final", "best"], default="final", help="which epoch")
     p.add_argument(
