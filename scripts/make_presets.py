@@ -101,7 +101,7 @@ def official(dataset: str) -> dict[str, Any]:
     """The authors' released IDML-ProxyAnchor code, reproduced with its quirks (SPEC §3)."""
     cfg = recipe(dataset, "proxy_anchor", "idml")
     cfg["name"] = f"{dataset}-proxy_anchor-official"
-    cfg["model"]["uncertainty"] = {"enabled": True, "normalize": True}
+    cfg["model"]["uncertainty"] = {"enabled": True, "form": "linear", "normalize": True}
     cfg["metric"] = {
         "introspective": True,
         "gamma": 4.0,

@@ -46,7 +46,8 @@ from idml.ranking import SelfSupervisedRanking
 
 # Losses whose natural metric is a similarity (ISM then takes its similarity form S_IN).
 _SIMILARITY_LOSSES = {"multi_similarity", "normalized_softmax", "proxy_anchor"}
-_OFFLINE = {"digits", "fashion_mnist"}
+_OFFLINE = {"digits", "fashion_mnist", "omniglot"}
+"""Datasets decoded into memory at load time (they take ``channels``, ``seed``, ``per_class``)."""
 
 
 # --------------------------------------------------------------------------- data
@@ -72,10 +73,16 @@ def build_data(cfg: Config) -> DMLSplit:
             f"data.samples_per_class applies to the offline datasets ({sorted(_OFFLINE)}), "
             f"not to {d.dataset!r}"
         )
-    if d.dataset not in _OFFLINE | {"fashion_mnist"} and d.root is None:
+    if d.dataset == "omniglot":
+        # 105 px originals: resizing once at load time instead of in every sample's transform.
+        options["image_size"] = d.resize_size or d.image_size
+    if d.dataset not in {"digits", "fashion_mnist"} and d.root is None:
         raise ValueError(f"data.root must point at the {d.dataset!r} dataset folder")
     root = d.root if d.dataset != "digits" else None
-    return load_split(d.dataset, root, train_transform=train_tf, test_transform=test_tf, **options)
+    split = load_split(d.dataset, root, train_transform=train_tf, test_transform=test_tf, **options)
+    if d.protocol == "validation":
+        split = split.validation(d.validation_classes)
+    return split
 
 
 def train_loader(
@@ -160,6 +167,9 @@ def build_model(cfg: Config) -> EmbeddingModel:
         uncertainty_activation=m.uncertainty.activation,
         uncertainty_normalize=m.uncertainty.normalize,
         uncertainty_init_std=m.uncertainty.init_std,
+        uncertainty_form=m.uncertainty.form,
+        uncertainty_max_norm=m.uncertainty.max_norm,
+        uncertainty_init_level=m.uncertainty.init_level,
         pooling=m.pooling,
         freeze_bn=m.freeze_bn,
         freeze_bn_affine=m.freeze_bn_affine,

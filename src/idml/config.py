@@ -42,7 +42,7 @@ class Section(BaseModel):
 
 
 # --------------------------------------------------------------------------- data
-DatasetName = Literal["digits", "fashion_mnist", "cub", "cars", "sop", "folder", "csv"]
+DatasetName = Literal["digits", "fashion_mnist", "omniglot", "cub", "cars", "sop", "folder", "csv"]
 
 
 class DataConfig(Section):
@@ -62,6 +62,15 @@ class DataConfig(Section):
         None, gt=0, description="subsample at most this many images per class (offline data)"
     )
     num_workers: int = Field(2, ge=0)
+    protocol: Literal["test", "validation"] = Field(
+        "test",
+        description="test: train on the train classes, evaluate on the test classes; validation: "
+        "hold out the last validation_classes of the *train* classes and evaluate on them (the "
+        "test classes are not used), for choosing hyper-parameters",
+    )
+    validation_classes: float = Field(
+        0.25, gt=0, lt=1, description="share of the train classes held out by protocol=validation"
+    )
 
 
 class SamplerConfig(Section):
@@ -88,10 +97,25 @@ BackboneName = str
 
 
 class UncertaintyHeadConfig(Section):
-    """The uncertainty head (IDML). Paper default: a plain linear head, not normalised."""
+    """The uncertainty head (IDML).
+
+    ``form: bounded`` (default): ``||u|| = max_norm·σ(level logit)`` starts at
+    ``init_level·max_norm`` and can never exceed ``max_norm``, so ISM starts as the plain metric and
+    cannot saturate (:class:`idml.models.model.BoundedUncertaintyHead`). ``form: linear`` is the
+    paper's plain linear layer (``normalize``, ``activation`` and ``init_std`` apply to it only).
+    """
 
     enabled: bool = False
     dim: int | None = Field(None, gt=0, description="d_u (None: same as embedding_dim)")
+    form: Literal["bounded", "linear"] = Field(
+        "bounded", description="bounded level × direction (default) or the paper's linear layer"
+    )
+    max_norm: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="bounded form: the bound u_max of ||u||"
+    )
+    init_level: float = Field(
+        0.02, gt=0, lt=1, description="bounded form: ||u||/max_norm at initialisation"
+    )
     normalize: bool = Field(
         False, description="L2-normalise u as the official code does (starves the head)"
     )
@@ -103,6 +127,23 @@ class UncertaintyHeadConfig(Section):
         description="initial weights W ~ N(0, init_std²), b = 0 (None: PyTorch's default Linear "
         "init). A small value starts every ||u|| near 0, i.e. ISM near the plain metric",
     )
+
+    @model_validator(mode="after")
+    def _linear_only_keys(self) -> UncertaintyHeadConfig:
+        if self.form == "bounded":
+            linear_only = {
+                "normalize": self.normalize,
+                "activation": self.activation != "none",
+                "init_std": self.init_std is not None,
+            }
+            if any(linear_only.values()):
+                keys = ", ".join(f"model.uncertainty.{k}" for k, v in linear_only.items() if v)
+                raise ValueError(
+                    f"{keys} only apply to model.uncertainty.form=linear (the paper's linear "
+                    "head); the bounded head sets its scale with model.uncertainty.max_norm and "
+                    "model.uncertainty.init_level"
+                )
+        return self
 
 
 class ModelConfig(Section):
@@ -134,6 +175,13 @@ class MetricConfig(Section):
         True, description="similarity form: δ between normalised vectors (False: official code)"
     )
     proxy_uncertainty: bool = Field(False, description="learnable uncertainty for each proxy")
+    warmup_epochs: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="ISM warm-up: the relative uncertainty y is scaled by a factor that grows "
+        "linearly from 0 to 1 over this many epochs (0: off)",
+    )
 
 
 class ContrastiveConfig(Section):

@@ -438,6 +438,11 @@ class IntrospectiveMetric(Metric):
         d_max: maximal distance for ISM-Dis in distance form (2 on the unit sphere).
         delta_normalized: in similarity form, measure ``δ`` between L2-normalised embeddings
             (default) or between the raw vectors, as the official code does with unnormalised proxies.
+
+    Attributes:
+        strength: ``s ∈ [0, 1]`` scales the relative uncertainty, ``y → s·y`` (an ISM warm-up ramps it
+            from 0 to 1 over the first steps; ``s = 0`` is the plain metric exactly). It is set by
+            whoever runs training, not a hyper-parameter of the metric: 1 unless changed.
     """
 
     uses_uncertainty = True
@@ -471,6 +476,12 @@ class IntrospectiveMetric(Metric):
         self.d_max = float(d_max)
         self.delta_normalized = delta_normalized
         self.is_similarity = base.is_similarity
+        self.strength = 1.0
+
+    @property
+    def _tau(self) -> float:
+        """``τ/s``: the warm-up strength ``s`` scales ``y = (β^p + γ)/(τ·α^p)`` by ``s``."""
+        return self.tau / self.strength
 
     def extra_repr(self) -> str:
         return (
@@ -480,7 +491,9 @@ class IntrospectiveMetric(Metric):
     def relative_uncertainty(self, alpha: Tensor, beta: Tensor) -> Tensor:
         """``y = (β^p + γ) / (τ·α^p)`` (IDML eq. 6: ``β̃/τ``) with ``α`` clamped below at ``10⁻⁶``;
         exactly 0 where ``β^p + γ = 0`` (even at ``α = 0``)."""
-        neg_y, _ = _negative_relative_uncertainty(alpha, beta, self.tau, self.gamma, self.power)
+        if self.strength == 0:
+            return torch.zeros_like(alpha)
+        neg_y, _ = _negative_relative_uncertainty(alpha, beta, self._tau, self.gamma, self.power)
         return neg_y.neg_()
 
     def weaken(self, plain: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
@@ -490,11 +503,15 @@ class IntrospectiveMetric(Metric):
         backward); the strict form is an indicator and stays a ``where``.
         """
         if self.variant is ISMVariant.STRICT:
-            keep = (alpha.pow(self.power) - beta.pow(self.power) - self.gamma) > 0
+            keep = self._strict_keep(alpha, beta)
             if self.is_similarity:
                 return torch.where(keep, plain, torch.ones_like(plain))
             return torch.where(keep, plain, torch.zeros_like(plain))
         return self._smooth_weaken(plain, alpha, beta)
+
+    def _strict_keep(self, alpha: Tensor, beta: Tensor) -> Tensor:
+        """The strict form's indicator ``α^p − s·(β^p + γ) > 0`` (``s`` the warm-up strength)."""
+        return (alpha.pow(self.power) - self.strength * (beta.pow(self.power) + self.gamma)) > 0
 
     def _smooth_weaken(self, plain: Tensor, alpha: Tensor | None, beta: Tensor) -> Tensor:
         """The soft or dissimilar form; ``alpha=None``: the chord of the cosine ``plain``."""
@@ -506,7 +523,7 @@ class IntrospectiveMetric(Metric):
             target = -1.0 if self.is_similarity else self.d_max
         multiplicative = self.variant is ISMVariant.SOFT and not self.is_similarity
         return _Weakening.apply(
-            plain, alpha, beta, self.tau, self.gamma, self.power, target, multiplicative
+            plain, alpha, beta, self._tau, self.gamma, self.power, target, multiplicative
         )
 
     @property
@@ -540,15 +557,38 @@ class IntrospectiveMetric(Metric):
             y, uy = x, ux
         else:
             plain = self.base(x, y)
+        if self.strength == 0:
+            return plain
         beta = pairwise_uncertainty(ux, uy, x.shape[0], y.shape[0], plain)
         if self._chord_alpha and self.variant is not ISMVariant.STRICT:
             return self._smooth_weaken(plain, None, beta)
         return self.weaken(plain, self._alpha(x, y, plain), beta)
 
+    @torch.no_grad()
+    def weakening(
+        self,
+        x: Tensor,
+        y: Tensor | None = None,
+        ux: Tensor | None = None,
+        uy: Tensor | None = None,
+    ) -> Tensor:
+        """The weakening factor of every pair, ``(B, B')``, without gradients: ``e^{−s·y}`` for the
+        soft and dissimilar forms (1 = the plain metric, 0 = fully weakened), the indicator
+        ``1[α^p > s·(β^p + γ)]`` for the strict form. What a saturation monitor looks at."""
+        plain = self.base(x) if y is None else self.base(x, y)
+        y_side, uy = (x, ux) if y is None else (y, uy)
+        beta = pairwise_uncertainty(ux, uy, x.shape[0], y_side.shape[0], plain)
+        alpha = self._alpha(x, y_side, plain)
+        if self.variant is ISMVariant.STRICT:
+            return self._strict_keep(alpha, beta).to(plain.dtype)
+        return torch.exp(-self.relative_uncertainty(alpha, beta))
+
     def paired(
         self, x: Tensor, y: Tensor, ux: Tensor | None = None, uy: Tensor | None = None
     ) -> Tensor:
         plain = self.base.paired(x, y)
+        if self.strength == 0:
+            return plain
         if self.is_similarity:
             xs, ys = (
                 (F.normalize(x, dim=1), F.normalize(y, dim=1)) if self.delta_normalized else (x, y)

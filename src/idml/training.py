@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ from idml.distributed import (
     wrap_ddp,
 )
 from idml.embeddings import Embeddings
+from idml.metrics import IntrospectiveMetric
+from idml.monitoring import SATURATED, WeakeningMonitor
 from idml.ranking import RankingOutput, draw_images
 
 _T = TypeVar("_T")
@@ -66,6 +69,9 @@ class EpochRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     steps: int = 0
+    ism: dict[str, float] = field(default_factory=dict)
+    """ISM's weakening factors over the epoch (:class:`~idml.monitoring.WeakeningMonitor`), the
+    warm-up strength at the epoch's end, and the mean gradient norm of the model."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +81,7 @@ class EpochRecord:
             **{f"loss/{k}": v for k, v in self.losses.items()},
             **{f"lr/{k}": v for k, v in self.lr.items()},
             **{f"uncertainty/{k}": v for k, v in self.uncertainty.items()},
+            **{f"ism/{k}": v for k, v in self.ism.items()},
             **{f"test/{k}": v for k, v in self.metrics.items()},
         }
 
@@ -141,6 +148,12 @@ class Trainer:
         self.best_metrics: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
         self._tb: Any = None
+        metric = getattr(self.loss, "metric", None)
+        self.ism_metric = metric if isinstance(metric, IntrospectiveMetric) else None
+        self.weakening = WeakeningMonitor()
+        self._warned: set[str] = set()
+        self._grad_norms: list[Tensor] = []
+        """The model's gradient norm at each step of the current epoch (tensors: no host sync)."""
         # One DDP over model, loss (proxies) and SSR head: their gradients are averaged over ranks.
         self._ddp = wrap_ddp(
             {"model": self.model, **self._training_modules()},
@@ -320,6 +333,8 @@ class Trainer:
         steps = 0
         limit = cfg.optim.max_steps_per_epoch
         total = len(loader) if limit is None else min(limit, len(loader))
+        self.weakening.reset()
+        self._grad_norms.clear()
         bar = tqdm(
             total=total,
             desc=f"epoch {epoch + 1}/{cfg.optim.epochs}",
@@ -332,6 +347,7 @@ class Trainer:
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             ssr_on = gate() if gate is not None else False
+            self._set_ism_strength(epoch + (steps + 1) / max(total, 1))
             parts = self.train_step(images, labels, aug_gen, ssr_shard_gen, ssr_on)
             for k, v in parts.items():
                 sums[k] += v
@@ -344,7 +360,70 @@ class Trainer:
         losses = {k: v for k, v in means.items() if not k.startswith("u_")}
         unc = {k[2:]: v for k, v in means.items() if k.startswith("u_")}
         lr = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
-        return EpochRecord(epoch, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps)
+        ism = self._ism_summary()
+        self._check_learning(epoch, ism)
+        return EpochRecord(
+            epoch, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps, ism=ism
+        )
+
+    # ------------------------------------------------------------------ is ISM working?
+    def _set_ism_strength(self, progress_epochs: float) -> None:
+        """ISM warm-up: scale the relative uncertainty by ``min(1, t / metric.warmup_epochs)``,
+        ``t`` the epochs done after this step (a function of the step alone, so resume replays
+        it)."""
+        if self.ism_metric is None:
+            return
+        warmup = self.cfg.metric.warmup_epochs
+        self.ism_metric.strength = 1.0 if warmup <= 0 else min(1.0, progress_epochs / warmup)
+
+    def _ism_summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.ism_metric is not None:
+            out.update(self.weakening.summary())
+            out["strength"] = self.ism_metric.strength
+        if self._grad_norms:
+            norms = torch.stack(self._grad_norms).double()
+            out["grad_norm"] = float(norms.mean())
+            out["grad_norm_max"] = float(norms.max())
+        return out
+
+    def _check_learning(self, epoch: int, ism: dict[str, float]) -> None:
+        """Warn once when ISM saturates most relations, or when no gradient reaches the model."""
+        if not self.dist.is_main:
+            return
+        if (
+            self.ism_metric is not None
+            and "saturated" not in self._warned
+            and self.weakening.is_saturated()
+        ):
+            self._warned.add("saturated")
+            shares = ", ".join(
+                f"{k} {ism[f'{k}_saturated']:.0%}" for k in ("pos", "neg") if f"{k}_saturated" in ism
+            )
+            warnings.warn(
+                f"epoch {epoch + 1}: ISM saturates most relations (weakening e^(-y) < {SATURATED:g} "
+                f"for {shares} of the pairs): similarities are pinned and almost no gradient "
+                "reaches the model. Use the bounded uncertainty head "
+                "(model.uncertainty.form=bounded), lower model.uncertainty.max_norm or "
+                "model.uncertainty.init_level, raise metric.tau, lower metric.gamma, or set "
+                "metric.warmup_epochs",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if ism.get("grad_norm_max", 1.0) == 0.0 and "no_gradient" not in self._warned:
+            self._warned.add("no_gradient")
+            hint = (
+                " With ISM, a strict variant (metric.variant=strict) or ISM-Dis under a large "
+                "||u|| makes every pair constant: see the ism/* keys of metrics.jsonl."
+                if self.ism_metric is not None
+                else ""
+            )
+            warnings.warn(
+                f"epoch {epoch + 1}: the model received exactly zero gradient at every step, so "
+                f"training changes nothing but weight decay.{hint}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def train_step(
         self,
@@ -372,6 +451,7 @@ class Trainer:
                 unc = None if out.uncertainty is None else _upcast(out.uncertainty)
                 emb, global_batch = self.plan.gather(Embeddings(_upcast(out.semantic), unc), batch)
                 metric_loss = self._metric_loss(emb, global_batch)
+                self._monitor_weakening(emb, global_batch)
             parts["metric"] = float(metric_loss.detach())
             total = metric_loss
             if ssr_on and joint and self.ssr is not None:
@@ -399,7 +479,7 @@ class Trainer:
         if self.ranking_optimizer is not None:
             self.ranking_optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(total).backward()
-        self._clip_and_step(self.optimizer)
+        self._grad_norms.append(self._clip_and_step(self.optimizer)[0])
         if ssr_on and not joint and self.ssr is not None:
             # Alternating (SSR Alg. 1): after the metric step, a second forward, backward and step
             # on γ_r·L_ranking alone (it must see the updated weights, so it cannot reuse a graph).
@@ -419,6 +499,14 @@ class Trainer:
         averages them over ranks (:class:`idml.distributed.ParallelModules`).
         """
         return self._ddp(compute) if self._ddp is not None else compute()
+
+    def _monitor_weakening(self, emb: Embeddings, batch: AugmentedBatch) -> None:
+        """Record the ISM weakening factors of this step's relations (no gradient)."""
+        if self.ism_metric is None or not hasattr(self.loss, "weakening"):
+            return
+        found = self.loss.weakening(emb.detach(), batch.labels)
+        if found is not None:
+            self.weakening.update(*found)
 
     def _metric_loss(self, emb: Embeddings, batch: AugmentedBatch) -> Tensor:
         if not self.cfg.metric.introspective and self.cfg.loss.name != "pel":
@@ -452,17 +540,22 @@ class Trainer:
         parts["ranking_pos"] = float(sum(w * out.pos.detach() for w, out in weighted))
         return _upcast(loss)
 
-    def _clip_and_step(self, *optimizers: torch.optim.Optimizer) -> None:
+    def _clip_and_step(self, *optimizers: torch.optim.Optimizer) -> list[Tensor]:
         """Unscale, clip and step each optimizer of one backward, then update the AMP scale once:
         updating between them would unscale the later ones by a different factor than the one
-        their gradients were scaled with."""
+        their gradients were scaled with. Returns each optimizer's gradient norm (before clipping)."""
+        norms: list[Tensor] = []
         for opt in optimizers:
             self.scaler.unscale_(opt)
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if self.cfg.optim.grad_clip is not None:
-                params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-                torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norms.append(norm.detach())
             self.scaler.step(opt)
         self.scaler.update()
+        return norms
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

@@ -446,6 +446,29 @@ class DMLSplit:
             sides[side] = kept
         return DMLSplit(sides["train"], sides["test"], self.name)
 
+    def validation(self, fraction: float = 0.25) -> DMLSplit:
+        """A split of the *train* classes alone: the last ``ceil(fraction·C)`` classes (by
+        original class id) become the evaluation side, the others train; the test side is dropped.
+
+        Hyper-parameters are chosen on this split so that the test classes are never looked at.
+        """
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"validation fraction must lie in (0, 1), got {fraction}")
+        classes = np.asarray(self.train.classes)
+        held_out = int(np.ceil(fraction * len(classes)))
+        if not 1 <= held_out < len(classes):
+            raise ValueError(
+                f"{self.name}: a validation share of {fraction} of {len(classes)} train classes "
+                "leaves no class on one side; change data.validation_classes"
+            )
+        ids = self.train.class_ids.numpy()
+        validation = np.isin(ids, classes[-held_out:])
+        return DMLSplit(
+            self.train.subset(np.flatnonzero(~validation)),
+            self.train.subset(np.flatnonzero(validation)).with_transform(self.test.transform),
+            f"{self.name}/validation",
+        )
+
     def summary(self) -> dict[str, object]:
         """Counts for logs and reports: images and classes per side, skipped images."""
         return {

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from idml.data.datasets import DMLSplit, Transform
 from idml.data.loaders import load_cars, load_csv, load_cub, load_folder, load_sop
 from idml.data.offline import load_digits, load_fashion_mnist
+from idml.data.omniglot import load_omniglot
 
 
 class DatasetName(str, Enum):
@@ -32,6 +33,7 @@ class DatasetName(str, Enum):
     CSV = "csv"
     DIGITS = "digits"
     FASHION_MNIST = "fashion_mnist"
+    OMNIGLOT = "omniglot"
 
     @classmethod
     def parse(cls, name: DatasetName | str) -> DatasetName:
@@ -70,6 +72,7 @@ LOADERS: Mapping[DatasetName, Loader] = MappingProxyType(
         DatasetName.CSV: load_csv,
         DatasetName.DIGITS: load_digits,
         DatasetName.FASHION_MNIST: load_fashion_mnist,
+        DatasetName.OMNIGLOT: load_omniglot,
     }
 )
 """The loader of each dataset; each takes ``root`` first and its options as keywords."""
@@ -81,6 +84,7 @@ _ROOT_HINTS: Mapping[DatasetName, str] = MappingProxyType(
         DatasetName.SOP: "the Stanford_Online_Products folder (with Ebay_train.txt)",
         DatasetName.FOLDER: "a folder with one sub-folder of images per class",
         DatasetName.CSV: "a CSV file of path,label[,split] rows",
+        DatasetName.OMNIGLOT: "the folder with images_background_small1.zip and _small2.zip",
     }
 )
 """Datasets that need ``root``, and what it must point at."""

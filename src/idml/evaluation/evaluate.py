@@ -52,7 +52,13 @@ from idml.evaluation.retrieval_metrics import (
     ranks_from_neighbors,
 )
 from idml.evaluation.scoring import MetricSpec, PairScorer
-from idml.evaluation.uncertainty import UncertaintySummary, summarize_uncertainty
+from idml.evaluation.uncertainty import (
+    ConfidenceQuality,
+    UncertaintySummary,
+    confidence_quality,
+    oracle_aurc,
+    summarize_uncertainty,
+)
 from idml.metrics import IntrospectiveMetric
 
 ArrayLike = Tensor | np.ndarray
@@ -130,13 +136,25 @@ class EvaluationReport:
     uncertainty: UncertaintySummary | None
     timings: dict[str, float] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    confidence: dict[str, ConfidenceQuality] = field(default_factory=dict)
+    """How well each confidence score predicts a wrong top-1 neighbour
+    (:func:`~idml.evaluation.uncertainty.confidence_quality`): ``top1_cos`` always, ``norm_u`` and
+    ``combined`` when the queries carry uncertainty."""
+    oracle_aurc: float | None = None
+    """The AURC of a perfect confidence score at this error rate (the floor of every ``aurc_*``)."""
 
     @property
     def metrics(self) -> dict[str, float]:
-        """Retrieval metric means plus ``nmi`` (when computed), in report order."""
+        """Retrieval metric means, ``nmi`` (when computed), then ``auroc_<score>`` /
+        ``aurc_<score>`` of each confidence score and ``aurc_oracle``, in report order."""
         out = dict(self.retrieval.metrics)
         if self.nmi is not None:
             out["nmi"] = self.nmi
+        for name, quality in self.confidence.items():
+            out[f"auroc_{name}"] = quality.auroc
+            out[f"aurc_{name}"] = quality.aurc
+        if self.oracle_aurc is not None:
+            out["aurc_oracle"] = self.oracle_aurc
         return out
 
     @property
@@ -474,10 +492,26 @@ def evaluate_embeddings(
         timings["nmi"] = time.perf_counter() - start
 
     summary = None
-    if q_unc is not None:
+    levels = None if q_unc is None else q_unc.float().norm(dim=1).cpu()
+    if levels is not None:
         summary = summarize_uncertainty(
-            q_unc.float().norm(dim=1), q_labels, recall_at_1=retrieval.per_query.get("recall@1")
+            levels, q_labels, recall_at_1=retrieval.per_query.get("recall@1")
         )
+    confidence: dict[str, ConfidenceQuality] = {}
+    oracle = None
+    recall_at_1 = retrieval.per_query.get("recall@1")
+    if recall_at_1 is not None and values.shape[1] > 0:
+        # Lone queries have no right answer; queries with no neighbour at all have no answer.
+        answered = ~torch.isnan(recall_at_1) & ~torch.isnan(values[:, 0].double().cpu())
+        if bool(answered.any()):
+            errors = recall_at_1[answered] == 0
+            top1 = values[:, 0].double().cpu()[answered]
+            confidence = confidence_quality(
+                errors,
+                top1 if scorer.is_similarity else -top1,
+                None if levels is None else levels[answered],
+            )
+            oracle = oracle_aurc(errors)
     settings: dict[str, Any] = {
         "metric": scorer.name,
         "normalize": normalize,
@@ -488,7 +522,7 @@ def evaluate_embeddings(
         "seed": seed,
         "kmeans_iterations": kmeans_iterations,
     }
-    return EvaluationReport(retrieval, nmi_value, summary, timings, settings)
+    return EvaluationReport(retrieval, nmi_value, summary, timings, settings, confidence, oracle)
 
 
 def _num_relevant(q_labels: Tensor, ref_labels: Tensor, same_set: bool) -> Tensor:

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -107,3 +108,131 @@ def summarize_uncertainty(
         per_class_mean=per_class,
         recall_at_1_by_quartile=by_quartile,
     )
+
+
+# --------------------------------------------------------------------------- confidence of an answer
+@dataclass
+class ConfidenceQuality:
+    """How well one confidence score tells right top-1 answers from wrong ones.
+
+    Attributes:
+        auroc: area under the ROC curve of the score's *uncertainty* (its negation for confidence
+            scores) for detecting a wrong top-1 neighbour: 0.5 is chance, 1 a perfect detector.
+        aurc: area under the risk–coverage curve — the mean, over coverage levels, of the error
+            rate of the answers kept when only the most confident share is answered (lower is
+            better; Geifman & El-Yaniv 2017).
+    """
+
+    auroc: float
+    aurc: float
+
+
+def error_auroc(uncertainty: Tensor, errors: Tensor) -> float:
+    """``P(u_err > u_ok) + ½·P(u_err = u_ok)`` over all (wrong, right) pairs (Mann–Whitney).
+
+    NaN when every answer is right or every answer is wrong.
+
+    >>> error_auroc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([False, False, True, True]))
+    0.75
+    """
+    u = torch.as_tensor(uncertainty).double().flatten()
+    err = torch.as_tensor(errors).bool().flatten()
+    n_err, n_ok = int(err.sum()), int((~err).sum())
+    if n_err == 0 or n_ok == 0:
+        return math.nan
+    ranks = _average_ranks(u)
+    return float((ranks[err].sum() - n_err * (n_err + 1) / 2) / (n_err * n_ok))
+
+
+def risk_coverage(confidence: Tensor, errors: Tensor) -> tuple[Tensor, Tensor]:
+    """The risk–coverage curve: answering only the queries with confidence ``≥ c``, for each
+    observed ``c`` (most confident first), the share answered and their error rate.
+
+    Tied confidences are answered together (the curve does not depend on the order of ties).
+    Returns ``(coverage, risk)`` of the distinct confidence levels, each ``(L,)`` float64.
+    """
+    c = torch.as_tensor(confidence).double().flatten()
+    err = torch.as_tensor(errors).double().flatten()
+    order = torch.argsort(c, descending=True, stable=True)
+    c, err = c[order], err[order]
+    # The last position of each group of equal confidence.
+    ends = torch.cat([torch.nonzero(c[1:] != c[:-1]).flatten(), torch.tensor([len(c) - 1])])
+    answered = (ends + 1).double()
+    return answered / len(c), torch.cumsum(err, 0)[ends] / answered
+
+
+def aurc(confidence: Tensor, errors: Tensor) -> float:
+    """Area under the risk–coverage curve: ``mean_i risk(c_i)``, where ``risk(c)`` is the error
+    rate of the queries with confidence ``≥ c`` (lower is better).
+
+    >>> aurc(torch.tensor([0.9, 0.8, 0.7, 0.6]), torch.tensor([False, True, False, True]))
+    0.3333333333333333
+    """
+    coverage, risk = risk_coverage(confidence, errors)
+    counts = torch.diff(coverage, prepend=torch.zeros(1, dtype=torch.float64))
+    return float((risk * counts).sum())
+
+
+def oracle_aurc(errors: Tensor) -> float:
+    """The lowest AURC any score can reach at this error rate (all right answers first)."""
+    err = torch.as_tensor(errors).bool().flatten()
+    n = len(err)
+    ok = int((~err).sum())
+    # Right answers answered first carry risk 0; then every wrong answer adds one error.
+    risks = torch.arange(1, n - ok + 1, dtype=torch.float64) / torch.arange(
+        ok + 1, n + 1, dtype=torch.float64
+    )
+    return float(risks.sum() / n) if n else math.nan
+
+
+def confidence_quality(
+    errors: Tensor,
+    top1_similarity: Tensor,
+    uncertainty_level: Tensor | None = None,
+) -> dict[str, ConfidenceQuality]:
+    """AUROC and AURC of the retrieval confidence scores for "the top-1 neighbour is wrong".
+
+    Scores (each as a confidence, larger = surer):
+
+    - ``top1_cos``: the similarity of the nearest neighbour;
+    - ``norm_u``: ``−||u||`` of the query (IDML's uncertainty level), when known;
+    - ``combined``: the mean of the two scores' normalised ranks (no parameter to fit), when
+      ``||u||`` is known.
+
+    Args:
+        errors: ``(Q,)`` bool, the top-1 neighbour has another class.
+        top1_similarity: ``(Q,)`` similarity of each query's nearest neighbour.
+        uncertainty_level: ``(Q,)`` ``||u||`` of each query.
+    """
+    err = torch.as_tensor(errors).bool().flatten()
+    scores = {"top1_cos": torch.as_tensor(top1_similarity).double().flatten()}
+    if uncertainty_level is not None:
+        level = torch.as_tensor(uncertainty_level).double().flatten()
+        scores["norm_u"] = -level
+        n = len(level)
+        scores["combined"] = (_average_ranks(scores["top1_cos"]) + _average_ranks(-level)) / (2 * n)
+    out: dict[str, ConfidenceQuality] = {}
+    for name, confidence in scores.items():
+        if len(confidence) != len(err):
+            raise ValueError(
+                f"{name} has {len(confidence)} values but there are {len(err)} queries"
+            )
+        out[name] = ConfidenceQuality(error_auroc(-confidence, err), aurc(confidence, err))
+    return out
+
+
+def _average_ranks(values: Tensor) -> Tensor:
+    """1-based ranks of ``values`` in increasing order, ties given their average rank."""
+    order = torch.argsort(values, stable=True)
+    sorted_values = values[order]
+    n = len(values)
+    new_group = torch.ones(n, dtype=torch.bool)
+    new_group[1:] = sorted_values[1:] != sorted_values[:-1]
+    group = torch.cumsum(new_group.long(), 0) - 1
+    positions = torch.arange(1, n + 1, dtype=torch.float64)
+    sizes = torch.bincount(group).double()
+    first = positions[new_group]  # groups appear in sorted order: each starts at its first flag
+    mean_rank = first + (sizes - 1) / 2
+    ranks = torch.empty(n, dtype=torch.float64)
+    ranks[order] = mean_rank[group]
+    return ranks

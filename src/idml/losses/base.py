@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
-from idml.metrics import EuclideanDistance, Metric
-from idml.relations import LabelSets
+from idml.metrics import EuclideanDistance, IntrospectiveMetric, Metric
+from idml.relations import LabelSets, pair_masks
 
 
 class MetricLoss(nn.Module):
@@ -55,6 +55,22 @@ class MetricLoss(nn.Module):
     def pairwise(self, embeddings: Embeddings) -> Tensor:
         """The configured metric over all pairs of the batch (uncertainty used when present)."""
         return self.metric(embeddings.semantic, ux=embeddings.uncertainty)
+
+    @torch.no_grad()
+    def weakening(
+        self, embeddings: Embeddings, labels: LabelSets
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """ISM's weakening factor of the relations this loss compares, with their masks.
+
+        Returns ``(factors, positive, negative)``: the factor of every pair of the batch (self
+        pairs excluded from both masks), or ``None`` when the metric is not introspective or the
+        batch carries no uncertainty. Proxy losses compare samples with proxies instead.
+        """
+        if not isinstance(self.metric, IntrospectiveMetric) or embeddings.uncertainty is None:
+            return None
+        factors = self.metric.weakening(embeddings.semantic, ux=embeddings.uncertainty)
+        positive, negative = pair_masks(labels.to(factors.device))
+        return factors, positive, negative
 
 
 class ProxyLoss(MetricLoss):
@@ -115,6 +131,20 @@ class ProxyLoss(MetricLoss):
                 "labels must lie in 0..num_classes-1"
             )
         return super().forward(emb, sets)
+
+    @torch.no_grad()
+    def weakening(
+        self, embeddings: Embeddings, labels: LabelSets
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """ISM's weakening factor between each sample and each proxy, with the sample–proxy masks
+        (positive: a proxy of one of the sample's labels)."""
+        if not isinstance(self.metric, IntrospectiveMetric) or embeddings.uncertainty is None:
+            return None
+        factors = self.metric.weakening(
+            embeddings.semantic, self.proxies, embeddings.uncertainty, self.proxy_uncertainty
+        )
+        positive = labels.to(factors.device).proxy_mask(self.num_classes)
+        return factors, positive, ~positive
 
     def proxy_matrix(self, embeddings: Embeddings) -> Tensor:
         """``(B, C)`` metric values between samples and proxies."""

@@ -3,7 +3,10 @@
 For an image ``x`` with pooled backbone features ``f = pool(F(x))`` (SPEC §7):
 
 - semantic embedding ``s = W_s f + b_s``, returned L2-normalised, ``ŝ = s / ||s||``;
-- uncertainty embedding ``u = act(W_u f + b_u)`` from the *same* pooled features (IDML paper §III-C:
+- uncertainty embedding ``u`` from the *same* pooled features. By default a bounded level times a
+  learned direction, ``u = u_max·σ(w·f̂ + c)·normalize(W_u f + b_u)`` (:class:`BoundedUncertaintyHead`,
+  whose docstring gives the reasons: the paper's unbounded layer saturates ISM from the first step).
+  The paper's form, ``u = act(W_u f + b_u)``, is ``uncertainty_form='linear'`` (IDML paper §III-C:
   "two randomly initialised fully connected layers"; Wang et al. 2022, eq. 4 defines
   ``y_IN = f(x) = {s, u}``). The paper's default is a plain linear head — ``u`` not normalised, no
   activation — so that ``||u||`` is learned. Options: a ReLU/softplus activation, or L2-normalising
@@ -163,6 +166,91 @@ class UncertaintyHead(nn.Module):
         return f"activation={self.activation.value}, normalize={self.normalize}"
 
 
+class UncertaintyForm(ChoiceEnum):
+    """How the ISM uncertainty head sets the scale of ``u`` (see :class:`BoundedUncertaintyHead`)."""
+
+    BOUNDED = "bounded"
+    """``u = u_max·σ(a(f))·ẑ``: a learned level in ``(0, u_max)`` times a learned direction (default)."""
+    LINEAR = "linear"
+    """``u = act(W f + b)``: the paper's plain linear layer, scale left to the initialisation."""
+
+
+DEFAULT_UNCERTAINTY_MAX_NORM = 1.0
+"""Default bound ``u_max`` of ``||u||``: with ``τ = 5`` a pair at chord ``δ`` keeps
+``e^{−y} ≥ exp(−2/(5δ))`` (0.67 at ``δ = 1``, 0.14 at ``δ = 0.2``), so no pair farther apart than a
+near-duplicate can be weakened to nothing."""
+
+DEFAULT_UNCERTAINTY_INIT_LEVEL = 0.02
+"""Default starting level ``||u||/u_max``: ``β ≤ 0.04`` at the first step, so ``e^{−y} ≥ 0.5`` for
+every pair with ``δ ≥ 0.012`` (``γ = 0``, ``τ = 5``): ISM starts as the plain metric."""
+
+
+class BoundedUncertaintyHead(nn.Module):
+    """The default ISM uncertainty embedding: a bounded level times a learned direction.
+
+    For pooled features ``f`` (unit direction ``f̂ = f/||f||``)::
+
+        ẑ = (W f + b) / ||W f + b||                 direction   (the paper's linear layer)
+        a = w·f̂ + c                                 level logit
+        u = u_max · σ(a) · ẑ                        so ||u|| = u_max·σ(a) ∈ (0, u_max)
+
+    Why (IDML, Wang et al. 2022, eq. 5–7): ISM weakens a pair by ``e^{−y}``,
+    ``y = (β + γ)/(τ·δ)`` with ``β = ||u_i + u_j||`` and the semantic chord ``δ ∈ [0, 2]``. ``β``
+    must live on the scale of ``τ·δ`` (a few units at most), but a linear head's ``||u||`` is set by
+    its initialisation and the feature scale — about 12 on a small CNN and 26–56 on pretrained
+    EfficientNet-Lite0 features — which puts ``e^{−y}`` near ``10⁻¹⁰`` for every pair at the first
+    step: every similarity is 1, and every gradient, to ``u`` as well, carries the vanishing factor
+    ``e^{−y}``, so the state is absorbing. Three properties follow from this form:
+
+    - *Start as the plain metric.* ``c = logit(init_level)`` and ``w = 0`` give every image
+      ``||u|| = u_max·init_level`` (0.02 by default) at the first step, whatever the backbone, so
+      with ``γ = 0`` the median weakening is close to 1 for every loss.
+    - *Nothing absorbs.* ``β ≤ 2·u_max``, so every pair keeps
+      ``e^{−y} ≥ exp(−(2·u_max + γ)/(τ·δ))``: gradients through ISM cannot vanish except for
+      near-duplicates (``δ → 0``), and a saturated pair can recover.
+    - *Still learned, for every loss.* The level ``σ(a)`` depends on the image, so against
+      zero-uncertainty proxies ``β = ||u_i|| = u_max·σ(a_i)`` still varies and trains (unlike the
+      released code's L2-normalised ``u``, where ``β ≡ 1``); for pairs, ``β_ij = ||u_i + u_j||``
+      also depends on how the directions align, as in the paper.
+
+    The level logit reads the *unit* feature direction ``f̂`` so that its scale does not depend on
+    the backbone's feature magnitude (sum pooling of a pretrained network gives ``||f||`` in the
+    tens); the direction may read ``f`` itself, since only ``ẑ`` is used.
+
+    Args:
+        feature_dim, uncertainty_dim: input size and ``d_u``.
+        max_norm: ``u_max > 0``, the bound of ``||u||``.
+        init_level: ``||u||/u_max`` at initialisation, in ``(0, 1)``.
+    """
+
+    def __init__(
+        self,
+        feature_dim: int,
+        uncertainty_dim: int,
+        max_norm: float = DEFAULT_UNCERTAINTY_MAX_NORM,
+        init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL,
+    ) -> None:
+        super().__init__()
+        if not (math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"uncertainty max_norm must be a finite number > 0, got {max_norm}")
+        if not 0.0 < init_level < 1.0:
+            raise ValueError(f"uncertainty init_level must lie in (0, 1), got {init_level}")
+        self.linear = nn.Linear(feature_dim, uncertainty_dim)
+        self.level = nn.Linear(feature_dim, 1)
+        nn.init.zeros_(self.level.weight)
+        nn.init.constant_(self.level.bias, math.log(init_level / (1.0 - init_level)))
+        self.max_norm = float(max_norm)
+        self.init_level = float(init_level)
+
+    def forward(self, features: Tensor) -> Tensor:
+        direction = F.normalize(self.linear(features), dim=1)
+        level = torch.sigmoid(self.level(F.normalize(features, dim=1)))
+        return direction * (self.max_norm * level)
+
+    def extra_repr(self) -> str:
+        return f"max_norm={self.max_norm}, init_level={self.init_level}"
+
+
 PEL_INITIAL_NOISE_NORM = 0.1
 """Initial ``E||z − μ||`` of a PEL sample: small against unit-sphere distances, so training starts
 close to the deterministic embedding (our choice; the HIB paper gives no initialisation)."""
@@ -233,6 +321,9 @@ class EmbeddingModel(nn.Module):
         uncertainty_init_std: float | None = None,
         pooling: Pooling | str = Pooling.SUM,
         freeze_bn: bool = True,
+        uncertainty_form: UncertaintyForm | str = UncertaintyForm.BOUNDED,
+        uncertainty_max_norm: float = DEFAULT_UNCERTAINTY_MAX_NORM,
+        uncertainty_init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL,
         freeze_bn_affine: bool = False,
         validate_inputs: bool = True,
     ) -> None:
@@ -256,7 +347,26 @@ class EmbeddingModel(nn.Module):
         self.register_buffer("input_std", torch.tensor(backbone.std).view(1, channels, 1, 1))
         self.semantic_head = SemanticHead(backbone.feature_dim, embedding_dim)
         self.uncertainty_head: nn.Module | None = None
-        if self.uncertainty_kind is UncertaintyKind.ISM:
+        form = UncertaintyForm(uncertainty_form)
+        if self.uncertainty_kind is UncertaintyKind.ISM and form is UncertaintyForm.BOUNDED:
+            linear_only = {
+                "uncertainty_activation": activation is not UncertaintyActivation.NONE,
+                "uncertainty_normalize": uncertainty_normalize,
+                "uncertainty_init_std": uncertainty_init_std is not None,
+            }
+            if any(linear_only.values()):
+                names = ", ".join(k for k, v in linear_only.items() if v)
+                raise ValueError(
+                    f"{names} only apply to uncertainty_form='linear'; the bounded head sets its "
+                    "scale with uncertainty_max_norm and uncertainty_init_level"
+                )
+            self.uncertainty_head = BoundedUncertaintyHead(
+                backbone.feature_dim,
+                uncertainty_dim or embedding_dim,
+                uncertainty_max_norm,
+                uncertainty_init_level,
+            )
+        elif self.uncertainty_kind is UncertaintyKind.ISM:
             self.uncertainty_head = UncertaintyHead(
                 backbone.feature_dim,
                 uncertainty_dim or embedding_dim,
@@ -391,6 +501,9 @@ def build_model(
     freeze_bn_affine: bool = False,
     in_channels: int = 3,
     download: bool = False,
+    uncertainty_form: UncertaintyForm | str = UncertaintyForm.BOUNDED,
+    uncertainty_max_norm: float = DEFAULT_UNCERTAINTY_MAX_NORM,
+    uncertainty_init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL,
 ) -> EmbeddingModel:
     """Build an :class:`EmbeddingModel` from config-like keyword arguments (SPEC §7).
 
@@ -406,6 +519,11 @@ def build_model(
         uncertainty_normalize: L2-normalise ``u`` like the official code (no gradient reaches the head
             in proxy losses, see :class:`UncertaintyHead`).
         uncertainty_init_std: ``None`` = PyTorch's default Linear init, else ``N(0, std²)`` weights.
+        uncertainty_form: ``bounded`` (default, :class:`BoundedUncertaintyHead`) or ``linear``
+            (the paper's plain layer, :class:`UncertaintyHead`; activation, normalisation and
+            ``init_std`` apply to it only).
+        uncertainty_max_norm, uncertainty_init_level: the bounded head's ``u_max`` and starting
+            ``||u||/u_max``.
         pooling: ``gap`` | ``gmp`` | ``sum`` (``avg``/``max`` accepted as aliases) [sum].
         freeze_bn: freeze BatchNorm running statistics; ``None`` = freeze iff pretrained.
         freeze_bn_affine: also freeze BatchNorm ``γ, β``.
@@ -436,6 +554,9 @@ def build_model(
         pooling=pooling,
         freeze_bn=freeze_bn,
         freeze_bn_affine=freeze_bn_affine,
+        uncertainty_form=uncertainty_form,
+        uncertainty_max_norm=uncertainty_max_norm,
+        uncertainty_init_level=uncertainty_init_level,
     )
     model.build_config = {
         "backbone": str(spec),
@@ -450,5 +571,8 @@ def build_model(
         "freeze_bn": freeze_bn,
         "freeze_bn_affine": freeze_bn_affine,
         "in_channels": in_channels,
+        "uncertainty_form": UncertaintyForm(uncertainty_form).value,
+        "uncertainty_max_norm": uncertainty_max_norm,
+        "uncertainty_init_level": uncertainty_init_level,
     }
     return model

@@ -1,0 +1,83 @@
+"""Is ISM working? The saturation monitor of the introspective metric.
+
+ISM weakens each pair by ``e^{−y}``, ``y = (β + γ)/(τ·δ)`` (IDML, Wang et al. 2022, eq. 5–7). A
+factor near 1 trains like the plain metric; a factor near 0 means the pair is *saturated*: its
+similarity is pinned at 1 (or its distance at 0) and every gradient through it, to the semantic and
+to the uncertainty embedding alike, carries the vanishing ``e^{−y}``. When most pairs saturate, the
+loss is a constant and the model learns nothing, whatever the final metric then says.
+
+:class:`WeakeningMonitor` collects the factors a loss sees over an epoch, separately for positive
+and negative relations (pairs of the batch, or sample–proxy pairs for proxy losses), and
+summarises them as quantiles and the share of pairs below :data:`SATURATED` (``10⁻²``).
+
+Example:
+    >>> import torch
+    >>> monitor = WeakeningMonitor()
+    >>> factors = torch.tensor([[1.0, 0.5], [0.001, 0.9]])
+    >>> positive = torch.tensor([[False, True], [True, False]])
+    >>> monitor.update(factors, positive, ~positive)
+    >>> summary = monitor.summary()
+    >>> summary["pos_saturated"], summary["neg_saturated"]
+    (0.5, 0.0)
+    >>> monitor.is_saturated()
+    False
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SATURATED = 1e-2
+"""A pair whose weakening factor ``e^{−y}`` is below this is counted as saturated."""
+
+QUANTILES: tuple[float, ...] = (0.1, 0.5, 0.9)
+"""The quantiles of the factor that are logged, for positive and for negative relations."""
+
+SAMPLES_PER_UPDATE = 4096
+"""Factors kept per relation kind and step: a strided (deterministic) subsample of larger batches,
+so an epoch's summary costs a bounded amount of memory and draws no random numbers."""
+
+
+class WeakeningMonitor:
+    """Accumulates ISM weakening factors over steps and summarises them.
+
+    ``summary()`` keys: ``pos_q10``, ``pos_q50``, ``pos_q90``, ``pos_saturated`` (share below
+    :data:`SATURATED`) and the same for ``neg``; relations that never occurred are left out.
+    """
+
+    def __init__(self, samples_per_update: int = SAMPLES_PER_UPDATE) -> None:
+        self.samples_per_update = samples_per_update
+        self._values: dict[str, list[Tensor]] = {"pos": [], "neg": []}
+
+    def reset(self) -> None:
+        self._values = {"pos": [], "neg": []}
+
+    def update(self, factors: Tensor, positive: Tensor, negative: Tensor) -> None:
+        """Add one step's factors ``(B, B')`` with its positive and negative boolean masks."""
+        for kind, mask in (("pos", positive), ("neg", negative)):
+            values = factors.detach()[mask].float().cpu()
+            if values.numel() > self.samples_per_update:
+                stride = values.numel() / self.samples_per_update
+                index = (torch.arange(self.samples_per_update) * stride).long()
+                values = values[index]
+            if values.numel():
+                self._values[kind].append(values)
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind, parts in self._values.items():
+            if not parts:
+                continue
+            values = torch.cat(parts).double()
+            qs = torch.quantile(values, torch.tensor(QUANTILES, dtype=torch.float64))
+            for q, v in zip(QUANTILES, qs.tolist(), strict=True):
+                out[f"{kind}_q{round(q * 100):02d}"] = v
+            out[f"{kind}_saturated"] = float((values < SATURATED).double().mean())
+        return out
+
+    def is_saturated(self, share: float = 0.5) -> bool:
+        """Whether more than ``share`` of the positive *and* of the negative relations saturated."""
+        summary = self.summary()
+        kinds = [k for k in ("pos", "neg") if f"{k}_saturated" in summary]
+        return bool(kinds) and all(summary[f"{k}_saturated"] > share for k in kinds)
