@@ -398,7 +398,9 @@ class Trainer:
         ):
             self._warned.add("saturated")
             shares = ", ".join(
-                f"{k} {ism[f'{k}_saturated']:.0%}" for k in ("pos", "neg") if f"{k}_saturated" in ism
+                f"{k} {ism[f'{k}_saturated']:.0%}"
+                for k in ("pos", "neg")
+                if f"{k}_saturated" in ism
             )
             warnings.warn(
                 f"epoch {epoch + 1}: ISM saturates most relations (weakening e^(-y) < {SATURATED:g} "

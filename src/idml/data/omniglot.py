@@ -136,9 +136,7 @@ def _resolve_archives(
                 train, test = pair
                 break
         else:
-            expected = " or ".join(
-                " + ".join(f"{n}.zip" for n in (*p[0], *p[1])) for p in pairs
-            )
+            expected = " or ".join(" + ".join(f"{n}.zip" for n in (*p[0], *p[1])) for p in pairs)
             raise FileNotFoundError(
                 f"Omniglot: {root} holds neither {expected} (nor their unzipped folders); "
                 "put the authors' zip files there or name them with train_archives/test_archives"

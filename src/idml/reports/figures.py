@@ -50,7 +50,8 @@ def training_curves(log: RunLog) -> Figure:
     """Losses, SSR's ranking loss (when on), test metrics and learning rates per epoch."""
     losses = [k for k in log.keys("loss/") if k not in _RANKING_PARTS]
     ranking = [k for k in _RANKING_PARTS if k in log.keys("loss/")]
-    metrics = log.keys("test/")
+    # Confidence scores (auroc_*/aurc_*) have their own figure; here the retrieval metrics.
+    metrics = [k for k in log.keys("test/") if not k.startswith(("test/auroc_", "test/aurc_"))]
     rates = log.keys("lr/")
     panels = [("losses", losses, "loss/", False)]
     if ranking:
@@ -77,6 +78,62 @@ def uncertainty_trend(log: RunLog) -> Figure:
     _plot_series(axes, log, log.keys("uncertainty/"), "uncertainty/")
     axes.set_ylabel("mean uncertainty level ||u||")
     axes.set_title("uncertainty during training")
+    figure.tight_layout()
+    return figure
+
+
+def ism_saturation(log: RunLog) -> Figure:
+    """ISM's weakening ``e^{−y}`` of positive and negative relations per epoch (median, with the
+    10–90 % band) and the share of saturated relations (``e^{−y} < 10⁻²``): is ISM working?"""
+    figure = Figure(figsize=(9.0, 3.4))
+    weak, share = figure.subplots(1, 2)
+    colors = {"pos": "#2c7bb6", "neg": "#d7191c"}
+    names = {"pos": "positive", "neg": "negative"}
+    for kind, color in colors.items():
+        epochs, median = log.series(f"ism/{kind}_q50")
+        if not len(epochs):
+            continue
+        _, low = log.series(f"ism/{kind}_q10")
+        _, high = log.series(f"ism/{kind}_q90")
+        weak.plot(epochs, median, marker="o", markersize=3, color=color, label=names[kind])
+        if len(low) == len(epochs) and len(high) == len(epochs):
+            weak.fill_between(epochs, low, high, color=color, alpha=0.15, linewidth=0)
+        epochs, saturated = log.series(f"ism/{kind}_saturated")
+        share.plot(
+            epochs, 100 * saturated, marker="o", markersize=3, color=color, label=names[kind]
+        )
+    weak.set_yscale("log")
+    weak.set_ylabel("weakening e^(-y)  (1 = plain metric)")
+    weak.set_title("ISM weakening (median, 10–90 %)")
+    share.set_ylabel("% of relations with e^(-y) < 0.01")
+    share.set_ylim(-2, 102)
+    share.set_title("saturated relations")
+    last = max((int(line["epoch"]) + 1 for line in log.history), default=1)
+    for axes in (weak, share):
+        axes.set_xlabel("epoch")
+        axes.set_xlim(0.5, last + 0.5)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8, loc="best")
+    figure.tight_layout()
+    return figure
+
+
+def uncertainty_by_condition(levels: dict[str, np.ndarray], auroc: dict[str, float]) -> Figure:
+    """``||u||`` of the same test images clean and altered (Mixup, low resolution, blur,
+    occlusion), with the AUROC of ``||u||`` for telling each altered version from the clean one."""
+    figure = Figure(figsize=(6.4, 3.6))
+    axes = figure.subplots()
+    names = list(levels)
+    labels = [
+        name.replace("_", " ") + ("" if name not in auroc else f"\nAUROC {auroc[name]:.2f}")
+        for name in names
+    ]
+    axes.boxplot([levels[n] for n in names], showfliers=False, widths=0.6)
+    axes.set_xticks(range(1, len(names) + 1), labels, fontsize=8)
+    axes.set_ylabel("uncertainty level ||u||")
+    axes.set_title("test images: clean vs altered")
+    axes.grid(alpha=0.3, axis="y")
     figure.tight_layout()
     return figure
 

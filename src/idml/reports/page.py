@@ -244,6 +244,39 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
     return "\n".join(parts)
 
 
+_CONFIDENCE_SCORES = {
+    "top1_cos": "top-1 cosine similarity",
+    "norm_u": "−||u|| of the query",
+    "combined": "mean rank of both",
+}
+
+
+def _confidence_table(metrics: dict[str, float]) -> str:
+    """AUROC (wrong top-1 detection) and AURC (risk–coverage) of each confidence score."""
+    rows = []
+    for key, name in _CONFIDENCE_SCORES.items():
+        auroc, aurc = metrics.get(f"auroc_{key}"), metrics.get(f"aurc_{key}")
+        if auroc is None or aurc is None:
+            continue
+        rows.append(
+            f"<tr><td>{html.escape(name)}</td><td>{auroc:.3f}</td><td>{100 * aurc:.2f}</td></tr>"
+        )
+    if not rows:
+        return ""
+    oracle = metrics.get("aurc_oracle")
+    floor = "" if oracle is None else f" The best any score could reach: AURC {100 * oracle:.2f}."
+    return (
+        "<table><tr><th>confidence score</th><th>AUROC (wrong top-1)</th><th>AURC (%)</th></tr>"
+        + "".join(rows)
+        + "</table>"
+        + _note(
+            "AUROC: how well the score ranks wrong top-1 answers below right ones (0.5 = chance). "
+            "AURC: mean error rate when only the most confident queries are answered, over all "
+            f"coverage levels (lower is better).{floor}"
+        )
+    )
+
+
 def _run_section(index: int, report: RunReport, page: _Page) -> str:
     run, analysis = report.log, report.analysis
     cfg = run.config
@@ -276,6 +309,17 @@ def _run_section(index: int, report: RunReport, page: _Page) -> str:
         )
         if not run.mixup_enabled:
             parts.append(_note("Mixup was off in training, so only original images appear."))
+    if run.keys("ism/pos_q50") or run.keys("ism/neg_q50"):
+        parts.append("<h3>Is ISM working? Saturation of the weakening</h3>")
+        parts.append(
+            page.figure(
+                figures.ism_saturation(run),
+                f"{slug}-ism-saturation",
+                "ISM's weakening factor e^(-y) of positive and negative relations over each "
+                "training epoch (1: the plain metric; near 0: the pair is saturated, its "
+                "similarity pinned and its gradient gone) and the share of saturated relations.",
+            )
+        )
     else:
         parts.append(
             _note(
@@ -296,6 +340,23 @@ def _run_section(index: int, report: RunReport, page: _Page) -> str:
                 f"random test pairs, {analysis.checkpoint} checkpoint (IDML paper, Fig. 9).",
             )
         )
+        if analysis.probe is not None:
+            probe = analysis.probe
+            parts.append(
+                page.figure(
+                    figures.uncertainty_by_condition(
+                        {k: v.numpy() for k, v in probe.levels.items()}, probe.auroc
+                    ),
+                    f"{slug}-uncertainty-conditions",
+                    f"||u|| of {probe.levels['clean'].numel()} test images, clean and altered "
+                    "(Mixup with a random partner, low resolution ÷4, blur σ 2, a quarter "
+                    "occluded); AUROC: how often the altered image gets the larger ||u||.",
+                )
+            )
+        confidence = _confidence_table(analysis.metrics)
+        if confidence:
+            parts.append("<h3>Can the answer's confidence be trusted?</h3>")
+            parts.append(confidence)
     else:
         parts.append(
             _note("This run has no uncertainty head (plain metric): no test uncertainty levels.")

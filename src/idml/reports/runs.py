@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
 from idml.config import Config, load_config
+from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.embeddings import Embeddings
 
 
@@ -202,6 +203,8 @@ class TestAnalysis:
     """``(n, 2)`` t-SNE of a subsample of semantic embeddings (``None`` when too few points)."""
     tsne_labels: np.ndarray
     notes: list[str] = field(default_factory=list)
+    probe: UncertaintyProbe | None = None
+    """``||u||`` of a sample of test images clean and altered (``None`` without uncertainty)."""
 
     @property
     def correct(self) -> np.ndarray:
@@ -233,11 +236,12 @@ def analyse_run(
     metrics, pr_curve, all_neighbors = _evaluate(cfg, embeddings, labels, device, options.top_k)
     generator = torch.Generator().manual_seed(options.seed)
 
-    uncertainty = mixed = None
+    uncertainty = mixed = probe = None
     notes: list[str] = []
     if embeddings.uncertainty is not None:
         uncertainty = embeddings.uncertainty_level().numpy()
         mixed = _mixed_uncertainty(cfg, model, test, options, device, generator)
+        probe = uncertainty_probe(model, test, seed=options.seed, device=device)
 
     queries, neighbors = _sample_queries(labels, all_neighbors, options, generator)
     grid = _load_images(test, np.concatenate([queries[:, None], neighbors], axis=1))
@@ -260,6 +264,7 @@ def analyse_run(
         tsne=tsne,
         tsne_labels=tsne_labels,
         notes=notes,
+        probe=probe,
     )
 
 

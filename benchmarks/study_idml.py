@@ -1,0 +1,197 @@
+"""Does IDML help? Baseline, Mixup only, ISM only and IDML (ISM + Mixup) on real, unseen classes.
+
+Settings (all zero-shot: train and test classes are disjoint):
+
+- ``omniglot_cnn``: Omniglot's two minimal background splits (136 training characters of
+  Balinese, Early Aramaic, Greek, Korean and Latin; 106 test characters of Japanese (katakana),
+  Sanskrit and Tagalog, 20 drawers each), 28 px, a small CNN from scratch.
+- ``omniglot_lite0``: the same data at 32 px with EfficientNet-Lite0 from its shipped ImageNet
+  weights (BatchNorm frozen).
+- ``fashion_lite0``: Debian's Fashion-MNIST (classes 0–4 train, 5–9 test), subsampled per class,
+  32 px, EfficientNet-Lite0.
+
+Each setting trains every cell of ``loss × metric=plain,ism × mixup=off,on`` for Multi-Similarity,
+ProxyAnchor and Contrastive, ``--seeds`` seeds each (5 by default), through
+:func:`idml.ablation.run_ablation` (finished runs are reused on a re-run). Every arm of a setting
+has the same number of steps and epochs; the table reports the *last* epoch's test metrics (no
+best-epoch selection on test classes) as mean ± std over seeds (sample std), with Δ against the
+baseline of the same loss and whether it exceeds the larger of the two standard deviations.
+
+Hyper-parameters: the IDML-specific ones (the bounded uncertainty head's starting level and the
+ISM warm-up) were chosen with ``--validate``, which runs the same grid under
+``data.protocol=validation``: the last quarter of the *training* classes (by class id) is held out
+and evaluated, the test classes are never loaded. Everything else is shared with the baseline and
+was not tuned. ``--validate`` writes ``benchmarks/study/idml_validation_<setting>.md``.
+
+Run: ``python benchmarks/study_idml.py [--only omniglot_cnn] [--seeds 5] [--validate --seeds 2]``
+(``--omniglot-root`` defaults to ``../shared/data/omniglot`` next to the repository; the library
+itself never reads that folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from idml.ablation import AblationResult, CellResult, parse_grid, run_ablation
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot"
+
+COMMON = [
+    "data.resize_size=null",
+    "data.num_workers=0",
+    "data.horizontal_flip=false",
+    "sampler.classes_per_batch=12",
+    "sampler.images_per_class=5",
+    "optim.amp=false",
+    "optim.scheduler=cosine",
+    "optim.grad_clip=10",
+    "eval.every=1000",
+    "eval.nmi_backend=sklearn",
+    "tensorboard=false",
+    "mixup.fraction=0.5",
+]
+SMALL_CNN = [
+    "model.backbone=small_cnn",
+    "model.pretrained=false",
+    "model.embedding_dim=64",
+    "optim.lr=0.003",
+]
+LITE0 = [
+    "model.backbone=efficientnet_lite0",
+    "model.pretrained=true",
+    "model.embedding_dim=128",
+    "optim.lr=0.0003",
+    "optim.head_lr_mult=10",
+]
+SETTINGS: dict[str, list[str]] = {
+    "omniglot_cnn": [
+        *COMMON,
+        *SMALL_CNN,
+        "data.dataset=omniglot",
+        "data.image_size=28",
+        "data.train_crop_scale=[0.8, 1.0]",
+        "optim.epochs=5",
+    ],
+    "omniglot_lite0": [
+        *COMMON,
+        *LITE0,
+        "data.dataset=omniglot",
+        "data.image_size=32",
+        "data.train_crop_scale=[0.8, 1.0]",
+        "optim.epochs=4",
+    ],
+    "fashion_lite0": [
+        *COMMON,
+        *LITE0,
+        "data.dataset=fashion_mnist",
+        "data.samples_per_class=200",
+        "data.image_size=32",
+        "data.train_crop_scale=[0.7, 1.0]",
+        "optim.epochs=4",
+    ],
+}
+LOSSES = "loss=multi_similarity,proxy_anchor,contrastive"
+GRID = [LOSSES, "metric=plain,ism", "mixup=off,on"]
+METRICS = ["recall@1", "map@r", "nmi", "auroc_top1_cos", "auroc_norm_u"]
+VALIDATION_GRID = [
+    "loss=multi_similarity,proxy_anchor",
+    "metric=ism",
+    "mixup=on",
+    "model.uncertainty.init_level=0.02,0.1",
+    "metric.warmup_epochs=0,2",
+]
+
+
+def delta_table(result: AblationResult, metrics: list[str]) -> str:
+    """Markdown: each non-baseline cell against the plain, no-Mixup cell of the same loss."""
+    by_loss: dict[str, dict[tuple[str, str], CellResult]] = {}
+    for cell in result.cells:
+        values = dict(cell.cell.assignment)
+        key = (values.get("metric", "?"), values.get("mixup", "?"))
+        by_loss.setdefault(values.get("loss", "?"), {})[key] = cell
+    names = {("ism", "off"): "ISM only", ("plain", "on"): "Mixup only", ("ism", "on"): "IDML"}
+    header = "| loss | arm | " + " | ".join(f"Δ {m}" for m in metrics) + " |"
+    lines = [header, "|" + "---|" * (len(metrics) + 2)]
+    for loss, cells in by_loss.items():
+        base = cells.get(("plain", "off"))
+        if base is None:
+            continue
+        for key, arm in names.items():
+            cell = cells.get(key)
+            if cell is None:
+                continue
+            parts = []
+            for m in metrics:
+                bm, bs = base.mean_std(m, result.select)
+                cm, cs = cell.mean_std(m, result.select)
+                if math.isnan(bm) or math.isnan(cm):
+                    parts.append("n/a")
+                    continue
+                d = cm - bm
+                spread = max(bs, cs)
+                mark = "" if abs(d) <= spread else (" ▲" if d > 0 else " ▼")
+                parts.append(f"{100 * d:+.1f}{mark}")
+            lines.append(f"| {loss} | {arm} | " + " | ".join(parts) + " |")
+    lines.append(
+        "\nΔ in points (×100) against the baseline (plain metric, no Mixup) of the same loss; "
+        "▲/▼: the difference exceeds the larger of the two seed standard deviations."
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--only", choices=sorted(SETTINGS), action="append", default=None)
+    parser.add_argument("--validate", action="store_true", help="choose IDML's settings (see doc)")
+    parser.add_argument("--omniglot-root", type=Path, default=DEFAULT_OMNIGLOT)
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "study_idml")
+    parser.add_argument("--quick", action="store_true", help="1 epoch of 3 steps: a pipeline check")
+    parser.add_argument("--tables-only", action="store_true", help="tabulate finished runs only")
+    args = parser.parse_args()
+    tables = REPO / "benchmarks" / "study"
+    tables.mkdir(parents=True, exist_ok=True)
+    for setting in args.only or list(SETTINGS):
+        overrides = list(SETTINGS[setting])
+        if "data.dataset=omniglot" in overrides:
+            overrides.append(f"data.root={args.omniglot_root}")
+        if args.quick:
+            overrides += ["optim.epochs=1", "optim.max_steps_per_epoch=3"]
+        grid = VALIDATION_GRID if args.validate else GRID
+        if args.validate:
+            overrides.append("data.protocol=validation")
+        kind = "idml_validation" if args.validate else "idml"
+        out = args.out / (f"{setting}_validation" if args.validate else setting)
+        start = time.perf_counter()
+        result = run_ablation(
+            None,
+            parse_grid(grid),
+            seeds=args.seeds,
+            out_dir=out,
+            overrides=overrides,
+            metrics=METRICS,
+            train_missing=not args.tables_only,
+        )
+        minutes = (time.perf_counter() - start) / 60
+        shown = [o for o in overrides if not o.startswith("data.root=")]
+        text = [
+            f"# IDML study: {setting}{' (validation split of the training classes)' if args.validate else ''}\n",
+            "Settings: `" + " ".join(shown) + "`\n",
+            f"Grid: `{' '.join(grid)}`, {args.seeds} seeds, last-epoch metrics.\n",
+            (out / "ablation.md").read_text(),
+        ]
+        if not args.validate:
+            text.append("\n" + delta_table(result, ["recall@1", "map@r", "nmi"]))
+        text.append(f"\nWall time of this invocation: {minutes:.1f} min.\n")
+        suffix = "_quick" if args.quick else ""
+        path = tables / f"{kind}_{setting}{suffix}.md"
+        path.write_text("\n".join(text))
+        print(f"{setting}: {minutes:.1f} min -> {path}")
+
+
+if __name__ == "__main__":
+    main()
