@@ -361,7 +361,7 @@ def test_parameter_groups_partition_the_model() -> None:
     heads = {id(p) for p in model.head_parameters()}
     assert not backbone & heads
     assert backbone | heads == {id(p) for p in model.parameters()}
-    assert len(heads) == 4  # two Linear layers
+    assert len(heads) == 6  # semantic Linear; uncertainty direction and level Linears
 
 
 # --------------------------------------------------------------------------- heads
@@ -372,9 +372,29 @@ def _ism_proxy_objective(emb: Embeddings, proxies: torch.Tensor) -> torch.Tensor
     return distances.diagonal().mean()
 
 
-def test_default_uncertainty_head_is_linear_and_learns() -> None:
+def test_default_uncertainty_head_is_bounded_and_learns() -> None:
+    """``u = u_max·σ(w·f̂ + c)·normalize(W f + b)``: at the start every ||u|| is u_max·init_level,
+    and the level's gradient under ISM against zero-uncertainty proxies is not zero."""
     torch.manual_seed(0)
     model = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=True)
+    features = model.features(_images(4, 3, 8))
+    emb = model(_images(4, 3, 8))
+    assert emb.uncertainty is not None
+    head = model.uncertainty_head
+    level = head.max_norm * torch.sigmoid(head.level(F.normalize(features, dim=1)))
+    torch.testing.assert_close(
+        emb.uncertainty, level * F.normalize(head.linear(features), dim=1), rtol=1e-6, atol=1e-7
+    )
+    torch.testing.assert_close(emb.uncertainty.norm(dim=1), torch.full((4,), 0.02))
+    _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
+    assert head.level.bias.grad is not None and head.level.bias.grad.abs() > 0
+
+
+def test_linear_uncertainty_head_is_the_papers_layer_and_learns() -> None:
+    torch.manual_seed(0)
+    model = build_model(
+        "small_cnn", pretrained=False, embedding_dim=8, uncertainty=True, uncertainty_form="linear"
+    )
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
     torch.testing.assert_close(
@@ -392,7 +412,12 @@ def test_normalised_uncertainty_head_has_unit_norm_and_no_gradient() -> None:
     """The official code's L2-normalised u: ||u|| ≡ 1, hence β ≡ 1 against proxies, hence no gradient."""
     torch.manual_seed(0)
     model = build_model(
-        "small_cnn", pretrained=False, embedding_dim=8, uncertainty=True, uncertainty_normalize=True
+        "small_cnn",
+        pretrained=False,
+        embedding_dim=8,
+        uncertainty=True,
+        uncertainty_normalize=True,
+        uncertainty_form="linear",
     )
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
@@ -415,6 +440,7 @@ def test_uncertainty_activations_are_non_negative(activation: str) -> None:
         uncertainty=True,
         uncertainty_dim=5,
         uncertainty_activation=activation,
+        uncertainty_form="linear",
     )
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None and emb.uncertainty.shape == (4, 5)
@@ -428,12 +454,25 @@ def test_uncertainty_activations_are_non_negative(activation: str) -> None:
 def test_uncertainty_init_std_sets_the_starting_level() -> None:
     torch.manual_seed(0)
     model = build_model(
-        "small_cnn", pretrained=False, embedding_dim=8, uncertainty=True, uncertainty_init_std=0.0
+        "small_cnn",
+        pretrained=False,
+        embedding_dim=8,
+        uncertainty=True,
+        uncertainty_init_std=0.0,
+        uncertainty_form="linear",
     )
     emb = model(_images(2, 3, 8))
     assert emb.uncertainty is not None and not bool(emb.uncertainty.any())
     with pytest.raises(ValueError, match="uncertainty_init_std"):
-        build_model("small_cnn", pretrained=False, uncertainty=True, uncertainty_init_std=-1.0)
+        build_model(
+            "small_cnn",
+            pretrained=False,
+            uncertainty=True,
+            uncertainty_init_std=-1.0,
+            uncertainty_form="linear",
+        )
+    with pytest.raises(ValueError, match="only apply to uncertainty_form='linear'"):
+        build_model("small_cnn", pretrained=False, uncertainty=True, uncertainty_init_std=0.1)
 
 
 def test_pel_head_outputs_mean_and_log_variance() -> None:

@@ -190,16 +190,17 @@ def test_unknown_key_lists_valid_keys() -> None:
 def test_uncertainty_init_std_reaches_the_head_and_is_validated() -> None:
     from idml import build
 
-    cfg = load_config(None, [*TINY, *IDML, "model.uncertainty.init_std=0.0"])
+    linear = [*TINY, *IDML, "model.uncertainty.form=linear"]
+    cfg = load_config(None, [*linear, "model.uncertainty.init_std=0.0"])
     model = build.build_model(cfg)
     x = torch.rand(3, 3, 8, 8)
     u = model(x).uncertainty
     assert u is not None and torch.count_nonzero(u) == 0  # zero weights, zero bias: ISM = plain
-    default = build.build_model(load_config(None, [*TINY, *IDML]))
+    default = build.build_model(load_config(None, linear))
     assert torch.count_nonzero(default(x).uncertainty) > 0
     for bad in ("-0.1", "nan", "small"):
         with pytest.raises(ConfigError, match=r"model\.uncertainty\.init_std"):
-            load_config(None, [*TINY, *IDML, f"model.uncertainty.init_std={bad}"])
+            load_config(None, [*linear, f"model.uncertainty.init_std={bad}"])
 
 
 def test_uncertainty_lr_mult_gives_the_uncertainty_head_its_own_group(tmp_path: Path) -> None:
@@ -385,7 +386,9 @@ def test_uncertainty_head_gradient_official_preset_versus_default(preset: str) -
     loss = build.build_loss(cfg, num_classes=4)
     images, labels = torch.rand(8, 3, 16, 16), torch.arange(8) % 4
     loss(model(images), labels).backward()
-    u_grad = model.uncertainty_head.linear.weight.grad
+    # Against zero-uncertainty proxies only ||u|| matters: the bounded head's level learns.
+    head = model.uncertainty_head
+    u_grad = (head.linear if preset == "official" else head.level).weight.grad
     s_grad = model.semantic_head.linear.weight.grad
     assert u_grad is not None and s_grad is not None
     if preset == "official":

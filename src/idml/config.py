@@ -418,10 +418,25 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
     loss = raw.get("loss")
     if isinstance(loss, dict) and "name" not in loss:
         raw = {**raw, "loss": {"name": DEFAULT_LOSS, **loss}}
+    raw = _keep_linear_head_of_old_runs(raw)
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err, raw, source)) from None
+
+
+_LINEAR_HEAD_KEYS = ("normalize", "activation", "init_std")
+
+
+def _keep_linear_head_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run written before ``model.uncertainty.form`` existed spells out every key of its
+    uncertainty head but ``form``; it was the linear head, so it stays one (its checkpoints hold
+    that head's weights)."""
+    model = raw.get("model")
+    head = model.get("uncertainty") if isinstance(model, dict) else None
+    if isinstance(head, dict) and "form" not in head and all(k in head for k in _LINEAR_HEAD_KEYS):
+        return {**raw, "model": {**model, "uncertainty": {**head, "form": "linear"}}}
+    return raw
 
 
 RUNTIME_KEYS: frozenset[str] = frozenset(
