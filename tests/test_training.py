@@ -347,10 +347,12 @@ def test_cli_reports_config_errors(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_demo_runs_with_a_small_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["demo", "--epochs", "1", "--out", str(tmp_path), "--no-progress", "--no-report"]
-    assert main(args) == 0
+    args = ["demo", "--epochs", "1", "--seeds", "2", "--out", str(tmp_path), "--no-progress"]
+    assert main([*args, "--no-report"]) == 0
     out = capsys.readouterr().out
-    assert "baseline" in out and "IDML" in out and "recall@1" in out
+    assert "baseline" in out and "IDML" in out and "recall@1" in out and "map@r" in out
+    assert "±" in out and "over 2 seed(s)" in out
+    assert (tmp_path / "seed1" / "idml" / "metrics.jsonl").is_file()
 
 
 @pytest.mark.slow

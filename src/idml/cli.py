@@ -278,7 +278,8 @@ def _run_embed(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="baseline vs IDML on the bundled digits (no download)")
     p.add_argument("--epochs", type=int, default=8, help="training epochs of each run")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first seed")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per arm (mean ± std)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report of both runs")
@@ -288,7 +289,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from idml.demo import run_demo
 
-    result = run_demo(args.out, epochs=args.epochs, seed=args.seed, progress=not args.no_progress)
+    result = run_demo(
+        args.out,
+        epochs=args.epochs,
+        seed=args.seed,
+        progress=not args.no_progress,
+        seeds=args.seeds,
+    )
     print("Digits 0-4 train, unseen digits 5-9 test; small CNN, Multi-Similarity loss")
     print(result.table())
     print(f"runs: {args.out}/baseline, {args.out}/idml")

@@ -7,6 +7,7 @@ the introspective similarity metric and Mixup set labels, everything else equal.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,21 +49,57 @@ DEMO_IDML: list[str] = [
 """What IDML changes: an uncertainty head, ISM, and Mixup images with set labels."""
 
 
+DEMO_METRICS = ("recall@1", "map@r", "nmi", "auroc_top1_cos", "auroc_norm_u")
+"""The rows of the demo's table: retrieval (R@1 is near its ceiling on digits, MAP@R and NMI are
+not), then how well the top-1 cosine and ||u|| flag a wrong top-1 neighbour (AUROC)."""
+
+
 @dataclass
 class DemoResult:
-    baseline: TrainResult
-    idml: TrainResult
+    """Both arms of the demo, one :class:`TrainResult` per seed each."""
+
+    baseline: list[TrainResult]
+    idml: list[TrainResult]
 
     def table(self) -> str:
-        keys = [k for k in self.baseline.final_metrics if k in self.idml.final_metrics]
-        rows = [("metric", "baseline", "IDML", "Δ")]
-        for key in keys:
-            a, b = self.baseline.final_metrics[key], self.idml.final_metrics[key]
-            rows.append((key, f"{a:.4f}", f"{b:.4f}", f"{b - a:+.4f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        """Mean ± std over seeds of each metric, the difference, and whether it exceeds the larger
+        of the two standard deviations (with one seed there is no spread to compare)."""
+        rows = [("metric", "baseline", "IDML", "Δ", "beyond seed spread")]
+        for key in DEMO_METRICS:
+            a = [r.final_metrics[key] for r in self.baseline if key in r.final_metrics]
+            b = [r.final_metrics[key] for r in self.idml if key in r.final_metrics]
+            if not b:
+                continue
+            (ma, sa), (mb, sb) = _mean_std(a), _mean_std(b)
+            delta = "" if math.isnan(ma) else f"{mb - ma:+.4f}"
+            spread = max(sa, sb)
+            if math.isnan(ma) or math.isnan(spread):
+                beyond = "n/a"
+            else:
+                beyond = "yes" if abs(mb - ma) > spread else "no"
+            rows.append((key, _cell(ma, sa), _cell(mb, sb), delta, beyond))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        seeds = len(self.baseline)
+        lines.append(f"mean ± std over {seeds} seed(s), last epoch; auroc_*: wrong top-1 detection")
         return "\n".join(lines)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    mean = sum(finite) / len(finite)
+    if len(finite) < 2:
+        return mean, math.nan
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1))
+
+
+def _cell(mean: float, std: float) -> str:
+    if math.isnan(mean):
+        return "n/a"
+    return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
 
 
 def demo_configs(
@@ -74,9 +111,17 @@ def demo_configs(
     return baseline, idml
 
 
-def run_demo(out_dir: Path, epochs: int = 8, seed: int = 0, progress: bool = True) -> DemoResult:
-    """Train both demo runs under ``out_dir`` and return their results."""
-    baseline_cfg, idml_cfg = demo_configs(epochs, seed)
-    baseline = Trainer(baseline_cfg, out_dir / "baseline", progress=progress).fit()
-    idml = Trainer(idml_cfg, out_dir / "idml", progress=progress).fit()
-    return DemoResult(baseline, idml)
+def run_demo(
+    out_dir: Path, epochs: int = 8, seed: int = 0, progress: bool = True, seeds: int = 3
+) -> DemoResult:
+    """Train both arms for ``seeds`` seeds (``seed``, ``seed + 1``, …) under ``out_dir``:
+    ``baseline`` and ``idml`` hold the first seed's runs, ``seed<k>/{baseline,idml}`` the others."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    result = DemoResult([], [])
+    for k in range(seeds):
+        baseline_cfg, idml_cfg = demo_configs(epochs, seed + k)
+        folder = out_dir if k == 0 else out_dir / f"seed{seed + k}"
+        result.baseline.append(Trainer(baseline_cfg, folder / "baseline", progress=progress).fit())
+        result.idml.append(Trainer(idml_cfg, folder / "idml", progress=progress).fit())
+    return result

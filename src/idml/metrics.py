@@ -14,6 +14,12 @@ a pair by its joint uncertainty ``β_ij = ||u_i + u_j||``::
 ``dD_IN/dα = e^{−y}(1 + y) ∈ (0, 1]`` for ``p = 1``: certain pairs train as with the plain metric,
 uncertain pairs pull less. With ``γ = 0`` and ``u ≡ 0`` ISM equals the plain metric exactly.
 
+``β`` must live on the scale of ``τ·α`` (``α ≤ 2`` on the unit sphere): an uncertainty embedding with
+``||u||`` in the tens puts ``e^{−y}`` near ``10⁻¹⁰`` for every pair, and every gradient through ISM
+with it. The default uncertainty head keeps ``||u||`` bounded and starts it small
+(:class:`idml.models.model.BoundedUncertaintyHead`); :mod:`idml.monitoring` measures the weakening
+during training, and :attr:`IntrospectiveMetric.strength` lets a trainer ramp ISM in (a warm-up).
+
 Example:
     >>> import torch
     >>> x = torch.nn.functional.normalize(torch.randn(5, 8), dim=1)

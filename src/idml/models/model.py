@@ -213,6 +213,10 @@ class BoundedUncertaintyHead(nn.Module):
       released code's L2-normalised ``u``, where ``β ≡ 1``); for pairs, ``β_ij = ||u_i + u_j||``
       also depends on how the directions align, as in the paper.
 
+    With ``γ > 0`` (the paper's Cars setting, 2–3) every pair is weakened on purpose from the first
+    step, whatever ``u`` is: ``e^{−y} ≤ exp(−γ/(τ·δ))``, e.g. 0.45 for ``γ = 2``, ``τ = 5`` and
+    ``δ = 0.5``; the head only adds to that.
+
     The level logit reads the *unit* feature direction ``f̂`` so that its scale does not depend on
     the backbone's feature magnitude (sum pooling of a pretrained network gives ``||f||`` in the
     tens); the direction may read ``f`` itself, since only ``ẑ`` is used.
