@@ -701,8 +701,8 @@ def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
         shutil.rmtree(plan.run_dir)
     resume = _resumable(plan)
     start = time.perf_counter()
-    trainer = trainer_cls(plan.cfg, plan.run_dir, progress=progress)
     try:
+        trainer = trainer_cls(plan.cfg, plan.run_dir, progress=progress)
         outcome = trainer.fit(resume=resume)
     except FloatingPointError as err:
         # Name the cell: a failure deep inside the grid is otherwise hard to place.

@@ -34,6 +34,14 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or belongs to another model."""
 
 
+class CheckpointPointerError(CheckpointError):
+    """A ``latest``/``best`` pointer that names something other than a checkpoint of its run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (disk full, permissions); the previous one stays."""
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
     tmp = path.with_name(path.name + ".tmp")
@@ -81,6 +89,32 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``run_dir/checkpoints/<name>`` atomically and point ``latest`` at it."""
     root = run_dir / "checkpoints"
+    tmp = root / f"{name}.tmp"
+    try:
+        return _write_checkpoint(root, name, model, training_modules, optimizers, state)
+    except (OSError, RuntimeError, ValueError) as err:  # safetensors reports I/O as its own error
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = root / LATEST
+        kept = (
+            f"the previous checkpoint {previous.read_text().strip()} stays latest"
+            if previous.is_file()
+            else "no earlier checkpoint exists"
+        )
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {name} into {root}: {reason}; {kept}. Free disk space (or "
+            "fix the folder's permissions) and continue with --resume"
+        ) from err
+
+
+def _write_checkpoint(
+    root: Path,
+    name: str,
+    model: nn.Module,
+    training_modules: dict[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    state: dict[str, Any],
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     tmp = root / f"{name}.tmp"
@@ -126,9 +160,32 @@ def resolve_checkpoint(path: Path, which: str = LATEST) -> Path:
             f"{path} holds no checkpoint (no {pointer}); pass a run folder written by `idml train` "
             "or a checkpoint folder containing model.safetensors"
         )
-    target = path / "checkpoints" / pointer.read_text().strip()
+    target = _pointer_target(pointer)
     if not (target / MODEL_FILE).is_file():
         raise CheckpointError(f"checkpoint {target} named by {pointer} is missing {MODEL_FILE}")
+    return target
+
+
+def _pointer_target(pointer: Path) -> Path:
+    """The checkpoint folder a pointer names: a plain folder name inside the same
+    ``checkpoints/`` folder, never a path (or a link) leading out of the run."""
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"cannot read checkpoint pointer {pointer}: {err}") from err
+    root = pointer.parent
+    target = root / name
+    inside = (
+        name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and target.resolve().parent == root.resolve()
+    )
+    if not inside:
+        raise CheckpointPointerError(
+            f"checkpoint pointer {pointer} names {name!r}, which is not a checkpoint folder of this "
+            f"run; it must hold the name of a folder in {root} (e.g. epoch_0003). Fix or delete it"
+        )
     return target
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,14 +27,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERRORS = (ValueError, OSError, KeyError, ArithmeticError)
+"""What the library raises for bad input, bad files, a full disk or a diverging run: printed as one
+line (exit 2). ``ValueError`` covers ``ConfigError``, ``CheckpointError``, ``RunFolderError`` and
+codec errors; ``ArithmeticError`` the trainer's ``NonFiniteError``."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The library warns about settings that make a run meaningless; say so in the CLI's own voice.
+    warnings.formatwarning = lambda message, category, *_a, **_k: (
+        f"idml {args.command}: warning: {message}\n"
+        if issubclass(category, UserWarning)
+        else f"{category.__name__}: {message}\n"
+    )
     try:
         return int(args.run(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        print(f"idml {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        print(f"idml {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message; a bare ``KeyError('x')`` or ``OSError`` also says what it was."""
+    if isinstance(err, KeyError) and len(err.args) == 1:
+        return f"missing entry {err.args[0]!r}"
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    return str(err) or type(err).__name__
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -220,6 +243,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     _add_overrides(p, "override a config value, e.g. --set optim.epochs=10 (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a folder that holds a run; the old run is moved to "
+        "OUT.replaced-<time>, not deleted",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=_run_train)
 
@@ -242,7 +271,7 @@ def _run_train(args: argparse.Namespace) -> int:
     context = init_distributed(device=cfg.device)
     try:
         trainer = Trainer(cfg, out, progress=not args.no_progress, distributed=context)
-        result = trainer.fit(resume=args.resume)
+        result = trainer.fit(resume=args.resume, overwrite=args.overwrite)
     finally:
         destroy_distributed(context)
     if not context.is_main:

@@ -350,7 +350,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; see configs/ for the presets")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (a binary file?); give a YAML config"
+            ) from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
         if not isinstance(raw, dict):

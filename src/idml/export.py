@@ -18,7 +18,13 @@ import torch
 from safetensors.torch import save_file
 
 from idml import build
-from idml.checkpoint import CheckpointError, load_model_weights, read_state, resolve_checkpoint
+from idml.checkpoint import (
+    CheckpointError,
+    CheckpointPointerError,
+    load_model_weights,
+    read_state,
+    resolve_checkpoint,
+)
 from idml.config import Config, validate_config
 from idml.data import IMAGE_EXTENSIONS, FileImageDataset, ImageRecords, build_transforms
 from idml.evaluation import EvaluationReport
@@ -43,11 +49,18 @@ def load_trained_run(path: Path, which: str = "best") -> TrainedRun:
     path = Path(path)
     try:
         ckpt = resolve_checkpoint(path, which)
+    except CheckpointPointerError:
+        raise  # a pointer out of the run is refused, never worked around
     except CheckpointError:
         if which != "best":
             raise
         ckpt, which = resolve_checkpoint(path, "latest"), "latest"
     state = read_state(ckpt)
+    if not isinstance(state.get("config"), dict):
+        raise CheckpointError(
+            f"{ckpt / 'state.json'} has no 'config' entry, so the model cannot be rebuilt; it was "
+            "not written by `idml train` (or was edited): use the run's own checkpoint folder"
+        )
     cfg = validate_config(state["config"], source=str(ckpt / "state.json"))
     # Never fetch pretrained weights just to overwrite them with the checkpoint's.
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"pretrained": False})})

@@ -1,0 +1,283 @@
+"""No lost work, no silent mistakes, errors that name the thing: the CLI under bad input and faults.
+
+Each case checks the exit code, that the message names the file, key or value, and that nothing
+that was there before was deleted or overwritten.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from idml import checkpoint
+from idml.cli import main
+from idml.config import load_config
+from idml.run_folder import LOCK_FILE, claim_run_folder
+from idml.training import Trainer
+from tiny_run import TINY
+
+
+def _train_args(out: Path, config: Path, *extra: str) -> list[str]:
+    args = ["train", str(config), "--out", str(out), "--no-progress"]
+    for item in [*TINY, *extra]:
+        args += ["--set", item]
+    return args
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text("name: tiny\n")
+    return path
+
+
+@pytest.fixture
+def trained(tmp_path: Path, config: Path) -> Path:
+    """A finished 2-epoch run."""
+    out = tmp_path / "run"
+    assert main(_train_args(out, config, "optim.epochs=2")) == 0
+    return out
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------------------------------------- lost work
+def test_training_into_a_run_needs_resume_or_overwrite(
+    trained: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _snapshot(trained)
+    capsys.readouterr()
+    assert main(_train_args(trained, config, "optim.epochs=2")) == 2
+    err = capsys.readouterr().err
+    assert str(trained) in err and "--resume" in err and "--overwrite" in err
+    assert "epoch_0001" in err  # says what is there
+    assert _snapshot(trained) == before
+
+
+def test_overwrite_moves_the_old_run_aside(
+    trained: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _snapshot(trained)
+    capsys.readouterr()
+    assert main([*_train_args(trained, config, "optim.epochs=1"), "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    aside = [p for p in trained.parent.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and str(aside[0]) in out
+    assert _snapshot(aside[0]) == before  # every file of the old run, unchanged
+    assert len((trained / "metrics.jsonl").read_text().splitlines()) == 1
+    assert not (trained / LOCK_FILE).exists()
+
+
+def test_resume_and_overwrite_together_are_refused(trained: Path, config: Path) -> None:
+    before = _snapshot(trained)
+    assert main([*_train_args(trained, config), "--resume", "--overwrite"]) == 2
+    assert _snapshot(trained) == before
+
+
+def test_a_second_writer_is_refused_naming_the_process(
+    trained: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _snapshot(trained)
+    capsys.readouterr()
+    # A live trainer (another process) holds the folder: a sleeping child stands in for it.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"pid": child.pid, "host": os.uname().nodename, "started": 0.0}
+        (trained / LOCK_FILE).write_text(json.dumps(lock))
+        args = [*_train_args(trained, config, "optim.epochs=3"), "--resume"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"process {child.pid}" in err and str(trained) in err
+        assert {k: v for k, v in _snapshot(trained).items() if k != LOCK_FILE} == before
+    finally:
+        child.kill()
+        child.wait()
+    # Its writer gone, the stale lock is taken over and the run continues.
+    assert main([*_train_args(trained, config, "optim.epochs=3"), "--resume"]) == 0
+    assert len((trained / "metrics.jsonl").read_text().splitlines()) == 3
+    assert not (trained / LOCK_FILE).exists()
+
+
+def test_two_trainers_on_one_folder_the_second_refused(tmp_path: Path, config: Path) -> None:
+    out = tmp_path / "run"
+    with claim_run_folder(out, resume=False, overwrite=False):  # the first trainer is writing
+        assert main(_train_args(out, config)) == 2
+        assert main([*_train_args(out, config), "--overwrite"]) == 2
+    assert not (out / "metrics.jsonl").exists()
+    assert main(_train_args(out, config)) == 0
+
+
+def test_eval_select_is_checked_before_training(
+    tmp_path: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(_train_args(out, config, "eval.select=accuracy")) == 2
+    err = capsys.readouterr().err
+    assert "eval.select='accuracy'" in err and "recall@1" in err and "map@r" in err
+    assert not out.exists() or not (out / "checkpoints").exists()  # no step was taken
+    # nmi is only a metric when it is computed (TINY has eval.nmi=false).
+    assert main(_train_args(out, config, "eval.select=nmi")) == 2
+    assert main(_train_args(out, config, "eval.select=recall@2")) == 0
+
+
+def test_resumed_cosine_run_with_more_epochs_follows_a_fresh_schedule(tmp_path: Path) -> None:
+    common = [*TINY, "optim.scheduler=cosine", "optim.lr=0.001"]
+
+    def lrs(run_dir: Path) -> list[float]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["lr/heads"] for line in lines]
+
+    Trainer(load_config(None, [*common, "optim.epochs=4"]), tmp_path / "full", False).fit()
+    Trainer(load_config(None, [*common, "optim.epochs=2"]), tmp_path / "part", False).fit()
+    resumed = Trainer(load_config(None, [*common, "optim.epochs=4"]), tmp_path / "part", False)
+    resumed.fit(resume=True)
+    full, part = lrs(tmp_path / "full"), lrs(tmp_path / "part")
+    # Epochs 1-2 ran under the 2-epoch schedule; epochs 3-4 run as in an uninterrupted 4-epoch
+    # run. The same recursion on the same float64 base rates: equal, not close.
+    assert part[:2] == [0.001, 0.0005]
+    assert part[2:] == full[2:] and part[2] > 0
+    assert resumed.scheduler is not None
+    assert resumed.scheduler.state_dict()["T_max"] == 4
+
+
+# --------------------------------------------------------------------------- silent mistakes
+def test_a_diverging_run_stops_naming_the_step_and_writes_no_checkpoint(
+    tmp_path: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "diverge"
+    capsys.readouterr()
+    # lr 1e30: the steps leave finite but huge weights; the test set's embeddings overflow.
+    code = main(_train_args(out, config, "optim.lr=1e30"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "NaN or inf" in err and "learning rate" in err
+    assert not (out / "checkpoints" / "latest").exists()  # no NaN weights were written
+    # A rate whose AdamW step cannot even be represented in float32 is refused up front.
+    assert main(_train_args(tmp_path / "other", config, "optim.lr=1e300")) == 2
+    assert "optim.lr=1e+300" in capsys.readouterr().err
+
+
+def test_divergence_after_a_good_epoch_leaves_that_epoch_latest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = load_config(None, [*TINY, "optim.epochs=2"])
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    real = trainer.train_step
+
+    def poisoned(*args, **kwargs):
+        parts = real(*args, **kwargs)
+        if trainer._position == (1, 1):
+            with torch.no_grad():
+                next(trainer.model.parameters()).fill_(float("nan"))
+            trainer._check_finite_weights()
+        return parts
+
+    monkeypatch.setattr(trainer, "train_step", poisoned)
+    with pytest.raises(FloatingPointError, match=r"epoch 2, step 2.*epoch_0000\) stays latest"):
+        trainer.fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "epoch_0000"
+    again = Trainer(cfg, tmp_path / "run", progress=False).fit(resume=True)
+    assert len(again.history) == 2
+
+
+def test_meaningless_settings_are_refused_or_warned(
+    tmp_path: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(_train_args(out, config, "data.resize_size=4")) == 2
+    err = capsys.readouterr().err
+    assert "data.resize_size=4" in err and "data.image_size=8" in err
+    args = ["optim.head_lr_mult=0", "optim.backbone_lr_mult=0"]
+    assert main(_train_args(out, config, *args)) == 2
+    assert "nothing would train" in capsys.readouterr().err
+    with pytest.warns(UserWarning) as caught:
+        assert main(_train_args(out, config, "optim.warmup_epochs=3", "data.resize_size=32")) == 0
+    messages = [str(w.message) for w in caught]
+    assert any(m.startswith("optim.warmup_epochs=3 >= optim.epochs=1") for m in messages)
+    assert any(m.startswith("data.resize_size=32 with data.image_size=8") for m in messages)
+    assert any("central 6%" in m for m in messages)  # (8/32)² of the area
+
+
+# --------------------------------------------------------------------------- errors name the thing
+def test_checkpoint_write_failing_half_way_keeps_the_previous_checkpoint(
+    trained: Path, config: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = checkpoint.save_file
+    calls = []
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        calls.append(filename)
+        if len(calls) == 2:  # model.safetensors is written, training.safetensors hits a full disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    capsys.readouterr()
+    assert main([*_train_args(trained, config, "optim.epochs=3"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(trained / "checkpoints") in err
+    assert "epoch_0001 stays latest" in err
+    root = trained / "checkpoints"
+    assert (root / "latest").read_text().strip() == "epoch_0001"
+    assert not list(root.glob("*.tmp")) and not (root / "epoch_0002").exists()
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    assert main([*_train_args(trained, config, "optim.epochs=3"), "--resume"]) == 0
+    assert (root / "latest").read_text().strip() == "epoch_0002"
+
+
+@pytest.mark.parametrize("target", ["../../elsewhere", "/tmp", "..", ""])
+def test_pointers_must_stay_inside_the_run(
+    trained: Path, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    outside = trained.parent / "elsewhere"
+    outside.mkdir(exist_ok=True)
+    (outside / checkpoint.MODEL_FILE).write_bytes(b"")
+    for which in ("latest", "best"):
+        (trained / "checkpoints" / which).write_text(target + "\n")
+        code = main(["evaluate", "--checkpoint", str(trained), "--which", which])
+        err = capsys.readouterr().err
+        assert code == 2 and f"checkpoint pointer {trained / 'checkpoints' / which}" in err
+
+
+def test_a_pointer_through_a_link_out_of_the_run_is_refused(trained: Path) -> None:
+    outside = trained.parent / "elsewhere"
+    outside.mkdir()
+    (trained / "checkpoints" / "epoch_9999").symlink_to(outside)
+    (trained / "checkpoints" / "latest").write_text("epoch_9999\n")
+    with pytest.raises(checkpoint.CheckpointPointerError, match="epoch_9999"):
+        checkpoint.resolve_checkpoint(trained)
+
+
+def test_state_without_config_and_out_below_a_file(
+    trained: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = trained / "checkpoints" / "epoch_0001" / checkpoint.STATE_FILE
+    data = json.loads(state.read_text())
+    del data["config"]
+    state.write_text(json.dumps(data))
+    assert main(["evaluate", "--checkpoint", str(trained), "--which", "latest"]) == 2
+    err = capsys.readouterr().err
+    assert str(state) in err and "'config'" in err
+    blocker = trained.parent / "a_file"
+    blocker.write_text("x")
+    assert main(_train_args(blocker / "run", config)) == 2
+    assert f"{blocker} is a file" in capsys.readouterr().err
+
+
+def test_binary_config_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(bytes(range(256)))
+    assert main(["train", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "not UTF-8" in err
+    assert not (tmp_path / "run").exists()
