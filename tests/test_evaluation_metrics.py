@@ -25,6 +25,8 @@ from idml.evaluation.retrieval_metrics import (
 )
 from synthetic import clustered
 
+pytestmark = pytest.mark.numerics  # compares numbers across runs/processes/implementations
+
 needs_faiss = pytest.mark.skipif(not faiss_available(), reason="faiss is not installed")
 
 

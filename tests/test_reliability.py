@@ -129,6 +129,7 @@ def test_eval_select_is_checked_before_training(
     assert main(_train_args(out, config, "eval.select=recall@2")) == 0
 
 
+@pytest.mark.numerics
 def test_resumed_cosine_run_with_more_epochs_follows_a_fresh_schedule(tmp_path: Path) -> None:
     common = [*TINY, "optim.scheduler=cosine", "optim.lr=0.001"]
 
@@ -281,3 +282,165 @@ def test_binary_config_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert str(path) in err and "not UTF-8" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_names_a_corrupt_log_line_and_drops_a_cut_last_one(
+    trained: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = trained / "metrics.jsonl"
+    good = log.read_text()
+    log.write_text(good + '{"epoch": 2, "ste')  # killed while logging an epoch never checkpointed
+    assert main([*_train_args(trained, config, "optim.epochs=3"), "--resume"]) == 0
+    assert [json.loads(x)["epoch"] for x in log.read_text().splitlines()] == [0, 1, 2]
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0][:10], *lines[1:]]) + "\n")
+    capsys.readouterr()
+    assert main([*_train_args(trained, config, "optim.epochs=4"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"line 1 of {log}" in err
+    assert (trained / "checkpoints" / "latest").read_text().strip() == "epoch_0002"
+
+
+def test_no_progress_prints_one_line_per_epoch(
+    tmp_path: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_train_args(tmp_path / "run", config, "optim.epochs=2")) == 0
+    out = capsys.readouterr().out.splitlines()
+    epochs = [line for line in out if line.startswith("epoch ")]
+    assert len(epochs) == 2 and epochs[0].startswith("epoch 1/2: loss ")
+    assert "recall@1" in epochs[1] and "2 steps" in epochs[1]
+
+
+def test_embed_honours_the_csv_split_and_gives_a_baseline_zero_uncertainty(
+    trained: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import numpy as np
+    from PIL import Image
+
+    folder = trained.parent / "imgs"
+    folder.mkdir()
+    rows = []
+    for i in range(5):
+        Image.fromarray(np.full((12, 12, 3), 40 * i, np.uint8)).save(folder / f"{i}.png")
+        rows.append(f"{i}.png,{i % 2},{'test' if i < 3 else 'train'}")
+    index = folder / "index.csv"
+    # A spreadsheet export: byte-order mark before the header.
+    index.write_text("\ufeffpath,label,split\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    out = trained.parent / "emb.npz"
+    args = ["embed", "--checkpoint", str(trained), "--images", str(index), "--out", str(out)]
+    assert main([*args, "--split", "test"]) == 0  # TINY trains no uncertainty head
+    data = np.load(out)
+    assert data["embeddings"].shape == (3, 16) and (data["uncertainty"] == 0).all()
+    assert [Path(p).name for p in data["paths"]] == ["0.png", "1.png", "2.png"]
+    capsys.readouterr()
+    assert main([*args, "--split", "val"]) == 2
+    err = capsys.readouterr().err
+    assert "'val'" in err and "splits: ['test', 'train']" in err
+    assert main([*args, "--split", "test", "--images", str(folder)]) == 2
+
+
+def test_csv_root_that_is_a_folder_is_named(tmp_path: Path, config: Path) -> None:
+    from idml.data.loaders import load_csv
+
+    with pytest.raises(FileNotFoundError, match=f"data.root {tmp_path} is a folder"):
+        load_csv(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("mode", "value", "expected"),
+    [
+        ("I;16", 30000, round(30000 * 255 / 65535)),  # 16-bit grey: scaled, not clipped to 255
+        ("I", 30000, round(30000 * 255 / 65535)),  # how Pillow opens 16-bit TIFFs and some PNGs
+        ("F", 0.5, 128),  # float in [0, 1]
+    ],
+)
+def test_wide_pixel_modes_keep_their_range(
+    tmp_path: Path, mode: str, value: float, expected: int
+) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from idml.data.datasets import decode_image_file
+
+    dtype = {"I;16": np.uint16, "I": np.int32, "F": np.float32}[mode]
+    image = Image.fromarray(np.full((4, 5), value, dtype))
+    if image.mode != mode:
+        image = image.convert(mode)
+    suffix = ".png" if mode == "I;16" else ".tif"  # PNG cannot store modes I and F
+    path = tmp_path / f"grey{suffix}"
+    image.save(path)
+    with Image.open(path) as opened:
+        assert opened.mode in ("I;16", "I", "F"), opened.mode  # the file really is wide
+    pixels = decode_image_file(str(path), 3)
+    assert pixels.shape == (3, 4, 5) and pixels.unique().tolist() == [expected]
+
+
+@pytest.mark.parametrize("mode", ["P", "CMYK", "RGBA", "LA", "1"])
+def test_other_pillow_modes_convert_as_pillow_does(tmp_path: Path, mode: str) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from idml.data.datasets import decode_image_file
+
+    rgb = Image.fromarray(np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3) * 5)
+    image = rgb.convert(mode)
+    path = tmp_path / ("x.tif" if mode == "CMYK" else "x.png")
+    image.save(path)
+    with Image.open(path) as opened:
+        expected = np.asarray(opened.convert("RGB")).transpose(2, 0, 1)
+    assert np.array_equal(decode_image_file(str(path), 3).numpy(), expected)
+
+
+def test_data_verify_skips_corrupt_images_counted_and_reported(
+    tmp_path: Path,
+    config: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import numpy as np
+    from PIL import Image
+
+    rows = ["path,label,split"]
+    for c in range(6):
+        for i in range(4):
+            name = f"c{c}_{i}.png"
+            Image.fromarray(np.full((10, 10, 3), 30 * c + i, np.uint8)).save(tmp_path / name)
+            rows.append(f"{name},{c},{'train' if c < 3 else 'test'}")
+    (tmp_path / "c0_1.png").write_bytes(b"not a png")
+    index = tmp_path / "index.csv"
+    index.write_text("\n".join(rows) + "\n")
+    data = ["data.dataset=csv", f"data.root={index}", "sampler.classes_per_batch=2"]
+    data += ["sampler.images_per_class=2", "data.samples_per_class=null"]
+    out = tmp_path / "run"
+    assert main(_train_args(out, config, *data, "data.verify=raise")) == 2
+    err = capsys.readouterr().err
+    assert "c0_1.png" in err and "data.verify=skip" in err
+    with caplog.at_level("WARNING"):
+        assert main(_train_args(out, config, *data, "data.verify=skip")) == 0
+    assert "1 of 12 images cannot be read" in caplog.text and "c0_1.png" in caplog.text
+
+
+def test_image_size_override_rescales_a_recipe_resize() -> None:
+    preset = "configs/idml/cub_proxy_anchor_idml.yaml"  # image_size 224, resize_size 256
+    assert load_config(preset, ["data.image_size=64"]).data.resize_size == 73
+    assert load_config(preset, ["data.image_size=64", "data.resize_size=64"]).data.resize_size == 64
+    # A resize that did not follow the recipe's ratio was chosen on purpose and stays.
+    assert load_config(None, ["data.resize_size=300", "data.image_size=64"]).data.resize_size == 300
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("device=tpu", "device"),
+        ("seed=-1", "seed"),
+        ("data.image_size=1", "data.image_size=1"),
+        ("optim.lr=1e300", "optim.lr"),
+    ],
+)
+def test_bad_values_are_one_line_errors_naming_the_key(
+    tmp_path: Path, config: Path, setting: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_train_args(tmp_path / "run", config, setting)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("idml train: error: ") and named in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -75,7 +75,14 @@ def build_data(cfg: Config) -> DMLSplit:
     if d.dataset not in _OFFLINE | {"fashion_mnist"} and d.root is None:
         raise ValueError(f"data.root must point at the {d.dataset!r} dataset folder")
     root = d.root if d.dataset != "digits" else None
-    return load_split(d.dataset, root, train_transform=train_tf, test_transform=test_tf, **options)
+    return load_split(
+        d.dataset,
+        root,
+        train_transform=train_tf,
+        test_transform=test_tf,
+        verify=d.verify,
+        **options,
+    )
 
 
 def train_loader(

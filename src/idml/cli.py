@@ -7,6 +7,7 @@ function that calls into the library.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
 from collections.abc import Sequence
@@ -270,7 +271,14 @@ def _run_train(args: argparse.Namespace) -> int:
     # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
     context = init_distributed(device=cfg.device)
     try:
-        trainer = Trainer(cfg, out, progress=not args.no_progress, distributed=context)
+        trainer = Trainer(
+            cfg,
+            out,
+            progress=not args.no_progress,
+            distributed=context,
+            # Without bars a long run would print nothing until it ends: one line per epoch.
+            epoch_log=functools.partial(print, flush=True) if args.no_progress else None,
+        )
         result = trainer.fit(resume=args.resume, overwrite=args.overwrite)
     finally:
         destroy_distributed(context)
@@ -291,6 +299,7 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help=".npz, .pt or .safetensors file")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--which", choices=["best", "latest"], default="best")
+    p.add_argument("--split", default=None, help="CSV only: embed the rows of this split column")
     p.set_defaults(run=_run_embed)
 
 
@@ -298,7 +307,9 @@ def _run_embed(args: argparse.Namespace) -> int:
     from idml.export import embed_images, load_trained_model
 
     cfg, model = load_trained_model(args.checkpoint, which=args.which)
-    n = embed_images(cfg, model, args.images, args.out, batch_size=args.batch_size)
+    n = embed_images(
+        cfg, model, args.images, args.out, batch_size=args.batch_size, split=args.split
+    )
     print(f"wrote {n} embeddings to {args.out}")
     return 0
 

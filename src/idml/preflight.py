@@ -9,6 +9,9 @@ image). Every message names the keys involved and what to change.
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from idml.config import Config, ConfigError
 from idml.data.transforms import eval_resize_size
 
@@ -75,3 +78,22 @@ def check_run_config(cfg: Config) -> list[str]:
             "optim.backbone_lr_mult=0 to freeze it on purpose"
         )
     return warnings
+
+
+def check_model_input(model: nn.Module, cfg: Config, channels: int = 3) -> None:
+    """One forward of a blank ``data.image_size`` batch, so that a crop too small for the
+    backbone's downsampling fails here, naming the keys, and not inside torch mid-epoch."""
+    size = cfg.data.image_size
+    was_training = model.training
+    device = next(model.parameters()).device
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, channels, size, size, device=device))
+    except RuntimeError as err:
+        raise ConfigError(
+            f"data.image_size={size} is too small for model.backbone={cfg.model.backbone} "
+            f"({str(err).splitlines()[0]}); raise data.image_size"
+        ) from None
+    finally:
+        model.train(was_training)

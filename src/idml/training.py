@@ -52,7 +52,7 @@ from idml.distributed import (
     wrap_ddp,
 )
 from idml.embeddings import Embeddings
-from idml.preflight import check_run_config
+from idml.preflight import check_model_input, check_run_config
 from idml.ranking import RankingOutput, draw_images
 from idml.run_folder import claim_run_folder
 
@@ -106,6 +106,8 @@ class Trainer:
         shards: split each global batch into this many shards for the per-shard random draws (Mixup,
             degradations, SSR); defaults to the number of processes. A single process with
             ``shards=R`` reproduces an ``R``-process run exactly (:class:`idml.distributed.ShardPlan`).
+        epoch_log: called (rank 0 only) with one summary line per finished epoch, e.g. ``print``
+            when no progress bars are shown.
 
     Example:
         >>> from idml.config import load_config
@@ -120,9 +122,11 @@ class Trainer:
         progress: bool = True,
         distributed: DistributedContext | None = None,
         shards: int | None = None,
+        epoch_log: Callable[[str], None] | None = None,
     ) -> None:
         # Before any work: a config that cannot work is refused here, naming its keys.
         self.config_warnings = check_run_config(cfg)
+        self.epoch_log = epoch_log
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.dist = distributed if distributed is not None else DistributedContext()
@@ -132,6 +136,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.data = build.build_data(cfg)
         self.model = build.build_model(cfg).to(self.device)
+        check_model_input(self.model, cfg)
         self.loss = build.build_loss(cfg, self.data.num_train_classes).to(self.device)
         self.ssr = build.build_ssr(cfg, self.model.feature_dim)
         if self.ssr is not None:
@@ -255,9 +260,7 @@ class Trainer:
         self.best_value = float(state.get("best_value", -math.inf))
         self.best_epoch = int(state.get("best_epoch", -1))
         self.best_metrics = dict(state.get("best_metrics", {}))
-        self.history = [
-            json.loads(line) for line in self._log_path.read_text().splitlines() if line
-        ][: self.start_epoch]
+        self.history = _read_log(self._log_path, self.start_epoch)
         self.dist.barrier()  # every rank has read the log before rank 0 truncates it
         if self.dist.is_main:
             self._log_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
@@ -568,6 +571,8 @@ class Trainer:
     def _log(self, record: EpochRecord) -> None:
         line = record.to_json()
         self.history.append(line)
+        if self.epoch_log is not None and self.dist.is_main:
+            self.epoch_log(_epoch_summary(record, self.cfg.optim.epochs))
         if not self.dist.is_main:
             return
         with open(self._log_path, "a") as fh:
@@ -607,6 +612,43 @@ class Trainer:
         if self.best_epoch == epoch:
             mark_best(self.run_dir, name)
         _prune(self.run_dir / "checkpoints", keep={name, f"epoch_{self.best_epoch:04d}"})
+
+
+def _read_log(path: Path, epochs: int) -> list[dict[str, Any]]:
+    """The first ``epochs`` lines of ``metrics.jsonl``. Lines after them belong to epochs whose
+    checkpoint was never written (a line cut by a crash among them) and are dropped."""
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise ValueError(
+            f"cannot resume: {path} is missing; the run folder is incomplete"
+        ) from None
+    if len(lines) < epochs:
+        raise ValueError(
+            f"cannot resume: {path} has {len(lines)} epoch lines but the checkpoint is of epoch "
+            f"{epochs}; the log was truncated or replaced"
+        )
+    history = []
+    for number, line in enumerate(lines[:epochs], start=1):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"cannot resume: line {number} of {path} is not JSON ({err.msg}); restore the "
+                "line or start again with --overwrite"
+            ) from None
+    return history
+
+
+def _epoch_summary(record: EpochRecord, epochs: int) -> str:
+    """``epoch 3/60: loss 0.4312, recall@1 0.5120 (41.2 s)``: the loss and the first metric."""
+    parts = [f"epoch {record.epoch + 1}/{epochs}:"]
+    if "total" in record.losses:
+        parts.append(f"loss {record.losses['total']:.4f},")
+    for key, value in list(record.metrics.items())[:1]:
+        parts.append(f"{key} {value:.4f},")
+    parts.append(f"{record.steps} steps, {record.seconds:.1f} s")
+    return " ".join(parts)
 
 
 class NonFiniteError(FloatingPointError):
