@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -444,3 +445,67 @@ def test_bad_values_are_one_line_errors_naming_the_key(
     err = capsys.readouterr().err
     assert err.startswith("idml train: error: ") and named in err and "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_corrupt_image_in_a_loader_worker_is_one_line_naming_the_file(
+    tmp_path: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import numpy as np
+    from PIL import Image
+
+    rows = ["path,label,split"]
+    for c in range(6):
+        for i in range(4):
+            Image.fromarray(np.full((10, 10, 3), 9 * c + i, np.uint8)).save(
+                tmp_path / f"{c}{i}.png"
+            )
+            rows.append(f"{c}{i}.png,{c},{'train' if c < 3 else 'test'}")
+    for i in range(4):  # every image of class 0: the first batch meets one
+        (tmp_path / f"0{i}.png").write_bytes(b"\x89PNG broken")
+    index = tmp_path / "index.csv"
+    index.write_text("\n".join(rows) + "\n")
+    data = ["data.dataset=csv", f"data.root={index}", "sampler.classes_per_batch=3"]
+    data += ["sampler.images_per_class=2", "data.samples_per_class=null", "data.num_workers=1"]
+    assert main(_train_args(tmp_path / "run", config, *data)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(r"cannot decode image \S+/0[0-3]\.png", err)
+    assert "DataLoader worker" not in err and "data.verify=skip" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("labels.npy", "holds strings"), ("evil.pt", "refused to load"), ("g.safetensors", "not a")],
+)
+def test_unreadable_evaluation_inputs_are_one_line_errors(
+    tmp_path: Path, name: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import numpy as np
+
+    emb = tmp_path / "e.npy"
+    np.save(emb, np.random.default_rng(0).random((6, 4), dtype=np.float32))
+    path = tmp_path / name
+    if name == "labels.npy":
+        np.save(path, np.array(["a", "b", "a", "b", "c", "c"]))
+        args = ["--embeddings", str(emb), "--labels", str(path)]
+    elif name == "evil.pt":
+        torch.save({"embeddings": _Pickled()}, path)  # a class: weights_only refuses it
+        args = ["--embeddings", str(path)]
+    else:
+        path.write_bytes(b"garbage" * 10)
+        args = ["--embeddings", str(path)]
+    assert main(["evaluate", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and message in err
+
+
+class _Pickled:
+    """An arbitrary Python object: a .pt file holding it must never be unpickled."""
+
+
+def test_report_out_below_a_file_is_named(
+    trained: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = trained.parent / "not_a_folder"
+    blocker.write_text("x")
+    assert main(["report", str(trained), "--out", str(blocker / "rep"), "--no-test"]) == 2
+    assert f"{blocker} is a file" in capsys.readouterr().err

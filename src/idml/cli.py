@@ -57,7 +57,12 @@ def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.strerror:
         where = f": {err.filename}" if err.filename else ""
         return f"{err.strerror}{where}"
-    return str(err) or type(err).__name__
+    text = str(err) or type(err).__name__
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        # Re-raised from a DataLoader worker: the original error's message is the last line.
+        last = text.rstrip().splitlines()[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return text
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -380,6 +385,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 def _run_report(args: argparse.Namespace) -> int:
     from idml.distributed import resolve_device
     from idml.reports import AnalysisOptions, write_report
+    from idml.run_folder import make_folder
 
     out = args.out or (args.runs[0] / "report" if len(args.runs) == 1 else Path("report"))
     analysis = [  # (flag, AnalysisOptions field or None, value given)
@@ -397,6 +403,7 @@ def _run_report(args: argparse.Namespace) -> int:
             "which --no-test skips; drop them or --no-test"
         )
     options = AnalysisOptions(**{field: value for _, field, value in given if field})
+    make_folder(out, "report folder")  # a file in the way is named before any figure is drawn
     page = write_report(
         args.runs,
         out,

@@ -46,18 +46,19 @@ def holds_run(run_dir: Path) -> bool:
     return ckpts.is_dir() and any(ckpts.iterdir())
 
 
-def make_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` (and its parents), with an error that names the path in the way."""
-    for parent in (run_dir, *run_dir.parents):
+def make_folder(folder: Path, what: str = "run folder") -> None:
+    """Create ``folder`` (and its parents), with an error that names the path in the way."""
+    folder = Path(folder)
+    for parent in (folder, *folder.parents):
         if parent.exists() and not parent.is_dir():
             raise RunFolderError(
-                f"run folder {run_dir}: {parent} is a file, not a folder; choose another --out"
+                f"{what} {folder}: {parent} is a file, not a folder; choose another --out"
             )
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunFolderError(
-            f"cannot create run folder {run_dir}: {err.strerror or err}; choose another --out"
+            f"cannot create {what} {folder}: {err.strerror or err}; choose another --out"
         ) from err
 
 
@@ -76,7 +77,7 @@ def claim_run_folder(
     """
     if resume and overwrite:
         raise RunFolderError("give either --resume or --overwrite, not both")
-    make_run_dir(run_dir)
+    make_folder(run_dir)
     lock = _acquire(run_dir)
     try:
         moved = None
