@@ -211,15 +211,24 @@ def test_meaningless_settings_are_refused_or_warned(
 
 
 # --------------------------------------------------------------------------- errors name the thing
+@pytest.mark.parametrize("raised_by", ["os", "safetensors"])
 def test_checkpoint_write_failing_half_way_keeps_the_previous_checkpoint(
-    trained: Path, config: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    trained: Path,
+    config: Path,
+    raised_by: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    from safetensors import SafetensorError
+
     real = checkpoint.save_file
     calls = []
 
     def disk_full(tensors, filename, *args, **kwargs):
         calls.append(filename)
         if len(calls) == 2:  # model.safetensors is written, training.safetensors hits a full disk
+            if raised_by == "safetensors":  # how the Rust serializer reports ENOSPC
+                raise SafetensorError("Error while serializing: No space left on device (os 28)")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
         return real(tensors, filename, *args, **kwargs)
 

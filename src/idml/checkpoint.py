@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -87,13 +90,50 @@ def save_checkpoint(
     optimizers: dict[str, torch.optim.Optimizer],
     state: dict[str, Any],
 ) -> Path:
-    """Write checkpoint ``run_dir/checkpoints/<name>`` atomically and point ``latest`` at it."""
+    """Write checkpoint ``run_dir/checkpoints/<name>`` atomically and point ``latest`` at it.
+
+    A failed write (disk full, permissions) removes the partial folder and raises
+    :class:`CheckpointWriteError`; the previous checkpoint stays ``latest``.
+    """
     root = run_dir / "checkpoints"
-    tmp = root / f"{name}.tmp"
+    with _reported_write(root, name):
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / name
+        tmp = root / f"{name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_file(_contiguous(model.state_dict()), str(tmp / MODEL_FILE))
+        extra: dict[str, torch.Tensor] = {}
+        for prefix, module in training_modules.items():
+            for key, value in module.state_dict().items():
+                extra[f"{prefix}.{key}"] = value
+        opt_structures = {}
+        for prefix, opt in optimizers.items():
+            tensors, structure = flatten_optimizer(opt.state_dict())
+            extra.update({f"{prefix}.{k}": v for k, v in tensors.items()})
+            opt_structures[prefix] = structure
+            for entry in structure["state"].values():
+                for value in entry.values():
+                    if isinstance(value, dict) and "tensor" in value:
+                        value["tensor"] = f"{prefix}.{value['tensor']}"
+        save_file(_contiguous(extra), str(tmp / TRAINING_FILE))
+        payload = {**state, "optimizers": opt_structures}
+        atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=1, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(root / LATEST, name + "\n")
+        return final
+
+
+@contextmanager
+def _reported_write(root: Path, name: str) -> Iterator[None]:
     try:
-        return _write_checkpoint(root, name, model, training_modules, optimizers, state)
-    except (OSError, RuntimeError, ValueError) as err:  # safetensors reports I/O as its own error
-        shutil.rmtree(tmp, ignore_errors=True)
+        yield
+    except (OSError, RuntimeError, ValueError, SafetensorError) as err:
+        # safetensors reports I/O failures (ENOSPC included) as its own SafetensorError.
+        shutil.rmtree(root / f"{name}.tmp", ignore_errors=True)
         previous = root / LATEST
         kept = (
             f"the previous checkpoint {previous.read_text().strip()} stays latest"
@@ -105,44 +145,6 @@ def save_checkpoint(
             f"cannot write checkpoint {name} into {root}: {reason}; {kept}. Free disk space (or "
             "fix the folder's permissions) and continue with --resume"
         ) from err
-
-
-def _write_checkpoint(
-    root: Path,
-    name: str,
-    model: nn.Module,
-    training_modules: dict[str, nn.Module],
-    optimizers: dict[str, torch.optim.Optimizer],
-    state: dict[str, Any],
-) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / name
-    tmp = root / f"{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(_contiguous(model.state_dict()), str(tmp / MODEL_FILE))
-    extra: dict[str, torch.Tensor] = {}
-    for prefix, module in training_modules.items():
-        for key, value in module.state_dict().items():
-            extra[f"{prefix}.{key}"] = value
-    opt_structures = {}
-    for prefix, opt in optimizers.items():
-        tensors, structure = flatten_optimizer(opt.state_dict())
-        extra.update({f"{prefix}.{k}": v for k, v in tensors.items()})
-        opt_structures[prefix] = structure
-        for entry in structure["state"].values():
-            for value in entry.values():
-                if isinstance(value, dict) and "tensor" in value:
-                    value["tensor"] = f"{prefix}.{value['tensor']}"
-    save_file(_contiguous(extra), str(tmp / TRAINING_FILE))
-    payload = {**state, "optimizers": opt_structures}
-    atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=1, default=str))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    atomic_write_text(root / LATEST, name + "\n")
-    return final
 
 
 def mark_best(run_dir: Path, name: str) -> None:
