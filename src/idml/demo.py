@@ -75,8 +75,12 @@ def demo_configs(
 
 
 def run_demo(out_dir: Path, epochs: int = 8, seed: int = 0, progress: bool = True) -> DemoResult:
-    """Train both demo runs under ``out_dir`` and return their results."""
+    """Train both demo runs under ``out_dir`` and return their results.
+
+    The demo is meant to be run again: the runs of an earlier demo in ``out_dir`` are moved aside
+    (``baseline.replaced-<time>``, as ``idml train --overwrite`` does), not deleted.
+    """
     baseline_cfg, idml_cfg = demo_configs(epochs, seed)
-    baseline = Trainer(baseline_cfg, out_dir / "baseline", progress=progress).fit()
-    idml = Trainer(idml_cfg, out_dir / "idml", progress=progress).fit()
+    baseline = Trainer(baseline_cfg, out_dir / "baseline", progress=progress).fit(overwrite=True)
+    idml = Trainer(idml_cfg, out_dir / "idml", progress=progress).fit(overwrite=True)
     return DemoResult(baseline, idml)

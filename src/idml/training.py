@@ -273,9 +273,8 @@ class Trainer:
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = group["initial_lr"] = base
         self.scheduler = self._scheduler(self.optimizer)
-        with (
-            warnings.catch_warnings()
-        ):  # stepping the schedule without optimizer steps is the point
+        # Stepping the schedule without optimizer steps is the point: silence torch's warning.
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(epochs_done):
                 self.scheduler.step()  # type: ignore[union-attr]
@@ -416,7 +415,9 @@ class Trainer:
             parts: dict[str, float] = {}
             with torch.autocast(self.device.type, enabled=self.amp):
                 out = self.model(batch.images)
-                if not bool(torch.isfinite(out.semantic).all()):
+                # One process only: with several, a rank raising alone would leave the others
+                # waiting in a collective; there the (rank-averaged) loss check below stops all.
+                if not self.dist.is_distributed and not bool(torch.isfinite(out.semantic).all()):
                     raise self._non_finite("non-finite embeddings (the weights have diverged)")
                 unc = None if out.uncertainty is None else _upcast(out.uncertainty)
                 emb, global_batch = self.plan.gather(Embeddings(_upcast(out.semantic), unc), batch)
