@@ -24,6 +24,8 @@ lint: setup
 
 test: lint
 	$(PYTHON) -m pytest -q --timeout=900
+	# Once more with one thread: other summation orders and kernels than the default thread count.
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q --timeout=900 -m numerics
 
 format:
 	ruff format src tests benchmarks scripts

@@ -156,26 +156,43 @@ def gather_checks(context: Any) -> dict[str, Any]:
 
 def evaluation_check(context: Any, run_dir: Path) -> dict[str, Any]:
     """Sharded test-set embeddings versus one process embedding the whole test set."""
+    from torch.utils.data import Subset
+
     from idml import build
     from idml.config import load_config
+    from idml.embeddings import Embeddings
     from idml.training import Trainer
 
     cfg = load_config(None, [*TINY, "data.samples_per_class=39", "eval.batch_size=64"])
     trainer = Trainer(cfg, run_dir / "eval", progress=False, distributed=context)
     emb, labels = trainer.embed_test()
     whole, whole_labels = build.embed_dataset(trainer.model, trainer.data.test, 64, trainer.device)
+    # The same two contiguous parts embedded one after the other in this process: the batches
+    # (and so the kernels oneDNN picks for each batch size) are those of the two ranks, so this
+    # reference is bit-identical to the gathered embeddings by construction, on any CPU.
+    parts = torch.arange(len(trainer.data.test)).tensor_split(context.world_size)
+    layout = [
+        build.embed_dataset(
+            trainer.model, Subset(trainer.data.test, p.tolist()), 64, trainer.device
+        )
+        for p in parts
+    ]
     out: dict[str, Any] = {
         "semantic": emb.semantic,
         "labels": labels,
         "whole_semantic": whole.semantic,
         "whole_labels": whole_labels,
+        "layout_semantic": torch.cat([e.semantic for e, _ in layout]),
+        "layout_labels": torch.cat([lab for _, lab in layout]),
     }
     try:
         from idml.evaluation import evaluate_embeddings  # noqa: F401
     except ImportError:  # the evaluation engine is a separate module; compare embeddings only
         return out
     out["metrics"] = trainer.evaluate()
-    out["whole_metrics"] = dict(build.evaluate(cfg, whole, whole_labels, trainer.device).metrics)
+    layout_emb = Embeddings(out["layout_semantic"], None)  # TINY has no uncertainty head
+    layout_eval = build.evaluate(cfg, layout_emb, out["layout_labels"], trainer.device)
+    out["layout_metrics"] = dict(layout_eval.metrics)
     return out
 
 

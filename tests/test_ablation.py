@@ -344,6 +344,9 @@ def test_bad_cell_config_fails_before_any_training(
         run_ablation(config, parse_grid(["metric.tau=1,0"]), 1, tmp_path / "out")
     with pytest.raises(ValueError, match=r"unknown key 'metric\.gama'"):
         run_ablation(config, parse_grid(["metric.gama=1"]), 1, tmp_path / "out")
+    # A metric the run does not report is found before the first cell trains, not after it.
+    with pytest.raises(ValueError, match=r"grid cell eval\.select=recall@3: .*recall@1"):
+        run_ablation(config, parse_grid(["eval.select=recall@1,recall@3"]), 1, tmp_path / "out")
     with pytest.raises(ValueError, match="--seeds must be >= 1"):
         run_ablation(config, parse_grid(["metric=plain"]), 0, tmp_path / "out")
     assert count_fits == [] and not (tmp_path / "out" / "cells").exists()
@@ -354,13 +357,13 @@ def test_a_failing_run_names_its_cell_and_finished_cells_are_kept(
     tmp_path: Path, count_fits: list[tuple[Path, bool]]
 ) -> None:
     config, out = _base_config(tmp_path), tmp_path / "ablation"
-    # eval.select is only checked once the first evaluation is done, i.e. inside Trainer.fit.
-    axes = parse_grid(["eval.select=recall@1,recall@3"])
-    with pytest.raises(ValueError, match=r"grid cell eval\.select=recall@3, seed 0: .*recall@3"):
+    # A learning rate of 1e30 passes every check and diverges inside Trainer.fit.
+    axes = parse_grid(["optim.lr=0.001,1e30"])
+    with pytest.raises(ValueError, match=r"grid cell optim\.lr=1e30, seed 0: .*NaN"):
         run_ablation(config, axes, seeds=1, out_dir=out, log=lambda _: None)
     assert len(count_fits) == 2
     # The finished cell is stored: a grid of it alone reuses it.
-    again = run_ablation(config, parse_grid(["eval.select=recall@1"]), 1, out, log=lambda _: None)
+    again = run_ablation(config, parse_grid(["optim.lr=0.001"]), 1, out, log=lambda _: None)
     assert again.cells[0].runs[0].reused and len(count_fits) == 2
 
 
@@ -368,13 +371,13 @@ def test_tables_only_tabulates_finished_runs_and_trains_nothing(
     tmp_path: Path, count_fits: list[tuple[Path, bool]]
 ) -> None:
     config, out = _base_config(tmp_path), tmp_path / "ablation"
-    axes = parse_grid(["eval.select=recall@1,recall@3"])
-    with pytest.raises(ValueError, match="recall@3"):
+    axes = parse_grid(["optim.lr=0.001,1e30"])
+    with pytest.raises(ValueError, match="NaN"):
         run_ablation(config, axes, seeds=1, out_dir=out, log=lambda _: None)
     fits = len(count_fits)
     lines: list[str] = []
     table = run_ablation(config, axes, 1, out, log=lines.append, train_missing=False)
     assert len(count_fits) == fits  # nothing trained
-    assert [c.cell.name for c in table.cells] == ["eval.select=recall@1"]
+    assert [c.cell.name for c in table.cells] == ["optim.lr=0.001"]
     assert any("no finished run, left out" in line for line in lines)
     assert (out / "ablation.md").is_file()

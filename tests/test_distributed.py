@@ -168,15 +168,23 @@ def test_distributed_evaluation_equals_single_process(results: dict[str, Any]) -
         # 195 test images: shards of 98 and 97, gathered in dataset order, no padding row left.
         assert ev["semantic"].shape[0] == 195
         assert torch.equal(ev["labels"], ev["whole_labels"])
-        assert torch.allclose(ev["semantic"], ev["whole_semantic"], atol=1e-5)
+        # One process embedding the same two parts in the same batches runs the same kernels on the
+        # same inputs: the gathered embeddings are bit-identical to it on any CPU.
+        assert torch.equal(ev["labels"], ev["layout_labels"])
+        assert torch.equal(ev["semantic"], ev["layout_semantic"])
+        # The whole set in batches of 64 instead of 98 + 97 images: oneDNN may choose other
+        # convolution kernels (another summation order) for other batch sizes. float32 rounding
+        # through the small CNN's few layers stays orders of magnitude below 1e-5 on unit vectors.
+        assert torch.allclose(ev["semantic"], ev["whole_semantic"], atol=1e-5, rtol=0)
         if "metrics" in ev:
-            assert ev["metrics"].keys() == ev["whole_metrics"].keys()
-            for key, value in ev["whole_metrics"].items():
-                assert ev["metrics"][key] == pytest.approx(value, abs=1e-9), key
+            # Metrics of identical embeddings through the same code: equal, not close. (Metrics of
+            # the whole-set embeddings are not compared: a 1e-6 change can swap two neighbours at a
+            # near tie and move MAP by far more, so no tolerance would be justified.)
+            assert ev["metrics"] == ev["layout_metrics"]
     # Independently of the evaluation engine: the same nearest neighbours, so the same Recall@1.
     ev = results["rank0"]["evaluation"]
     assert _recall_at_1(ev["semantic"], ev["labels"]) == _recall_at_1(
-        ev["whole_semantic"], ev["whole_labels"]
+        ev["layout_semantic"], ev["layout_labels"]
     )
 
 

@@ -19,6 +19,8 @@ from idml.evaluation import RankAccumulator, evaluate_embeddings, exact_search
 from idml.evaluation.retrieval_metrics import default_cutoffs
 from synthetic import clustered
 
+pytestmark = pytest.mark.numerics  # compares numbers across runs/processes/implementations
+
 LEVELS = tuple(i / 10 for i in range(11))
 
 

@@ -20,6 +20,12 @@ from idml.metrics import (
     Metric,
 )
 
+# Tolerances here: every check runs in float64 (unit roundoff 1.1e-16) on expressions of a few
+# dozen operations, so rounding, in any summation order a CPU's BLAS or thread count picks, stays
+# below ~1e-14 relative. rel/rtol 1e-12 (about 10^4 ulps) therefore holds on any machine; 1e-9 and
+# 1e-10 are used where a matrix product of 64-d rows is compared with an elementwise form (another
+# summation order on each side, plus cancellation in Gram expansions ||x||² + ||y||² - 2x·y). atol
+# 1e-12 .. 1e-15 covers entries that are exactly zero on one side. rtol=0, atol=0 means the same ops.
 F64 = torch.float64
 SQRT2 = math.sqrt(2.0)
 

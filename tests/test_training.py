@@ -130,6 +130,7 @@ def test_alternating_ssr_updates_the_amp_scale_once_per_backward(tmp_path: Path)
     assert calls == ["unscale", "step", "update", "unscale", "step", "unscale", "step", "update"]
 
 
+@pytest.mark.numerics
 def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     common = ["optim.epochs=3", "loss.name=proxy_anchor", *IDML, "optim.scheduler=step"]
     common += ["optim.step_size=1", "optim.warmup_epochs=1"]

@@ -52,6 +52,7 @@ import yaml
 
 from idml.checkpoint import atomic_write_text
 from idml.config import RUNTIME_KEYS, Config, config_difference, config_to_dict, load_config
+from idml.preflight import check_run_config
 
 RESULT_FILE = "result.json"
 """Written into a seed folder when its run has finished; its presence marks the run as reusable."""
@@ -633,6 +634,7 @@ def run_ablation(
                         f"name={base.name}-{cell.id}-seed{seed}",
                     ],
                 )
+                check_run_config(cfg)  # eval.select, resize, learning rates: before any training
             except ValueError as err:
                 raise ValueError(f"grid cell {cell.name}: {err}") from err
             runs.append(_Plan(cell, seed, cfg, out_dir / "cells" / cell.id / f"seed{seed}"))
@@ -701,8 +703,8 @@ def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
         shutil.rmtree(plan.run_dir)
     resume = _resumable(plan)
     start = time.perf_counter()
-    trainer = trainer_cls(plan.cfg, plan.run_dir, progress=progress)
     try:
+        trainer = trainer_cls(plan.cfg, plan.run_dir, progress=progress)
         outcome = trainer.fit(resume=resume)
     except FloatingPointError as err:
         # Name the cell: a failure deep inside the grid is otherwise hard to place.

@@ -79,7 +79,14 @@ def build_data(cfg: Config) -> DMLSplit:
     if d.dataset not in {"digits", "fashion_mnist"} and d.root is None:
         raise ValueError(f"data.root must point at the {d.dataset!r} dataset folder")
     root = d.root if d.dataset != "digits" else None
-    split = load_split(d.dataset, root, train_transform=train_tf, test_transform=test_tf, **options)
+    split = load_split(
+        d.dataset,
+        root,
+        train_transform=train_tf,
+        test_transform=test_tf,
+        verify=d.verify,
+        **options,
+    )
     if d.protocol == "validation":
         split = split.validation(d.validation_classes)
     return split

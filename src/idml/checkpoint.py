@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -32,6 +35,14 @@ BEST = "best"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or belongs to another model."""
+
+
+class CheckpointPointerError(CheckpointError):
+    """A ``latest``/``best`` pointer that names something other than a checkpoint of its run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (disk full, permissions); the previous one stays."""
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -79,36 +90,61 @@ def save_checkpoint(
     optimizers: dict[str, torch.optim.Optimizer],
     state: dict[str, Any],
 ) -> Path:
-    """Write checkpoint ``run_dir/checkpoints/<name>`` atomically and point ``latest`` at it."""
+    """Write checkpoint ``run_dir/checkpoints/<name>`` atomically and point ``latest`` at it.
+
+    A failed write (disk full, permissions) removes the partial folder and raises
+    :class:`CheckpointWriteError`; the previous checkpoint stays ``latest``.
+    """
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / name
-    tmp = root / f"{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(_contiguous(model.state_dict()), str(tmp / MODEL_FILE))
-    extra: dict[str, torch.Tensor] = {}
-    for prefix, module in training_modules.items():
-        for key, value in module.state_dict().items():
-            extra[f"{prefix}.{key}"] = value
-    opt_structures = {}
-    for prefix, opt in optimizers.items():
-        tensors, structure = flatten_optimizer(opt.state_dict())
-        extra.update({f"{prefix}.{k}": v for k, v in tensors.items()})
-        opt_structures[prefix] = structure
-        for entry in structure["state"].values():
-            for value in entry.values():
-                if isinstance(value, dict) and "tensor" in value:
-                    value["tensor"] = f"{prefix}.{value['tensor']}"
-    save_file(_contiguous(extra), str(tmp / TRAINING_FILE))
-    payload = {**state, "optimizers": opt_structures}
-    atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=1, default=str))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    atomic_write_text(root / LATEST, name + "\n")
-    return final
+    with _reported_write(root, name):
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / name
+        tmp = root / f"{name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_file(_contiguous(model.state_dict()), str(tmp / MODEL_FILE))
+        extra: dict[str, torch.Tensor] = {}
+        for prefix, module in training_modules.items():
+            for key, value in module.state_dict().items():
+                extra[f"{prefix}.{key}"] = value
+        opt_structures = {}
+        for prefix, opt in optimizers.items():
+            tensors, structure = flatten_optimizer(opt.state_dict())
+            extra.update({f"{prefix}.{k}": v for k, v in tensors.items()})
+            opt_structures[prefix] = structure
+            for entry in structure["state"].values():
+                for value in entry.values():
+                    if isinstance(value, dict) and "tensor" in value:
+                        value["tensor"] = f"{prefix}.{value['tensor']}"
+        save_file(_contiguous(extra), str(tmp / TRAINING_FILE))
+        payload = {**state, "optimizers": opt_structures}
+        atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=1, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_text(root / LATEST, name + "\n")
+        return final
+
+
+@contextmanager
+def _reported_write(root: Path, name: str) -> Iterator[None]:
+    try:
+        yield
+    except (OSError, RuntimeError, ValueError, SafetensorError) as err:
+        # safetensors reports I/O failures (ENOSPC included) as its own SafetensorError.
+        shutil.rmtree(root / f"{name}.tmp", ignore_errors=True)
+        previous = root / LATEST
+        kept = (
+            f"the previous checkpoint {previous.read_text().strip()} stays latest"
+            if previous.is_file()
+            else "no earlier checkpoint exists"
+        )
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {name} into {root}: {reason}; {kept}. Free disk space (or "
+            "fix the folder's permissions) and continue with --resume"
+        ) from err
 
 
 def mark_best(run_dir: Path, name: str) -> None:
@@ -126,9 +162,32 @@ def resolve_checkpoint(path: Path, which: str = LATEST) -> Path:
             f"{path} holds no checkpoint (no {pointer}); pass a run folder written by `idml train` "
             "or a checkpoint folder containing model.safetensors"
         )
-    target = path / "checkpoints" / pointer.read_text().strip()
+    target = _pointer_target(pointer)
     if not (target / MODEL_FILE).is_file():
         raise CheckpointError(f"checkpoint {target} named by {pointer} is missing {MODEL_FILE}")
+    return target
+
+
+def _pointer_target(pointer: Path) -> Path:
+    """The checkpoint folder a pointer names: a plain folder name inside the same
+    ``checkpoints/`` folder, never a path (or a link) leading out of the run."""
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"cannot read checkpoint pointer {pointer}: {err}") from err
+    root = pointer.parent
+    target = root / name
+    inside = (
+        name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and target.resolve().parent == root.resolve()
+    )
+    if not inside:
+        raise CheckpointPointerError(
+            f"checkpoint pointer {pointer} names {name!r}, which is not a checkpoint folder of this "
+            f"run; it must hold the name of a folder in {root} (e.g. epoch_0003). Fix or delete it"
+        )
     return target
 
 

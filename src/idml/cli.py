@@ -7,7 +7,9 @@ function that calls into the library.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,14 +28,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERRORS = (ValueError, OSError, KeyError, ArithmeticError)
+"""What the library raises for bad input, bad files, a full disk or a diverging run: printed as one
+line (exit 2). ``ValueError`` covers ``ConfigError``, ``CheckpointError``, ``RunFolderError`` and
+codec errors; ``ArithmeticError`` the trainer's ``NonFiniteError``."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The library warns about settings that make a run meaningless; say so in the CLI's own voice.
+    warnings.formatwarning = lambda message, category, *_a, **_k: (
+        f"idml {args.command}: warning: {message}\n"
+        if issubclass(category, UserWarning)
+        else f"{category.__name__}: {message}\n"
+    )
     try:
         return int(args.run(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        print(f"idml {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        print(f"idml {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message; a bare ``KeyError('x')`` or ``OSError`` also says what it was."""
+    if isinstance(err, KeyError) and len(err.args) == 1:
+        return f"missing entry {err.args[0]!r}"
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    text = str(err) or type(err).__name__
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        # Re-raised from a DataLoader worker: the original error's message is the last line.
+        last = text.rstrip().splitlines()[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return text
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -220,6 +249,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     _add_overrides(p, "override a config value, e.g. --set optim.epochs=10 (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a folder that holds a run; the old run is moved to "
+        "OUT.replaced-<time>, not deleted",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=_run_train)
 
@@ -241,8 +276,15 @@ def _run_train(args: argparse.Namespace) -> int:
     # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
     context = init_distributed(device=cfg.device)
     try:
-        trainer = Trainer(cfg, out, progress=not args.no_progress, distributed=context)
-        result = trainer.fit(resume=args.resume)
+        trainer = Trainer(
+            cfg,
+            out,
+            progress=not args.no_progress,
+            distributed=context,
+            # Without bars a long run would print nothing until it ends: one line per epoch.
+            epoch_log=functools.partial(print, flush=True) if args.no_progress else None,
+        )
+        result = trainer.fit(resume=args.resume, overwrite=args.overwrite)
     finally:
         destroy_distributed(context)
     if not context.is_main:
@@ -262,6 +304,7 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help=".npz, .pt or .safetensors file")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--which", choices=["best", "latest"], default="best")
+    p.add_argument("--split", default=None, help="CSV only: embed the rows of this split column")
     p.set_defaults(run=_run_embed)
 
 
@@ -269,7 +312,9 @@ def _run_embed(args: argparse.Namespace) -> int:
     from idml.export import embed_images, load_trained_model
 
     cfg, model = load_trained_model(args.checkpoint, which=args.which)
-    n = embed_images(cfg, model, args.images, args.out, batch_size=args.batch_size)
+    n = embed_images(
+        cfg, model, args.images, args.out, batch_size=args.batch_size, split=args.split
+    )
     print(f"wrote {n} embeddings to {args.out}")
     return 0
 
@@ -347,6 +392,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 def _run_report(args: argparse.Namespace) -> int:
     from idml.distributed import resolve_device
     from idml.reports import AnalysisOptions, write_report
+    from idml.run_folder import make_folder
 
     out = args.out or (args.runs[0] / "report" if len(args.runs) == 1 else Path("report"))
     analysis = [  # (flag, AnalysisOptions field or None, value given)
@@ -364,6 +410,7 @@ def _run_report(args: argparse.Namespace) -> int:
             "which --no-test skips; drop them or --no-test"
         )
     options = AnalysisOptions(**{field: value for _, field, value in given if field})
+    make_folder(out, "report folder")  # a file in the way is named before any figure is drawn
     page = write_report(
         args.runs,
         out,

@@ -52,7 +52,10 @@ class DataConfig(Section):
     root: Path | None = Field(None, description="dataset folder (or CSV file); unused for digits")
     image_size: int = Field(224, gt=0, description="crop size fed to the network")
     resize_size: int | None = Field(
-        256, description="test-time resize before the centre crop (None: resize to image_size)"
+        256,
+        description="test-time resize before the centre crop (None: the recipe's "
+        "round(image_size * 256/224)). An override of image_size alone rescales a resize_size "
+        "that follows that ratio",
     )
     train_crop_scale: tuple[float, float] = Field(
         (0.16, 1.0), description="RandomResizedCrop area range at train time"
@@ -70,6 +73,11 @@ class DataConfig(Section):
     )
     validation_classes: float = Field(
         0.25, gt=0, lt=1, description="share of the train classes held out by protocol=validation"
+    )
+    verify: Literal["none", "raise", "skip"] = Field(
+        "none",
+        description="decode every image before training: raise listing the unreadable files, or "
+        "skip them (counted and logged)",
     )
 
 
@@ -348,8 +356,10 @@ class Config(Section):
     """A whole run."""
 
     name: str = "run"
-    seed: int = 0
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    seed: int = Field(0, ge=0, description="seed of every random draw (numpy needs it >= 0)")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, cuda, cuda:N, mps"
+    )
     data: DataConfig = DataConfig()
     sampler: SamplerConfig = SamplerConfig()
     model: ModelConfig = ModelConfig()
@@ -398,19 +408,45 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; see configs/ for the presets")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (a binary file?); give a YAML config"
+            ) from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
         if not isinstance(raw, dict):
             raise ConfigError(
                 f"config file {path} must hold a mapping of keys, got {type(raw).__name__}"
             )
+    before = copy.deepcopy(raw.get("data")) if isinstance(raw.get("data"), dict) else {}
+    keys = set()
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         _set_path(raw, key.strip(), _parse_value(value))
+        keys.add(key.strip())
+    if "data.image_size" in keys and "data.resize_size" not in keys:
+        _follow_image_size(raw, before)
     return validate_config(raw, source=str(path) if path else "defaults")
+
+
+def _follow_image_size(raw: dict[str, Any], before: dict[str, Any]) -> None:
+    """``--set data.image_size=N`` alone: a resize_size that kept the recipe's 256/224 ratio to
+    the old crop keeps it to the new one (a preset's 256 for 224 becomes 73 for 64); a resize
+    that did not follow the ratio was chosen on purpose and stays."""
+    from idml.data.transforms import eval_resize_size
+
+    data = raw.get("data")
+    fields = DataConfig.model_fields
+    old_size = before.get("image_size", fields["image_size"].default)
+    old_resize = before.get("resize_size", fields["resize_size"].default)
+    new_size = data.get("image_size") if isinstance(data, dict) else None
+    if not (isinstance(old_size, int) and isinstance(new_size, int) and new_size > 0):
+        return
+    if old_resize == eval_resize_size(old_size):
+        data["resize_size"] = eval_resize_size(new_size)  # type: ignore[index]
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> Config:

@@ -115,13 +115,20 @@ def run_demo(
     out_dir: Path, epochs: int = 8, seed: int = 0, progress: bool = True, seeds: int = 3
 ) -> DemoResult:
     """Train both arms for ``seeds`` seeds (``seed``, ``seed + 1``, …) under ``out_dir``:
-    ``baseline`` and ``idml`` hold the first seed's runs, ``seed<k>/{baseline,idml}`` the others."""
+    ``baseline`` and ``idml`` hold the first seed's runs, ``seed<k>/{baseline,idml}`` the others.
+
+    The demo is meant to be run again: the runs of an earlier demo in ``out_dir`` are moved aside
+    (``baseline.replaced-<time>``, as ``idml train --overwrite`` does), not deleted.
+    """
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     result = DemoResult([], [])
     for k in range(seeds):
         baseline_cfg, idml_cfg = demo_configs(epochs, seed + k)
         folder = out_dir if k == 0 else out_dir / f"seed{seed + k}"
-        result.baseline.append(Trainer(baseline_cfg, folder / "baseline", progress=progress).fit())
-        result.idml.append(Trainer(idml_cfg, folder / "idml", progress=progress).fit())
+        for cfg, arm, runs in (
+            (baseline_cfg, "baseline", result.baseline),
+            (idml_cfg, "idml", result.idml),
+        ):
+            runs.append(Trainer(cfg, folder / arm, progress=progress).fit(overwrite=True))
     return result

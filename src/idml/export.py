@@ -18,7 +18,13 @@ import torch
 from safetensors.torch import save_file
 
 from idml import build
-from idml.checkpoint import CheckpointError, load_model_weights, read_state, resolve_checkpoint
+from idml.checkpoint import (
+    CheckpointError,
+    CheckpointPointerError,
+    load_model_weights,
+    read_state,
+    resolve_checkpoint,
+)
 from idml.config import Config, validate_config
 from idml.data import IMAGE_EXTENSIONS, FileImageDataset, ImageRecords, build_transforms
 from idml.evaluation import EvaluationReport
@@ -43,11 +49,18 @@ def load_trained_run(path: Path, which: str = "best") -> TrainedRun:
     path = Path(path)
     try:
         ckpt = resolve_checkpoint(path, which)
+    except CheckpointPointerError:
+        raise  # a pointer out of the run is refused, never worked around
     except CheckpointError:
         if which != "best":
             raise
         ckpt, which = resolve_checkpoint(path, "latest"), "latest"
     state = read_state(ckpt)
+    if not isinstance(state.get("config"), dict):
+        raise CheckpointError(
+            f"{ckpt / 'state.json'} has no 'config' entry, so the model cannot be rebuilt; it was "
+            "not written by `idml train` (or was edited): use the run's own checkpoint folder"
+        )
     cfg = validate_config(state["config"], source=str(ckpt / "state.json"))
     # Never fetch pretrained weights just to overwrite them with the checkpoint's.
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"pretrained": False})})
@@ -63,9 +76,17 @@ def load_trained_model(path: Path, which: str = "best") -> tuple[Config, Embeddi
     return run.config, run.model
 
 
-def list_images(source: Path) -> tuple[list[Path], list[str] | None]:
-    """Image files of a folder (recursively; labels = parent folder names) or of a CSV ``path[,label]``."""
+def list_images(source: Path, split: str | None = None) -> tuple[list[Path], list[str] | None]:
+    """Image files of a folder (recursively; labels = parent folder names) or of a CSV
+    ``path[,label[,split]]`` (an optional header row names the columns).
+
+    ``split`` keeps the CSV rows whose ``split`` column equals it (a CSV without that column, or a
+    folder, is an error). Relative CSV paths are taken from the CSV's folder; absolute paths and
+    ``..`` are allowed, as for a local dataset (:mod:`idml.data.loaders` documents the policy).
+    """
     source = Path(source)
+    if split is not None and not (source.is_file() and source.suffix.lower() == ".csv"):
+        raise ValueError(f"--split {split!r} needs a CSV with a split column, not {source}")
     if source.is_dir():
         files = sorted(
             p for p in source.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
@@ -76,10 +97,22 @@ def list_images(source: Path) -> tuple[list[Path], list[str] | None]:
             )
         return files, [p.parent.name for p in files]
     if source.is_file() and source.suffix.lower() == ".csv":
-        with open(source, newline="") as fh:
+        with open(source, newline="", encoding="utf-8-sig") as fh:  # -sig: drop a BOM
             rows = [r for r in csv.reader(fh) if r and not r[0].startswith("#")]
+        header = ["path", "label", "split"]
         if rows and rows[0][0].strip().lower() == "path":
-            rows = rows[1:]
+            header, rows = [c.strip().lower() for c in rows[0]], rows[1:]
+        if split is not None:
+            if "split" not in header:
+                raise ValueError(
+                    f"--split {split!r}: {source} has no split column (header {header[:3]}); "
+                    "add a header path,label,split or drop --split"
+                )
+            column = header.index("split")
+            found = sorted({r[column].strip() for r in rows if len(r) > column})
+            rows = [r for r in rows if len(r) > column and r[column].strip() == split]
+            if not rows:
+                raise ValueError(f"--split {split!r}: {source} has no such rows; splits: {found}")
         if not rows:
             raise ValueError(f"{source} lists no images; expected rows of path[,label]")
         files = [Path(r[0]) if Path(r[0]).is_absolute() else source.parent / r[0] for r in rows]
@@ -96,7 +129,12 @@ def list_images(source: Path) -> tuple[list[Path], list[str] | None]:
 
 @torch.no_grad()
 def embed_images(
-    cfg: Config, model: EmbeddingModel, images: Path, out: Path, batch_size: int = 64
+    cfg: Config,
+    model: EmbeddingModel,
+    images: Path,
+    out: Path,
+    batch_size: int = 64,
+    split: str | None = None,
 ) -> int:
     """Embed every image under ``images`` and save semantic embeddings and ``||u||`` to ``out``.
 
@@ -109,7 +147,7 @@ def embed_images(
     if suffix not in (".npz", ".pt", ".safetensors"):
         # Checked before embedding: a wrong name must not cost the whole pass.
         raise ValueError(f"--out {out}: use a .npz, .pt or .safetensors file name")
-    files, names = list_images(images)
+    files, names = list_images(images, split)
     paths = [str(f) for f in files]
     if names:
         unique, ids = np.unique(np.array(names), return_inverse=True)
@@ -121,7 +159,11 @@ def embed_images(
     dataset = FileImageDataset(records, transform)
     device = next(model.parameters()).device
     emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=True)
-    level = model.uncertainty_level(emb)
+    level = (
+        torch.zeros(emb.semantic.shape[0])
+        if emb.uncertainty is None  # a baseline without an uncertainty head
+        else model.uncertainty_level(emb)
+    )
     payload = {"embeddings": emb.semantic, "uncertainty": level}
     if names:
         payload["labels"] = torch.as_tensor(ids)

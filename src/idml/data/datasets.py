@@ -86,8 +86,8 @@ class VerificationReport:
         """Raise :class:`CorruptImageError` listing the unreadable images, if there are any."""
         if not self.ok:
             raise CorruptImageError(
-                f"{self.summary()}. Replace or delete these files, or load with verify='skip' "
-                "to drop them (they are counted and logged)"
+                f"{self.summary()}. Replace or delete these files, or set data.verify=skip "
+                "(load_split(verify='skip')) to drop them (they are counted and logged)"
             )
 
 
@@ -227,6 +227,30 @@ def _short_reason(err: Exception) -> str:
     return f"{type(cause).__name__}: {cause}".splitlines()[0][:200]
 
 
+_WIDE_INTEGER_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def convert_mode(image: Image.Image, channels: Channels) -> Image.Image:
+    """An image of any mode Pillow reads as 8-bit RGB (``channels=3``) or L, range preserved.
+
+    Pillow's own ``convert`` clips 16- and 32-bit integer pixels to 255 (mid-grey 30000/65535
+    becomes white) and float pixels likewise; here 16-bit integers are scaled by 255/65535 (a
+    32-bit ``I`` image is taken as 16-bit data, which is what PNG and TIFF readers give it) and
+    float images by 255 when they lie in ``[0, 1]``. Palette, CMYK, RGBA and 1-bit images go
+    through Pillow's conversion, which maps them correctly (alpha is dropped).
+    """
+    target = "RGB" if channels == 3 else "L"
+    if image.mode in _WIDE_INTEGER_MODES or image.mode == "F":
+        array = np.asarray(image, dtype=np.float64)
+        if image.mode == "F":
+            scale = 255.0 if array.size and np.nanmax(array) <= 1.0 else 1.0
+        else:
+            scale = 255.0 / 65535.0
+        grey = np.clip(np.rint(np.nan_to_num(array) * scale), 0, 255).astype(np.uint8)
+        image = Image.fromarray(grey)  # 2-D uint8: mode L
+    return image.convert(target)
+
+
 def decode_image_file(path: str, channels: Channels, box: Sequence[int] | None = None) -> Tensor:
     """Decode ``path`` with PIL into a ``uint8`` ``C×H×W`` image (RGB or grayscale).
 
@@ -238,7 +262,7 @@ def decode_image_file(path: str, channels: Channels, box: Sequence[int] | None =
             # load() forces the full decode, so truncated files fail here rather than mid-transform.
             opened.load()
             image = opened.crop(tuple(int(v) for v in box)) if box is not None else opened
-            image = image.convert("RGB" if channels == 3 else "L")
+            image = convert_mode(image, channels)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"image {path} does not exist; the dataset changed since it was loaded — reload it"
@@ -246,7 +270,7 @@ def decode_image_file(path: str, channels: Channels, box: Sequence[int] | None =
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         raise CorruptImageError(
             f"cannot decode image {path} ({type(err).__name__}: {err}); replace the file, or "
-            "load the dataset with verify='skip' to drop unreadable images"
+            "set data.verify=skip (load_split(verify='skip')) to drop unreadable images"
         ) from err
     array = np.array(image, dtype=np.uint8)
     tensor = torch.from_numpy(array)

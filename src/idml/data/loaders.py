@@ -471,16 +471,24 @@ def load_csv(
 ) -> DMLSplit:
     """A CSV file of ``path,label[,split]`` rows (an optional header row names those columns).
 
-    Paths are relative to ``image_root`` (default: the CSV's folder) unless absolute. Labels are
+    Paths are relative to ``image_root`` (default: the CSV's folder) unless absolute. Absolute
+    paths and ``..`` are allowed on purpose: a CSV is a local dataset index its author controls.
+    Code that builds a CSV from untrusted requests (a service) must check the paths itself, e.g.
+    that ``Path(p).resolve()`` lies under the allowed folder. Labels are
     class names; when all are integers they are the original class ids, otherwise the ids are the
     positions in the sorted names. With a ``split`` column (``train``/``test``) the split is taken
     from it and checked to be class-disjoint; without one, the train classes are
     ``train_classes`` or the first half of the sorted classes.
     """
     path = Path(root).expanduser()
+    if path.is_dir():
+        raise FileNotFoundError(
+            f"data.root {path} is a folder; dataset csv needs the CSV file itself (root=<file.csv>)"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"CSV file {path} does not exist; pass root=<file.csv>")
-    with path.open(newline="", encoding="utf-8") as handle:
+    # utf-8-sig: a byte-order mark (spreadsheet exports) must not become part of the header.
+    with path.open(newline="", encoding="utf-8-sig") as handle:
         rows = [
             (n, [c.strip() for c in row]) for n, row in enumerate(csv.reader(handle), 1) if any(row)
         ]

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,12 @@ def _as_tensor(value: object, path: Path, key: str) -> Tensor:
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise ValueError(f"{path}: entry {key!r} is an object array; save numeric arrays only")
+        if value.dtype.kind in "USV":  # strings or raw bytes: class names are not class ids
+            raise ValueError(
+                f"{path}: entry {key!r} holds {'strings' if value.dtype.kind == 'U' else 'bytes'}"
+                f" ({value.dtype}); save numeric arrays, e.g. labels as integer ids from "
+                "np.unique(names, return_inverse=True)[1]"
+            )
         return torch.from_numpy(np.ascontiguousarray(value))
     raise ValueError(
         f"{path}: entry {key!r} is a {type(value).__name__}, expected an array or tensor"
@@ -78,10 +85,20 @@ def read_entries(path: str | Path) -> dict[str, Tensor]:
 
             return dict(load_file(str(path)))
         loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # weights_only refused (or could not parse) the pickle: never executed, never trusted.
+        raise ValueError(
+            f"{path}: refused to load: the .pt file holds Python objects beyond tensors and plain "
+            "containers, which could run code; save a dict of tensors, or .npz/.safetensors"
+        ) from err
     except (OSError, ValueError, RuntimeError) as err:
         if isinstance(err, ValueError) and str(err).startswith(str(path)):
             raise
         raise ValueError(f"{path}: cannot read the file ({err})") from err
+    except Exception as err:  # safetensors' SafetensorError derives from Exception only
+        if type(err).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"{path}: not a valid safetensors file ({err})") from None
     if isinstance(loaded, Mapping):
         return {str(key): _as_tensor(value, path, str(key)) for key, value in loaded.items()}
     return {"": _as_tensor(loaded, path, "")}
