@@ -381,3 +381,24 @@ def test_tables_only_tabulates_finished_runs_and_trains_nothing(
     assert [c.cell.name for c in table.cells] == ["optim.lr=0.001"]
     assert any("no finished run, left out" in line for line in lines)
     assert (out / "ablation.md").is_file()
+
+
+def test_a_run_written_before_a_config_key_existed_is_still_reused(
+    tmp_path: Path, count_fits: list[tuple[Path, bool]]
+) -> None:
+    """Keys added to the schema later take their defaults when a stored result is compared, so an
+    old finished run is reused rather than retrained (its numbers cannot have depended on them)."""
+    config, out = _base_config(tmp_path), tmp_path / "ablation"
+    axes = parse_grid(["metric=ism"])
+    run_ablation(config, axes, seeds=1, out_dir=out, log=lambda _: None)
+    assert len(count_fits) == 1
+    (result_file,) = out.glob("cells/*/seed0/result.json")
+    stored = json.loads(result_file.read_text())
+    del stored["config"]["metric"]["warmup_epochs"]  # as written before the ISM warm-up existed
+    result_file.write_text(json.dumps(stored))
+    again = run_ablation(config, axes, seeds=1, out_dir=out, log=lambda _: None)
+    assert len(count_fits) == 1 and again.cells[0].runs[0].reused
+    stored["config"]["metric"]["tau"] = 7.0  # a real difference still retrains
+    result_file.write_text(json.dumps(stored))
+    run_ablation(config, axes, seeds=1, out_dir=out, log=lambda _: None)
+    assert len(count_fits) == 2

@@ -51,7 +51,14 @@ import numpy as np
 import yaml
 
 from idml.checkpoint import atomic_write_text
-from idml.config import RUNTIME_KEYS, Config, config_difference, config_to_dict, load_config
+from idml.config import (
+    RUNTIME_KEYS,
+    Config,
+    config_difference,
+    config_to_dict,
+    load_config,
+    stored_config_dict,
+)
 from idml.preflight import check_run_config
 
 RESULT_FILE = "result.json"
@@ -684,7 +691,9 @@ def run_ablation(
 def _finished(plan: _Plan) -> SeedResult | None:
     """The seed's finished run when its stored config matches the grid's, else ``None``."""
     stored = _read_result(plan.run_dir / RESULT_FILE)
-    if stored is None or config_difference(stored.get("config", {}), config_to_dict(plan.cfg)):
+    if stored is None or config_difference(
+        stored_config_dict(stored.get("config", {})), config_to_dict(plan.cfg)
+    ):
         return None
     return _seed_result(plan, stored, "reused")
 
@@ -737,7 +746,9 @@ def _resumable(plan: _Plan) -> bool:
         state = read_state(resolve_checkpoint(plan.run_dir))
     except (CheckpointError, FileNotFoundError, json.JSONDecodeError):
         return False
-    return not config_difference(state.get("config", {}), config_to_dict(plan.cfg))
+    return not config_difference(
+        stored_config_dict(state.get("config", {})), config_to_dict(plan.cfg)
+    )
 
 
 def _seed_result(

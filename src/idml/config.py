@@ -506,6 +506,20 @@ def config_difference(
     return diffs
 
 
+def stored_config_dict(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored run's config (``state.json``, ``result.json``) as the current schema reads it.
+
+    Keys added to the schema after the run was written take their defaults — chosen so that they
+    keep the old behaviour (see :func:`_keep_linear_head_of_old_runs`) — so comparing it with a
+    config of today shows only real differences. A config the schema no longer accepts is
+    returned as stored, and every difference shows.
+    """
+    try:
+        return config_to_dict(validate_config(dict(raw)))
+    except ConfigError:
+        return dict(raw)
+
+
 def config_to_dict(cfg: Config) -> dict[str, Any]:
     """JSON-compatible dict (paths as strings) that :func:`validate_config` reads back."""
     return cfg.model_dump(mode="json")

@@ -40,7 +40,14 @@ from idml.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from idml.config import RUNTIME_KEYS, Config, config_difference, config_to_dict, dump_config
+from idml.config import (
+    RUNTIME_KEYS,
+    Config,
+    config_difference,
+    config_to_dict,
+    dump_config,
+    stored_config_dict,
+)
 from idml.distributed import (
     DistributedContext,
     ShardPlan,
@@ -251,7 +258,7 @@ class Trainer:
         ckpt = resolve_checkpoint(self.run_dir)
         saved = read_state(ckpt)
         changes = config_difference(
-            saved.get("config", {}), config_to_dict(self.cfg), RESUMABLE_CHANGES
+            stored_config_dict(saved.get("config", {})), config_to_dict(self.cfg), RESUMABLE_CHANGES
         )
         diff = "; ".join(changes[:5])
         if diff:
