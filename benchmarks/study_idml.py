@@ -17,8 +17,8 @@ has the same number of steps and epochs; the table reports the *last* epoch's te
 best-epoch selection on test classes) as mean ± std over seeds (sample std), with Δ against the
 baseline of the same loss and whether it exceeds the larger of the two standard deviations.
 
-Hyper-parameters: the IDML-specific ones (the bounded uncertainty head's starting level and the
-ISM warm-up) were chosen with ``--validate``, which runs the same grid under
+Hyper-parameters: the IDML-specific one (the bounded uncertainty head's starting level
+``model.uncertainty.init_level``) was chosen with ``--validate``, which runs the same grid under
 ``data.protocol=validation``: the last quarter of the *training* classes (by class id) is held out
 and evaluated, the test classes are never loaded. Everything else is shared with the baseline and
 was not tuned. ``--validate`` writes ``benchmarks/study/idml_validation_<setting>.md``.
@@ -102,7 +102,6 @@ VALIDATION_GRID = [
     "metric=ism",
     "mixup=on",
     "model.uncertainty.init_level=0.02,0.1",
-    "metric.warmup_epochs=0,2",
 ]
 
 

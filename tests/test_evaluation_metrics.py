@@ -217,6 +217,10 @@ def test_report_json_and_table() -> None:
         "map",
         "mrr",
         "nmi",
+        # How well the top-1 cosine flags a wrong top-1 neighbour, and the floor of its AURC.
+        "auroc_top1_cos",
+        "aurc_top1_cos",
+        "aurc_oracle",
     }
     assert data["metrics"]["recall@1"] == report.metrics["recall@1"]
     assert len(data["per_class"]) == 5

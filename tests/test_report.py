@@ -99,16 +99,21 @@ def test_report_page_shows_every_figure_as_an_existing_nonempty_png(report: Path
     for src in parsed.sources:
         width, height = _check_png((report.parent / src).read_bytes())
         assert width > 50 and height > 50
-    # Plain run: curves, retrieval grid, t-SNE; IDML run adds the uncertainty trend and histogram.
+    # Plain run: curves, risk–coverage, retrieval grid, t-SNE; the IDML run adds the uncertainty
+    # trend, ISM's saturation, the test histogram and ||u|| of clean vs altered test images.
     expected = {
         "00-recall.png",
         "00-precision-recall.png",
         "01-plain-curves.png",
+        "01-plain-risk-coverage.png",
         "01-plain-retrieval.png",
         "01-plain-tsne.png",
         "02-idml-curves.png",
         "02-idml-uncertainty-trend.png",
+        "02-idml-ism-saturation.png",
         "02-idml-uncertainty-test.png",
+        "02-idml-uncertainty-conditions.png",
+        "02-idml-risk-coverage.png",
         "02-idml-retrieval.png",
         "02-idml-tsne.png",
     }
@@ -238,7 +243,8 @@ def test_mixed_test_images_are_convex_mixtures_of_test_pairs(runs: dict[str, Pat
 def test_inline_report_embeds_every_figure(runs: dict[str, Path], tmp_path: Path) -> None:
     page = write_report([runs["idml"]], tmp_path, analyse=False, inline=True)
     sources = _parse(page).sources
-    assert len(sources) == 3  # recall bars, curves, uncertainty trend (logs only)
+    # Logs only: recall bars, curves, uncertainty trend, ISM saturation.
+    assert len(sources) == 4
     for src in sources:
         prefix = "data:image/png;base64,"
         assert src.startswith(prefix)

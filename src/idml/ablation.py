@@ -502,10 +502,17 @@ class AblationResult:
 
     @property
     def metric_keys(self) -> list[str]:
-        """Columns: the requested metrics, else every metric any run reports, in paper order."""
+        """Columns: the requested metrics, else every retrieval metric any run reports, in paper
+        order (the confidence scores ``auroc_*``/``aurc_*`` only when asked for by name)."""
         if self.metrics is not None:
             return list(self.metrics)
-        keys = {k for c in self.cells for r in c.runs for k in r.metrics(self.select)}
+        keys = {
+            k
+            for c in self.cells
+            for r in c.runs
+            for k in r.metrics(self.select)
+            if not k.startswith(("auroc_", "aurc_"))
+        }
         return sorted(keys, key=metric_sort_key)
 
     def markdown(self, digits: int = 1) -> str:

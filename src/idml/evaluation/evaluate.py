@@ -142,6 +142,8 @@ class EvaluationReport:
     ``combined`` when the queries carry uncertainty."""
     oracle_aurc: float | None = None
     """The AURC of a perfect confidence score at this error rate (the floor of every ``aurc_*``)."""
+    uncertainty_levels: Tensor | None = None
+    """``||u||`` of every query (``None`` without uncertainty embeddings)."""
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -522,7 +524,9 @@ def evaluate_embeddings(
         "seed": seed,
         "kmeans_iterations": kmeans_iterations,
     }
-    return EvaluationReport(retrieval, nmi_value, summary, timings, settings, confidence, oracle)
+    return EvaluationReport(
+        retrieval, nmi_value, summary, timings, settings, confidence, oracle, levels
+    )
 
 
 def _num_relevant(q_labels: Tensor, ref_labels: Tensor, same_set: bool) -> Tensor:

@@ -5,6 +5,7 @@ Every function returns a :class:`matplotlib.figure.Figure`; :func:`save_png` wri
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -115,6 +116,35 @@ def ism_saturation(log: RunLog) -> Figure:
         axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8, loc="best")
+    figure.tight_layout()
+    return figure
+
+
+def risk_coverage_curves(
+    curves: dict[str, tuple[np.ndarray, np.ndarray]], oracle: float | None = None
+) -> Figure:
+    """Risk–coverage: answering only the most confident share of the queries, the error rate of
+    the answers kept (top-1 neighbour of another class), per confidence score."""
+    figure = Figure(figsize=(5.2, 3.6))
+    axes = figure.subplots()
+    styles = ["-", "--", ":"]
+    for (name, (coverage, risk)), style in zip(curves.items(), itertools.cycle(styles)):
+        area = float(np.sum(risk * np.diff(coverage, prepend=0.0)))
+        axes.plot(100 * coverage, 100 * risk, style, label=f"{name} (AURC {100 * area:.2f})")
+    if oracle is not None:
+        axes.axhline(
+            100 * oracle,
+            color="grey",
+            linewidth=0.8,
+            linestyle="-.",
+            label=f"best possible AURC {100 * oracle:.2f}",
+        )
+    axes.set_xlabel("coverage: % of queries answered (most confident first)")
+    axes.set_ylabel("% wrong top-1 among them")
+    axes.set_title("risk–coverage")
+    axes.set_xlim(0, 100)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left")
     figure.tight_layout()
     return figure
 

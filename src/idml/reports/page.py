@@ -353,14 +353,25 @@ def _run_section(index: int, report: RunReport, page: _Page) -> str:
                     "occluded); AUROC: how often the altered image gets the larger ||u||.",
                 )
             )
-        confidence = _confidence_table(analysis.metrics)
-        if confidence:
-            parts.append("<h3>Can the answer's confidence be trusted?</h3>")
-            parts.append(confidence)
     else:
         parts.append(
             _note("This run has no uncertainty head (plain metric): no test uncertainty levels.")
         )
+    confidence = _confidence_table(analysis.metrics)
+    if confidence:
+        parts.append("<h3>Can the answer's confidence be trusted?</h3>")
+        parts.append(confidence)
+        if analysis.risk_coverage:
+            parts.append(
+                page.figure(
+                    figures.risk_coverage_curves(
+                        analysis.risk_coverage, analysis.metrics.get("aurc_oracle")
+                    ),
+                    f"{slug}-risk-coverage",
+                    "Error rate of the top-1 answers kept when only the most confident share of "
+                    "the test queries is answered, for each confidence score.",
+                )
+            )
 
     parts.append("<h3>Retrieval examples</h3>")
     if len(analysis.queries):

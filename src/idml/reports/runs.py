@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, Subset
 
 from idml.config import Config, load_config
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
+from idml.evaluation.evaluate import EvaluationReport
+from idml.evaluation.uncertainty import risk_coverage
 from idml.embeddings import Embeddings
 
 
@@ -205,6 +207,9 @@ class TestAnalysis:
     notes: list[str] = field(default_factory=list)
     probe: UncertaintyProbe | None = None
     """``||u||`` of a sample of test images clean and altered (``None`` without uncertainty)."""
+    risk_coverage: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """Confidence score → ``(coverage, risk)``: answering only the most confident queries, the
+    share answered and the share of those whose top-1 neighbour has another class."""
 
     @property
     def correct(self) -> np.ndarray:
@@ -233,7 +238,9 @@ def analyse_run(
     epoch = int(run.state.get("epoch", -1)) + 1
     test = build.build_data(cfg).test
     embeddings, labels = build.embed_dataset(model, test, options.batch_size, device, progress)
-    metrics, pr_curve, all_neighbors = _evaluate(cfg, embeddings, labels, device, options.top_k)
+    metrics, pr_curve, all_neighbors, curves = _evaluate(
+        cfg, embeddings, labels, device, options.top_k
+    )
     generator = torch.Generator().manual_seed(options.seed)
 
     uncertainty = mixed = probe = None
@@ -265,6 +272,7 @@ def analyse_run(
         tsne_labels=tsne_labels,
         notes=notes,
         probe=probe,
+        risk_coverage=curves,
     )
 
 
@@ -274,7 +282,12 @@ def _evaluate(
     labels: Tensor,
     device: torch.device,
     num_neighbors: int,
-) -> tuple[dict[str, float], tuple[np.ndarray, np.ndarray], Tensor]:
+) -> tuple[
+    dict[str, float],
+    tuple[np.ndarray, np.ndarray],
+    Tensor,
+    dict[str, tuple[np.ndarray, np.ndarray]],
+]:
     """Retrieval metrics exactly as training computes them (SPEC §9; ISM only with
     ``eval.introspective``), the interpolated precision–recall curve and each test image's
     ``num_neighbors`` nearest other test images (by the same search, so the retrieval grid shows
@@ -284,7 +297,26 @@ def _evaluate(
     report = build.evaluate(cfg, embeddings, labels, device, num_neighbors=num_neighbors)
     curve = report.retrieval.pr_curve
     pr = (np.asarray(curve.recall_levels, float), np.asarray(curve.interpolated_precision, float))
-    return dict(report.metrics), pr, report.retrieval.neighbor_indices.cpu()
+    return dict(report.metrics), pr, report.retrieval.neighbor_indices.cpu(), _curves(report)
+
+
+def _curves(report: EvaluationReport) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Risk–coverage curves of the top-1 cosine and of −||u|| (the report's confidence scores)."""
+    r = report.retrieval
+    recall = r.per_query.get("recall@1")
+    if recall is None or r.neighbor_values.shape[1] == 0:
+        return {}
+    top1 = r.neighbor_values[:, 0].double()
+    answered = ~torch.isnan(recall) & ~torch.isnan(top1)
+    errors = recall[answered] == 0
+    scores = {"top-1 cosine": top1[answered] if r.values_are_similarities else -top1[answered]}
+    if report.uncertainty_levels is not None:
+        scores["−||u||"] = -report.uncertainty_levels.double()[answered]
+    out = {}
+    for name, confidence in scores.items():
+        coverage, risk = risk_coverage(confidence, errors)
+        out[name] = (coverage.numpy(), risk.numpy())
+    return out
 
 
 @torch.no_grad()
