@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, Subset
 
 from idml.config import Config, load_config
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
+from idml.embeddings import Embeddings
 from idml.evaluation.evaluate import EvaluationReport
 from idml.evaluation.uncertainty import risk_coverage
-from idml.embeddings import Embeddings
 
 
 # --------------------------------------------------------------------------- run log
