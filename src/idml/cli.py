@@ -232,16 +232,16 @@ def _add_overrides(p: argparse.ArgumentParser, help_text: str) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from idml.classification_task import make_trainer
     from idml.config import load_config
     from idml.distributed import destroy_distributed, init_distributed
-    from idml.training import Trainer
 
     cfg = load_config(args.config, args.overrides)
     out = args.out or Path("runs") / cfg.name
     # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
     context = init_distributed(device=cfg.device)
     try:
-        trainer = Trainer(cfg, out, progress=not args.no_progress, distributed=context)
+        trainer = make_trainer(cfg, out, progress=not args.no_progress, distributed=context)
         result = trainer.fit(resume=args.resume)
     finally:
         destroy_distributed(context)
