@@ -312,3 +312,60 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path) -> None:
         result.final_metrics
     )
     assert expected.history[-1]["loss/metric"] == result.history[-1]["loss/metric"]
+
+
+def test_presets_validate_and_pick_sgd_with_milestones() -> None:
+    presets = sorted(Path(__file__).resolve().parents[1].glob("configs/classification/*.yaml"))
+    assert len(presets) == 18
+    for path in presets:
+        cfg = load_config(path)
+        assert cfg.task == "classification" and cfg.published and "top1" in cfg.published
+        assert cfg.optim.optimizer == "sgd" and cfg.optim.scheduler == "multistep"
+    with pytest.raises(ConfigError, match=r"optim\.scheduler=multistep needs optim\.milestones"):
+        load_config(None, ["optim.scheduler=multistep"])
+
+
+def test_trainer_builds_sgd_and_multistep(tmp_path: Path) -> None:
+    from idml.classification_task import make_trainer
+
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "data.samples_per_class=4",
+            "optim.optimizer=sgd",
+            "optim.nesterov=true",
+            "optim.scheduler=multistep",
+            "optim.milestones=[2, 4]",
+        ],
+    )
+    trainer = make_trainer(cfg, tmp_path, progress=False)
+    assert isinstance(trainer.optimizer, torch.optim.SGD)
+    assert trainer.optimizer.defaults["nesterov"] is True
+    assert isinstance(trainer.scheduler, torch.optim.lr_scheduler.MultiStepLR)
+    assert type(trainer).__name__ == "ClassificationTrainer"
+
+
+def test_cifar_conversion_needs_the_pickle_opt_in(tmp_path: Path) -> None:
+    import pickle
+    import subprocess
+    import sys
+
+    source = tmp_path / "cifar-10-batches-py"
+    source.mkdir()
+    names = [f"c{i}" for i in range(10)]
+    (source / "batches.meta").write_bytes(pickle.dumps({"label_names": names}))
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8), "labels": [0, 1]}
+        (source / name).write_bytes(pickle.dumps(batch))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cifar_to_png.py"
+    out = tmp_path / "png"
+    refused = subprocess.run([sys.executable, script, source, out], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--trust-pickle" in refused.stderr and not out.exists()
+    done = subprocess.run(
+        [sys.executable, script, source, out, "--trust-pickle"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    split = load_classification_split("folder", out)
+    assert (len(split.train), len(split.test), split.num_classes) == (10, 2, 2)

@@ -271,9 +271,30 @@ class OptimConfig(Section):
         "group with the semantic head); a smaller value slows the growth of ||u||",
     )
     proxy_lr_mult: float = Field(100.0, ge=0)
-    scheduler: Literal["none", "step", "cosine"] = "step"
+    scheduler: Literal["none", "step", "cosine", "multistep"] = "step"
     step_size: int = Field(10, gt=0)
     step_gamma: float = Field(0.5, gt=0)
+    milestones: list[int] = Field(
+        default_factory=list, description="multistep: epochs after which lr is × step_gamma"
+    )
+    optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="adamw, or SGD with momentum (the classification recipes)"
+    )
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    nesterov: bool = Field(False, description="SGD with Nesterov momentum")
+
+    @model_validator(mode="after")
+    def _optimizer_settings(self) -> OptimConfig:
+        if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
+            raise ValueError("optim.nesterov=true needs optim.optimizer=sgd and optim.momentum > 0")
+        if self.scheduler == "multistep" and not self.milestones:
+            raise ValueError(
+                "optim.scheduler=multistep needs optim.milestones, e.g. [75, 150, 225]"
+            )
+        if any(m <= 0 for m in self.milestones):
+            raise ValueError(f"optim.milestones must be positive epochs, got {self.milestones}")
+        return self
+
     warmup_epochs: int = Field(0, ge=0, description="epochs that train only heads and proxies")
     grad_clip: float | None = Field(10.0, gt=0)
     amp: bool = Field(True, description="mixed precision (CUDA only)")

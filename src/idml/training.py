@@ -210,6 +210,15 @@ class Trainer:
             else:
                 groups.append(ranking)
         groups = [g for g in groups if g["params"]]
+        if o.optimizer == "sgd":
+            sgd = torch.optim.SGD(
+                groups,
+                lr=o.lr,
+                momentum=o.momentum,
+                nesterov=o.nesterov,
+                weight_decay=o.weight_decay,
+            )
+            return sgd, ranking_opt
         return torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay), ranking_opt
 
     def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
@@ -218,6 +227,10 @@ class Trainer:
             return torch.optim.lr_scheduler.StepLR(opt, step_size=o.step_size, gamma=o.step_gamma)
         if o.scheduler == "cosine":
             return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=o.epochs)
+        if o.scheduler == "multistep":
+            return torch.optim.lr_scheduler.MultiStepLR(
+                opt, milestones=list(o.milestones), gamma=o.step_gamma
+            )
         return None
 
     def _training_modules(self) -> dict[str, nn.Module]:
