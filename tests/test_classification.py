@@ -281,7 +281,7 @@ def test_tiny_run_beats_chance_on_digits(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_ism_cutmix_run_resumes_exactly(tmp_path: Path) -> None:
+def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from idml.classification_task import make_trainer
 
     base = [
@@ -312,6 +312,17 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path) -> None:
         result.final_metrics
     )
     assert expected.history[-1]["loss/metric"] == result.history[-1]["loss/metric"]
+
+    # The CLI evaluates the run from its checkpoint alone: the same numbers as the trainer's.
+    import json
+
+    from idml.cli import main
+
+    main(["evaluate", "--checkpoint", str(tmp_path / "b"), "--which", "latest", "--json"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == result.final_metrics
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "b"), "--ks", "1,2"]) != 0
+    assert "--ks apply to retrieval runs" in capsys.readouterr().err
 
 
 def test_presets_validate_and_pick_sgd_with_milestones() -> None:

@@ -18,10 +18,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from idml import build
 from idml.augment import AugmentedBatch, CutMix, Mixup
+from idml.checkpoint import (
+    TRAINING_FILE,
+    CheckpointError,
+    load_weights,
+    read_state,
+    resolve_checkpoint,
+)
 from idml.classification import (
     BatchMixing,
     ClassificationAugmentation,
@@ -33,6 +42,7 @@ from idml.config import ClassificationConfig, Config
 from idml.data import build_transforms
 from idml.data.classification import ClassificationSplit, load_classification_split
 from idml.embeddings import Embeddings
+from idml.export import load_trained_run
 from idml.training import Trainer
 
 
@@ -131,3 +141,50 @@ def make_trainer(cfg: Config, run_dir: Path, **options: Any) -> Trainer:
     """The trainer of ``cfg.task`` (options as :class:`~idml.training.Trainer` takes them)."""
     cls = ClassificationTrainer if cfg.task == "classification" else Trainer
     return cls(cfg, run_dir, **options)
+
+
+def evaluate_classification_run(
+    path: Path,
+    which: str = "best",
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
+    """A trained classification run's test metrics (:func:`~idml.classification.evaluate_classifier`),
+    from its ``which`` checkpoint: the model from ``model.safetensors``, the classifier's weights
+    from ``training.safetensors``."""
+    run = load_trained_run(path, which)
+    cfg = run.config
+    if cfg.task != "classification":
+        raise ValueError(f"{path} is a {cfg.task} run; evaluate it with idml evaluate --checkpoint")
+    classifier = build_classifier(cfg, int(run.state["num_train_classes"]))
+    file = run.checkpoint / TRAINING_FILE
+    try:
+        tensors = load_file(str(file))
+    except Exception as err:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"cannot read {file}: {err}") from err
+    own = {k[len("loss.") :]: v for k, v in tensors.items() if k.startswith("loss.")}
+    load_weights(
+        classifier, {k: v for k, v in own.items() if not k.startswith("optimizer.")}, str(file)
+    )
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    data = build_classification_data(cfg)
+    c = _settings(cfg)
+    return evaluate_classifier(
+        run.model.to(target),
+        classifier.to(target),
+        data.test,
+        cfg.eval.batch_size,
+        target,
+        introspective=cfg.metric.introspective,
+        ks=c.ks,
+        ece_bins=c.ece_bins,
+        uncertainty_probes=c.uncertainty_probes,
+        seed=cfg.seed,
+        progress=progress,
+    )
+
+
+def run_task(path: Path, which: str = "best") -> str:
+    """The ``task`` a run folder was trained for (from its checkpoint's config)."""
+    ckpt = resolve_checkpoint(Path(path), which if which != "best" else "latest")
+    return str(read_state(ckpt).get("config", {}).get("task", "metric_learning"))

@@ -151,6 +151,33 @@ def _run_evaluate(args: argparse.Namespace) -> int:
                 "run's own config decides (metric.*, eval.*). Drop them, or export embeddings "
                 "with `idml embed` and evaluate the file"
             )
+        import json
+
+        from idml.classification_task import evaluate_classification_run, run_task
+
+        if run_task(args.checkpoint, args.which) == "classification":
+            retrieval_only = [
+                flag
+                for flag, given in (
+                    ("--ks", args.ks is not None),
+                    ("--introspective", args.introspective),
+                    ("--no-nmi", args.no_nmi),
+                    ("--nmi-backend", args.nmi_backend is not None),
+                )
+                if given
+            ]
+            if retrieval_only:
+                raise ValueError(
+                    f"{', '.join(retrieval_only)} apply to retrieval runs; {args.checkpoint} is a "
+                    "classification run (its classification.* settings decide)"
+                )
+            metrics = evaluate_classification_run(
+                args.checkpoint, args.which, device=args.device, progress=args.progress
+            )
+            print(
+                json.dumps(metrics) if args.json else format_metrics(str(args.checkpoint), metrics)
+            )
+            return 0
         report = evaluate_checkpoint(
             args.checkpoint,
             args.which,
