@@ -265,40 +265,70 @@ class Mixup:
         generator: torch.Generator | None = None,
     ) -> AugmentedBatch:
         """Append the mixed images; see the class docstring."""
-        check_images("images", images)
-        sets = _coerce_labels(labels, images)
-        if not sets.is_single:
-            raise ValueError(
-                "Mixup needs one label per image, but labels already hold label sets; apply Mixup "
-                "once per batch"
-            )
-        batch = images.shape[0]
-        count = self.num_mixed if self.num_mixed is not None else _count(self.fraction, batch)
-        if count > batch:
-            raise ValueError(
-                f"num_mixed={count} exceeds the batch size {batch}; each image sources at most one "
-                "mixed image"
-            )
-        device = images.device
-        index_a = _randperm(batch, generator, device)[:count].sort().values
-        index_b = _randperm(batch, generator, device)[index_a]
+        sets, index_a, index_b = _draw_pairs(
+            "Mixup", images, labels, self.fraction, self.num_mixed, generator
+        )
+        count = index_a.shape[0]
         shared = (
             self.mode is MixupMode.INTERPOLATE if self.shared_lambda is None else self.shared_lambda
         )
         lam = sample_beta(self.alpha, 1 if shared else count, generator).expand(count)
-        lam = lam.to(device=device, dtype=images.dtype)
+        lam = lam.to(device=images.device, dtype=images.dtype)
         weight = lam.view(count, 1, 1, 1)
         mixed_images = weight * images[index_a] + (1 - weight) * images[index_b]
-        labels_a, labels_b = sets.primary[index_a], sets.primary[index_b]
-        flags = torch.zeros(batch + count, dtype=torch.bool, device=device)
-        flags[batch:] = True
-        return AugmentedBatch(
-            images=torch.cat([images, mixed_images]),
-            labels=sets.cat(LabelSets.mixed(labels_a, labels_b)),
-            mixed=flags,
-            degraded=torch.zeros_like(flags),
-            mixup=MixupInfo(lam.contiguous(), index_a, index_b, labels_a, labels_b, self.mode),
+        return _append_mixed(images, sets, mixed_images, index_a, index_b, lam, self.mode)
+
+
+def _draw_pairs(
+    name: str,
+    images: Tensor,
+    labels: Tensor | LabelSets,
+    fraction: float,
+    num_mixed: int | None,
+    generator: torch.Generator | None,
+) -> tuple[LabelSets, Tensor, Tensor]:
+    """Validate a batch for mixing and draw ``M`` sorted distinct sources ``a`` and their partners
+    ``b = π(a)`` (:class:`Mixup`, :class:`CutMix`)."""
+    check_images("images", images)
+    sets = _coerce_labels(labels, images)
+    if not sets.is_single:
+        raise ValueError(
+            f"{name} needs one label per image, but labels already hold label sets; apply {name} "
+            "once per batch"
         )
+    batch = images.shape[0]
+    count = num_mixed if num_mixed is not None else _count(fraction, batch)
+    if count > batch:
+        raise ValueError(
+            f"num_mixed={count} exceeds the batch size {batch}; each image sources at most one "
+            "mixed image"
+        )
+    index_a = _randperm(batch, generator, images.device)[:count].sort().values
+    index_b = _randperm(batch, generator, images.device)[index_a]
+    return sets, index_a, index_b
+
+
+def _append_mixed(
+    images: Tensor,
+    sets: LabelSets,
+    mixed_images: Tensor,
+    index_a: Tensor,
+    index_b: Tensor,
+    lam: Tensor,
+    mode: MixupMode,
+) -> AugmentedBatch:
+    """The batch with ``mixed_images`` appended, labelled ``{l_a, l_b}`` and flagged as mixed."""
+    batch, count = images.shape[0], mixed_images.shape[0]
+    labels_a, labels_b = sets.primary[index_a], sets.primary[index_b]
+    flags = torch.zeros(batch + count, dtype=torch.bool, device=images.device)
+    flags[batch:] = True
+    return AugmentedBatch(
+        images=torch.cat([images, mixed_images]),
+        labels=sets.cat(LabelSets.mixed(labels_a, labels_b)),
+        mixed=flags,
+        degraded=torch.zeros_like(flags),
+        mixup=MixupInfo(lam.contiguous(), index_a, index_b, labels_a, labels_b, mode),
+    )
 
 
 # --------------------------------------------------------------------------- degradations
@@ -563,23 +593,10 @@ class CutMix:
         generator: torch.Generator | None = None,
     ) -> AugmentedBatch:
         """Append the CutMix images; see the class docstring."""
-        check_images("images", images)
-        sets = _coerce_labels(labels, images)
-        if not sets.is_single:
-            raise ValueError(
-                "CutMix needs one label per image, but labels already hold label sets; mix once "
-                "per batch"
-            )
-        batch, _, height, width = images.shape
-        count = self.num_mixed if self.num_mixed is not None else _count(self.fraction, batch)
-        if count > batch:
-            raise ValueError(
-                f"num_mixed={count} exceeds the batch size {batch}; each image sources at most one "
-                "mixed image"
-            )
-        device = images.device
-        index_a = _randperm(batch, generator, device)[:count].sort().values
-        index_b = _randperm(batch, generator, device)[index_a]
+        sets, index_a, index_b = _draw_pairs(
+            "CutMix", images, labels, self.fraction, self.num_mixed, generator
+        )
+        count, (height, width) = index_a.shape[0], images.shape[-2:]
         drawn = sample_beta(self.alpha, count, generator)
         centre = _rand((count, 2), generator, torch.device("cpu")).double()
         y1, y2, x1, x2, lam = cutmix_boxes(
@@ -594,22 +611,7 @@ class CutMix:
         inside = ((rows >= y1[:, None]) & (rows < y2[:, None]))[:, :, None] & (
             (cols >= x1[:, None]) & (cols < x2[:, None])
         )[:, None, :]
-        inside = inside[:, None].to(device)
+        inside = inside[:, None].to(images.device)
         mixed_images = torch.where(inside, images[index_b], images[index_a])
-        labels_a, labels_b = sets.primary[index_a], sets.primary[index_b]
-        flags = torch.zeros(batch + count, dtype=torch.bool, device=device)
-        flags[batch:] = True
-        return AugmentedBatch(
-            images=torch.cat([images, mixed_images]),
-            labels=sets.cat(LabelSets.mixed(labels_a, labels_b)),
-            mixed=flags,
-            degraded=torch.zeros_like(flags),
-            mixup=MixupInfo(
-                lam.to(device=device, dtype=images.dtype),
-                index_a,
-                index_b,
-                labels_a,
-                labels_b,
-                MixupMode.SET,
-            ),
-        )
+        lam = lam.to(device=images.device, dtype=images.dtype)
+        return _append_mixed(images, sets, mixed_images, index_a, index_b, lam, MixupMode.SET)

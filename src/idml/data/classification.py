@@ -43,6 +43,7 @@ from idml.data.offline import (
     _idx_file,
     read_idx,
     resize_images,
+    rows_per_class,
 )
 from idml.data.records import IMAGE_EXTENSIONS, ImageRecords, format_examples, is_int
 
@@ -117,13 +118,7 @@ def _subsample(class_ids: np.ndarray, per_class: int | None, seed: int) -> np.nd
     """Sorted rows of at most ``per_class`` images of each class (all rows when ``None``)."""
     if per_class is None:
         return np.arange(len(class_ids))
-    if per_class < 1:
-        raise ValueError(f"per_class must be >= 1, got {per_class}")
-    order = np.random.default_rng(seed).permutation(len(class_ids))
-    order = order[np.argsort(class_ids[order], kind="stable")]
-    sorted_ids = class_ids[order]
-    rank = np.arange(len(order)) - np.searchsorted(sorted_ids, sorted_ids, side="left")
-    return np.sort(order[rank < per_class])
+    return rows_per_class(class_ids, per_class, seed)
 
 
 def _arrays(
