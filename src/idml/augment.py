@@ -244,13 +244,7 @@ class Mixup:
     shared_lambda: bool | None = None
 
     def __post_init__(self) -> None:
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            raise ValueError(
-                f"alpha (Mixup Beta parameter) must be a positive number, got {self.alpha}"
-            )
-        _check_fraction("fraction (share of the batch to mix)", self.fraction)
-        if self.num_mixed is not None and self.num_mixed < 0:
-            raise ValueError(f"num_mixed must be >= 0, got {self.num_mixed}")
+        _check_mixing("Mixup", self.alpha, self.fraction, self.num_mixed)
         object.__setattr__(self, "mode", MixupMode(self.mode))
         if self.mode is MixupMode.INTERPOLATE and self.shared_lambda is False:
             raise ValueError(
@@ -277,6 +271,14 @@ class Mixup:
         weight = lam.view(count, 1, 1, 1)
         mixed_images = weight * images[index_a] + (1 - weight) * images[index_b]
         return _append_mixed(images, sets, mixed_images, index_a, index_b, lam, self.mode)
+
+
+def _check_mixing(name: str, alpha: float, fraction: float, num_mixed: int | None) -> None:
+    if not (alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(f"alpha ({name} Beta parameter) must be a positive number, got {alpha}")
+    _check_fraction("fraction (share of the batch to mix)", fraction)
+    if num_mixed is not None and num_mixed < 0:
+        raise ValueError(f"num_mixed must be >= 0, got {num_mixed}")
 
 
 def _draw_pairs(
@@ -578,13 +580,7 @@ class CutMix:
     num_mixed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            raise ValueError(
-                f"alpha (CutMix Beta parameter) must be a positive number, got {self.alpha}"
-            )
-        _check_fraction("fraction (share of the batch to mix)", self.fraction)
-        if self.num_mixed is not None and self.num_mixed < 0:
-            raise ValueError(f"num_mixed must be >= 0, got {self.num_mixed}")
+        _check_mixing("CutMix", self.alpha, self.fraction, self.num_mixed)
 
     def __call__(
         self,
