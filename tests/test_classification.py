@@ -380,3 +380,19 @@ def test_cifar_conversion_needs_the_pickle_opt_in(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     split = load_classification_split("folder", out)
     assert (len(split.train), len(split.test), split.num_classes) == (10, 2, 2)
+
+
+def test_report_of_a_classification_run_needs_no_test(tmp_path: Path, capsys) -> None:
+    from idml.classification_task import make_trainer
+    from idml.cli import main
+
+    cfg = load_config(
+        None, [*TINY, "data.samples_per_class=8", "sampler.batch_size=16", "optim.epochs=1"]
+    )
+    make_trainer(cfg, tmp_path / "run", progress=False).fit()
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")]) != 0
+    assert "report classification runs with --no-test" in capsys.readouterr().err
+    args = ["report", str(tmp_path / "run"), "--no-test", "--out", str(tmp_path / "rep")]
+    assert main([*args, "--no-progress"]) == 0
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert "cosine classifier" in page and "top1" in page

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from safetensors.torch import load_file
 from torch import Tensor
 
@@ -185,6 +186,11 @@ def evaluate_classification_run(
 
 
 def run_task(path: Path, which: str = "best") -> str:
-    """The ``task`` a run folder was trained for (from its checkpoint's config)."""
+    """The ``task`` a run folder (or checkpoint folder) was trained for, from its ``config.yaml``
+    or else its checkpoint's state."""
+    written = Path(path) / "config.yaml"
+    if written.is_file():
+        raw = yaml.safe_load(written.read_text()) or {}
+        return str(raw.get("task", "metric_learning")) if isinstance(raw, dict) else ""
     ckpt = resolve_checkpoint(Path(path), which if which != "best" else "latest")
     return str(read_state(ckpt).get("config", {}).get("task", "metric_learning"))

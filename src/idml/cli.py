@@ -383,6 +383,16 @@ def _run_report(args: argparse.Namespace) -> int:
             f"{', '.join(flag for flag, _, _ in given)} only apply to the test-set analysis, "
             "which --no-test skips; drop them or --no-test"
         )
+    if not args.no_test:
+        from idml.classification_task import run_task
+
+        classification = [str(r) for r in args.runs if run_task(r) == "classification"]
+        if classification:
+            raise ValueError(
+                f"{', '.join(classification)}: the test-set analysis (retrieval metrics, PR curve, "
+                "retrieval grid) is for metric learning; report classification runs with --no-test "
+                "(curves and the metrics table) and score them with idml evaluate --checkpoint"
+            )
     options = AnalysisOptions(**{field: value for _, field, value in given if field})
     page = write_report(
         args.runs,
