@@ -6,8 +6,8 @@ the plain cosine classifier and the introspective one (ISM, ``metric.introspecti
 mixing, Mixup and CutMix (λ-weighted set labels; a batch is mixed with probability 0.5, the CutMix
 paper's CIFAR recipe). Here on the standard Fashion-MNIST split (every class in train and test),
 subsampled and shrunk to 32 px so the whole study fits a 2-core CPU machine: Lite0 from its shipped
-ImageNet weights (BatchNorm frozen), one thread per process (on a CPU shared with other jobs two
-threads ran 8× slower per step than one). Every (arm, seed) runs through
+ImageNet weights (BatchNorm frozen), one torch thread per process (``--threads``; see
+``benchmarks/RESULTS.md`` for why). Every (arm, seed) runs through
 :func:`idml.ablation.run_ablation` (finished runs are reused on a re-run); the table of top-1, top-5,
 ECE and the ``||u||`` probes (mean ± std over seeds) goes to ``benchmarks/study/classification.md``.
 
