@@ -40,7 +40,6 @@ from idml.classification import (
     mixed_targets,
 )
 from idml.config import ClassificationConfig, Config
-from idml.data import build_transforms
 from idml.data.classification import ClassificationSplit, load_classification_split
 from idml.embeddings import Embeddings
 from idml.export import load_trained_run
@@ -56,6 +55,7 @@ def _settings(cfg: Config) -> ClassificationConfig:
 def build_classification_data(cfg: Config) -> ClassificationSplit:
     """The standard split of ``data.dataset`` with the run's train and test pixel pipelines."""
     d, c = cfg.data, _settings(cfg)
+    train_transform, test_transform = build.data_transforms(cfg)
     return load_classification_split(
         d.dataset,
         d.root,
@@ -63,14 +63,8 @@ def build_classification_data(cfg: Config) -> ClassificationSplit:
         test_per_class=c.test_samples_per_class,
         test_fraction=c.test_fraction,
         seed=cfg.seed,
-        train_transform=build_transforms(
-            True,
-            d.image_size,
-            d.resize_size,
-            crop_scale=d.train_crop_scale,
-            flip_probability=0.5 if d.horizontal_flip else 0.0,
-        ),
-        test_transform=build_transforms(False, d.image_size, d.resize_size),
+        train_transform=train_transform,
+        test_transform=test_transform,
     )
 
 
