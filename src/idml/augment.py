@@ -244,13 +244,7 @@ class Mixup:
     shared_lambda: bool | None = None
 
     def __post_init__(self) -> None:
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            raise ValueError(
-                f"alpha (Mixup Beta parameter) must be a positive number, got {self.alpha}"
-            )
-        _check_fraction("fraction (share of the batch to mix)", self.fraction)
-        if self.num_mixed is not None and self.num_mixed < 0:
-            raise ValueError(f"num_mixed must be >= 0, got {self.num_mixed}")
+        _check_mixing("Mixup", self.alpha, self.fraction, self.num_mixed)
         object.__setattr__(self, "mode", MixupMode(self.mode))
         if self.mode is MixupMode.INTERPOLATE and self.shared_lambda is False:
             raise ValueError(
@@ -265,40 +259,78 @@ class Mixup:
         generator: torch.Generator | None = None,
     ) -> AugmentedBatch:
         """Append the mixed images; see the class docstring."""
-        check_images("images", images)
-        sets = _coerce_labels(labels, images)
-        if not sets.is_single:
-            raise ValueError(
-                "Mixup needs one label per image, but labels already hold label sets; apply Mixup "
-                "once per batch"
-            )
-        batch = images.shape[0]
-        count = self.num_mixed if self.num_mixed is not None else _count(self.fraction, batch)
-        if count > batch:
-            raise ValueError(
-                f"num_mixed={count} exceeds the batch size {batch}; each image sources at most one "
-                "mixed image"
-            )
-        device = images.device
-        index_a = _randperm(batch, generator, device)[:count].sort().values
-        index_b = _randperm(batch, generator, device)[index_a]
+        sets, index_a, index_b = _draw_pairs(
+            "Mixup", images, labels, self.fraction, self.num_mixed, generator
+        )
+        count = index_a.shape[0]
         shared = (
             self.mode is MixupMode.INTERPOLATE if self.shared_lambda is None else self.shared_lambda
         )
         lam = sample_beta(self.alpha, 1 if shared else count, generator).expand(count)
-        lam = lam.to(device=device, dtype=images.dtype)
+        lam = lam.to(device=images.device, dtype=images.dtype)
         weight = lam.view(count, 1, 1, 1)
         mixed_images = weight * images[index_a] + (1 - weight) * images[index_b]
-        labels_a, labels_b = sets.primary[index_a], sets.primary[index_b]
-        flags = torch.zeros(batch + count, dtype=torch.bool, device=device)
-        flags[batch:] = True
-        return AugmentedBatch(
-            images=torch.cat([images, mixed_images]),
-            labels=sets.cat(LabelSets.mixed(labels_a, labels_b)),
-            mixed=flags,
-            degraded=torch.zeros_like(flags),
-            mixup=MixupInfo(lam.contiguous(), index_a, index_b, labels_a, labels_b, self.mode),
+        return _append_mixed(images, sets, mixed_images, index_a, index_b, lam, self.mode)
+
+
+def _check_mixing(name: str, alpha: float, fraction: float, num_mixed: int | None) -> None:
+    if not (alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(f"alpha ({name} Beta parameter) must be a positive number, got {alpha}")
+    _check_fraction("fraction (share of the batch to mix)", fraction)
+    if num_mixed is not None and num_mixed < 0:
+        raise ValueError(f"num_mixed must be >= 0, got {num_mixed}")
+
+
+def _draw_pairs(
+    name: str,
+    images: Tensor,
+    labels: Tensor | LabelSets,
+    fraction: float,
+    num_mixed: int | None,
+    generator: torch.Generator | None,
+) -> tuple[LabelSets, Tensor, Tensor]:
+    """Validate a batch for mixing and draw ``M`` sorted distinct sources ``a`` and their partners
+    ``b = π(a)`` (:class:`Mixup`, :class:`CutMix`)."""
+    check_images("images", images)
+    sets = _coerce_labels(labels, images)
+    if not sets.is_single:
+        raise ValueError(
+            f"{name} needs one label per image, but labels already hold label sets; apply {name} "
+            "once per batch"
         )
+    batch = images.shape[0]
+    count = num_mixed if num_mixed is not None else _count(fraction, batch)
+    if count > batch:
+        raise ValueError(
+            f"num_mixed={count} exceeds the batch size {batch}; each image sources at most one "
+            "mixed image"
+        )
+    index_a = _randperm(batch, generator, images.device)[:count].sort().values
+    index_b = _randperm(batch, generator, images.device)[index_a]
+    return sets, index_a, index_b
+
+
+def _append_mixed(
+    images: Tensor,
+    sets: LabelSets,
+    mixed_images: Tensor,
+    index_a: Tensor,
+    index_b: Tensor,
+    lam: Tensor,
+    mode: MixupMode,
+) -> AugmentedBatch:
+    """The batch with ``mixed_images`` appended, labelled ``{l_a, l_b}`` and flagged as mixed."""
+    batch, count = images.shape[0], mixed_images.shape[0]
+    labels_a, labels_b = sets.primary[index_a], sets.primary[index_b]
+    flags = torch.zeros(batch + count, dtype=torch.bool, device=images.device)
+    flags[batch:] = True
+    return AugmentedBatch(
+        images=torch.cat([images, mixed_images]),
+        labels=sets.cat(LabelSets.mixed(labels_a, labels_b)),
+        mixed=flags,
+        degraded=torch.zeros_like(flags),
+        mixup=MixupInfo(lam.contiguous(), index_a, index_b, labels_a, labels_b, mode),
+    )
 
 
 # --------------------------------------------------------------------------- degradations
@@ -496,3 +528,86 @@ class AugmentationPipeline:
     ) -> AugmentedBatch:
         """See :func:`apply_augmentations`."""
         return apply_augmentations(images, labels, self.augmentations, generator)
+
+
+# --------------------------------------------------------------------------- CutMix
+def cutmix_boxes(
+    height: int, width: int, lam: Tensor, center_y: Tensor, center_x: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """CutMix rectangles and their exact mixing ratios (Yun et al. 2019, eq. 1–2 and their code).
+
+    For each draw ``λ``, the cut has side ``⌊H·√(1 − λ)⌋ × ⌊W·√(1 − λ)⌋`` (area ``≈ (1 − λ)·HW``)
+    centred on the integer pixel ``(center_y, center_x)``, with half-sides ``⌊side/2⌋`` on each
+    side, clipped to the image. Clipping shrinks the cut, so the label weight is recomputed from
+    the pixels actually kept: ``λ' = 1 − (y2 − y1)(x2 − x1)/(HW)``.
+
+    Returns ``(y1, y2, x1, x2, λ')``: long tensors of half-open bounds and float64 ``λ'``.
+
+    >>> y1, y2, x1, x2, lam = cutmix_boxes(10, 10, torch.tensor([0.75]), torch.tensor([5]), torch.tensor([5]))
+    >>> [int(v) for v in (y1, y2, x1, x2)], float(lam)
+    ([3, 7, 3, 7], 0.84)
+    """
+    ratio = (1.0 - lam.double()).clamp(0, 1).sqrt()
+    half_h = (height * ratio).floor().long() // 2
+    half_w = (width * ratio).floor().long() // 2
+    center_y, center_x = center_y.long(), center_x.long()
+    y1 = (center_y - half_h).clamp(0, height)
+    y2 = (center_y + half_h).clamp(0, height)
+    x1 = (center_x - half_w).clamp(0, width)
+    x2 = (center_x + half_w).clamp(0, width)
+    kept = 1.0 - ((y2 - y1) * (x2 - x1)).double() / (height * width)
+    return y1, y2, x1, x2, kept
+
+
+@dataclass(frozen=True)
+class CutMix:
+    """CutMix with set labels (Yun et al. 2019), the patch-pasting counterpart of :class:`Mixup`.
+
+    Draws ``M`` source rows ``a`` and partners ``b = π(a)`` as :class:`Mixup` does and, per mixed
+    image, ``λ ~ Beta(alpha, alpha)`` and a uniform integer centre; pastes the rectangle of
+    :func:`cutmix_boxes` from ``x_b`` into ``x_a``. The mixed image carries the label set
+    ``{l_a, l_b}``, and :class:`MixupInfo` ``lam`` holds the exact share ``λ'`` of ``x_a``'s pixels
+    (the weight CutMix gives ``l_a``). Mixed images are appended to the batch.
+
+    Args:
+        alpha: Beta parameter [1: the CutMix paper's ``λ ~ U(0, 1)``].
+        fraction: ``M = round(fraction·B)`` mixed images are added [1].
+        num_mixed: an absolute ``M`` instead of ``fraction``; at most ``B``.
+    """
+
+    alpha: float = 1.0
+    fraction: float = 1.0
+    num_mixed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_mixing("CutMix", self.alpha, self.fraction, self.num_mixed)
+
+    def __call__(
+        self,
+        images: Tensor,
+        labels: Tensor | LabelSets,
+        generator: torch.Generator | None = None,
+    ) -> AugmentedBatch:
+        """Append the CutMix images; see the class docstring."""
+        sets, index_a, index_b = _draw_pairs(
+            "CutMix", images, labels, self.fraction, self.num_mixed, generator
+        )
+        count, (height, width) = index_a.shape[0], images.shape[-2:]
+        drawn = sample_beta(self.alpha, count, generator)
+        centre = _rand((count, 2), generator, torch.device("cpu")).double()
+        y1, y2, x1, x2, lam = cutmix_boxes(
+            height,
+            width,
+            drawn,
+            (centre[:, 0] * height).floor().clamp_max(height - 1),
+            (centre[:, 1] * width).floor().clamp_max(width - 1),
+        )
+        rows = torch.arange(height)
+        cols = torch.arange(width)
+        inside = ((rows >= y1[:, None]) & (rows < y2[:, None]))[:, :, None] & (
+            (cols >= x1[:, None]) & (cols < x2[:, None])
+        )[:, None, :]
+        inside = inside[:, None].to(images.device)
+        mixed_images = torch.where(inside, images[index_b], images[index_a])
+        lam = lam.to(device=images.device, dtype=images.dtype)
+        return _append_mixed(images, sets, mixed_images, index_a, index_b, lam, MixupMode.SET)

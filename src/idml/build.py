@@ -51,8 +51,8 @@ _OFFLINE = {"digits", "fashion_mnist", "omniglot"}
 
 
 # --------------------------------------------------------------------------- data
-def build_data(cfg: Config) -> DMLSplit:
-    """The class-disjoint split with the train and test pixel pipelines attached."""
+def data_transforms(cfg: Config) -> tuple[Any, Any]:
+    """The train and test pixel pipelines of ``data.*`` (every task)."""
     d = cfg.data
     train_tf = build_transforms(
         True,
@@ -61,7 +61,13 @@ def build_data(cfg: Config) -> DMLSplit:
         crop_scale=d.train_crop_scale,
         flip_probability=0.5 if d.horizontal_flip else 0.0,
     )
-    test_tf = build_transforms(False, d.image_size, d.resize_size)
+    return train_tf, build_transforms(False, d.image_size, d.resize_size)
+
+
+def build_data(cfg: Config) -> DMLSplit:
+    """The class-disjoint split with the train and test pixel pipelines attached."""
+    d = cfg.data
+    train_tf, test_tf = data_transforms(cfg)
     options: dict[str, Any] = {}
     if d.dataset in _OFFLINE:
         options["channels"] = 3

@@ -180,6 +180,33 @@ def _run_evaluate(args: argparse.Namespace) -> int:
                 "run's own config decides (metric.*, eval.*). Drop them, or export embeddings "
                 "with `idml embed` and evaluate the file"
             )
+        import json
+
+        from idml.classification_task import evaluate_classification_run, run_task
+
+        if run_task(args.checkpoint, args.which) == "classification":
+            retrieval_only = [
+                flag
+                for flag, given in (
+                    ("--ks", args.ks is not None),
+                    ("--introspective", args.introspective),
+                    ("--no-nmi", args.no_nmi),
+                    ("--nmi-backend", args.nmi_backend is not None),
+                )
+                if given
+            ]
+            if retrieval_only:
+                raise ValueError(
+                    f"{', '.join(retrieval_only)} apply to retrieval runs; {args.checkpoint} is a "
+                    "classification run (its classification.* settings decide)"
+                )
+            metrics = evaluate_classification_run(
+                args.checkpoint, args.which, device=args.device, progress=args.progress
+            )
+            print(
+                json.dumps(metrics) if args.json else format_metrics(str(args.checkpoint), metrics)
+            )
+            return 0
         report = evaluate_checkpoint(
             args.checkpoint,
             args.which,
@@ -267,16 +294,16 @@ def _add_overrides(p: argparse.ArgumentParser, help_text: str) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from idml.classification_task import make_trainer
     from idml.config import load_config
     from idml.distributed import destroy_distributed, init_distributed
-    from idml.training import Trainer
 
     cfg = load_config(args.config, args.overrides)
     out = args.out or Path("runs") / cfg.name
     # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
     context = init_distributed(device=cfg.device)
     try:
-        trainer = Trainer(
+        trainer = make_trainer(
             cfg,
             out,
             progress=not args.no_progress,
@@ -409,6 +436,16 @@ def _run_report(args: argparse.Namespace) -> int:
             f"{', '.join(flag for flag, _, _ in given)} only apply to the test-set analysis, "
             "which --no-test skips; drop them or --no-test"
         )
+    if not args.no_test:
+        from idml.classification_task import run_task
+
+        classification = [str(r) for r in args.runs if run_task(r) == "classification"]
+        if classification:
+            raise ValueError(
+                f"{', '.join(classification)}: the test-set analysis (retrieval metrics, PR curve, "
+                "retrieval grid) is for metric learning; report classification runs with --no-test "
+                "(curves and the metrics table) and score them with idml evaluate --checkpoint"
+            )
     options = AnalysisOptions(**{field: value for _, field, value in given if field})
     make_folder(out, "report folder")  # a file in the way is named before any figure is drawn
     page = write_report(

@@ -327,9 +327,30 @@ class OptimConfig(Section):
         "group with the semantic head); a smaller value slows the growth of ||u||",
     )
     proxy_lr_mult: float = Field(100.0, ge=0)
-    scheduler: Literal["none", "step", "cosine"] = "step"
+    scheduler: Literal["none", "step", "cosine", "multistep"] = "step"
     step_size: int = Field(10, gt=0)
     step_gamma: float = Field(0.5, gt=0)
+    milestones: list[int] = Field(
+        default_factory=list, description="multistep: epochs after which lr is × step_gamma"
+    )
+    optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="adamw, or SGD with momentum (the classification recipes)"
+    )
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    nesterov: bool = Field(False, description="SGD with Nesterov momentum")
+
+    @model_validator(mode="after")
+    def _optimizer_settings(self) -> OptimConfig:
+        if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
+            raise ValueError("optim.nesterov=true needs optim.optimizer=sgd and optim.momentum > 0")
+        if self.scheduler == "multistep" and not self.milestones:
+            raise ValueError(
+                "optim.scheduler=multistep needs optim.milestones, e.g. [75, 150, 225]"
+            )
+        if any(m <= 0 for m in self.milestones):
+            raise ValueError(f"optim.milestones must be positive epochs, got {self.milestones}")
+        return self
+
     warmup_epochs: int = Field(0, ge=0, description="epochs that train only heads and proxies")
     grad_clip: float | None = Field(10.0, gt=0)
     amp: bool = Field(True, description="mixed precision (CUDA only)")
@@ -352,10 +373,45 @@ class EvalConfig(Section):
     batch_size: int = Field(256, gt=0)
 
 
+# --------------------------------------------------------------------------- classification
+class ClassificationConfig(Section):
+    """``task: classification``: a cosine classifier ``z = s·S(x, w_c)`` on the semantic embedding
+    (``S_IN`` with ``metric.introspective``), Mixup/CutMix with λ-weighted set labels (IDML, TPAMI
+    version; Yun et al. 2019 for CutMix)."""
+
+    scale: float = Field(16.0, gt=0, allow_inf_nan=False, description="logit scale s = 1/T")
+    mix: Literal["none", "mixup", "cutmix"] = "none"
+    mix_alpha: float = Field(1.0, gt=0, allow_inf_nan=False, description="λ ~ Beta(α, α)")
+    mix_prob: float = Field(1.0, ge=0, le=1, description="probability that a batch is mixed")
+    keep_originals: bool = Field(
+        False, description="append the mixed batch to the clean one instead of replacing it"
+    )
+    test_fraction: float = Field(
+        0.2, gt=0, lt=1, description="per-class hold-out of datasets without a test side"
+    )
+    test_samples_per_class: int | None = Field(
+        None, gt=0, description="subsample the test side (data.samples_per_class: the train side)"
+    )
+    ks: list[int] = Field(default_factory=lambda: [1, 5], description="top-k accuracies")
+    ece_bins: int = Field(15, gt=0, description="equal-width confidence bins of the ECE")
+    uncertainty_probes: bool = Field(
+        True, description="log ||u|| of Mixup, CutMix and low-resolution test images"
+    )
+
+
+Task = Literal["metric_learning", "classification"]
+
+_METRIC_ONLY_SECTIONS = ("loss", "mixup", "ssr")
+_METRIC_ONLY_EVAL_KEYS = ("ks", "nmi", "nmi_backend", "introspective")
+
+
 class Config(Section):
     """A whole run."""
 
     name: str = "run"
+    task: Task = Field(
+        "metric_learning", description="metric_learning (retrieval) or classification"
+    )
     seed: int = Field(0, ge=0, description="seed of every random draw (numpy needs it >= 0)")
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, cuda, cuda:N, mps"
@@ -374,6 +430,9 @@ class Config(Section):
     published: dict[str, float] | None = Field(
         None, description="numbers the paper reports for this recipe (documentation only)"
     )
+    classification: ClassificationConfig | None = Field(
+        None, description="the classification task's settings (task: classification only)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -388,6 +447,56 @@ class Config(Section):
             )
         if any(k <= 0 for k in self.eval.ks):
             raise ValueError(f"eval.ks must be positive integers, got {self.eval.ks}")
+        return self
+
+    @model_validator(mode="after")
+    def _task_sections(self) -> Config:
+        """Keys of the other task are errors that name the key; classification defaults."""
+        if self.task == "metric_learning":
+            if self.classification is not None:
+                raise ValueError(
+                    "classification: this section applies to task: classification; set "
+                    "task=classification or remove the classification section"
+                )
+            return self
+        defaults = Config()
+        for section in _METRIC_ONLY_SECTIONS:
+            changed = config_difference(
+                {section: config_to_dict(defaults)[section]},
+                {section: config_to_dict(self)[section]},
+                ignore=(),
+            )
+            if changed:
+                key = changed[0].split(":")[0]
+                if section == "loss" and self.loss.name != defaults.loss.name:
+                    key = "loss.name"
+                    changed = [f"loss.name: {defaults.loss.name!r} -> {self.loss.name!r}"]
+                raise ValueError(
+                    f"{key}: {section}.* applies to task: metric_learning; task: classification "
+                    "trains a cosine classifier (classification.scale, classification.mix for "
+                    f"Mixup/CutMix): remove {section}.* ({changed[0]})"
+                )
+        for key in _METRIC_ONLY_EVAL_KEYS:
+            if getattr(self.eval, key) != getattr(defaults.eval, key):
+                raise ValueError(
+                    f"eval.{key} applies to task: metric_learning (retrieval); task: "
+                    "classification reports classification.ks top-k accuracies and the ECE: "
+                    f"remove eval.{key}"
+                )
+        if self.data.dataset in ("cub", "cars", "sop"):
+            raise ValueError(
+                f"data.dataset={self.data.dataset}: a zero-shot retrieval benchmark has no "
+                "classification split; use digits, fashion_mnist, folder (ImageNet/CIFAR "
+                "layouts) or csv"
+            )
+        if self.classification is None:
+            self.classification = ClassificationConfig()
+        if any(k <= 0 for k in self.classification.ks):
+            raise ValueError(f"classification.ks must be positive, got {self.classification.ks}")
+        if "select" not in self.eval.model_fields_set:
+            self.eval.select = "top1"
+        if "kind" not in self.sampler.model_fields_set:
+            self.sampler.kind = "random"
         return self
 
     @property
@@ -547,6 +656,9 @@ def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
 
 def _field_types(owner: Any) -> dict[str, Any]:
     """Field name → annotation of a pydantic model or a stdlib dataclass (empty otherwise)."""
+    members = [a for a in typing.get_args(owner) if a is not type(None)]
+    if len(members) == 1:  # an optional section, ``Section | None``
+        owner = members[0]
     if isinstance(owner, type) and issubclass(owner, BaseModel):
         return {name: f.annotation for name, f in owner.model_fields.items()}
     if dataclasses.is_dataclass(owner):

@@ -147,14 +147,14 @@ class Trainer:
         self.progress = progress and self.dist.is_main
         self.device = self.dist.device if self.dist.is_distributed else resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
-        self.data = build.build_data(cfg)
+        self.data = self._build_data()
         self.model = build.build_model(cfg).to(self.device)
         check_model_input(self.model, cfg)
-        self.loss = build.build_loss(cfg, self.data.num_train_classes).to(self.device)
+        self.loss = self._build_loss().to(self.device)
         self.ssr = build.build_ssr(cfg, self.model.feature_dim)
         if self.ssr is not None:
             self.ssr = self.ssr.to(self.device)
-        self.augment = build.build_augmentations(cfg)
+        self.augment = self._build_augmentations()
         self.optimizer, self.ranking_optimizer = self._optimizers()
         self.scheduler = self._scheduler(self.optimizer)
         self.amp = cfg.optim.amp and self.device.type == "cuda"
@@ -179,6 +179,16 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ set-up
+    # The task hooks: a task other than metric learning (idml.classification_task) overrides them.
+    def _build_data(self) -> Any:
+        return build.build_data(self.cfg)
+
+    def _build_loss(self) -> nn.Module:
+        return build.build_loss(self.cfg, self.data.num_train_classes)
+
+    def _build_augmentations(self) -> Any:
+        return build.build_augmentations(self.cfg)
+
     def _optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
         o = self.cfg.optim
         # The uncertainty head gets its own group only when asked to: the default layout (and so
@@ -230,6 +240,15 @@ class Trainer:
             else:
                 groups.append(ranking)
         groups = [g for g in groups if g["params"]]
+        if o.optimizer == "sgd":
+            sgd = torch.optim.SGD(
+                groups,
+                lr=o.lr,
+                momentum=o.momentum,
+                nesterov=o.nesterov,
+                weight_decay=o.weight_decay,
+            )
+            return sgd, ranking_opt
         return torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay), ranking_opt
 
     def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
@@ -238,6 +257,10 @@ class Trainer:
             return torch.optim.lr_scheduler.StepLR(opt, step_size=o.step_size, gamma=o.step_gamma)
         if o.scheduler == "cosine":
             return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=o.epochs)
+        if o.scheduler == "multistep":
+            return torch.optim.lr_scheduler.MultiStepLR(
+                opt, milestones=list(o.milestones), gamma=o.step_gamma
+            )
         return None
 
     def _training_modules(self) -> dict[str, nn.Module]:

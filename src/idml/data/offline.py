@@ -110,6 +110,13 @@ def subsample_per_class(class_ids: np.ndarray, per_class: int, seed: int) -> np.
     """
     if per_class < 2:
         raise ValueError(f"per_class must be >= 2 (a class needs a positive pair), got {per_class}")
+    return rows_per_class(class_ids, per_class, seed)
+
+
+def rows_per_class(class_ids: np.ndarray, per_class: int, seed: int) -> np.ndarray:
+    """:func:`subsample_per_class` for any ``per_class >= 1`` (classification needs no pairs)."""
+    if per_class < 1:
+        raise ValueError(f"per_class must be >= 1, got {per_class}")
     order = np.random.default_rng(seed).permutation(len(class_ids))
     order = order[np.argsort(class_ids[order], kind="stable")]
     sorted_ids = class_ids[order]

@@ -127,7 +127,11 @@ class NormalizedSoftmaxLoss(ProxyLoss):
             f"temperature={self.temperature}, set_target={self.set_target!r}"
         )
 
+    def logits(self, embeddings: Embeddings) -> Tensor:
+        """``(B, C)`` logits ``z_ic = S(s_i, p_c) / T`` (``−D/T`` for a distance metric)."""
+        return similarity_logits(self.metric, self.proxy_matrix(embeddings)) / self.temperature
+
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
-        logits = similarity_logits(self.metric, self.proxy_matrix(embeddings)) / self.temperature
+        logits = self.logits(embeddings)
         membership = labels.proxy_mask(self.num_classes)
         return set_label_cross_entropy(logits, membership, self.set_target).mean()

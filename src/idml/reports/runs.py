@@ -101,6 +101,10 @@ class RunLog:
         """Short description: loss, metric (plain / ISM variant), Mixup, SSR."""
         cfg = self.config
         parts = [cfg.loss.name]
+        if cfg.task == "classification" and cfg.classification is not None:
+            parts = ["cosine classifier"]
+            if cfg.classification.mix != "none":
+                parts.append({"mixup": "Mixup", "cutmix": "CutMix"}[cfg.classification.mix])
         if cfg.metric.introspective:
             variant = {"soft": "ISM", "dissimilar": "ISM-Dis", "strict": "ISM-strict"}
             parts.append(

@@ -1,0 +1,325 @@
+"""Data for image classification: the standard split, where every class is in train and test.
+
+Unlike the zero-shot split of deep metric learning (:class:`~idml.data.datasets.DMLSplit`), a
+:class:`ClassificationSplit` holds the same classes on both sides, so a label means the same class
+in train and test. :func:`load_classification_split` knows:
+
+- ``digits`` (scikit-learn, 1,797 images, no official split): a per-class hold-out of
+  ``test_fraction`` of the images, drawn with ``seed``;
+- ``fashion_mnist``: the official 60,000 train / 10,000 test files;
+- ``folder``: ``root/train/<class>/<image>`` with ``root/val/<class>/`` or ``root/test/<class>/``
+  — ImageNet's ``train/<wnid>/`` + ``val/<wnid>/`` layout, and CIFAR-10/100 converted to PNG
+  folders — or a flat ``root/<class>/<image>`` with a per-class hold-out;
+- ``csv``: ``path,label,split`` rows (``train``/``test``), or ``path,label`` with a hold-out.
+
+``per_class`` / ``test_per_class`` subsample each side (at most that many images per class, drawn
+with ``seed``).
+
+Example:
+    >>> split = load_classification_split("digits", per_class=20, test_per_class=10)
+    >>> split.num_classes, len(split.train), len(split.test), split.train.classes == split.test.classes
+    (10, 200, 100, True)
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from idml.data.datasets import (
+    ArrayImageDataset,
+    Channels,
+    FileImageDataset,
+    ImageDataset,
+    Transform,
+)
+from idml.data.offline import (
+    _FASHION_MNIST_FILES,
+    FASHION_MNIST_CLASSES,
+    FASHION_MNIST_ROOT,
+    _idx_file,
+    read_idx,
+    resize_images,
+    rows_per_class,
+)
+from idml.data.records import IMAGE_EXTENSIONS, ImageRecords, format_examples, is_int
+
+CLASSIFICATION_DATASETS = ("digits", "fashion_mnist", "folder", "csv")
+"""The datasets with a classification split (CUB, Cars and SOP are zero-shot retrieval benchmarks)."""
+
+_TEST_FOLDERS = ("val", "test")
+
+
+@dataclass(frozen=True)
+class ClassificationSplit:
+    """Train and test images of the same classes (labels ``0..C−1`` mean the same on both sides)."""
+
+    train: ImageDataset
+    test: ImageDataset
+    name: str
+
+    def __post_init__(self) -> None:
+        for side, dataset in (("train", self.train), ("test", self.test)):
+            if len(dataset) == 0:
+                raise ValueError(f"{self.name}: the {side} split has no images")
+        if self.train.classes != self.test.classes:
+            only_train = sorted(set(self.train.classes) - set(self.test.classes))
+            only_test = sorted(set(self.test.classes) - set(self.train.classes))
+            names = dict(zip(self.train.classes, self.train.class_names)) | dict(
+                zip(self.test.classes, self.test.class_names)
+            )
+            raise ValueError(
+                f"{self.name}: a classification split needs every class on both sides; only in "
+                f"train: {format_examples([names[c] for c in only_train]) or 'none'}, only in test: "
+                f"{format_examples([names[c] for c in only_test]) or 'none'}"
+            )
+
+    @property
+    def num_classes(self) -> int:
+        return self.train.num_classes
+
+    @property
+    def num_train_classes(self) -> int:
+        """The classifier's classes (the name the trainer's checkpoints use)."""
+        return self.train.num_classes
+
+    def with_transforms(
+        self, train_transform: Transform | None, test_transform: Transform | None
+    ) -> ClassificationSplit:
+        return ClassificationSplit(
+            self.train.with_transform(train_transform),
+            self.test.with_transform(test_transform),
+            self.name,
+        )
+
+
+def holdout_rows(class_ids: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask of the test rows: ``round(test_fraction·n_c)`` random images of each class
+    (at least one, and at least one left for training)."""
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+    rng = np.random.default_rng(seed)
+    test = np.zeros(len(class_ids), dtype=bool)
+    for c in np.unique(class_ids):
+        rows = np.flatnonzero(class_ids == c)
+        if len(rows) < 2:
+            raise ValueError(
+                f"class {c} has {len(rows)} image; a hold-out split needs at least 2 per class"
+            )
+        count = min(max(1, round(test_fraction * len(rows))), len(rows) - 1)
+        test[rng.choice(rows, count, replace=False)] = True
+    return test
+
+
+def _subsample(class_ids: np.ndarray, per_class: int | None, seed: int) -> np.ndarray:
+    """Sorted rows of at most ``per_class`` images of each class (all rows when ``None``)."""
+    if per_class is None:
+        return np.arange(len(class_ids))
+    return rows_per_class(class_ids, per_class, seed)
+
+
+def _arrays(
+    name: str,
+    parts: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    class_names: dict[int, str],
+    per_class: int | None,
+    test_per_class: int | None,
+    image_size: int | None,
+    seed: int,
+    channels: Channels,
+) -> ClassificationSplit:
+    sides = []
+    for (images, ids), limit, side, offset in zip(
+        parts, (per_class, test_per_class), ("train", "test"), (0, 1)
+    ):
+        keep = _subsample(ids, limit, seed * 2 + offset)
+        images, ids = images[keep], ids[keep]
+        if image_size is not None:
+            images = resize_images(images, image_size)
+        sides.append(
+            ArrayImageDataset(images, ids, class_names, channels=channels, source=f"{name}/{side}")
+        )
+    return ClassificationSplit(sides[0], sides[1], name)
+
+
+def _digits(test_fraction: float, seed: int, **kw: object) -> ClassificationSplit:
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    bunch = sklearn_digits()
+    images = np.rint(bunch.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+    ids = bunch.target.astype(np.int64)
+    # The hold-out is drawn with its own stream: the test images do not depend on the run's seed.
+    test = holdout_rows(ids, test_fraction, 0)
+    parts = ((images[~test], ids[~test]), (images[test], ids[test]))
+    return _arrays("digits", parts, {i: str(i) for i in range(10)}, seed=seed, **kw)  # type: ignore[arg-type]
+
+
+def _fashion_mnist(root: Path | None, seed: int, **kw: object) -> ClassificationSplit:
+    base = Path(root).expanduser() if root is not None else FASHION_MNIST_ROOT
+    if not base.is_dir():
+        raise FileNotFoundError(
+            f"Fashion-MNIST folder {base} does not exist; install the Debian package "
+            "dataset-fashion-mnist or set data.root to the folder with the idx files"
+        )
+    parts = []
+    for image_stem, label_stem in _FASHION_MNIST_FILES:
+        images = read_idx(_idx_file(base, image_stem))
+        labels = read_idx(_idx_file(base, label_stem)).astype(np.int64)
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise ValueError(
+                f"{base}: {image_stem} and {label_stem} do not form an image/label pair"
+            )
+        parts.append((images, labels))
+    names = dict(enumerate(FASHION_MNIST_CLASSES))
+    return _arrays("fashion_mnist", (parts[0], parts[1]), names, seed=seed, **kw)  # type: ignore[arg-type]
+
+
+def _class_folders(base: Path) -> list[Path]:
+    return sorted(d for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def _folder_records(base: Path, names: list[str]) -> ImageRecords:
+    """Images of ``base/<class>/`` for the given class names (ids = positions in ``names``)."""
+    suffixes = set(IMAGE_EXTENSIONS)
+    paths, ids = [], []
+    for i, name in enumerate(names):
+        folder = base / name
+        files = (
+            sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
+            if folder.is_dir()
+            else []
+        )
+        if not files:
+            raise ValueError(
+                f"{folder} holds no images ({', '.join(sorted(suffixes))}); every class needs "
+                "images in both train and test folders"
+            )
+        paths += [str(p) for p in files]
+        ids += [i] * len(files)
+    return ImageRecords(
+        np.array(paths, dtype=object), np.array(ids, dtype=np.int64), dict(enumerate(names))
+    )
+
+
+def _records_split(
+    name: str,
+    train: ImageRecords,
+    test: ImageRecords,
+    per_class: int | None,
+    test_per_class: int | None,
+    seed: int,
+    channels: Channels,
+) -> ClassificationSplit:
+    train = train.take(_subsample(train.class_ids, per_class, seed * 2))
+    test = test.take(_subsample(test.class_ids, test_per_class, seed * 2 + 1))
+    return ClassificationSplit(
+        FileImageDataset(train, channels=channels), FileImageDataset(test, channels=channels), name
+    )
+
+
+def _folder(root: Path, test_fraction: float, **kw: object) -> ClassificationSplit:
+    base = Path(root).expanduser()
+    if not base.is_dir():
+        raise FileNotFoundError(
+            f"image folder {base} is not a directory; set data.root to a folder with train/ and "
+            "val/ (or test/) class folders, or with one folder per class"
+        )
+    test_dir = next((base / t for t in _TEST_FOLDERS if (base / t).is_dir()), None)
+    if (base / "train").is_dir():
+        if test_dir is None:
+            raise ValueError(f"{base} has train/ but neither val/ nor test/; add the test images")
+        names = [d.name for d in _class_folders(base / "train")]
+        extra = sorted({d.name for d in _class_folders(test_dir)} - set(names))
+        if extra:
+            raise ValueError(
+                f"{test_dir}: class folder(s) {format_examples(extra)} are not in {base / 'train'}"
+            )
+        train, test = _folder_records(base / "train", names), _folder_records(test_dir, names)
+    else:
+        names = [d.name for d in _class_folders(base)]
+        if not names:
+            raise ValueError(f"{base} has no class folders; expected {base}/<class>/<image files>")
+        records = _folder_records(base, names)
+        held = holdout_rows(records.class_ids, test_fraction, 0)
+        train, test = records.take(~held), records.take(held)
+    return _records_split("folder", train, test, **kw)  # type: ignore[arg-type]
+
+
+def _csv(root: Path, test_fraction: float, **kw: object) -> ClassificationSplit:
+    path = Path(root).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"CSV file {path} does not exist; set data.root to the CSV file")
+    with path.open(newline="", encoding="utf-8") as handle:
+        rows = [(n, [c.strip() for c in r]) for n, r in enumerate(csv.reader(handle), 1) if any(r)]
+    if rows and rows[0][1][:1] and rows[0][1][0].lower() == "path":
+        rows = rows[1:]
+    if not rows:
+        raise ValueError(f"{path} has no rows; expected path,label[,split]")
+    width = len(rows[0][1])
+    bad = next((n for n, r in rows if len(r) != width or width not in (2, 3) or not all(r)), None)
+    if bad is not None:
+        raise ValueError(f"{path}:{bad}: expected path,label[,split] with no empty column")
+    labels = [r[1] for _, r in rows]
+    names = sorted(set(labels), key=int) if all(is_int(x) for x in labels) else sorted(set(labels))
+    index = {n: i for i, n in enumerate(names)}
+    records = ImageRecords(
+        np.array([str(path.parent / r[0]) for _, r in rows], dtype=object),
+        np.array([index[x] for x in labels], dtype=np.int64),
+        dict(enumerate(names)),
+    )
+    records.check_files_exist(str(path))
+    if width == 3:
+        split = np.array([r[2].lower() for _, r in rows])
+        wrong = [n for (n, _), s in zip(rows, split) if s not in ("train", "test")]
+        if wrong:
+            raise ValueError(
+                f"{path}: split must be 'train' or 'test' (line(s) {format_examples(wrong)})"
+            )
+        held = split == "test"
+    else:
+        held = holdout_rows(records.class_ids, test_fraction, 0)
+    return _records_split("csv", records.take(~held), records.take(held), **kw)  # type: ignore[arg-type]
+
+
+def load_classification_split(
+    name: str,
+    root: str | Path | None = None,
+    *,
+    per_class: int | None = None,
+    test_per_class: int | None = None,
+    test_fraction: float = 0.2,
+    image_size: int | None = None,
+    seed: int = 0,
+    channels: Channels = 3,
+    train_transform: Transform | None = None,
+    test_transform: Transform | None = None,
+) -> ClassificationSplit:
+    """The classification split of dataset ``name`` (module docstring), transforms attached.
+
+    ``test_fraction`` is the per-class hold-out of datasets without a test side (digits, a flat
+    folder, a CSV without split column); ``image_size`` resizes in-memory datasets once at load.
+    """
+    if name not in CLASSIFICATION_DATASETS:
+        raise ValueError(
+            f"data.dataset={name!r} has no classification split; for task: classification use "
+            f"one of {', '.join(CLASSIFICATION_DATASETS)} (ImageNet and CIFAR: folder)"
+        )
+    common = {"per_class": per_class, "test_per_class": test_per_class, "seed": seed}
+    arrays = {**common, "image_size": image_size, "channels": channels}
+    if name == "digits":
+        if root is not None:
+            raise ValueError("the digits dataset ships with scikit-learn; leave data.root unset")
+        split = _digits(test_fraction, **arrays)  # type: ignore[arg-type]
+    elif name == "fashion_mnist":
+        split = _fashion_mnist(root, **arrays)  # type: ignore[arg-type]
+    else:
+        if root is None:
+            raise ValueError(f"data.dataset={name!r} needs data.root")
+        if image_size is not None:
+            raise ValueError("image_size resizes in-memory datasets only; use the transform")
+        loader = _folder if name == "folder" else _csv
+        split = loader(Path(root), test_fraction, channels=channels, **common)  # type: ignore[arg-type]
+    return split.with_transforms(train_transform, test_transform)
