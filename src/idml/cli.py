@@ -95,8 +95,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         "--nmi-backend",
         choices=("auto", "faiss", "sklearn", "knn"),
         default=None,
-        help="k-means for NMI: auto (faiss if installed, else sklearn; the default, or the run's "
-        "eval.nmi_backend) or knn (fast, many classes)",
+        help="k-means for NMI: auto (the default, or the run's eval.nmi_backend: k-NN-graph "
+        "k-means when points x classes > 5e7, e.g. SOP, else full k-means with faiss if "
+        "installed, else sklearn), faiss, sklearn or knn (fast, many classes)",
     )
     opt.add_argument("--seed", type=int, default=1234, help="k-means seed")
     opt.add_argument("--knn-backend", choices=("exact", "faiss"), default="exact")

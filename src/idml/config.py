@@ -288,8 +288,9 @@ class EvalConfig(Section):
     nmi: bool = True
     nmi_backend: Literal["auto", "faiss", "sklearn", "knn"] = Field(
         "auto",
-        description="k-means for NMI: auto (faiss if installed, else scikit-learn), or 'knn' "
-        "(k-NN-graph k-means on the search's neighbour lists; ~7x faster than faiss at SOP scale)",
+        description="k-means for NMI: auto (k-NN-graph k-means when test points x classes > 5e7, "
+        "e.g. SOP; else full k-means: faiss if installed, else scikit-learn), faiss, sklearn, or "
+        "'knn' (k-NN-graph k-means on the search's neighbour lists)",
     )
     introspective: bool = Field(False, description="rank with ISM at test time (ablation)")
     select: str = Field("recall@1", description="metric that picks the best epoch")

@@ -66,6 +66,7 @@ class EpochRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     steps: int = 0
+    notes: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -76,6 +77,7 @@ class EpochRecord:
             **{f"lr/{k}": v for k, v in self.lr.items()},
             **{f"uncertainty/{k}": v for k, v in self.uncertainty.items()},
             **{f"test/{k}": v for k, v in self.metrics.items()},
+            **{f"eval/{k}": v for k, v in self.notes.items()},
         }
 
 
@@ -139,6 +141,7 @@ class Trainer:
         self.best_value = -math.inf
         self.best_epoch = -1
         self.best_metrics: dict[str, float] = {}
+        self.eval_notes: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
         self._tb: Any = None
         # One DDP over model, loss (proxies) and SSR head: their gradients are averaged over ranks.
@@ -274,6 +277,7 @@ class Trainer:
             last = epoch == epochs - 1
             if (epoch + 1) % self.cfg.eval.every == 0 or last:
                 record.metrics = self.evaluate()
+                record.notes = dict(self.eval_notes)
                 metrics = record.metrics
                 self._track_best(epoch, metrics)
             if self.scheduler is not None:
@@ -480,8 +484,10 @@ class Trainer:
         report = None
         if self.dist.is_main:
             evaluation = build.evaluate(self.cfg, emb, labels, self.device, self.progress)
-            report = dict(evaluation.metrics)
-        return self.dist.broadcast_object(report)
+            # How NMI was computed goes into the log beside the numbers (``eval/nmi_method``).
+            report = (dict(evaluation.metrics), {"nmi_method": evaluation.settings["nmi_method"]})
+        metrics, self.eval_notes = self.dist.broadcast_object(report)
+        return metrics
 
     def _track_best(self, epoch: int, metrics: dict[str, float]) -> None:
         key = self.cfg.eval.select
