@@ -251,6 +251,11 @@ def _run_train(args: argparse.Namespace) -> int:
     print(format_metrics(f"{cfg.name}: final", result.final_metrics))
     if result.best_epoch >= 0:
         print(format_metrics(f"best epoch {result.best_epoch + 1}", result.best_metrics))
+    if cfg.published is not None and result.final_metrics:
+        from idml.paper import compare_with_paper, format_paper_table
+
+        rows = compare_with_paper(cfg.published.metrics, result.final_metrics)
+        print(format_paper_table(cfg.published.source, rows, "paper vs this run (final epoch)"))
     print(f"run folder: {result.run_dir}")
     return 0
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -297,6 +298,38 @@ class EvalConfig(Section):
     batch_size: int = Field(256, gt=0)
 
 
+PUBLISHED_METRIC = re.compile(r"^(recall@[1-9]\d*|nmi|map@r|r_precision|map|mrr)$")
+
+
+class PublishedNumbers(Section):
+    """Numbers a source reports for a recipe, in % as printed, and where they are printed."""
+
+    source: str = Field(min_length=1, description="paper, table and row the numbers come from")
+    metrics: dict[str, float] = Field(
+        description="metric name (as idml evaluates it) -> value in %"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_metrics(cls, raw: Any) -> Any:
+        # Run folders written before ``source`` existed hold the bare metric mapping.
+        if isinstance(raw, dict) and raw and not {"source", "metrics"} & set(raw):
+            return {"source": "unspecified", "metrics": raw}
+        return raw
+
+    @model_validator(mode="after")
+    def _known_metrics(self) -> PublishedNumbers:
+        for key, value in self.metrics.items():
+            if not PUBLISHED_METRIC.match(key):
+                raise ValueError(
+                    f"published.metrics: unknown metric {key!r}; use recall@K, nmi, map@r, "
+                    "r_precision, map or mrr"
+                )
+            if not 0.0 <= value <= 100.0:
+                raise ValueError(f"published.metrics.{key}={value} is not a percentage in [0, 100]")
+        return self
+
+
 class Config(Section):
     """A whole run."""
 
@@ -314,8 +347,8 @@ class Config(Section):
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
     tensorboard: bool = Field(True, description="also log to TensorBoard when it is installed")
-    published: dict[str, float] | None = Field(
-        None, description="numbers the paper reports for this recipe (documentation only)"
+    published: PublishedNumbers | None = Field(
+        None, description="numbers a paper reports for this recipe (compared, never trained on)"
     )
 
     @model_validator(mode="after")
