@@ -113,7 +113,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="table: the N worst classes; JSON: include every class when N > 0",
     )
-    out.add_argument("--progress", action="store_true", help="show progress bars")
+    out.add_argument(
+        "--progress", action="store_true", help="progress is shown by default (kept for scripts)"
+    )
+    out.add_argument("--no-progress", action="store_true", help="no progress (on stderr)")
     p.set_defaults(run=_run_evaluate)
 
 
@@ -158,7 +161,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             ks=args.ks,
             introspective=True if args.introspective else None,
             device=args.device,
-            progress=args.progress,
+            progress=not args.no_progress,
             # Naming a k-means backend asks for NMI, even where the run's eval.nmi is off.
             nmi=False if args.no_nmi else (True if args.nmi_backend else None),
             nmi_backend=args.nmi_backend,
@@ -195,7 +198,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         faiss_index=args.faiss_index,
         device=args.device,
         block_size=args.block_size,
-        progress=args.progress,
+        progress=not args.no_progress,
     )
     _print_report(report, args)
     return 0
@@ -268,6 +271,7 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help=".npz, .pt or .safetensors file")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--which", choices=["best", "latest"], default="best")
+    p.add_argument("--no-progress", action="store_true", help="no progress (on stderr)")
     p.set_defaults(run=_run_embed)
 
 
@@ -275,7 +279,9 @@ def _run_embed(args: argparse.Namespace) -> int:
     from idml.export import embed_images, load_trained_model
 
     cfg, model = load_trained_model(args.checkpoint, which=args.which)
-    n = embed_images(cfg, model, args.images, args.out, batch_size=args.batch_size)
+    n = embed_images(
+        cfg, model, args.images, args.out, batch_size=args.batch_size, progress=not args.no_progress
+    )
     print(f"wrote {n} embeddings to {args.out}")
     return 0
 
@@ -406,7 +412,10 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--metrics", default=None, help="comma-separated metric columns (default: all reported)"
     )
-    p.add_argument("--progress", action="store_true", help="show the trainer's progress bars")
+    p.add_argument(
+        "--progress", action="store_true", help="progress is shown by default (kept for scripts)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no per-epoch progress")
     p.set_defaults(run=_run_ablate)
 
 
@@ -425,7 +434,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
         overrides=args.overrides,
         select=args.select,
         metrics=metrics,
-        progress=args.progress,
+        progress=not args.no_progress,
         log=print,
     )
     print(result.markdown(), end="")

@@ -96,7 +96,12 @@ def list_images(source: Path) -> tuple[list[Path], list[str] | None]:
 
 @torch.no_grad()
 def embed_images(
-    cfg: Config, model: EmbeddingModel, images: Path, out: Path, batch_size: int = 64
+    cfg: Config,
+    model: EmbeddingModel,
+    images: Path,
+    out: Path,
+    batch_size: int = 64,
+    progress: bool = True,
 ) -> int:
     """Embed every image under ``images`` and save semantic embeddings and ``||u||`` to ``out``.
 
@@ -120,7 +125,7 @@ def embed_images(
     transform = build_transforms(False, cfg.data.image_size, cfg.data.resize_size)
     dataset = FileImageDataset(records, transform)
     device = next(model.parameters()).device
-    emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=True)
+    emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=progress)
     level = model.uncertainty_level(emb)
     payload = {"embeddings": emb.semantic, "uncertainty": level}
     if names:

@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from idml import build
 from idml.augment import AugmentedBatch
@@ -50,6 +49,7 @@ from idml.distributed import (
     wrap_ddp,
 )
 from idml.embeddings import Embeddings
+from idml.progress import Progress
 from idml.ranking import RankingOutput, draw_images
 
 _T = TypeVar("_T")
@@ -324,12 +324,7 @@ class Trainer:
         steps = 0
         limit = cfg.optim.max_steps_per_epoch
         total = len(loader) if limit is None else min(limit, len(loader))
-        bar = tqdm(
-            total=total,
-            desc=f"epoch {epoch + 1}/{cfg.optim.epochs}",
-            disable=not self.progress,
-            leave=False,
-        )
+        bar = Progress(total, f"epoch {epoch + 1}/{cfg.optim.epochs}", enabled=self.progress)
         for images, labels, _ in loader:
             if limit is not None and steps >= limit:
                 break
@@ -341,8 +336,7 @@ class Trainer:
                 sums[k] += v
                 counts[k] += 1
             steps += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{parts['total']:.4f}")
+            bar.update(1, loss=parts["total"])
         bar.close()
         means = {k: sums[k] / counts[k] for k in sums}
         losses = {k: v for k, v in means.items() if not k.startswith("u_")}

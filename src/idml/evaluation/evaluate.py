@@ -323,7 +323,8 @@ def evaluate_embeddings(
         knn_backend: ``"exact"`` (default) or ``"faiss"`` (approximate index ``faiss_index`` with
             ``faiss_parameters``; metrics then come from the neighbour lists, which are made long
             enough for R-Precision and MAP@R, and MAP/MRR over the whole gallery are not reported).
-        progress: ``True`` for tqdm progress bars, or a callback receiving tile counts.
+        progress: ``True`` for progress (a bar on a terminal, plain lines in a log; see
+            :mod:`idml.progress`), or a callback receiving tile counts.
 
     Raises:
         ValueError: mismatched lengths, NaN/inf rows, a single class, ``K ≤ 0``, no query with a
