@@ -328,7 +328,20 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         "precision-recall, uncertainty trend and test histogram, retrieval grid, t-SNE, and a "
         "comparison table of all runs given.",
     )
-    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="run folders")
+    p.add_argument(
+        "runs",
+        type=Path,
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run folders, or `idml ablate` folders (their cells' seeds are grouped)",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="GROUP",
+        help="group the seed table's Δ is taken against: an ablation cell (e.g. "
+        "'metric=plain, mixup=off') or a run name (default: the baseline)",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -378,6 +391,7 @@ def _run_report(args: argparse.Namespace) -> int:
         device=resolve_device(args.device or "auto"),
         progress=not args.no_progress,
         log=print,
+        reference=args.reference,
     )
     print(f"report: {page}")
     return 0
