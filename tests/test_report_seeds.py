@@ -110,3 +110,37 @@ def test_an_ablation_folder_without_runs_is_refused(tmp_path: Path) -> None:
     (tmp_path / "abl" / "cells" / "x").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="no finished run in cells"):
         expand_run_dirs([tmp_path / "abl"])
+
+
+def test_recall_dots_zoom_to_the_data_and_panels_wrap() -> None:
+    from idml.reports import figures
+
+    names = ["a" * 60, "b"]
+    metrics = [{f"recall@{k}": 0.66 + 0.01 * k for k in (1, 2, 4, 8)}, {"recall@1": 0.683}]
+    figure = figures.recall_dots(names, metrics, [{"recall@1": 0.004}, {}])
+    axes = [a for a in figure.axes if a.get_visible()]
+    assert len(axes) == 4
+    low, high = axes[0].get_xlim()
+    # R@1 values 67.0 and 68.3 (± 0.4): the axis spans them with a margin, far from 0–100.
+    assert 65.0 < low < 66.7 and 68.7 < high < 70.0
+    assert "zoomed" in axes[0].get_xlabel()
+    rows = {round(a.get_position().y0, 3) for a in axes}
+    assert len(rows) == 2  # four panels wrap onto two rows of PANEL_COLUMNS
+    labels = [t.get_text() for t in axes[0].get_yticklabels()]
+    assert labels[0].count("\n") == 1 and "…" in labels[0]  # a long name: two lines, middle cut
+
+
+def test_coinciding_lines_are_named_in_the_legend_below_the_axes(tmp_path: Path) -> None:
+    from idml.reports import figures
+
+    run = _fake(tmp_path / "r", 0, 0.5)
+    lines = [{"epoch": e, "loss/total": 1.0, "lr/backbone": 0.1, "lr/head": 0.1} for e in range(2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    figure = figures.training_curves(read_run(run))
+    rate = next(a for a in figure.axes if a.get_title() == "learning rate")
+    legend = rate.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["backbone", "head (= backbone)"]
+    styles = {line.get_linestyle() for line in rate.get_lines()}
+    assert len(styles) == 2  # drawn with different dashes, so both remain visible
+    # The legend sits below the axes (anchored under them), not on the data.
+    assert legend._loc == 9 and legend.get_bbox_to_anchor().y0 < rate.bbox.y0

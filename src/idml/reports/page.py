@@ -134,6 +134,14 @@ def write_report(
     figure_dir.mkdir(parents=True, exist_ok=True)
     page = _Page(out_dir, inline)
     body = [_comparison(reports, page), seeds_section(seeds)]
+    if any(len(g.runs) > 1 for g in seeds.groups) and any(
+        k.startswith("recall@") for k in seeds.metrics
+    ):
+        labels = [g.label for g in seeds.groups]
+        means = [{k: g.mean_std(k)[0] for k in seeds.metrics} for g in seeds.groups]
+        stds = [{k: g.mean_std(k)[1] for k in seeds.metrics} for g in seeds.groups]
+        caption = "Recall@K per group: mean over seeds with ± sample std; axes zoomed to the data."
+        body.append(page.figure(figures.recall_dots(labels, means, stds), "00-seeds", caption))
     atomic_write_text(out_dir / "seeds.md", seeds.markdown())
     atomic_write_text(out_dir / "seeds.csv", seeds.csv())
     body += [_run_section(i, report, page) for i, report in enumerate(reports)]
@@ -232,8 +240,14 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
     parts = ["<h2>Comparison</h2>", table]
     names = [r.label for r in reports]
     if any(k.startswith("recall@") for k in keys):
-        bars = figures.recall_bars(names, [r.metrics for r in reports])
-        parts.append(page.figure(bars, "00-recall", "Recall@K on the test split, per run."))
+        dots = figures.recall_dots(names, [r.metrics for r in reports])
+        parts.append(
+            page.figure(
+                dots,
+                "00-recall",
+                "Recall@K on the test split, per run; each panel's axis is zoomed to the data.",
+            )
+        )
     else:
         parts.append(_note("No run has Recall@K results yet, so there are no Recall@K bars."))
     curves = [(r.label, r.analysis.pr_curve) for r in reports if r.analysis is not None]
