@@ -298,6 +298,16 @@ class EvalConfig(Section):
     batch_size: int = Field(256, gt=0)
 
 
+class MLflowConfig(Section):
+    """Mirror the run's log into MLflow (``pip install 'idml[mlflow]'``; see idml.loggers)."""
+
+    enabled: bool = False
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (default: a local file store <run>/mlruns)"
+    )
+    experiment: str = Field("idml", min_length=1, description="MLflow experiment name")
+
+
 PUBLISHED_METRIC = re.compile(r"^(recall@[1-9]\d*|nmi|map@r|r_precision|map|mrr)$")
 
 
@@ -347,6 +357,7 @@ class Config(Section):
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
     tensorboard: bool = Field(True, description="also log to TensorBoard when it is installed")
+    mlflow: MLflowConfig = MLflowConfig()
     published: PublishedNumbers | None = Field(
         None, description="numbers a paper reports for this recipe (compared, never trained on)"
     )
@@ -412,6 +423,7 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
 
 RUNTIME_KEYS: frozenset[str] = frozenset(
     {"device", "data.num_workers", "tensorboard", "eval.batch_size"}
+    | {"mlflow.enabled", "mlflow.tracking_uri", "mlflow.experiment"}
 )
 """Config keys that say where and how fast a run goes, and cannot change its numbers."""
 

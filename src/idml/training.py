@@ -49,6 +49,7 @@ from idml.distributed import (
     wrap_ddp,
 )
 from idml.embeddings import Embeddings
+from idml.loggers import MLflowLogger, RunLogger, TensorBoardLogger, tensorboard_available
 from idml.progress import Progress
 from idml.ranking import RankingOutput, draw_images
 
@@ -143,7 +144,7 @@ class Trainer:
         self.best_metrics: dict[str, float] = {}
         self.eval_notes: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
-        self._tb: Any = None
+        self._loggers: list[RunLogger] = []
         # One DDP over model, loss (proxies) and SSR head: their gradients are averaged over ranks.
         self._ddp = wrap_ddp(
             {"model": self.model, **self._training_modules()},
@@ -269,7 +270,7 @@ class Trainer:
             self._log_path.write_text("")
         if self.dist.is_main:
             dump_config(self.cfg, self.run_dir / "config.yaml")
-        self._open_tensorboard()
+        self._open_loggers(resume)
         epochs = self.cfg.optim.epochs
         metrics: dict[str, float] = {}
         for epoch in range(self.start_epoch, epochs):
@@ -284,8 +285,8 @@ class Trainer:
                 self.scheduler.step()
             self._log(record)
             self._checkpoint(epoch)
-        if self._tb is not None:
-            self._tb.close()
+        for logger in self._loggers:
+            logger.close()
         self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
         if not metrics and self.history:
             metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
@@ -500,19 +501,27 @@ class Trainer:
             return
         with open(self._log_path, "a") as fh:
             fh.write(json.dumps(line) + "\n")
-        if self._tb is not None:
-            for key, value in line.items():
-                if isinstance(value, (int, float)) and key != "epoch":
-                    self._tb.add_scalar(key, value, record.epoch)
+        for logger in self._loggers:
+            logger.log(line, record.epoch)
 
-    def _open_tensorboard(self) -> None:
-        if not self.cfg.tensorboard or not self.dist.is_main:
+    def _open_loggers(self, resume: bool) -> None:
+        """TensorBoard when installed and ``tensorboard``; MLflow when ``mlflow.enabled``."""
+        if not self.dist.is_main:
             return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional
-            return
-        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self.cfg.tensorboard and tensorboard_available():  # tensorboard is optional
+            self._loggers.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+        m = self.cfg.mlflow
+        if m.enabled:
+            self._loggers.append(
+                MLflowLogger(
+                    self.run_dir,
+                    self.cfg.name,
+                    config_to_dict(self.cfg),
+                    tracking_uri=m.tracking_uri,
+                    experiment=m.experiment,
+                    resume=resume,
+                )
+            )
 
     def _checkpoint(self, epoch: int) -> None:
         if not self.dist.is_main:
