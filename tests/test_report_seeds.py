@@ -62,6 +62,7 @@ def test_report_of_an_ablation_folder_has_mean_std_and_delta_of_the_logged_metri
     assert f"{100 * delta:+.2f}" in markdown.splitlines()[3]
     page = (out / "index.html").read_text()
     assert "Seeds and differences" in page and "mixup=on" in page
+    assert "last logged evaluation; NMI: skipped" in page  # TINY switches NMI off; said so
 
     # Another reference: the Δ flips sign; an unknown one is refused before any work.
     other = tmp_path / "other"

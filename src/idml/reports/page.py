@@ -219,6 +219,8 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
             source = f"{report.analysis.checkpoint} checkpoint, epoch {report.analysis.epoch}"
         else:
             source = "last logged evaluation" if report.metrics else "not evaluated"
+        if report.log.nmi_method is not None:
+            source += f"; NMI: {report.log.nmi_method}"  # the analysis uses the same k-means
         cells = "".join(
             f"<td>{100 * report.metrics[k]:.2f}</td>" if k in report.metrics else "<td>–</td>"
             for k in keys
