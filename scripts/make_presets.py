@@ -6,6 +6,7 @@ consistent with each other. Re-run it after changing a recipe, and commit its ou
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -46,16 +47,41 @@ LOSSES: dict[str, dict[str, Any]] = {
     "multi_similarity": {"sampler": "balanced"},
     "proxy_anchor": {"sampler": "random"},
 }
-# Recall@1 and MAP@R (%) that the IDML paper states in its text for ProxyAnchor (baseline = IDML minus
-# the stated improvement). The other rows of Table I were lost in the text extraction of the paper
-# that ships with this project, so they are left empty rather than guessed.
-PUBLISHED: dict[tuple[str, str, str], dict[str, float]] = {
-    ("cub", "proxy_anchor", "idml"): {"recall@1": 70.7, "map@r": 28.4},
-    ("cars", "proxy_anchor", "idml"): {"recall@1": 90.6, "map@r": 33.8},
-    ("sop", "proxy_anchor", "idml"): {"recall@1": 81.5, "map@r": 51.3},
-    ("cub", "proxy_anchor", "baseline"): {"recall@1": 69.0, "map@r": 27.5},
-    ("cars", "proxy_anchor", "baseline"): {"recall@1": 87.3, "map@r": 31.8},
-    ("sop", "proxy_anchor", "baseline"): {"recall@1": 79.5, "map@r": 49.5},
+# Published numbers come from configs/published.json (written by scripts/parse_published.py from
+# the papers' text); each preset names the source rows it copies. The IDML paper's Table I did not
+# survive the text extraction, so only the ProxyAnchor rows its text states are filled; the other
+# rows are left empty rather than guessed.
+TABLES: list[dict[str, Any]] = json.loads((ROOT / "published.json").read_text())["rows"]
+
+
+def published(*picks: tuple[str, str, str | None, str]) -> dict[str, Any] | None:
+    """The ``published`` block of a preset from (table, row, setting, dataset) picks, in order.
+
+    Later picks add metrics the earlier ones lack; a pick that matches no row is an error here,
+    so a typo cannot silently drop a preset's numbers.
+    """
+    metrics: dict[str, float] = {}
+    sources = []
+    for table, row, setting, dataset in picks:
+        found = [
+            r
+            for r in TABLES
+            if (r["table"], r["row"], r["setting"], r["dataset"]) == (table, row, setting, dataset)
+        ]
+        if len(found) != 1:
+            raise SystemExit(f"{len(found)} rows of published.json match {table}/{row}/{setting}")
+        for key, value in found[0]["metrics"].items():
+            metrics.setdefault(key, value)
+        where = f"{table}, row '{row}'" + (f", {setting}" if setting else "")
+        sources.append(f"{found[0]['paper']}, {where}")
+    if not metrics:
+        return None
+    return {"source": "; ".join(sources), "metrics": metrics}
+
+
+IDML_TEXT_ROWS = {
+    "idml": "IDML-ProxyAnchor",
+    "baseline": "ProxyAnchor (IDML minus the stated gain)",
 }
 
 
@@ -93,7 +119,11 @@ def recipe(dataset: str, loss: str, variant: str) -> dict[str, Any]:
         cfg["model"]["uncertainty"] = {"enabled": True}
         cfg["metric"] = {"introspective": True, "gamma": d["gamma"], "tau": 5.0}
         cfg["mixup"] = {"enabled": True, "alpha": 1.0, "mode": "set"}
-    cfg["published"] = PUBLISHED.get((dataset, loss, variant))
+    cfg["published"] = (
+        published(("Sec. IV text", IDML_TEXT_ROWS[variant], "R512", dataset))
+        if loss == "proxy_anchor"
+        else None
+    )
     return cfg
 
 
@@ -110,103 +140,52 @@ def official(dataset: str) -> dict[str, Any]:
         "delta_normalized": False,
     }
     cfg["mixup"] = {"enabled": True, "alpha": 1.0, "mode": "interpolate"}
-    cfg["published"] = None
+    # The README of the released code reports what that code reaches.
+    cfg["published"] = published(("Results", "idml_proxy_anchor", "R512", dataset))
     return cfg
 
 
-# SSR paper (Fu et al. 2021) Table 1 ("Ours") and Table 2 (Margin at 512-d): R@K and NMI (%).
-SSR_PUBLISHED: dict[tuple[str, str, int], dict[str, float]] = {
-    ("cub", "triplet", 128): {
-        "recall@1": 62.4,
-        "recall@2": 73.1,
-        "recall@4": 82.8,
-        "recall@8": 89.4,
-        "nmi": 67.6,
-    },
-    ("cars", "triplet", 128): {
-        "recall@1": 73.3,
-        "recall@2": 82.0,
-        "recall@4": 88.2,
-        "recall@8": 92.5,
-        "nmi": 64.2,
-    },
-    ("sop", "triplet", 128): {
-        "recall@1": 75.8,
-        "recall@10": 88.6,
-        "recall@100": 95.2,
-        "recall@1000": 98.3,
-        "nmi": 89.7,
-    },
-    ("cub", "margin", 128): {
-        "recall@1": 66.5,
-        "recall@2": 76.8,
-        "recall@4": 85.5,
-        "recall@8": 91.0,
-        "nmi": 69.7,
-    },
-    ("cars", "margin", 128): {
-        "recall@1": 84.5,
-        "recall@2": 90.2,
-        "recall@4": 93.7,
-        "recall@8": 96.1,
-        "nmi": 70.1,
-    },
-    ("sop", "margin", 128): {
-        "recall@1": 77.9,
-        "recall@10": 89.5,
-        "recall@100": 95.4,
-        "recall@1000": 98.4,
-        "nmi": 90.1,
-    },
-    ("cub", "multi_similarity", 128): {
-        "recall@1": 65.6,
-        "recall@2": 76.5,
-        "recall@4": 85.2,
-        "recall@8": 90.8,
-        "nmi": 69.4,
-    },
-    ("cars", "multi_similarity", 128): {
-        "recall@1": 85.5,
-        "recall@2": 91.4,
-        "recall@4": 94.7,
-        "recall@8": 97.0,
-        "nmi": 70.5,
-    },
-    ("sop", "multi_similarity", 128): {
-        "recall@1": 78.1,
-        "recall@10": 89.7,
-        "recall@100": 95.6,
-        "recall@1000": 98.5,
-        "nmi": 90.2,
-    },
-    ("cub", "margin", 512): {
-        "recall@1": 68.2,
-        "recall@2": 78.1,
-        "recall@4": 86.5,
-        "recall@8": 91.6,
-        "nmi": 70.3,
-    },
-    ("cars", "margin", 512): {
-        "recall@1": 87.7,
-        "recall@2": 92.5,
-        "recall@4": 95.4,
-        "recall@8": 97.3,
-        "nmi": 72.1,
-    },
-    ("sop", "margin", 512): {
-        "recall@1": 78.6,
-        "recall@10": 90.6,
-        "recall@100": 96.2,
-        "recall@1000": 98.7,
-        "nmi": 90.5,
-    },
+# SSR presets (Fu et al. 2021): (dataset, loss, embedding size). Table 1 holds the 128-d rows of
+# SSR and of the authors' re-implemented baselines, Table 2 the 512-d Margin row, Table 3 MAP and
+# R-Precision at 128-d of SSR and of the baseline methods.
+SSR_ROWS: list[tuple[str, str, int]] = [
+    (ds, loss, dim)
+    for ds in DATASETS
+    for loss, dim in (("triplet", 128), ("margin", 128), ("multi_similarity", 128), ("margin", 512))
+]
+SSR_METHOD = {"triplet": "Triplet", "margin": "Margin", "multi_similarity": "MS"}
+# Table 3's rows of the baseline methods (the SSR authors' measurements, R128).
+SSR_TABLE3_BASELINE = {
+    "triplet": "Triplet-semi (Schrof et al. 2015)",
+    "margin": "Margin (Wu et al. 2017)",
+    "multi_similarity": "MS (Wang et al. 2019a)",
 }
 
 
-def ssr_recipe(dataset: str, loss: str, dim: int) -> dict[str, Any]:
-    """SSR paper recipe: ResNet-50, AdamW lr 1e-4 (heads ×10), wd 4e-4, balanced batch 120."""
+def ssr_published(dataset: str, loss: str, dim: int, with_ssr: bool) -> dict[str, Any] | None:
+    method = SSR_METHOD[loss]
+    if dim == 512:
+        # Table 2 has SSR-Margin at 512-d and no baseline at that size.
+        return published(("Table 2", "Ours (Margin)", "R512", dataset)) if with_ssr else None
+    if with_ssr:
+        picks = [("Table 1", f"Ours ({method})", "128", dataset)]
+        if loss != "triplet":  # Table 3 has no SSR-Triplet row
+            picks.append(("Table 3", f"Ours ({method})", "R128", dataset))
+    else:
+        picks = [
+            ("Table 1", f"{method} (Re Imp)", "128", dataset),
+            ("Table 3", SSR_TABLE3_BASELINE[loss], "R128", dataset),
+        ]
+    return published(*picks)
+
+
+def ssr_recipe(dataset: str, loss: str, dim: int, with_ssr: bool = True) -> dict[str, Any]:
+    """SSR paper recipe: ResNet-50, AdamW lr 1e-4 (heads ×10), wd 4e-4, balanced batch 120.
+
+    ``with_ssr=False`` is its baseline twin: the same recipe without the ranking task.
+    """
     cfg = recipe(dataset, loss, "baseline")
-    cfg["name"] = f"{dataset}-{loss}-{dim}-ssr"
+    cfg["name"] = f"{dataset}-{loss}-{dim}-{'ssr' if with_ssr else 'baseline'}"
     cfg["model"]["embedding_dim"] = dim
     cfg["sampler"] = {"kind": "balanced", "classes_per_batch": 30, "images_per_class": 4}
     cfg["optim"].update(
@@ -219,7 +198,7 @@ def ssr_recipe(dataset: str, loss: str, dim: int) -> dict[str, Any]:
         }
     )
     cfg["ssr"] = {
-        "enabled": True,
+        "enabled": with_ssr,
         "task": {
             "num_images": 20,
             "scale": 12.0,
@@ -231,14 +210,17 @@ def ssr_recipe(dataset: str, loss: str, dim: int) -> dict[str, Any]:
             "transforms": {"num_levels": 4},
         },
     }
-    cfg["published"] = SSR_PUBLISHED[(dataset, loss, dim)]
+    cfg["published"] = ssr_published(dataset, loss, dim, with_ssr)
+    if not with_ssr:
+        del cfg["ssr"]
     return cfg
 
 
 HEADER = (
     "# {title}\n# Generated by scripts/make_presets.py; `idml train {path}` runs it.\n"
-    "# `published` records the paper's numbers for this row (null: not available in the\n"
-    "# extracted paper text); it is documentation and does not change training.\n"
+    "# `published` records a source's numbers (%) for this recipe and names the source (null: no\n"
+    "# source states them); `idml train` and `idml report` compare the run with them. It does\n"
+    "# not change training.\n"
 )
 
 
@@ -258,14 +240,16 @@ def main() -> None:
                     recipe(dataset, loss, variant),
                     title,
                 )
-        for ds, loss, dim in SSR_PUBLISHED:
+        for ds, loss, dim in SSR_ROWS:
             if ds == dataset:
-                title = f"SSR paper Table 1/2: {dataset.upper()}, {loss}, {dim}-d, with SSR"
-                write(
-                    ROOT / "ssr" / f"{dataset}_{loss}_{dim}_ssr.yaml",
-                    ssr_recipe(dataset, loss, dim),
-                    title,
-                )
+                for with_ssr, tag in ((True, "ssr"), (False, "baseline")):
+                    what = "with SSR" if with_ssr else "baseline twin (no SSR)"
+                    title = f"SSR paper Tables 1-3: {dataset.upper()}, {loss}, {dim}-d, {what}"
+                    write(
+                        ROOT / "ssr" / f"{dataset}_{loss}_{dim}_{tag}.yaml",
+                        ssr_recipe(dataset, loss, dim, with_ssr),
+                        title,
+                    )
         title = f"Official IDML-ProxyAnchor code on {dataset.upper()} (L2-normalised u, γ=4, τ=5, squared)"
         write(ROOT / "official" / f"{dataset}_proxy_anchor_official.yaml", official(dataset), title)
 

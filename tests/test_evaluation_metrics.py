@@ -151,6 +151,27 @@ def test_knn_graph_kmeans_close_to_lloyd_and_reproducible() -> None:
         assert other.retrieval.neighbor_indices.shape == (500, num_neighbors)
 
 
+def test_auto_nmi_backend_picks_by_points_times_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from idml.evaluation import clustering
+
+    # Below the work limit "auto" is full k-means; above it, the k-NN-graph approximation. The
+    # decision depends on N × C only, so SOP (60,502 × 11,316) and CUB (5,924 × 100) land apart.
+    assert clustering.resolve_backend("auto", 5_924, 100) in ("faiss", "sklearn")
+    assert clustering.resolve_backend("auto", 60_502, 11_316) == "knn"
+    assert clustering.resolve_backend("sklearn", 60_502, 11_316) == "sklearn"  # explicit wins
+    x, y = clustered(200, 10, 8, 0.9, seed=3)
+    small = evaluate_embeddings(x, y, seed=5)
+    assert small.settings["nmi_method"].startswith("full k-means")
+    monkeypatch.setattr(clustering, "AUTO_FULL_KMEANS_MAX_WORK", 200 * 10 - 1)
+    large = evaluate_embeddings(x, y, seed=5)
+    assert large.settings["nmi_backend"] == "knn"
+    assert large.settings["nmi_method"].startswith("k-NN-graph k-means (approximation")
+    assert large.nmi == evaluate_embeddings(x, y, seed=5, nmi_backend="knn").nmi
+    assert "k-NN-graph k-means" in large.format_table()
+    assert json.loads(large.to_json())["settings"]["nmi_method"] == large.settings["nmi_method"]
+    assert evaluate_embeddings(x, y, nmi=False).settings["nmi_method"] == "skipped"
+
+
 def test_bad_nmi_backend_fails_before_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
     import idml.evaluation.evaluate as evaluate_module
 

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from idml.augment import (
     AugmentationPipeline,
@@ -42,6 +41,7 @@ from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetri
 from idml.miners import DistanceWeightedMiner, MultiSimilarityMiner
 from idml.models import EmbeddingModel
 from idml.models import build_model as _build_model
+from idml.progress import Progress
 from idml.ranking import SelfSupervisedRanking
 
 # Losses whose natural metric is a similarity (ISM then takes its similarity form S_IN).
@@ -155,12 +155,15 @@ def embed_dataset(
     model.eval()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
     semantic, uncertainty, labels = [], [], []
-    for images, batch_labels, _ in tqdm(loader, desc="embed", disable=not progress, leave=False):
+    bar = Progress(len(loader), "embed", enabled=progress, unit="batch")
+    for images, batch_labels, _ in loader:
         emb = model(images.to(device))
+        bar.update(1)
         semantic.append(emb.semantic.float().cpu())
         if emb.uncertainty is not None:
             uncertainty.append(emb.uncertainty.float().cpu())
         labels.append(torch.as_tensor(batch_labels))
+    bar.close()
     model.train(was_training)
     unc = torch.cat(uncertainty) if uncertainty else None
     return Embeddings(torch.cat(semantic), unc), torch.cat(labels)

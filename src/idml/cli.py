@@ -124,8 +124,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         "--nmi-backend",
         choices=("auto", "faiss", "sklearn", "knn"),
         default=None,
-        help="k-means for NMI: auto (faiss if installed, else sklearn; the default, or the run's "
-        "eval.nmi_backend) or knn (fast, many classes)",
+        help="k-means for NMI: auto (the default, or the run's eval.nmi_backend: k-NN-graph "
+        "k-means when points x classes > 5e7, e.g. SOP, else full k-means with faiss if "
+        "installed, else sklearn), faiss, sklearn or knn (fast, many classes)",
     )
     opt.add_argument("--seed", type=int, default=1234, help="k-means seed")
     opt.add_argument("--knn-backend", choices=("exact", "faiss"), default="exact")
@@ -141,7 +142,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="table: the N worst classes; JSON: include every class when N > 0",
     )
-    out.add_argument("--progress", action="store_true", help="show progress bars")
+    out.add_argument(
+        "--progress", action="store_true", help="progress is shown by default (kept for scripts)"
+    )
+    out.add_argument("--no-progress", action="store_true", help="no progress (on stderr)")
     p.set_defaults(run=_run_evaluate)
 
 
@@ -213,7 +217,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             ks=args.ks,
             introspective=True if args.introspective else None,
             device=args.device,
-            progress=args.progress,
+            progress=not args.no_progress,
             # Naming a k-means backend asks for NMI, even where the run's eval.nmi is off.
             nmi=False if args.no_nmi else (True if args.nmi_backend else None),
             nmi_backend=args.nmi_backend,
@@ -250,7 +254,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         faiss_index=args.faiss_index,
         device=args.device,
         block_size=args.block_size,
-        progress=args.progress,
+        progress=not args.no_progress,
     )
     _print_report(report, args)
     return 0
@@ -319,6 +323,11 @@ def _run_train(args: argparse.Namespace) -> int:
     print(format_metrics(f"{cfg.name}: final", result.final_metrics))
     if result.best_epoch >= 0:
         print(format_metrics(f"best epoch {result.best_epoch + 1}", result.best_metrics))
+    if cfg.published is not None and result.final_metrics:
+        from idml.paper import compare_with_paper, format_paper_table
+
+        rows = compare_with_paper(cfg.published.metrics, result.final_metrics)
+        print(format_paper_table(cfg.published.source, rows, "paper vs this run (final epoch)"))
     print(f"run folder: {result.run_dir}")
     return 0
 
@@ -332,6 +341,7 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--which", choices=["best", "latest"], default="best")
     p.add_argument("--split", default=None, help="CSV only: embed the rows of this split column")
+    p.add_argument("--no-progress", action="store_true", help="no progress (on stderr)")
     p.set_defaults(run=_run_embed)
 
 
@@ -340,7 +350,13 @@ def _run_embed(args: argparse.Namespace) -> int:
 
     cfg, model = load_trained_model(args.checkpoint, which=args.which)
     n = embed_images(
-        cfg, model, args.images, args.out, batch_size=args.batch_size, split=args.split
+        cfg,
+        model,
+        args.images,
+        args.out,
+        batch_size=args.batch_size,
+        split=args.split,
+        progress=not args.no_progress,
     )
     print(f"wrote {n} embeddings to {args.out}")
     return 0
@@ -395,7 +411,20 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         "precision-recall, uncertainty trend and test histogram, retrieval grid, t-SNE, and a "
         "comparison table of all runs given.",
     )
-    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="run folders")
+    p.add_argument(
+        "runs",
+        type=Path,
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run folders, or `idml ablate` folders (their cells' seeds are grouped)",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="GROUP",
+        help="group the seed table's Δ is taken against: an ablation cell (e.g. "
+        "'metric=plain, mixup=off') or a run name (default: the baseline)",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -457,6 +486,7 @@ def _run_report(args: argparse.Namespace) -> int:
         device=resolve_device(args.device or "auto"),
         progress=not args.no_progress,
         log=print,
+        reference=args.reference,
     )
     print(f"report: {page}")
     return 0
@@ -491,7 +521,10 @@ def _add_ablate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--metrics", default=None, help="comma-separated metric columns (default: all reported)"
     )
-    p.add_argument("--progress", action="store_true", help="show the trainer's progress bars")
+    p.add_argument(
+        "--progress", action="store_true", help="progress is shown by default (kept for scripts)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no per-epoch progress")
     p.set_defaults(run=_run_ablate)
 
 
@@ -510,7 +543,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
         overrides=args.overrides,
         select=args.select,
         metrics=metrics,
-        progress=args.progress,
+        progress=not args.no_progress,
         log=print,
     )
     print(result.markdown(), end="")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -365,8 +366,9 @@ class EvalConfig(Section):
     nmi: bool = True
     nmi_backend: Literal["auto", "faiss", "sklearn", "knn"] = Field(
         "auto",
-        description="k-means for NMI: auto (faiss if installed, else scikit-learn), or 'knn' "
-        "(k-NN-graph k-means on the search's neighbour lists; ~7x faster than faiss at SOP scale)",
+        description="k-means for NMI: auto (k-NN-graph k-means when test points x classes > 5e7, "
+        "e.g. SOP; else full k-means: faiss if installed, else scikit-learn), faiss, sklearn, or "
+        "'knn' (k-NN-graph k-means on the search's neighbour lists)",
     )
     introspective: bool = Field(False, description="rank with ISM at test time (ablation)")
     select: str = Field("recall@1", description="metric that picks the best epoch")
@@ -405,6 +407,48 @@ _METRIC_ONLY_SECTIONS = ("loss", "mixup", "ssr")
 _METRIC_ONLY_EVAL_KEYS = ("ks", "nmi", "nmi_backend", "introspective")
 
 
+class MLflowConfig(Section):
+    """Mirror the run's log into MLflow (``pip install 'idml[mlflow]'``; see idml.loggers)."""
+
+    enabled: bool = False
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (default: a local file store <run>/mlruns)"
+    )
+    experiment: str = Field("idml", min_length=1, description="MLflow experiment name")
+
+
+PUBLISHED_METRIC = re.compile(r"^(recall@[1-9]\d*|nmi|map@r|r_precision|map|mrr)$")
+
+
+class PublishedNumbers(Section):
+    """Numbers a source reports for a recipe, in % as printed, and where they are printed."""
+
+    source: str = Field(min_length=1, description="paper, table and row the numbers come from")
+    metrics: dict[str, float] = Field(
+        description="metric name (as idml evaluates it) -> value in %"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_metrics(cls, raw: Any) -> Any:
+        # Run folders written before ``source`` existed hold the bare metric mapping.
+        if isinstance(raw, dict) and raw and not {"source", "metrics"} & set(raw):
+            return {"source": "unspecified", "metrics": raw}
+        return raw
+
+    @model_validator(mode="after")
+    def _known_metrics(self) -> PublishedNumbers:
+        for key, value in self.metrics.items():
+            if not PUBLISHED_METRIC.match(key):
+                raise ValueError(
+                    f"published.metrics: unknown metric {key!r}; use recall@K, nmi, map@r, "
+                    "r_precision, map or mrr"
+                )
+            if not 0.0 <= value <= 100.0:
+                raise ValueError(f"published.metrics.{key}={value} is not a percentage in [0, 100]")
+        return self
+
+
 class Config(Section):
     """A whole run."""
 
@@ -427,8 +471,9 @@ class Config(Section):
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
     tensorboard: bool = Field(True, description="also log to TensorBoard when it is installed")
-    published: dict[str, float] | None = Field(
-        None, description="numbers the paper reports for this recipe (documentation only)"
+    mlflow: MLflowConfig = MLflowConfig()
+    published: PublishedNumbers | None = Field(
+        None, description="numbers a paper reports for this recipe (compared, never trained on)"
     )
     classification: ClassificationConfig | None = Field(
         None, description="the classification task's settings (task: classification only)"
@@ -586,6 +631,7 @@ def _keep_linear_head_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
 
 RUNTIME_KEYS: frozenset[str] = frozenset(
     {"device", "data.num_workers", "tensorboard", "eval.batch_size"}
+    | {"mlflow.enabled", "mlflow.tracking_uri", "mlflow.experiment"}
 )
 """Config keys that say where and how fast a run goes, and cannot change its numbers."""
 

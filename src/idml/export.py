@@ -135,6 +135,7 @@ def embed_images(
     out: Path,
     batch_size: int = 64,
     split: str | None = None,
+    progress: bool = True,
 ) -> int:
     """Embed every image under ``images`` and save semantic embeddings and ``||u||`` to ``out``.
 
@@ -158,7 +159,7 @@ def embed_images(
     transform = build_transforms(False, cfg.data.image_size, cfg.data.resize_size)
     dataset = FileImageDataset(records, transform)
     device = next(model.parameters()).device
-    emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=True)
+    emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=progress)
     level = (
         torch.zeros(emb.semantic.shape[0])
         if emb.uncertainty is None  # a baseline without an uncertainty head

@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from idml import build
 from idml.augment import AugmentedBatch
@@ -59,9 +58,11 @@ from idml.distributed import (
     wrap_ddp,
 )
 from idml.embeddings import Embeddings
+from idml.loggers import MLflowLogger, RunLogger, TensorBoardLogger, tensorboard_available
 from idml.metrics import IntrospectiveMetric
 from idml.monitoring import SATURATED, WeakeningMonitor
 from idml.preflight import check_model_input, check_run_config
+from idml.progress import Progress
 from idml.ranking import RankingOutput, draw_images
 from idml.run_folder import claim_run_folder
 
@@ -82,6 +83,7 @@ class EpochRecord:
     ism: dict[str, float] = field(default_factory=dict)
     """ISM's weakening factors over the epoch (:class:`~idml.monitoring.WeakeningMonitor`), the
     warm-up strength at the epoch's end, and the mean gradient norm of the model."""
+    notes: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -93,6 +95,7 @@ class EpochRecord:
             **{f"uncertainty/{k}": v for k, v in self.uncertainty.items()},
             **{f"ism/{k}": v for k, v in self.ism.items()},
             **{f"test/{k}": v for k, v in self.metrics.items()},
+            **{f"eval/{k}": v for k, v in self.notes.items()},
         }
 
 
@@ -163,14 +166,15 @@ class Trainer:
         self.best_value = -math.inf
         self.best_epoch = -1
         self.best_metrics: dict[str, float] = {}
+        self.eval_notes: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
-        self._tb: Any = None
         metric = getattr(self.loss, "metric", None)
         self.ism_metric = metric if isinstance(metric, IntrospectiveMetric) else None
         self.weakening = WeakeningMonitor()
         self._warned: set[str] = set()
         self._grad_norms: list[Tensor] = []
         """The model's gradient norm at each step of the current epoch (tensors: no host sync)."""
+        self._loggers: list[RunLogger] = []
         # One DDP over model, loss (proxies) and SSR head: their gradients are averaged over ranks.
         self._ddp = wrap_ddp(
             {"model": self.model, **self._training_modules()},
@@ -353,7 +357,7 @@ class Trainer:
             self._log_path.write_text("")
         if self.dist.is_main:
             dump_config(self.cfg, self.run_dir / "config.yaml")
-        self._open_tensorboard()
+        self._open_loggers(resume)
         epochs = self.cfg.optim.epochs
         metrics: dict[str, float] = {}
         for epoch in range(self.start_epoch, epochs):
@@ -361,14 +365,15 @@ class Trainer:
             last = epoch == epochs - 1
             if (epoch + 1) % self.cfg.eval.every == 0 or last:
                 record.metrics = self.evaluate()
+                record.notes = dict(self.eval_notes)
                 metrics = record.metrics
                 self._track_best(epoch, metrics)
             if self.scheduler is not None:
                 self.scheduler.step()
             self._log(record)
             self._checkpoint(epoch)
-        if self._tb is not None:
-            self._tb.close()
+        for logger in self._loggers:
+            logger.close()
         self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
         if not metrics and self.history:
             metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
@@ -409,12 +414,7 @@ class Trainer:
         total = len(loader) if limit is None else min(limit, len(loader))
         self.weakening.reset()
         self._grad_norms.clear()
-        bar = tqdm(
-            total=total,
-            desc=f"epoch {epoch + 1}/{cfg.optim.epochs}",
-            disable=not self.progress,
-            leave=False,
-        )
+        bar = Progress(total, f"epoch {epoch + 1}/{cfg.optim.epochs}", enabled=self.progress)
         for images, labels, _ in loader:
             if limit is not None and steps >= limit:
                 break
@@ -428,8 +428,7 @@ class Trainer:
                 sums[k] += v
                 counts[k] += 1
             steps += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{parts['total']:.4f}")
+            bar.update(1, loss=parts["total"])
         bar.close()
         means = {k: sums[k] / counts[k] for k in sums}
         losses = {k: v for k, v in means.items() if not k.startswith("u_")}
@@ -680,8 +679,10 @@ class Trainer:
         report = None
         if self.dist.is_main:
             evaluation = build.evaluate(self.cfg, emb, labels, self.device, self.progress)
-            report = dict(evaluation.metrics)
-        return self.dist.broadcast_object(report)
+            # How NMI was computed goes into the log beside the numbers (``eval/nmi_method``).
+            report = (dict(evaluation.metrics), {"nmi_method": evaluation.settings["nmi_method"]})
+        metrics, self.eval_notes = self.dist.broadcast_object(report)
+        return metrics
 
     def _track_best(self, epoch: int, metrics: dict[str, float]) -> None:
         key = self.cfg.eval.select
@@ -702,19 +703,27 @@ class Trainer:
             return
         with open(self._log_path, "a") as fh:
             fh.write(json.dumps(line) + "\n")
-        if self._tb is not None:
-            for key, value in line.items():
-                if isinstance(value, (int, float)) and key != "epoch":
-                    self._tb.add_scalar(key, value, record.epoch)
+        for logger in self._loggers:
+            logger.log(line, record.epoch)
 
-    def _open_tensorboard(self) -> None:
-        if not self.cfg.tensorboard or not self.dist.is_main:
+    def _open_loggers(self, resume: bool) -> None:
+        """TensorBoard when installed and ``tensorboard``; MLflow when ``mlflow.enabled``."""
+        if not self.dist.is_main:
             return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional
-            return
-        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self.cfg.tensorboard and tensorboard_available():  # tensorboard is optional
+            self._loggers.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+        m = self.cfg.mlflow
+        if m.enabled:
+            self._loggers.append(
+                MLflowLogger(
+                    self.run_dir,
+                    self.cfg.name,
+                    config_to_dict(self.cfg),
+                    tracking_uri=m.tracking_uri,
+                    experiment=m.experiment,
+                    resume=resume,
+                )
+            )
 
     def _checkpoint(self, epoch: int) -> None:
         if not self.dist.is_main:

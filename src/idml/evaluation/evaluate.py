@@ -39,6 +39,7 @@ from idml.embeddings import Embeddings, check_matrix
 from idml.evaluation.clustering import (
     KNN_GRAPH_NEIGHBORS,
     KMeansBackend,
+    describe_backend,
     nmi_score,
     resolve_backend,
 )
@@ -222,6 +223,13 @@ class EvaluationReport:
         width = max(len(k) for k in metrics)
         lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  ------"]
         lines += [f"{k.ljust(width)}  {_fmt(v)}" for k, v in metrics.items()]
+        method = self.settings.get("nmi_method")
+        if method is not None:
+            # Say how NMI was computed (or that it was not): the approximation reads differently.
+            if "nmi" in metrics:
+                lines[-1] += f"  {method}"
+            else:
+                lines.append(f"{'nmi'.ljust(width)}  {method}")
         return "\n".join(lines)
 
 
@@ -327,13 +335,16 @@ def evaluate_embeddings(
         nmi: compute NMI of k-means (#clusters = #query classes) on the query embeddings.
         nmi_backend, seed, kmeans_iterations: k-means settings (see
             :mod:`idml.evaluation.clustering`; with faiss the defaults reproduce
-            pytorch-metric-learning; ``"knn"`` is the fast k-NN-graph k-means for many classes).
+            pytorch-metric-learning; ``"knn"`` is the fast k-NN-graph k-means for many classes,
+            which ``"auto"`` picks when points × classes is large, e.g. SOP);
+            ``settings["nmi_method"]`` says which ran.
         pr_cutoffs: rank cut-offs of the precision–recall curve (default 1, 2, 4, …, all).
         recall_levels: recall levels of interpolated precision (default 0.0, 0.1, …, 1.0).
         knn_backend: ``"exact"`` (default) or ``"faiss"`` (approximate index ``faiss_index`` with
             ``faiss_parameters``; metrics then come from the neighbour lists, which are made long
             enough for R-Precision and MAP@R, and MAP/MRR over the whole gallery are not reported).
-        progress: ``True`` for tqdm progress bars, or a callback receiving tile counts.
+        progress: ``True`` for progress (a bar on a terminal, plain lines in a log; see
+            :mod:`idml.progress`), or a callback receiving tile counts.
 
     Raises:
         ValueError: mismatched lengths, NaN/inf rows, a single class, ``K ≤ 0``, no query with a
@@ -379,8 +390,13 @@ def evaluate_embeddings(
     )
     if knn_backend not in ("exact", "faiss"):
         raise ValueError(f"knn_backend must be 'exact' or 'faiss', got {knn_backend!r}")
-    # Checked before the search, which takes minutes at SOP scale.
-    kmeans = resolve_backend(nmi_backend) if nmi else None
+    # Checked before the search, which takes minutes at SOP scale. "auto" picks by the k-means
+    # work N × C (clusters = query classes): full k-means where it is quick, the graph otherwise.
+    kmeans = (
+        resolve_backend(nmi_backend, q_semantic.shape[0], int(torch.unique(q_labels).numel()))
+        if nmi
+        else None
+    )
     # The "knn" k-means reuses the search's lists when they are plain-metric neighbours within the
     # query set: search at least its graph size, whatever num_neighbors asks to return.
     graph_k = KNN_GRAPH_NEIGHBORS if kmeans == "knn" and same_set and scorer.kind != "metric" else 0
@@ -521,6 +537,7 @@ def evaluate_embeddings(
         "knn_backend": backend,
         "block_size": block_size,
         "nmi_backend": kmeans,
+        "nmi_method": describe_backend(kmeans, kmeans_iterations),
         "seed": seed,
         "kmeans_iterations": kmeans_iterations,
     }

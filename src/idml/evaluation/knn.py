@@ -238,7 +238,8 @@ def exact_search(
         device: where to compute (default: the device of ``query``).
         max_rank_entries: bound on ``queries × max relevant`` held at once; above it queries are
             chunked (and the symmetric saving is lost).
-        progress: ``True`` for a tqdm bar over tiles, or a callback receiving the tile count.
+        progress: ``True`` for progress over tiles (:mod:`idml.progress`), or a callback
+            receiving the tile count.
 
     Returns:
         :class:`SearchOutput` with neighbour lists in original index order and rank chunks.
@@ -679,7 +680,8 @@ def _count_sparse(state: _QueryState, query_rows: Tensor, q_local: Tensor, value
 
 
 class _Progress:
-    """A tqdm bar (or a user callback, or nothing) advanced once per tile."""
+    """A progress bar or plain lines (:class:`idml.progress.Progress`), a user callback, or
+    nothing, advanced once per tile."""
 
     def __init__(self, progress: bool | Callable[[int], object], total: int) -> None:
         self._bar = None
@@ -687,9 +689,9 @@ class _Progress:
         if callable(progress):
             self._callback = progress
         elif progress:
-            from tqdm.auto import tqdm
+            from idml.progress import Progress
 
-            self._bar = tqdm(total=total, desc="retrieval tiles", unit="tile")
+            self._bar = Progress(total, "retrieval", unit="tile")
 
     def __call__(self, n: int, close: bool = False) -> None:
         if self._bar is not None:

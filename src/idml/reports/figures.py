@@ -32,19 +32,84 @@ def save_png(figure: Figure, path: Path, dpi: int = 100) -> Path:
     return path
 
 
+# Lines that coincide (the backbone and head learning rates differ by a constant factor, or equal
+# each other in warm-up) stay distinguishable by dash pattern and marker, not by colour alone.
+_LINE_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+PANEL_COLUMNS = 2
+"""Panels per row: more panels wrap onto further rows instead of shrinking the fonts."""
+
+
+def _style(i: int) -> dict[str, object]:
+    return {
+        "linestyle": _LINE_STYLES[i % len(_LINE_STYLES)],
+        "marker": _MARKERS[i % len(_MARKERS)],
+        "markersize": 4,
+        "markerfacecolor": "none" if i % 2 else None,
+    }
+
+
+def _legend_below(axes: Axes, columns: int = 3) -> None:
+    """A legend under the axes, outside the data, when anything is labelled."""
+    handles, labels = axes.get_legend_handles_labels()
+    if handles:
+        axes.legend(
+            handles,
+            [_wrap(label, 28) for label in labels],
+            fontsize=8,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.2),
+            ncol=min(columns, len(handles)),
+            frameon=False,
+        )
+
+
+def _wrap(text: str, width: int, lines: int = 2) -> str:
+    """``text`` in at most ``lines`` lines of ``width``; longer names lose their middle (…)."""
+    if len(text) > width * lines:
+        keep = width * lines - 1
+        text = text[: keep - keep // 2] + "…" + text[len(text) - keep // 2 :]
+    return "\n".join(text[i : i + width] for i in range(0, len(text), width))
+
+
 def _plot_series(axes: Axes, log: RunLog, keys: Sequence[str], prefix: str) -> None:
-    for key in keys:
+    drawn: list[tuple[str, np.ndarray, np.ndarray]] = []
+    for i, key in enumerate(keys):
         epochs, values = log.series(key)
         if len(epochs):
+            label = key.removeprefix(prefix)
+            # A series on top of an earlier one (equal learning rates) says so in the legend.
+            same = next(
+                (
+                    name
+                    for name, e, v in drawn
+                    if np.array_equal(e, epochs) and np.allclose(v, values, rtol=1e-12, atol=0)
+                ),
+                None,
+            )
+            drawn.append((label, epochs, values))
+            if same is not None:
+                label += f" (= {same})"
             # Markers keep one-epoch runs visible (a line needs two points).
-            axes.plot(epochs, values, marker="o", markersize=3, label=key.removeprefix(prefix))
+            axes.plot(epochs, values, label=label, **_style(i))
     axes.set_xlabel("epoch")
     # Whole epochs only, with a margin, so a one-epoch run gets one tick instead of fractions.
     last = max((int(line["epoch"]) + 1 for line in log.history), default=1)
     axes.set_xlim(0.5, last + 0.5)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    _legend_below(axes)
+
+
+def _panel_grid(count: int, width: float = 4.6, height: float = 3.6) -> tuple[Figure, list[Axes]]:
+    """``count`` panels of a fixed size, :data:`PANEL_COLUMNS` per row (spare cells hidden)."""
+    columns = min(PANEL_COLUMNS, count)
+    rows = math.ceil(count / columns)
+    figure = Figure(figsize=(width * columns, height * rows))
+    grid = figure.subplots(rows, columns, squeeze=False).ravel()
+    for spare in grid[count:]:
+        spare.set_visible(False)
+    return figure, list(grid[:count])
 
 
 def training_curves(log: RunLog) -> Figure:
@@ -60,10 +125,8 @@ def training_curves(log: RunLog) -> Figure:
     if metrics:
         panels.append(("test metrics", metrics, "test/", False))
     panels.append(("learning rate", rates, "lr/", True))
-    figure = Figure(figsize=(4.2 * len(panels), 3.4))
-    for axes, (title, keys, prefix, log_scale) in zip(
-        figure.subplots(1, len(panels), squeeze=False)[0], panels, strict=True
-    ):
+    figure, grid = _panel_grid(len(panels))
+    for axes, (title, keys, prefix, log_scale) in zip(grid, panels, strict=True):
         _plot_series(axes, log, keys, prefix)
         axes.set_title(title)
         if log_scale and any(np.all(log.series(k)[1] > 0) for k in keys):
@@ -185,24 +248,54 @@ def uncertainty_histogram(original: np.ndarray, mixed: np.ndarray | None) -> Fig
     return figure
 
 
-def recall_bars(names: Sequence[str], metrics: Sequence[dict[str, float]]) -> Figure:
-    """Recall@K of each run as grouped bars (one group per K, one colour per run)."""
+def recall_dots(
+    names: Sequence[str],
+    metrics: Sequence[dict[str, float]],
+    errors: Sequence[dict[str, float]] | None = None,
+) -> Figure:
+    """Recall@K of each run (or seed group) as dots, one panel per K, on a zoomed axis.
+
+    The gains the papers report are 1–3 points; on a 0–100 axis they vanish, so each panel's axis
+    spans the data plus a margin (and says so). ``errors`` (same keys, fractions) draws ± std over
+    seeds as intervals. Runs are rows named on the left of each panel row, so long names do not
+    collide with each other or with the data.
+    """
     ks = sorted(
         {int(k.removeprefix("recall@")) for m in metrics for k in m if k.startswith("recall@")}
     )
-    figure = Figure(figsize=(max(4.5, 1.2 * len(ks) * max(1, len(names)) / 2 + 2), 3.6))
-    axes = figure.subplots()
-    width = 0.8 / max(1, len(names))
-    positions = np.arange(len(ks))
-    for i, (name, values) in enumerate(zip(names, metrics, strict=True)):
-        heights = [100 * values.get(f"recall@{k}", np.nan) for k in ks]
-        bars = axes.bar(positions + (i - (len(names) - 1) / 2) * width, heights, width, label=name)
-        axes.bar_label(bars, fmt="%.1f", fontsize=7)
-    axes.set_xticks(positions, [f"R@{k}" for k in ks])
-    axes.set_ylabel("%")
-    axes.set_ylim(0, 105)
-    axes.set_title("Recall@K")
-    axes.legend(fontsize=8)
+    # Each row has room for a two-line name, so neighbouring names never overlap.
+    height = 1.1 + 0.45 * len(names)
+    figure, grid = _panel_grid(len(ks), width=4.6, height=height)
+    rows = np.arange(len(names))[::-1]  # first run on top
+    for panel, (axes, k) in enumerate(zip(grid, ks, strict=True)):
+        key = f"recall@{k}"
+        values = np.array([100 * m.get(key, np.nan) for m in metrics])
+        spread = np.array([100 * (e or {}).get(key, 0.0) for e in (errors or [{}] * len(names))])
+        spread = np.nan_to_num(spread)
+        for i, (row, value, err) in enumerate(zip(rows, values, spread, strict=True)):
+            if np.isfinite(value):
+                colour = f"C{i % 10}"
+                axes.errorbar(value, row, xerr=err or None, fmt="o", color=colour, capsize=3)
+                axes.annotate(
+                    f"{value:.1f}" + (f" ± {err:.1f}" if err else ""),
+                    (value, row),
+                    xytext=(0, 7),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=8,
+                )
+        finite = np.isfinite(values)
+        if finite.any():
+            low = float(np.min(values[finite] - spread[finite]))
+            high = float(np.max(values[finite] + spread[finite]))
+            margin = max(0.5, 0.15 * (high - low))
+            axes.set_xlim(max(0.0, low - margin), min(100.0, high + margin))
+        axes.set_ylim(-0.7, len(names) - 0.3)
+        shown = [_wrap(n, 26) for n in names] if panel % PANEL_COLUMNS == 0 else []
+        axes.set_yticks(rows, shown, fontsize=8)
+        axes.grid(axis="x", alpha=0.3)
+        axes.set_title(f"R@{k}")
+        axes.set_xlabel("% (axis zoomed to the data)")
     figure.tight_layout()
     return figure
 
@@ -211,15 +304,15 @@ def pr_curves(names: Sequence[str], curves: Sequence[tuple[np.ndarray, np.ndarra
     """Interpolated precision against recall, averaged over queries, one line per run."""
     figure = Figure(figsize=(5.0, 3.8))
     axes = figure.subplots()
-    for name, (recall, precision) in zip(names, curves, strict=True):
-        axes.plot(recall, precision, marker="o", markersize=3, label=name)
+    for i, (name, (recall, precision)) in enumerate(zip(names, curves, strict=True)):
+        axes.plot(recall, precision, label=name, **_style(i))
     axes.set_xlabel("recall")
     axes.set_ylabel("precision")
     axes.set_xlim(0, 1)
     axes.set_ylim(0, 1.02)
     axes.grid(alpha=0.3)
     axes.set_title("precision–recall (test split)")
-    axes.legend(fontsize=8)
+    _legend_below(axes, columns=2)
     figure.tight_layout()
     return figure
 

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure
 
+from idml.checkpoint import atomic_write_text
 from idml.reports import figures
 from idml.reports.runs import AnalysisOptions, RunLog, TestAnalysis, analyse_run, read_run
+from idml.reports.seeds import expand_run_dirs, seed_table, seeds_section
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222;
@@ -80,11 +82,12 @@ def write_report(
     device: torch.device | None = None,
     progress: bool = False,
     log: Callable[[str], object] = lambda _: None,
+    reference: str | None = None,
 ) -> Path:
     """Write ``out_dir/index.html`` and ``out_dir/figures/*.png`` for the given run folders.
 
     Args:
-        run_dirs: run folders written by ``idml train`` (at least one).
+        run_dirs: run folders written by ``idml train`` or ``idml ablate`` folders (at least one).
         out_dir: where the page and its figures go (created).
         options: test-set analysis settings (checkpoint, queries, sample sizes, seed).
         analyse: load each run's checkpoint and analyse the test split; ``False`` draws only what
@@ -93,6 +96,8 @@ def write_report(
         device: where to embed test images (default CPU).
         progress: progress bars while embedding.
         log: receives a line per run analysed.
+        reference: label of the group the seed table's Δ is taken against (default: the
+            baseline; see :mod:`idml.reports.seeds`).
 
     Returns:
         The path of the HTML page.
@@ -102,7 +107,10 @@ def write_report(
     if not run_dirs:
         raise ValueError("give at least one run folder to report on")
     options = options or AnalysisOptions()
+    run_dirs, cells = expand_run_dirs(run_dirs)
     runs = [read_run(Path(d)) for d in run_dirs]
+    # Fails before the test-set analysis (minutes) when --reference names no group.
+    seeds = seed_table(runs, [cells.get(r.run_dir, r.config.name) for r in runs], reference)
     reports = [RunReport(run, label, None) for run, label in zip(runs, _labels(runs), strict=True)]
     for report in reports:
         if not analyse:
@@ -125,7 +133,17 @@ def write_report(
     figure_dir = out_dir / "figures"
     figure_dir.mkdir(parents=True, exist_ok=True)
     page = _Page(out_dir, inline)
-    body = [_comparison(reports, page)]
+    body = [_comparison(reports, page), seeds_section(seeds)]
+    if any(len(g.runs) > 1 for g in seeds.groups) and any(
+        k.startswith("recall@") for k in seeds.metrics
+    ):
+        labels = [g.label for g in seeds.groups]
+        means = [{k: g.mean_std(k)[0] for k in seeds.metrics} for g in seeds.groups]
+        stds = [{k: g.mean_std(k)[1] for k in seeds.metrics} for g in seeds.groups]
+        caption = "Recall@K per group: mean over seeds with ± sample std; axes zoomed to the data."
+        body.append(page.figure(figures.recall_dots(labels, means, stds), "00-seeds", caption))
+    atomic_write_text(out_dir / "seeds.md", seeds.markdown())
+    atomic_write_text(out_dir / "seeds.csv", seeds.csv())
     body += [_run_section(i, report, page) for i, report in enumerate(reports)]
     title = "idml report: " + ", ".join(r.label for r in reports)
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
@@ -201,6 +219,8 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
             source = f"{report.analysis.checkpoint} checkpoint, epoch {report.analysis.epoch}"
         else:
             source = "last logged evaluation" if report.metrics else "not evaluated"
+        if report.log.nmi_method is not None:
+            source += f"; NMI: {report.log.nmi_method}"  # the analysis uses the same k-means
         cells = "".join(
             f"<td>{100 * report.metrics[k]:.2f}</td>" if k in report.metrics else "<td>–</td>"
             for k in keys
@@ -222,8 +242,14 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
     parts = ["<h2>Comparison</h2>", table]
     names = [r.label for r in reports]
     if any(k.startswith("recall@") for k in keys):
-        bars = figures.recall_bars(names, [r.metrics for r in reports])
-        parts.append(page.figure(bars, "00-recall", "Recall@K on the test split, per run."))
+        dots = figures.recall_dots(names, [r.metrics for r in reports])
+        parts.append(
+            page.figure(
+                dots,
+                "00-recall",
+                "Recall@K on the test split, per run; each panel's axis is zoomed to the data.",
+            )
+        )
     else:
         parts.append(_note("No run has Recall@K results yet, so there are no Recall@K bars."))
     curves = [(r.label, r.analysis.pr_curve) for r in reports if r.analysis is not None]

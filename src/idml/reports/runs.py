@@ -97,6 +97,14 @@ class RunLog:
         return {}
 
     @property
+    def nmi_method(self) -> str | None:
+        """How the last evaluation computed NMI (``eval/nmi_method``; ``None`` in older logs)."""
+        for line in reversed(self.history):
+            if isinstance(line.get("eval/nmi_method"), str):
+                return str(line["eval/nmi_method"])
+        return None
+
+    @property
     def method(self) -> str:
         """Short description: loss, metric (plain / ISM variant), Mixup, SSR."""
         cfg = self.config

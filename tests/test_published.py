@@ -1,0 +1,141 @@
+"""Published numbers: presets equal the parsed source tables; "paper vs this run" after training."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from idml.cli import main
+from idml.config import ConfigError, load_config, validate_config
+from idml.paper import compare_with_paper, format_paper_table, paper_table_markdown
+from tiny_run import TINY
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+ROWS = json.loads((REPO / "configs" / "published.json").read_text())["rows"]
+PRESETS = sorted(glob.glob(str(REPO / "configs" / "*" / "*.yaml")))
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _label(row: dict) -> str:
+    setting = f", {row['setting']}" if row["setting"] else ""
+    return f"{row['paper']}, {row['table']}, row '{row['row']}'{setting}"
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: Path(p).name)
+def test_preset_numbers_equal_the_source_rows_they_name(path: str) -> None:
+    published = yaml.safe_load(Path(path).read_text())["published"]
+    if published is None:
+        return
+    dataset = yaml.safe_load(Path(path).read_text())["data"]["dataset"]
+    # The source names one or more rows ("; "-separated); the first row holding a metric gives it.
+    rows = []
+    for part in published["source"].split("; "):
+        found = [r for r in ROWS if _label(r) == part and r["dataset"] == dataset]
+        assert len(found) == 1, f"{path}: source {part!r} names {len(found)} rows"
+        rows.append(found[0])
+    expected: dict[str, float] = {}
+    for row in rows:
+        for key, value in row["metrics"].items():
+            expected.setdefault(key, value)
+    assert published["metrics"] == expected  # exact: both are the printed decimals
+    load_config(path)  # and the preset still validates
+
+
+def test_presets_cover_every_stated_row() -> None:
+    with_numbers = {
+        Path(p).name for p in PRESETS if yaml.safe_load(Path(p).read_text())["published"]
+    }
+    # 6 IDML/ProxyAnchor (paper text), 3 official code (README), 12 SSR + 9 of their baselines
+    # (the 512-d Margin row has no baseline in the SSR paper).
+    assert len(with_numbers) == 30
+    assert "cub_margin_128_baseline.yaml" in with_numbers
+    assert "cub_margin_512_baseline.yaml" not in with_numbers
+
+
+def test_generator_output_is_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    presets = _script("make_presets")
+    monkeypatch.setattr(presets, "ROOT", tmp_path / "configs")
+    (tmp_path / "configs").mkdir()
+    presets.main()
+    for written in (tmp_path / "configs").rglob("*.yaml"):
+        committed = REPO / "configs" / written.relative_to(tmp_path / "configs")
+        assert committed.read_text() == written.read_text(), f"re-run make_presets: {committed}"
+
+
+@pytest.mark.skipif(
+    not (SHARED / "seeds").is_dir(), reason="the papers' text is not beside the repo"
+)
+def test_committed_numbers_equal_a_fresh_parse_of_the_papers() -> None:
+    parser = _script("parse_published")
+    assert parser.parse_all(SHARED) == ROWS
+
+
+def test_parser_reads_flattened_rows_with_missing_cells() -> None:
+    parser = _script("parse_published")
+    body = "Foo (Bar et al. 2019) R128 1.0 2.0 3.0 - 5.0 6.0 7.0 8.0 9.0 10.0 11.0 12.0 13.0 - 15.0"
+    text = f"Method Setting R@1 R@10 R@100 R@1000 NMI {body} Table 2: caption"
+    rows = parser.parse_ssr_table(text, 2)
+    assert [r["dataset"] for r in rows] == ["cub", "cars", "sop"]
+    assert rows[0]["row"] == "Foo (Bar et al. 2019)" and rows[0]["setting"] == "R128"
+    assert rows[0]["metrics"] == {"recall@1": 1.0, "recall@2": 2.0, "recall@4": 3.0, "nmi": 5.0}
+    assert rows[2]["metrics"] == {
+        "recall@1": 11.0,
+        "recall@10": 12.0,
+        "recall@100": 13.0,
+        "nmi": 15.0,
+    }
+
+
+def test_published_block_is_validated() -> None:
+    with pytest.raises(ConfigError, match="unknown metric 'recal@1'"):
+        validate_config({"published": {"source": "x", "metrics": {"recal@1": 3.0}}})
+    with pytest.raises(ConfigError, match="percentage"):
+        validate_config({"published": {"source": "x", "metrics": {"recall@1": 170.0}}})
+    # Run folders written before the source was recorded hold the bare metrics.
+    old = validate_config({"published": {"recall@1": 70.7}})
+    assert old.published is not None and old.published.metrics == {"recall@1": 70.7}
+
+
+def test_comparison_rows_put_the_run_in_percent() -> None:
+    rows = compare_with_paper({"recall@1": 66.5, "nmi": 69.7}, {"recall@1": 0.6725})
+    assert rows[0].run == pytest.approx(67.25, abs=1e-12)
+    assert rows[0].delta == pytest.approx(0.75, abs=1e-12)
+    assert rows[1].run is None and rows[1].delta is None  # NMI not computed: shown, not dropped
+    text = format_paper_table("SSR Table 1", rows)
+    assert re.search(r"recall@1 +66\.5 +67\.2 +\+0\.8", text) and re.search(
+        r"nmi +69\.7 +n/a", text
+    )
+    assert "| recall@1 | 66.5 | 67.2 | +0.8 |" in paper_table_markdown("SSR Table 1", rows)
+
+
+def test_train_ends_with_paper_vs_this_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    source = "{source: Test table, metrics: {recall@1: 50.0, recall@2: 60.0, nmi: 40.0}}"
+    (tmp_path / "run.yaml").write_text("name: tiny\n")
+    args = ["train", str(tmp_path / "run.yaml"), "--no-progress", "--out", str(tmp_path / "run")]
+    for override in [*TINY, "eval.ks=[1, 2]", f"published={source}"]:
+        args += ["--set", override]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    log = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    r1 = 100 * log[-1]["test/recall@1"]
+    assert "paper vs this run (final epoch) (Test table; %)" in out
+    assert re.search(rf"recall@1 +50\.0 +{r1:.1f} +{re.escape(f'{r1 - 50:+.1f}')}\n", out)
+    assert re.search(r"nmi +40\.0 +n/a +n/a", out)  # TINY switches NMI off

@@ -1,0 +1,147 @@
+"""`idml report` of ablations and seeds: mean ± std, Δ against a reference, paper numbers."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from idml.ablation import parse_grid, run_ablation
+from idml.cli import main
+from idml.config import dump_config, load_config
+from idml.reports import read_run
+from idml.reports.seeds import expand_run_dirs, seed_table
+from tiny_run import TINY
+
+
+def _logged(run: Path, metric: str) -> float:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    return [line[f"test/{metric}"] for line in lines if f"test/{metric}" in line][-1]
+
+
+@pytest.fixture(scope="module")
+def ablation(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("abl")
+    base = root / "base.yaml"
+    dump_config(load_config(None, [*TINY, "loss.name=multi_similarity", "name=tiny"]), base)
+    run_ablation(base, parse_grid(["mixup=off,on"]), seeds=2, out_dir=root / "abl")
+    return root / "abl"
+
+
+def test_report_of_an_ablation_folder_has_mean_std_and_delta_of_the_logged_metrics(
+    ablation: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report"
+    assert main(["report", str(ablation), "--no-test", "--no-progress", "--out", str(out)]) == 0
+    rows = {r["group"]: r for r in csv.DictReader((out / "seeds.csv").open())}
+    assert list(rows) == ["mixup=off", "mixup=on"]
+    assert rows["mixup=off"]["reference"] == "True"  # the baseline: no ISM, Mixup or SSR
+    cells = {"mixup=off": "mixup-off", "mixup=on": "mixup-on"}
+    means = {}
+    for group, cell in cells.items():
+        for metric in ("recall@1", "map@r"):
+            values = np.array(
+                [_logged(ablation / "cells" / cell / f"seed{s}", metric) for s in (0, 1)]
+            )
+            # float64 mean/std of two logged float64 values, printed with 10 significant digits.
+            assert float(rows[group][f"{metric}_mean"]) == pytest.approx(values.mean(), rel=1e-9)
+            assert float(rows[group][f"{metric}_std"]) == pytest.approx(
+                values.std(ddof=1), rel=1e-9, abs=1e-12
+            )
+            assert rows[group][f"{metric}_n"] == "2"
+            means[group, metric] = values.mean()
+        assert rows[group]["seeds"] == "0 1"
+    delta = means["mixup=on", "recall@1"] - means["mixup=off", "recall@1"]
+    assert float(rows["mixup=on"]["recall@1_delta"]) == pytest.approx(delta, rel=1e-9, abs=1e-12)
+    assert rows["mixup=off"]["recall@1_delta"] == ""
+    markdown = (out / "seeds.md").read_text()
+    assert "| mixup=off (reference) | 2 |" in markdown
+    assert f"{100 * delta:+.2f}" in markdown.splitlines()[3]
+    page = (out / "index.html").read_text()
+    assert "Seeds and differences" in page and "mixup=on" in page
+    assert "last logged evaluation; NMI: skipped" in page  # TINY switches NMI off; said so
+
+    # Another reference: the Δ flips sign; an unknown one is refused before any work.
+    other = tmp_path / "other"
+    args = ["report", str(ablation), "--no-test", "--no-progress", "--out", str(other)]
+    assert main([*args, "--reference", "mixup=on"]) == 0
+    flipped = {r["group"]: r for r in csv.DictReader((other / "seeds.csv").open())}
+    assert float(flipped["mixup=off"]["recall@1_delta"]) == pytest.approx(-delta, abs=1e-12)
+    assert main([*args, "--reference", "mixup=maybe"]) == 2
+    assert "'mixup=maybe' is not one of the compared groups" in capsys.readouterr().err
+
+
+def _fake(root: Path, seed: int, r1: float, extra: list[str] | None = None) -> Path:
+    root.mkdir(parents=True)
+    published = "published={source: Test paper Table 9, metrics: {recall@1: 60.0}}"
+    cfg = load_config(None, [*TINY, "name=fake", f"seed={seed}", published, *(extra or [])])
+    dump_config(cfg, root / "config.yaml")
+    line = {"epoch": 0, "steps": 2, "seconds": 1.0, "test/recall@1": r1}
+    (root / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    return root
+
+
+def test_run_folders_that_differ_by_seed_form_one_group_with_the_paper_beside(
+    tmp_path: Path,
+) -> None:
+    a = _fake(tmp_path / "s0", 0, 0.60)
+    b = _fake(tmp_path / "s1", 1, 0.64)
+    c = _fake(tmp_path / "lr", 0, 0.50, ["optim.lr=0.01"])
+    runs, cells = expand_run_dirs([a, b, c])
+    assert runs == [a, b, c] and cells == {}
+    logs = [read_run(r) for r in runs]
+    table = seed_table(logs, [x.config.name for x in logs])
+    assert [len(g.runs) for g in table.groups] == [2, 1]
+    assert table.groups[1].label == "fake (lr)"  # same name, other recipe: told apart
+    mean, std, n, delta = table.cell(table.groups[0], "recall@1")
+    assert (mean, n) == (pytest.approx(0.62, abs=1e-15), 2)
+    assert std == pytest.approx(np.std([0.60, 0.64], ddof=1), abs=1e-15)
+    assert np.isnan(delta)  # the first baseline group is the reference
+    out = tmp_path / "report"
+    assert main(["report", str(a), str(b), str(c), "--no-test", "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    assert "Paper vs this run: fake" in page and "Test paper Table 9" in page
+    assert "<td>60.0</td><td>62.0</td><td>+2.0</td>" in page
+
+
+def test_an_ablation_folder_without_runs_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "abl" / "cells" / "x").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no finished run in cells"):
+        expand_run_dirs([tmp_path / "abl"])
+
+
+def test_recall_dots_zoom_to_the_data_and_panels_wrap() -> None:
+    from idml.reports import figures
+
+    names = ["a" * 60, "b"]
+    metrics = [{f"recall@{k}": 0.66 + 0.01 * k for k in (1, 2, 4, 8)}, {"recall@1": 0.683}]
+    figure = figures.recall_dots(names, metrics, [{"recall@1": 0.004}, {}])
+    axes = [a for a in figure.axes if a.get_visible()]
+    assert len(axes) == 4
+    low, high = axes[0].get_xlim()
+    # R@1 values 67.0 and 68.3 (± 0.4): the axis spans them with a margin, far from 0–100.
+    assert 65.0 < low < 66.7 and 68.7 < high < 70.0
+    assert "zoomed" in axes[0].get_xlabel()
+    rows = {round(a.get_position().y0, 3) for a in axes}
+    assert len(rows) == 2  # four panels wrap onto two rows of PANEL_COLUMNS
+    labels = [t.get_text() for t in axes[0].get_yticklabels()]
+    assert labels[0].count("\n") == 1 and "…" in labels[0]  # a long name: two lines, middle cut
+
+
+def test_coinciding_lines_are_named_in_the_legend_below_the_axes(tmp_path: Path) -> None:
+    from idml.reports import figures
+
+    run = _fake(tmp_path / "r", 0, 0.5)
+    lines = [{"epoch": e, "loss/total": 1.0, "lr/backbone": 0.1, "lr/head": 0.1} for e in range(2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    figure = figures.training_curves(read_run(run))
+    rate = next(a for a in figure.axes if a.get_title() == "learning rate")
+    legend = rate.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["backbone", "head (= backbone)"]
+    styles = {line.get_linestyle() for line in rate.get_lines()}
+    assert len(styles) == 2  # drawn with different dashes, so both remain visible
+    # The legend sits below the axes (anchored under them), not on the data.
+    assert legend._loc == 9 and legend.get_bbox_to_anchor().y0 < rate.bbox.y0
