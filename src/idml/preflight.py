@@ -27,6 +27,9 @@ def training_metric_names(cfg: Config) -> list[str]:
     Training evaluates with the exact search, so the full-ranking ``map`` and ``mrr`` are always
     there; ``nmi`` only with ``eval.nmi``.
     """
+    if cfg.task == "classification" and cfg.classification is not None:
+        # Larger is better for eval.select: the top-k accuracies (not ECE or NLL).
+        return [f"top{k}" for k in cfg.classification.ks]
     names = [f"recall@{k}" for k in cfg.eval.ks] + ["r_precision", "map@r", "map", "mrr"]
     if cfg.eval.nmi:
         names.append("nmi")
