@@ -42,6 +42,7 @@ SETTINGS = [
     # ISM arms: u starts near 0 (ISM ≈ the cosine classifier) and its head learns at 0.01 × lr, so
     # ||u|| cannot outgrow the semantic distances within the short budget (the arms without ISM have
     # no uncertainty head; these keys do nothing there).
+    "model.uncertainty.form=linear",
     "model.uncertainty.init_std=0.001",
     "optim.uncertainty_lr_mult=0.01",
     "classification.scale=16",

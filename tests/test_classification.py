@@ -289,6 +289,7 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFi
         "data.samples_per_class=12",
         "optim.max_steps_per_epoch=2",
         "model.uncertainty.enabled=true",
+        "model.uncertainty.form=linear",
         "model.uncertainty.init_std=0.001",
         "metric.introspective=true",
         "classification.mix=cutmix",
@@ -330,7 +331,8 @@ def test_presets_validate_and_pick_sgd_with_milestones() -> None:
     assert len(presets) == 18
     for path in presets:
         cfg = load_config(path)
-        assert cfg.task == "classification" and cfg.published and "top1" in cfg.published
+        assert cfg.task == "classification" and cfg.published and "top1" in cfg.published.metrics
+        assert "IDML authors' README" in cfg.published.source
         assert cfg.optim.optimizer == "sgd" and cfg.optim.scheduler == "multistep"
     with pytest.raises(ConfigError, match=r"optim\.scheduler=multistep needs optim\.milestones"):
         load_config(None, ["optim.scheduler=multistep"])

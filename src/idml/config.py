@@ -417,7 +417,7 @@ class MLflowConfig(Section):
     experiment: str = Field("idml", min_length=1, description="MLflow experiment name")
 
 
-PUBLISHED_METRIC = re.compile(r"^(recall@[1-9]\d*|nmi|map@r|r_precision|map|mrr)$")
+PUBLISHED_METRIC = re.compile(r"^(recall@[1-9]\d*|nmi|map@r|r_precision|map|mrr|top[1-9]\d*)$")
 
 
 class PublishedNumbers(Section):
@@ -442,7 +442,7 @@ class PublishedNumbers(Section):
             if not PUBLISHED_METRIC.match(key):
                 raise ValueError(
                     f"published.metrics: unknown metric {key!r}; use recall@K, nmi, map@r, "
-                    "r_precision, map or mrr"
+                    "r_precision, map, mrr or (classification) topK"
                 )
             if not 0.0 <= value <= 100.0:
                 raise ValueError(f"published.metrics.{key}={value} is not a percentage in [0, 100]")
