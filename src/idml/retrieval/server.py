@@ -19,8 +19,6 @@ and the traceback goes to the server's log only. The server binds to the loopbac
 unless told otherwise: an index reveals its gallery.
 """
 
-from __future__ import annotations
-
 import base64
 import binascii
 import io
@@ -66,6 +64,7 @@ def create_app(
     """The FastAPI application over ``index``; ``encoder`` embeds uploaded images (``None``: only
     embedding queries are accepted)."""
     fastapi = _require_fastapi()
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -79,6 +78,10 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Any, err: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"error": str(err.detail)}, status_code=err.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Any, err: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"error": f"invalid request: {err.errors()}"}, status_code=422)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Any, err: Exception) -> JSONResponse:
@@ -222,3 +225,43 @@ def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = 
     except ImportError as err:
         raise ValueError("idml serve needs uvicorn; `pip install idml[serve]`") from err
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+class BackgroundServer:
+    """``app`` served by uvicorn in a background thread, for tests and benchmarks.
+
+    ``port=0`` takes a free ephemeral port (read it from :attr:`port` once started). Use as a
+    context manager: it returns once the server accepts connections and stops it on exit.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0):
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.host = host
+        self.timeout = timeout
+        self.port = port
+        self._thread: Any = None
+
+    def __enter__(self) -> "BackgroundServer":
+        import threading
+        import time
+
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(self.timeout)
