@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from idml.evaluation.knn import neighbors_only
+from idml.evaluation.scoring import PairScorer, PreparedSide
 from idml.inference import ModelInfo, file_sha256
 from idml.retrieval.confidence import confidence
 
@@ -60,6 +61,18 @@ EMBEDDINGS_FILE = "embeddings.safetensors"
 ITEMS_FILE = "items.json"
 FAISS_FILE = "faiss.index"
 BACKENDS = ("exact", "faiss")
+
+
+class _UnitCosine(PairScorer):
+    """Cosine similarity of rows that are unit vectors already: the index normalises items once,
+    when they are added, and queries in :meth:`Index.search`; normalising the whole gallery again
+    at every call would cost a pass over it however few the queries."""
+
+    def __init__(self) -> None:
+        super().__init__("cosine", normalize=True)
+
+    def prepare_side(self, semantic: Tensor, uncertainty: Tensor | None = None) -> PreparedSide:
+        return PreparedSide(semantic.float().contiguous(), None)
 
 
 class IndexFormatError(ValueError):
@@ -264,7 +277,12 @@ class Index:
             sims = torch.where(ids < 0, torch.full_like(sims, float("nan")), sims)
         else:
             found = neighbors_only(
-                q, k_eff, self.embeddings, metric="cosine", block_size=block_size, device=device
+                q,
+                k_eff,
+                self.embeddings,
+                metric=_UnitCosine(),
+                block_size=block_size,
+                device=device,
             )
             ids, sims = found.indices.cpu().long(), found.scores.cpu().float()
         if ids.shape[1] < k:  # fewer items than k: pad as "no neighbour"
