@@ -83,14 +83,9 @@ def bench_images(count: int, root: Path) -> dict[str, float]:
     from idml.cli import main
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_run import TINY
+    from tiny_run import train_tiny
 
-    cfg = root / "tiny.yaml"
-    cfg.write_text("# small CNN run for the index benchmark\n")
-    args = ["train", str(cfg), "--out", str(root / "run"), "--no-progress"]
-    for item in [*TINY, "data.image_size=32", "model.embedding_dim=128"]:
-        args += ["--set", item]
-    assert main(args) == 0
+    train_tiny(root, ["data.image_size=32", "model.embedding_dim=128"])
     folder = root / "jpegs"
     rng = np.random.default_rng(0)
     for i in range(count):

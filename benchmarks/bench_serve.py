@@ -40,22 +40,13 @@ def main() -> None:
     from idml.inference import Encoder
     from idml.retrieval import Index
     from idml.retrieval.server import BackgroundServer, create_app
-    from tiny_run import IDML, TINY
+    from tiny_run import IDML, train_tiny, write_images
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        (root / "tiny.yaml").write_text("# load-test run\n")
-        train = ["train", str(root / "tiny.yaml"), "--out", str(root / "run"), "--no-progress"]
-        for item in [*TINY, *IDML]:
-            train += ["--set", item]
-        assert cli(train) == 0
-        rng = np.random.default_rng(0)
-        for i in range(args.gallery):
-            sub = root / "gallery" / f"c{i % 20}"
-            sub.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(
-                sub / f"{i}.png"
-            )
+        train_tiny(root, IDML)
+        write_images(root / "gallery", classes=20, per_class=args.gallery // 20, shape=(16, 16))
+        rng = np.random.default_rng(1)
         index_dir = root / "index"
         run = str(root / "run")
         build = ["index", str(root / "gallery"), "--out", str(index_dir), "--checkpoint", run]

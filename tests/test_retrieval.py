@@ -18,7 +18,7 @@ from idml.inference import Encoder
 from idml.models import build_model
 from idml.retrieval import CONFIDENCE_KIND, Index, IndexFormatError
 from idml.retrieval.workflow import read_images, search_source
-from tiny_run import IDML, TINY
+from tiny_run import IDML, train_tiny, write_images
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -26,27 +26,13 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny trained IDML run (digits, small CNN, two steps): seconds on 2 CPU cores."""
-    root = tmp_path_factory.mktemp("run")
-    cfg = root / "tiny.yaml"
-    cfg.write_text("# tiny digits run\n")
-    args = ["train", str(cfg), "--out", str(root / "run"), "--no-progress"]
-    for item in [*TINY, *IDML]:
-        args += ["--set", item]
-    assert main(args) == 0
-    return root / "run"
+    return train_tiny(tmp_path_factory.mktemp("run"), IDML)
 
 
 @pytest.fixture(scope="module")
 def gallery(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three classes of four random RGB images (a real folder of PNG files)."""
-    root = tmp_path_factory.mktemp("gallery")
-    rng = np.random.default_rng(0)
-    for cls in ("a", "b", "c"):
-        (root / cls).mkdir()
-        for i in range(4):
-            pixels = rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(root / cls / f"{i}.png")
-    return root
+    """Three classes (a, b, c) of four random RGB images (a real folder of PNG files)."""
+    return write_images(tmp_path_factory.mktemp("gallery"), classes=3, per_class=4)
 
 
 def _json_out(capsys: pytest.CaptureFixture[str]) -> dict:

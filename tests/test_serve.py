@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from idml.cli import main
 from idml.inference import Encoder
 from idml.retrieval import Index
-from tiny_run import IDML, TINY
+from tiny_run import IDML, train_tiny, write_images
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -28,21 +27,9 @@ from idml.retrieval.server import BackgroundServer, create_app  # noqa: E402
 def served(tmp_path_factory: pytest.TempPathFactory):
     """A tiny trained run, an index of 12 PNGs, and the service on an ephemeral loopback port."""
     root = tmp_path_factory.mktemp("serve")
-    cfg = root / "tiny.yaml"
-    cfg.write_text("# tiny digits run\n")
-    args = ["train", str(cfg), "--out", str(root / "run"), "--no-progress"]
-    for item in [*TINY, *IDML]:
-        args += ["--set", item]
-    assert main(args) == 0
-    gallery = root / "gallery"
-    rng = np.random.default_rng(1)
-    for cls in ("a", "b", "c"):
-        (gallery / cls).mkdir(parents=True)
-        for i in range(4):
-            pixels = rng.integers(0, 255, (10, 14, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(gallery / cls / f"{i}.png")
+    run = train_tiny(root, IDML)
+    gallery = write_images(root / "gallery", classes=3, per_class=4, shape=(10, 14), seed=1)
     index_dir = root / "index"
-    run = root / "run"
     assert main(["index", str(gallery), "--out", str(index_dir), "--checkpoint", str(run)]) == 0
     index = Index.load(index_dir)
     app = create_app(index, Encoder.from_run(run), max_bytes=20_000, max_k=8)

@@ -472,16 +472,21 @@ def _run_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_index_model(p: argparse.ArgumentParser) -> None:
+    """The index folder and the model that embeds query images (search and serve)."""
+    p.add_argument("index", type=Path, help="index folder of `idml index`")
+    p.add_argument("--checkpoint", type=Path, help="model for query images (default: the index's)")
+    p.add_argument("--which", choices=["best", "latest"], default="best")
+
+
 def _add_search(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "search",
         help="query an index with images or embeddings: neighbours, similarity, ||u||, confidence",
     )
-    p.add_argument("index", type=Path, help="index folder of `idml index`")
+    _add_index_model(p)
     p.add_argument("queries", type=Path, help="image file, image folder, CSV or embeddings file")
     p.add_argument("-k", type=int, default=10, help="neighbours per query")
-    p.add_argument("--checkpoint", type=Path, help="model for query images (default: the index's)")
-    p.add_argument("--which", choices=["best", "latest"], default="best")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--out", type=Path, help="write the results to a .json or .csv file")
     p.add_argument("--html", type=Path, help="also write an HTML page of queries and neighbours")
@@ -556,9 +561,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="HTTP JSON search service over an index (POST /search, GET /health, GET /info)",
     )
-    p.add_argument("index", type=Path, help="index folder of `idml index`")
-    p.add_argument("--checkpoint", type=Path, help="model for query images (default: the index's)")
-    p.add_argument("--which", choices=["best", "latest"], default="best")
+    _add_index_model(p)
     p.add_argument(
         "--embeddings-only", action="store_true", help="no model: embedding queries only"
     )
