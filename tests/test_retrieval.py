@@ -226,7 +226,9 @@ def test_exports_match_the_pytorch_model(run_dir: Path, gallery: Path, tmp_path:
     files = sorted(gallery.rglob("*.png"))
     via_export, via_run = scripted.embed(files), encoder.embed(files)
     assert torch.allclose(via_export.embeddings, via_run.embeddings, atol=1e-5, rtol=0)
-    assert scripted.info == encoder.info  # the export knows which weights it holds
+    # The export knows which weights it holds, and how to feed them.
+    assert scripted.info.same_model(encoder.info) and scripted.info.source == str(out.resolve())
+    assert scripted.info.image_size == encoder.info.image_size == 8
     session = onnxruntime.InferenceSession(str(out / "model.onnx"))
     emb, level = session.run(None, {"images": images[:5].numpy()})  # another batch size
     assert np.allclose(emb, ref_s[:5].numpy(), atol=1e-5, rtol=0)

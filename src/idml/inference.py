@@ -33,7 +33,7 @@ import hashlib
 import json
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +200,7 @@ class Encoder:
             run.model,
             image_size=run.config.data.image_size,
             resize_size=resize,
-            source=str(Path(path)),
+            source=str(Path(path).resolve()),  # searched later from any working directory
             checkpoint=str(run.checkpoint),
             epoch=run.state.get("epoch"),
         )
@@ -239,6 +239,8 @@ class Encoder:
         except ValueError as err:
             raise ValueError(f"{meta_path}: not valid JSON ({err}); export again") from err
         info = ModelInfo.from_dict(meta.get("model", {}), str(meta_path))
+        # The export is now where these weights live (the run it came from may be elsewhere).
+        info = replace(info, source=str(folder.resolve()), checkpoint=None)
         script = folder / meta.get("torchscript", "model.pt")
         if not script.is_file():
             raise FileNotFoundError(
