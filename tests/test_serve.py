@@ -160,3 +160,19 @@ def test_concurrent_requests_all_answer(served) -> None:
         answers = list(pool.map(one, range(32)))
     assert all(a == answers[0] for a in answers) and len(answers[0]) == 3
     assert torch.is_tensor(Index.load(index_dir).embeddings)
+
+
+def test_an_unexpected_failure_is_a_json_500_without_traceback(served) -> None:
+    _, index_dir, gallery = served
+
+    class Broken:
+        def embed(self, images):
+            raise RuntimeError("secret internals")
+
+    app = create_app(Index.load(index_dir), Broken())  # type: ignore[arg-type]
+    png = (gallery / "a" / "0.png").read_bytes()
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        response = client.post("/search", files={"image": ("0.png", png, "image/png")})
+    assert response.status_code == 500
+    body = response.json()
+    assert body == {"error": "internal error (RuntimeError); see the server log"}
