@@ -445,10 +445,7 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--add", action="store_true", help="add the items to the existing index OUT")
     p.add_argument("--backend", choices=["exact", "faiss"], default="exact")
     p.add_argument("--faiss-index", default="HNSW32", help="faiss factory string (Flat, HNSW32…)")
-    p.add_argument("--search-parameters", help="faiss search parameters, e.g. efSearch=128")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N")
-    p.add_argument("--no-progress", action="store_true")
+    _add_embedding_options(p)
     p.set_defaults(run=_run_index)
 
 
@@ -472,6 +469,14 @@ def _run_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_embedding_options(p: argparse.ArgumentParser) -> None:
+    """Options of index and search: faiss search parameters and how images are embedded."""
+    p.add_argument("--search-parameters", help="faiss search parameters, e.g. efSearch=128")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def _add_index_model(p: argparse.ArgumentParser) -> None:
     """The index folder and the model that embeds query images (search and serve)."""
     p.add_argument("index", type=Path, help="index folder of `idml index`")
@@ -490,10 +495,7 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--out", type=Path, help="write the results to a .json or .csv file")
     p.add_argument("--html", type=Path, help="also write an HTML page of queries and neighbours")
-    p.add_argument("--search-parameters", help="faiss search parameters, e.g. efSearch=128")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N")
-    p.add_argument("--no-progress", action="store_true")
+    _add_embedding_options(p)
     p.set_defaults(run=_run_search)
 
 
