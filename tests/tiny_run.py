@@ -6,6 +6,8 @@ and no TensorBoard. ``IDML``: the uncertainty head, ISM and Mixup on top.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 TINY = [
     "data.dataset=digits",
     "data.image_size=8",
@@ -27,3 +29,34 @@ TINY = [
     "tensorboard=false",
 ]
 IDML = ["model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true"]
+
+
+def train_tiny(root: Path, overrides: list[str] | None = None) -> Path:
+    """Train a ``TINY`` + ``overrides`` run into ``root/run`` through the CLI; returns the folder."""
+    from idml.cli import main
+
+    cfg = root / "tiny.yaml"
+    cfg.write_text("# tiny digits run\n")
+    args = ["train", str(cfg), "--out", str(root / "run"), "--no-progress"]
+    for item in [*TINY, *(overrides or [])]:
+        args += ["--set", item]
+    if main(args) != 0:
+        raise RuntimeError(f"the tiny training run in {root} failed")
+    return root / "run"
+
+
+def write_images(
+    root: Path, classes: int, per_class: int, shape: tuple[int, int] = (12, 12), seed: int = 0
+) -> Path:
+    """``classes`` folders of ``per_class`` random RGB PNGs under ``root`` (a real image gallery)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        folder = root / chr(ord("a") + c) if classes <= 26 else root / f"c{c}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 255, (*shape, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i}.png")
+    return root

@@ -139,7 +139,8 @@ def embed_images(
 ) -> int:
     """Embed every image under ``images`` and save semantic embeddings and ``||u||`` to ``out``.
 
-    ``out`` is ``.npz``/``.pt`` (with ``paths``) or ``.safetensors`` (paths in the metadata). Keys:
+    ``out`` is ``.npz``/``.pt`` (with ``paths`` and ``classes``) or ``.safetensors`` (both in the
+    metadata). Keys:
     ``embeddings`` ``(N, d)``, ``uncertainty`` ``(N,)`` (``||u||``; zeros without an uncertainty
     head), ``labels`` when the source has them.
     """
@@ -170,7 +171,12 @@ def embed_images(
         payload["labels"] = torch.as_tensor(ids)
     out.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".npz":
-        np.savez(out, **{k: v.numpy() for k, v in payload.items()}, paths=np.array(paths))
+        np.savez(
+            out,
+            **{k: v.numpy() for k, v in payload.items()},
+            paths=np.array(paths),
+            classes=np.array(classes, dtype=str),
+        )
     elif suffix == ".pt":
         torch.save({**payload, "paths": paths, "classes": classes}, out)
     elif suffix == ".safetensors":

@@ -571,7 +571,12 @@ def evaluate_files(
     Labels come from ``labels_path`` or, if it is omitted, from the ``labels`` entry of the
     embeddings file; uncertainty from the file's ``uncertainty`` entry. ``query_*`` name a separate
     query set the same way. ``options`` are passed on to :func:`evaluate_embeddings`.
+
+    An ``uncertainty`` entry of shape ``(N,)`` holds uncertainty *levels* ``||u||`` (what ``idml
+    embed`` writes): they are summarised as they are (as ``(N, 1)`` vectors, whose norm is the level),
+    but cannot drive ISM, which needs the uncertainty vectors.
     """
+    ism = options.get("introspective_metric") is not None
     ref = load_embedding_file(
         embeddings_path,
         embeddings_key=embeddings_key,
@@ -588,18 +593,32 @@ def evaluate_files(
             labels_key=labels_key if query_labels_path is None else None,
         )
         query = (
-            Embeddings(q.semantic.float(), _float(q.uncertainty)),
+            Embeddings(q.semantic.float(), _file_uncertainty(q, ism)),
             _file_labels(q, query_labels_path, labels_key),
         )
     elif query_labels_path is not None:
         raise ValueError("query labels were given without query embeddings")
     return evaluate_embeddings(
-        Embeddings(ref.semantic.float(), _float(ref.uncertainty)), labels, query=query, **options
+        Embeddings(ref.semantic.float(), _file_uncertainty(ref, ism)),
+        labels,
+        query=query,
+        **options,
     )
 
 
-def _float(x: Tensor | None) -> Tensor | None:
-    return None if x is None else x.float()
+def _file_uncertainty(source: EmbeddingFile, ism: bool) -> Tensor | None:
+    """The file's uncertainty as ``(N, d_u)`` vectors; levels ``(N,)`` become ``(N, 1)``."""
+    u = source.uncertainty
+    if u is None or u.dim() != 1:
+        return None if u is None else u.float()
+    if ism:
+        raise ValueError(
+            f"{source.path}: 'uncertainty' holds one level ||u|| per image (as `idml embed` writes), "
+            "but --introspective needs the uncertainty vectors; evaluate the run with "
+            "`idml evaluate --checkpoint RUN --introspective`, or drop --introspective"
+        )
+    # Levels are norms (>= 0), so a one-column vector has exactly that norm.
+    return u.float().abs().unsqueeze(1)
 
 
 def _file_labels(

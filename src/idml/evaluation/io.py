@@ -9,6 +9,11 @@
 ``.pt`` files are read with ``torch.load(weights_only=True)``: tensors and plain containers only,
 never arbitrary pickled code.
 
+Text entries are metadata, not arrays: ``idml embed`` stores each image's path (a string array in
+``.npz``, a list in ``.pt``, JSON in the ``.safetensors`` metadata) and, in ``.pt`` and
+``.safetensors``, the class names. They are read into :attr:`EmbeddingFile.paths` and
+:attr:`EmbeddingFile.classes` and never mistaken for numeric entries.
+
 Example:
     >>> import tempfile, pathlib, numpy as np
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "emb.npz"
@@ -44,6 +49,18 @@ class EmbeddingFile:
     uncertainty: Tensor | None
     labels: Tensor | None
     keys: tuple[str, ...]
+    paths: list[str] | None = None  # one per row, when the file records them (``idml embed``)
+    classes: list[str] | None = None  # label id -> class name, when recorded
+
+
+TEXT_KEYS: tuple[str, ...] = ("paths", "classes")
+"""Entries that hold text (image paths, class names) rather than numbers."""
+
+
+def _is_text(value: object) -> bool:
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "US"
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
 
 
 def _as_tensor(value: object, path: Path, key: str) -> Tensor:
@@ -65,8 +82,18 @@ def _as_tensor(value: object, path: Path, key: str) -> Tensor:
 
 
 def read_entries(path: str | Path) -> dict[str, Tensor]:
-    """All named arrays of a file (a single-array file gives the one key ``""``)."""
-    path = Path(path)
+    """All named arrays of a file (a single-array file gives the one key ``""``); text entries
+    (see :func:`read_text_entries`) are left out."""
+    return _read(Path(path))[0]
+
+
+def read_text_entries(path: str | Path) -> dict[str, list[str]]:
+    """The text entries of a file: string arrays (``.npz``), lists of strings (``.pt``) and
+    JSON lists of strings in the metadata (``.safetensors``), e.g. ``paths`` and ``classes``."""
+    return _read(Path(path))[1]
+
+
+def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     suffix = path.suffix.lower()
@@ -76,14 +103,18 @@ def read_entries(path: str | Path) -> dict[str, Tensor]:
         )
     try:
         if suffix == ".npy":
-            return {"": _as_tensor(np.load(path, allow_pickle=False), path, "")}
+            return {"": _as_tensor(np.load(path, allow_pickle=False), path, "")}, {}
         if suffix == ".npz":
             with np.load(path, allow_pickle=False) as archive:
-                return {key: _as_tensor(archive[key], path, key) for key in archive.files}
+                arrays = {key: archive[key] for key in archive.files}
+            return _split_text(arrays, path)
         if suffix == ".safetensors":
+            from safetensors import safe_open
             from safetensors.torch import load_file
 
-            return dict(load_file(str(path)))
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+            return dict(load_file(str(path))), _metadata_text(metadata)
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         # weights_only refused (or could not parse) the pickle: never executed, never trusted.
@@ -100,8 +131,37 @@ def read_entries(path: str | Path) -> dict[str, Tensor]:
             raise
         raise ValueError(f"{path}: not a valid safetensors file ({err})") from None
     if isinstance(loaded, Mapping):
-        return {str(key): _as_tensor(value, path, str(key)) for key, value in loaded.items()}
-    return {"": _as_tensor(loaded, path, "")}
+        return _split_text({str(key): value for key, value in loaded.items()}, path)
+    return {"": _as_tensor(loaded, path, "")}, {}
+
+
+def _split_text(
+    values: Mapping[str, object], path: Path
+) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
+    entries: dict[str, Tensor] = {}
+    text: dict[str, list[str]] = {}
+    for key, value in values.items():
+        if _is_text(value):
+            items = value.reshape(-1) if isinstance(value, np.ndarray) else value
+            text[key] = [str(v) for v in items]  # type: ignore[union-attr]
+        else:
+            entries[key] = _as_tensor(value, path, key)
+    return entries, text
+
+
+def _metadata_text(metadata: Mapping[str, str]) -> dict[str, list[str]]:
+    """JSON lists of strings in safetensors metadata (other metadata values are not text entries)."""
+    import json
+
+    text: dict[str, list[str]] = {}
+    for key, raw in metadata.items():
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            text[key] = value
+    return text
 
 
 def _pick(
@@ -144,7 +204,7 @@ def load_embedding_file(
 ) -> EmbeddingFile:
     """Read semantic embeddings (required), uncertainty and labels (if present) from one file."""
     path = Path(path)
-    entries = read_entries(path)
+    entries, text = _read(path)
     if set(entries) == {""}:
         semantic: Tensor | None = entries[""]
         uncertainty = labels = None
@@ -158,7 +218,21 @@ def load_embedding_file(
             f"{path}: embeddings must be a floating (N, d) array, got dtype {semantic.dtype} "
             f"and shape {tuple(semantic.shape)}"
         )
-    return EmbeddingFile(path, semantic, uncertainty, labels, tuple(k for k in entries if k))
+    paths = text.get("paths")
+    if paths is not None and len(paths) != semantic.shape[0]:
+        raise ValueError(
+            f"{path}: 'paths' has {len(paths)} entries but there are {semantic.shape[0]} "
+            "embeddings; the file is inconsistent, write it again"
+        )
+    return EmbeddingFile(
+        path,
+        semantic,
+        uncertainty,
+        labels,
+        tuple(k for k in entries if k),
+        paths=paths,
+        classes=text.get("classes"),
+    )
 
 
 def load_labels(path: str | Path, key: str | None = None) -> Tensor:

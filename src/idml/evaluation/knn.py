@@ -112,22 +112,33 @@ class _Layout:
     relevant_end: Tensor  # per sorted query: one past the last
     num_relevant: Tensor  # relevant references (self excluded)
     same_set: bool
+    ref_in_order: bool = False  # separate references already in label order (ref_order = arange)
+
+
+def _sort_order(labels: Tensor) -> tuple[Tensor, bool]:
+    """Stable label order, and whether the labels were in order already (a gallery searched without
+    labels always is): then no sort is needed, and callers skip the reordering copy."""
+    if len(labels) < 2 or bool((labels[1:] >= labels[:-1]).all()):
+        return torch.arange(len(labels), device=labels.device), True
+    return torch.argsort(labels, stable=True), False
 
 
 def _layout(query_labels: Tensor, ref_labels: Tensor | None) -> _Layout:
     same_set = ref_labels is None
-    query_order = torch.argsort(query_labels, stable=True)
+    query_order, _ = _sort_order(query_labels)
     sorted_query_labels = query_labels[query_order]
     if same_set:
-        ref_order, sorted_ref_labels = query_order, sorted_query_labels
+        ref_order, sorted_ref_labels, ref_in_order = query_order, sorted_query_labels, False
     else:
         assert ref_labels is not None
-        ref_order = torch.argsort(ref_labels, stable=True)
-        sorted_ref_labels = ref_labels[ref_order]
+        ref_order, ref_in_order = _sort_order(ref_labels)
+        sorted_ref_labels = ref_labels if ref_in_order else ref_labels[ref_order]
     start = torch.searchsorted(sorted_ref_labels, sorted_query_labels, right=False)
     end = torch.searchsorted(sorted_ref_labels, sorted_query_labels, right=True)
     num_relevant = end - start - (1 if same_set else 0)
-    return _Layout(query_order, ref_order, start, end, num_relevant.clamp_min(0), same_set)
+    return _Layout(
+        query_order, ref_order, start, end, num_relevant.clamp_min(0), same_set, ref_in_order
+    )
 
 
 class _QueryState:
@@ -270,9 +281,14 @@ def exact_search(
         assert reference is not None
         queries = scorer.prepare_side(q_sorted, qu)
         ru = None
+        # A gallery already in label order (always, for neighbours without labels) is used as it
+        # is: reordering would copy the whole gallery at every call, however few the queries.
+        in_order = layout.ref_in_order
         if reference_uncertainty is not None:
-            ru = reference_uncertainty.to(dev)[layout.ref_order]
-        refs = scorer.prepare_reference(reference.to(dev)[layout.ref_order], ru)
+            ru = reference_uncertainty.to(dev)
+            ru = ru if in_order else ru[layout.ref_order]
+        ref_rows = reference.to(dev)
+        refs = scorer.prepare_reference(ref_rows if in_order else ref_rows[layout.ref_order], ru)
     ref_ids = layout.ref_order  # sorted reference position -> original index
 
     r_max = int(layout.num_relevant.max()) if n_q else 0

@@ -1,0 +1,287 @@
+"""Index → search on a tiny trained digits run, the embed ↔ evaluate round trip, model exports."""
+
+from __future__ import annotations
+
+import csv
+import doctest
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from idml.cli import main
+from idml.inference import Encoder
+from idml.models import build_model
+from idml.retrieval import CONFIDENCE_KIND, Index, IndexFormatError
+from idml.retrieval.workflow import read_images, search_source
+from tiny_run import IDML, train_tiny, write_images
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny trained IDML run (digits, small CNN, two steps): seconds on 2 CPU cores."""
+    return train_tiny(tmp_path_factory.mktemp("run"), IDML)
+
+
+@pytest.fixture(scope="module")
+def gallery(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three classes (a, b, c) of four random RGB images (a real folder of PNG files)."""
+    return write_images(tmp_path_factory.mktemp("gallery"), classes=3, per_class=4)
+
+
+def _json_out(capsys: pytest.CaptureFixture[str]) -> dict:
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{") :])
+
+
+def _brute_force(queries: torch.Tensor, gallery: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k by the full cosine matrix in float64; ties by lower index (a stable sort)."""
+    q = torch.nn.functional.normalize(queries.double(), dim=1)
+    g = torch.nn.functional.normalize(gallery.double(), dim=1)
+    return torch.sort(-(q @ g.T), dim=1, stable=True).indices[:, :k]
+
+
+def test_index_then_search_equals_brute_force(
+    run_dir: Path, gallery: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    index_dir = tmp_path / "index"
+    assert main(["index", str(gallery), "--out", str(index_dir), "--checkpoint", str(run_dir)]) == 0
+    assert main(["search", str(index_dir), str(gallery), "-k", "5", "--json"]) == 0
+    doc = _json_out(capsys)
+    encoder = Encoder.from_run(run_dir)
+    files = sorted(gallery.rglob("*.png"))
+    emb = encoder.embed(files)
+    expected = _brute_force(emb.embeddings, emb.embeddings, 5)
+    ids = [f.relative_to(gallery).as_posix() for f in files]
+    assert doc["index"] == {"count": 12, "dim": 16, "metric": "cosine", "backend": "exact"}
+    assert doc["model"] == encoder.info.weights_sha256 and doc["k"] == 5
+    for q, record in enumerate(doc["results"]):
+        # Schema of every record (the same as the service's).
+        assert set(record) == {"query", "confidence", "confidence_kind", "neighbors"}
+        assert set(record["query"]) == {"id", "path", "uncertainty"}
+        assert record["query"]["id"] == ids[q]
+        assert record["confidence_kind"] == CONFIDENCE_KIND
+        got = [n["id"] for n in record["neighbors"]]
+        assert got == [ids[i] for i in expected[q].tolist()]
+        for n in record["neighbors"]:
+            assert set(n) == {"rank", "id", "path", "label", "similarity", "uncertainty"}
+            i = ids.index(n["id"])
+            assert n["label"] == files[i].parent.name and n["path"] == str(files[i].resolve())
+            # float32 dot products of unit vectors (d = 16) against float64: ~1e-7 apart.
+            sim = float(emb.embeddings[q].double() @ emb.embeddings[i].double())
+            assert n["similarity"] == pytest.approx(sim, abs=1e-5)
+            assert n["uncertainty"] == pytest.approx(float(emb.uncertainty[i]), abs=1e-6)
+        assert record["query"]["uncertainty"] == pytest.approx(float(emb.uncertainty[q]), abs=1e-6)
+        assert record["confidence"] == record["neighbors"][0]["similarity"]
+    # CSV (one row per neighbour) and the HTML page carry the same answers.
+    out_csv, page = tmp_path / "r.csv", tmp_path / "r.html"
+    args = ["search", str(index_dir), str(gallery), "-k", "2", "--out", str(out_csv)]
+    assert main([*args, "--html", str(page)]) == 0
+    rows = list(csv.DictReader(out_csv.open()))
+    assert len(rows) == 24 and rows[0]["confidence_kind"] == CONFIDENCE_KIND
+    assert rows[1]["item_id"] == doc["results"][0]["neighbors"][1]["id"]
+    assert page.read_text().count("data:image/jpeg;base64,") == 12 * 3
+
+
+def test_add_to_an_index_equals_a_fresh_index_of_the_union(
+    run_dir: Path, gallery: Path, tmp_path: Path
+) -> None:
+    files = sorted(gallery.rglob("*.png"))
+    first, second = gallery / "first.csv", gallery / "second.csv"
+    for path, part in ((first, files[:7]), (second, files[7:])):
+        path.write_text("".join(f"{f.relative_to(gallery)},{f.parent.name}\n" for f in part))
+    try:
+        grown, fresh = tmp_path / "grown", tmp_path / "fresh"
+        # One image per batch: a batch's composition changes convolution kernels' summation order
+        # (last-bit differences), which is not what this test is about.
+        one = ["--batch-size", "1", "--checkpoint", str(run_dir)]
+        assert main(["index", str(first), "--out", str(grown), *one]) == 0
+        assert main(["index", str(second), "--out", str(grown), "--add", "--batch-size", "1"]) == 0
+        assert main(["index", str(gallery), "--out", str(fresh), *one]) == 0
+        a, b = Index.load(grown), Index.load(fresh)
+        assert a.ids == b.ids and a.labels == b.labels and a.paths == b.paths
+        assert torch.equal(a.embeddings, b.embeddings) and torch.equal(a.uncertainty, b.uncertainty)
+        queries = a.embeddings[:5]
+        ra, rb = a.search(queries, 4), b.search(queries, 4)
+        assert torch.equal(ra.indices, rb.indices) and torch.equal(ra.similarities, rb.similarities)
+        # Adding the same items again is refused: ids are unique.
+        assert main(["index", str(second), "--out", str(grown), "--add"]) == 2
+    finally:
+        first.unlink()
+        second.unlink()
+
+
+def test_an_index_refuses_another_model_or_dimension(
+    run_dir: Path, gallery: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    index_dir = tmp_path / "index"
+    assert main(["index", str(gallery), "--out", str(index_dir), "--checkpoint", str(run_dir)]) == 0
+    index = Index.load(index_dir)
+    # Same architecture and dimension, other weights: not comparable.
+    torch.manual_seed(1)
+    other = build_model("small_cnn", pretrained=False, embedding_dim=16, uncertainty=True)
+    stranger = Encoder.from_model(other, image_size=8)
+    emb = stranger.embed(sorted(gallery.rglob("*.png"))[:2])
+    with pytest.raises(IndexFormatError, match="not comparable"):
+        index.add(emb.embeddings, emb.uncertainty, ids=["x", "y"], model=stranger.info)
+    with pytest.raises(IndexFormatError, match="dimension 8 but the index has 16"):
+        index.add(torch.randn(2, 8), ids=["x", "y"])
+    # Query embeddings of the wrong dimension, through the CLI: a one-line error, exit code 2.
+    np.savez(tmp_path / "q.npz", embeddings=np.ones((2, 8), np.float32))
+    assert main(["search", str(index_dir), str(tmp_path / "q.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "dimension 8" in err and "16" in err and "Traceback" not in err
+    # An exported model of another run is refused for image queries.
+    other_run = tmp_path / "other-export"
+    from idml.deploy import export_model
+
+    export_model(stranger, other_run, ["torchscript"])
+    assert main(["search", str(index_dir), str(gallery), "--checkpoint", str(other_run)]) == 2
+    assert "is not the index's model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "delete", "edit items"])
+def test_a_damaged_index_is_refused(
+    run_dir: Path, gallery: Path, tmp_path: Path, damage: str
+) -> None:
+    index_dir = tmp_path / "index"
+    assert main(["index", str(gallery), "--out", str(index_dir), "--checkpoint", str(run_dir)]) == 0
+    emb_file, items = index_dir / "embeddings.safetensors", index_dir / "items.json"
+    if damage == "flip a byte":
+        data = bytearray(emb_file.read_bytes())
+        data[-3] ^= 0x01  # inside the float data: still a readable safetensors file
+        emb_file.write_bytes(bytes(data))
+    elif damage == "truncate":
+        emb_file.write_bytes(emb_file.read_bytes()[:-16])
+    elif damage == "delete":
+        items.unlink()
+    else:
+        doc = json.loads(items.read_text())
+        doc["labels"][0] = "b"
+        items.write_text(json.dumps(doc))
+    with pytest.raises(IndexFormatError, match=r"checksum mismatch|missing"):
+        Index.load(index_dir)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".pt", ".safetensors"])
+def test_embed_then_evaluate_round_trip(
+    run_dir: Path, gallery: Path, tmp_path: Path, suffix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / f"emb{suffix}"
+    assert (
+        main(["embed", "--checkpoint", str(run_dir), "--images", str(gallery), "--out", str(out)])
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["evaluate", "--embeddings", str(out), "--json", "--no-nmi"]) == 0
+    report = _json_out(capsys)
+    # Same numbers as evaluating the embeddings in memory.
+    from idml.evaluation import evaluate_embeddings
+
+    encoder = Encoder.from_run(run_dir)
+    files = sorted(gallery.rglob("*.png"))
+    emb = encoder.embed(files)
+    labels = torch.tensor([ord(f.parent.name) - ord("a") for f in files])
+    direct = evaluate_embeddings(emb.embeddings, labels, nmi=False)
+    for key, value in direct.metrics.items():
+        assert report["metrics"][key] == pytest.approx(value, abs=1e-6)
+    # The file's ||u|| levels reach the uncertainty summary as they are.
+    assert report["uncertainty"]["mean"] == pytest.approx(float(emb.uncertainty.mean()), rel=1e-5)
+    # ISM needs uncertainty vectors, which levels are not: a clear error, not a wrong number.
+    assert main(["evaluate", "--embeddings", str(out), "--introspective", "--no-nmi"]) == 2
+    assert "--introspective needs the uncertainty vectors" in capsys.readouterr().err
+    # The same file indexes and searches (ids = the recorded paths; labels = class names).
+    index_dir = tmp_path / "index"
+    assert main(["index", str(out), "--out", str(index_dir), "--checkpoint", str(run_dir)]) == 0
+    index = Index.load(index_dir)
+    assert index.ids == [str(f) for f in files] and index.labels[0] == "a"
+
+
+def test_exports_match_the_pytorch_model(run_dir: Path, gallery: Path, tmp_path: Path) -> None:
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    out = tmp_path / "export"
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    encoder = Encoder.from_run(run_dir)
+    images = torch.stack([encoder.preprocess(f) for f in sorted(gallery.rglob("*.png"))])
+    assert encoder.model is not None
+    with torch.no_grad():
+        reference = encoder.model(images)
+    ref_s, ref_u = reference.semantic, encoder.model.uncertainty_level(reference)
+    # float32 throughout; the exports run the same operations with possibly another kernel order
+    # (ONNX Runtime's convolutions), so sums of ~10^3 products differ by a few ulp: 1e-5 absolute on
+    # unit-norm embeddings and on ||u|| ~ 0.3 is far above that and far below any real mismatch.
+    scripted = Encoder.from_export(out)
+    with torch.no_grad():
+        got_s, got_u = scripted.net(images)  # the TorchScript module itself, on model inputs
+    assert torch.allclose(got_s, ref_s, atol=1e-5, rtol=0)
+    assert torch.allclose(got_u, ref_u, atol=1e-5, rtol=0)
+    # Through the Encoder (preprocessing included) the export gives the run's answers.
+    files = sorted(gallery.rglob("*.png"))
+    via_export, via_run = scripted.embed(files), encoder.embed(files)
+    assert torch.allclose(via_export.embeddings, via_run.embeddings, atol=1e-5, rtol=0)
+    # The export knows which weights it holds, and how to feed them.
+    assert scripted.info.same_model(encoder.info) and scripted.info.source == str(out.resolve())
+    assert scripted.info.image_size == encoder.info.image_size == 8
+    session = onnxruntime.InferenceSession(str(out / "model.onnx"))
+    emb, level = session.run(None, {"images": images[:5].numpy()})  # another batch size
+    assert np.allclose(emb, ref_s[:5].numpy(), atol=1e-5, rtol=0)
+    assert np.allclose(level, ref_u[:5].numpy(), atol=1e-5, rtol=0)
+    meta = json.loads((out / "export.json").read_text())
+    assert meta["model"]["weights_sha256"] == encoder.info.weights_sha256
+    assert meta["input"]["shape"] == ["batch", 3, 8, 8]
+
+
+def test_encoder_accepts_paths_pil_images_arrays_and_tensors(run_dir: Path, gallery: Path) -> None:
+    encoder = Encoder.from_run(run_dir)
+    path = sorted(gallery.rglob("*.png"))[0]
+    pil = Image.open(path)
+    array = np.array(pil)
+    tensor = torch.from_numpy(array).permute(2, 0, 1)
+    outs = [encoder.embed([x], batch_size=1) for x in (path, str(path), pil, array, tensor)]
+    for out in outs[1:]:
+        assert torch.equal(out.embeddings, outs[0].embeddings)
+        assert torch.equal(out.uncertainty, outs[0].uncertainty)
+    with pytest.raises(ValueError, match="cannot embed a dict"):
+        encoder.embed([{}])
+    with pytest.raises(ValueError, match=r"values in \[0, 1\]"):
+        encoder.embed([tensor.float()])
+
+
+def test_readme_inference_example(run_dir: Path, gallery: Path, tmp_path: Path) -> None:
+    """The README's Python inference walk-through runs as written (as a doctest)."""
+    text = README.read_text()
+    match = re.search(r"### Inference in Python\n(.*?)\n### ", text, re.S)
+    assert match, "README lost its '### Inference in Python' section"
+    blocks = "\n".join(re.findall(r"```python\n(.*?)```", match.group(1), re.S))
+    assert ">>>" in blocks
+    test = doctest.DocTestParser().get_doctest(
+        blocks,
+        {"RUN": run_dir, "IMAGES": gallery, "OUT": tmp_path},
+        "README",
+        str(README),
+        0,
+    )
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries > 3
+
+
+def test_search_source_records_follow_the_index(run_dir: Path, gallery: Path) -> None:
+    encoder = Encoder.from_run(run_dir)
+    source = read_images(gallery)
+    emb = encoder.embed(source.images or [])
+    index = Index.create(emb.embeddings, emb.uncertainty, source.ids, model=encoder.info)
+    records = search_source(index, read_images(gallery / "a" / "0.png"), 3, encoder)
+    assert records[0]["neighbors"][0]["id"] == "a/0.png"
+    assert records[0]["query"]["id"] == "0.png"
+    # Fewer items than k: the list holds what exists, then -1 ("no neighbour").
+    small = Index.create(emb.embeddings[:2], emb.uncertainty[:2], ["p", "q"])
+    result = small.search(emb.embeddings[:1], k=5)
+    assert result.indices[0].tolist()[2:] == [-1, -1, -1]
