@@ -36,7 +36,7 @@ Example (a tiny archive made on the spot):
     >>> for a, c in [("Greek", "character01"), ("Tagalog", "character01")]:
     ...     add("images_background_small2", a, c)
     >>> split = load_omniglot(root)
-    >>> split.num_train_classes, split.num_test_classes, split.test.class_names
+    >>> split.num_train_classes, split.num_test_classes, list(split.test.class_names)
     (2, 1, ['Tagalog/character01'])
 """
 
