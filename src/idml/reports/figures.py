@@ -166,7 +166,11 @@ def ism_saturation(log: RunLog) -> Figure:
         share.plot(
             epochs, 100 * saturated, marker="o", markersize=3, color=color, label=names[kind]
         )
-    weak.set_yscale("log")
+    # A log axis only when some relations are weakened by orders of magnitude; near 1 it would
+    # label a 0.1 % range in powers of ten.
+    lows = [log.series(f"ism/{k}_q10")[1] for k in colors]
+    if any(len(v) and float(np.min(v)) < 0.1 for v in lows):
+        weak.set_yscale("log")
     weak.set_ylabel("weakening e^(-y)  (1 = plain metric)")
     weak.set_title("ISM weakening (median, 10–90 %)")
     share.set_ylabel("% of relations with e^(-y) < 0.01")
