@@ -186,7 +186,9 @@ def main() -> None:
         if not args.validate:
             text.append("\n" + delta_table(result, ["recall@1", "map@r", "nmi"]))
         if args.tables_only:
-            text.append("\nTables drawn from finished runs (`--tables-only`); per-run times above.\n")
+            text.append(
+                "\nTables drawn from finished runs (`--tables-only`); per-run times above.\n"
+            )
         else:
             text.append(f"\nWall time of this invocation: {minutes:.1f} min.\n")
         suffix = "_quick" if args.quick else ""
