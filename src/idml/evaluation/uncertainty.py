@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from scipy.stats import rankdata
 from torch import Tensor
 
 DEFAULT_QUANTILES: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -223,16 +224,4 @@ def confidence_quality(
 
 def _average_ranks(values: Tensor) -> Tensor:
     """1-based ranks of ``values`` in increasing order, ties given their average rank."""
-    order = torch.argsort(values, stable=True)
-    sorted_values = values[order]
-    n = len(values)
-    new_group = torch.ones(n, dtype=torch.bool)
-    new_group[1:] = sorted_values[1:] != sorted_values[:-1]
-    group = torch.cumsum(new_group.long(), 0) - 1
-    positions = torch.arange(1, n + 1, dtype=torch.float64)
-    sizes = torch.bincount(group).double()
-    first = positions[new_group]  # groups appear in sorted order: each starts at its first flag
-    mean_rank = first + (sizes - 1) / 2
-    ranks = torch.empty(n, dtype=torch.float64)
-    ranks[order] = mean_rank[group]
-    return ranks
+    return torch.from_numpy(rankdata(values.double().cpu().numpy(), method="average"))
