@@ -78,6 +78,10 @@ class WeakeningMonitor:
 
     def is_saturated(self, share: float = 0.5) -> bool:
         """Whether more than ``share`` of the positive *and* of the negative relations saturated."""
-        summary = self.summary()
-        kinds = [k for k in ("pos", "neg") if f"{k}_saturated" in summary]
-        return bool(kinds) and all(summary[f"{k}_saturated"] > share for k in kinds)
+        return is_saturated(self.summary(), share)
+
+
+def is_saturated(summary: dict[str, float], share: float = 0.5) -> bool:
+    """:meth:`WeakeningMonitor.is_saturated` on a summary already computed (no second pass)."""
+    kinds = [k for k in ("pos", "neg") if f"{k}_saturated" in summary]
+    return bool(kinds) and all(summary[f"{k}_saturated"] > share for k in kinds)

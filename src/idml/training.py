@@ -60,7 +60,7 @@ from idml.distributed import (
 from idml.embeddings import Embeddings
 from idml.loggers import MLflowLogger, RunLogger, TensorBoardLogger, tensorboard_available
 from idml.metrics import IntrospectiveMetric
-from idml.monitoring import SATURATED, WeakeningMonitor
+from idml.monitoring import SATURATED, WeakeningMonitor, is_saturated
 from idml.preflight import check_model_input, check_run_config
 from idml.progress import Progress
 from idml.ranking import RankingOutput, draw_images
@@ -465,11 +465,7 @@ class Trainer:
         """Warn once when ISM saturates most relations, or when no gradient reaches the model."""
         if not self.dist.is_main:
             return
-        if (
-            self.ism_metric is not None
-            and "saturated" not in self._warned
-            and self.weakening.is_saturated()
-        ):
+        if self.ism_metric is not None and "saturated" not in self._warned and is_saturated(ism):
             self._warned.add("saturated")
             shares = ", ".join(
                 f"{k} {ism[f'{k}_saturated']:.0%}"
