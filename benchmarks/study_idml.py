@@ -151,6 +151,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "study_idml")
     parser.add_argument("--quick", action="store_true", help="1 epoch of 3 steps: a pipeline check")
     parser.add_argument("--tables-only", action="store_true", help="tabulate finished runs only")
+    parser.add_argument(
+        "--losses",
+        default=LOSSES.split("=", 1)[1],
+        help="comma-separated subset of the loss axis, e.g. to run two losses in two processes "
+        "(they share the run folders; a final --tables-only draws the whole grid)",
+    )
     args = parser.parse_args()
     tables = REPO / "benchmarks" / "study"
     tables.mkdir(parents=True, exist_ok=True)
@@ -160,7 +166,7 @@ def main() -> None:
             overrides.append(f"data.root={args.omniglot_root}")
         if args.quick:
             overrides += ["optim.epochs=1", "optim.max_steps_per_epoch=3"]
-        grid = VALIDATION_GRID if args.validate else GRID
+        grid = VALIDATION_GRID if args.validate else [f"loss={args.losses}", *GRID[1:]]
         if args.validate:
             overrides.append("data.protocol=validation")
         kind = "idml_validation" if args.validate else "idml"
