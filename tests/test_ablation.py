@@ -7,6 +7,8 @@ import csv
 import io
 import json
 import math
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,8 @@ from idml.ablation import (
 )
 from idml.cli import main
 from idml.config import dump_config, load_config
+from idml.reports.seeds import expand_run_dirs
+from idml.run_folder import RunLockedError
 from idml.training import Trainer
 from tiny_run import TINY
 
@@ -334,6 +338,17 @@ def test_changed_config_reruns_and_an_interrupted_run_resumes(
     assert count_fits[-1] == (run, False) and len(count_fits) == 3
     assert changed.cells[0].runs[0].status == "retrained"
     assert json.loads((run / "result.json").read_text())["config"]["optim"]["lr"] == 0.002
+    # The earlier run was moved aside whole, not deleted, and the grid's tables ignore it.
+    (aside,) = run.parent.glob("seed0.replaced-*")
+    assert json.loads((aside / "result.json").read_text())["config"]["optim"]["lr"] != 0.002
+    assert (aside / "metrics.jsonl").stat().st_size > 0
+    runs, _ = expand_run_dirs([out])
+    assert runs == [run]
+    # A folder another live process is writing is neither moved nor trained into.
+    (run / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    with pytest.raises(RunLockedError, match=f"process {os.getpid()}"):
+        run_ablation(config, axes, 1, out, overrides=["optim.lr=0.003"], log=lambda _: None)
+    assert len(count_fits) == 3 and len(list(run.parent.glob("seed0.replaced-*"))) == 1
 
 
 def test_bad_cell_config_fails_before_any_training(

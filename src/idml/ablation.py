@@ -39,7 +39,6 @@ import itertools
 import json
 import math
 import re
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +59,7 @@ from idml.config import (
     stored_config_dict,
 )
 from idml.preflight import check_run_config
+from idml.run_folder import claim_run_folder, move_run_aside
 
 RESULT_FILE = "result.json"
 """Written into a seed folder when its run has finished; its presence marks the run as reusable."""
@@ -673,7 +673,7 @@ def run_ablation(
     results: list[CellResult] = []
     for number, runs in enumerate(plans, start=1):
         if train_missing:
-            done = [_run_one(plan, progress, make_trainer) for plan in runs]
+            done = [_run_one(plan, progress, make_trainer, log) for plan in runs]
         else:
             done = [r for r in (_finished(plan) for plan in runs) if r is not None]
             if not done:
@@ -705,7 +705,9 @@ def _finished(plan: _Plan) -> SeedResult | None:
     return _seed_result(plan, stored, "reused")
 
 
-def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
+def _run_one(
+    plan: _Plan, progress: bool, trainer_cls: Any, log: Callable[[str], object] = print
+) -> SeedResult:
     """Reuse the seed's finished run when its config matches; else (re)train it."""
     wanted = config_to_dict(plan.cfg)
     result_path = plan.run_dir / RESULT_FILE
@@ -715,8 +717,16 @@ def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
     stale = _read_result(result_path) is not None
     if stale or (plan.run_dir.exists() and not _resumable(plan)):
         # A finished run of another config (the base config or a preset changed), or the debris of
-        # one: its checkpoints must not be resumed nor mixed with the new run's.
-        shutil.rmtree(plan.run_dir)
+        # one: its checkpoints must not be resumed nor mixed with the new run's. It is moved aside
+        # as `--overwrite` does (never deleted: it may be the only copy of hours of training), and
+        # the claim refuses a folder that another live process is still writing.
+        with claim_run_folder(plan.run_dir, resume=False, overwrite=True, log=_quiet) as moved:
+            if moved is None and any(plan.run_dir.iterdir()):
+                moved = move_run_aside(plan.run_dir)  # debris without a log or checkpoints
+        if moved is not None:
+            log(
+                f"{plan.cell.name}, seed {plan.seed}: its earlier run had another config; moved to {moved}"
+            )
     resume = _resumable(plan)
     start = time.perf_counter()
     try:
@@ -743,6 +753,10 @@ def _run_one(plan: _Plan, progress: bool, trainer_cls: Any) -> SeedResult:
     }
     atomic_write_text(result_path, json.dumps(record, indent=2))
     return _seed_result(plan, record, "resumed" if resume else "retrained" if stale else "trained")
+
+
+def _quiet(_: str) -> None:
+    """The claim's own "--overwrite: moved ..." line would name an option ablate has not got."""
 
 
 def _resumable(plan: _Plan) -> bool:

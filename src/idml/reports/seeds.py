@@ -19,6 +19,7 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,8 @@ def expand_run_dirs(paths: Sequence[Path]) -> tuple[list[Path], dict[Path, str]]
             (seed for cell in sorted((path / "cells").iterdir()) for seed in cell.glob("seed*")),
             key=lambda p: (p.parent.name, _seed_number(p)),
         )
-        found = [p for p in found if (p / "config.yaml").is_file()]
+        # `seed3.replaced-<time>` folders are earlier runs `idml ablate` moved aside: not this grid's.
+        found = [p for p in found if _SEED_DIR.fullmatch(p.name) and (p / "config.yaml").is_file()]
         if not found:
             raise FileNotFoundError(
                 f"{path} has a cells/ folder but no finished run in cells/*/seed*/; "
@@ -58,6 +60,9 @@ def expand_run_dirs(paths: Sequence[Path]) -> tuple[list[Path], dict[Path, str]]
             runs.append(seed_dir)
             cells[seed_dir] = _cell_label(seed_dir)
     return runs, cells
+
+
+_SEED_DIR = re.compile(r"seed\d+")
 
 
 def _seed_number(path: Path) -> int:
