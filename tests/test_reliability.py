@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from idml import checkpoint
+from idml import build, checkpoint
 from idml.cli import main
 from idml.config import load_config
+from idml.embeddings import Embeddings
 from idml.run_folder import LOCK_FILE, claim_run_folder
 from idml.training import Trainer
 from tiny_run import TINY
@@ -161,7 +162,8 @@ def test_a_diverging_run_stops_naming_the_step_and_writes_no_checkpoint(
     code = main(_train_args(out, config, "optim.lr=1e30"))
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "NaN or inf" in err and "learning rate" in err
+    assert "NaN or inf in the training batch's embeddings" in err and "learning rate" in err
+    assert re.search(r"at epoch 1, step \d+; training stopped and no checkpoint was written", err)
     assert not (out / "checkpoints" / "latest").exists()  # no NaN weights were written
     # A rate whose AdamW step cannot even be represented in float32 is refused up front.
     assert main(_train_args(tmp_path / "other", config, "optim.lr=1e300")) == 2
@@ -190,6 +192,29 @@ def test_divergence_after_a_good_epoch_leaves_that_epoch_latest(
     assert (root / "latest").read_text().strip() == "epoch_0000"
     again = Trainer(cfg, tmp_path / "run", progress=False).fit(resume=True)
     assert len(again.history) == 2
+
+
+def test_a_non_finite_test_set_embedding_names_the_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = load_config(None, [*TINY, "optim.epochs=2"])
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    real = build.embed_dataset
+
+    def overflowing(*args, **kwargs):
+        emb, labels = real(*args, **kwargs)
+        if trainer._position[0] == 1:  # the second epoch's evaluation
+            semantic = emb.semantic.clone()
+            semantic[3] = float("inf")
+            return Embeddings(semantic, emb.uncertainty), labels
+        return emb, labels
+
+    monkeypatch.setattr(build, "embed_dataset", overflowing)
+    with pytest.raises(FloatingPointError) as caught:
+        trainer.fit()
+    message = str(caught.value)
+    assert "NaN or inf in the test-set embeddings" in message and "rows [3]" in message
+    assert "after epoch 2; training stopped and the last good checkpoint (epoch_0000)" in message
 
 
 def test_meaningless_settings_are_refused_or_warned(

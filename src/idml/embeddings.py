@@ -78,6 +78,10 @@ class Embeddings:
         return Embeddings(self.semantic.to(*args, **kwargs), unc)
 
 
+class NonFiniteEmbeddingsError(ValueError):
+    """An embedding matrix holds NaN or inf (a diverged model, not a caller's mistake of shape)."""
+
+
 def check_matrix(name: str, value: Tensor) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``value`` is a finite floating ``(B, d)`` tensor."""
     if not isinstance(value, Tensor):
@@ -90,7 +94,7 @@ def check_matrix(name: str, value: Tensor) -> None:
     # every loss call. The sum can also overflow on finite input, hence the exact check behind it.
     if not bool(torch.isfinite(value.detach().sum())) and not bool(torch.isfinite(value).all()):
         bad = (~torch.isfinite(value)).any(dim=1).nonzero().flatten()[:5].tolist()
-        raise ValueError(
+        raise NonFiniteEmbeddingsError(
             f"{name} contains NaN or inf (rows {bad}...); check the learning rate, the input "
             "images and mixed precision settings"
         )

@@ -57,7 +57,7 @@ from idml.distributed import (
     resolve_device,
     wrap_ddp,
 )
-from idml.embeddings import Embeddings
+from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
 from idml.loggers import MLflowLogger, RunLogger, TensorBoardLogger, tensorboard_available
 from idml.metrics import IntrospectiveMetric
 from idml.monitoring import SATURATED, WeakeningMonitor, is_saturated
@@ -519,11 +519,11 @@ class Trainer:
         def forward() -> tuple[Tensor, Embeddings, AugmentedBatch, dict[str, float]]:
             parts: dict[str, float] = {}
             with torch.autocast(self.device.type, enabled=self.amp):
-                out = self.model(batch.images)
-                # One process only: with several, a rank raising alone would leave the others
-                # waiting in a collective; there the (rank-averaged) loss check below stops all.
-                if not self.dist.is_distributed and not bool(torch.isfinite(out.semantic).all()):
-                    raise self._non_finite("non-finite embeddings (the weights have diverged)")
+                try:
+                    out = self.model(batch.images)  # Embeddings refuse NaN/inf rows themselves
+                except NonFiniteEmbeddingsError as err:
+                    # With several processes this rank ends here and torchrun stops the others.
+                    raise self._non_finite(f"NaN or inf in the training batch's {err}") from err
                 unc = None if out.uncertainty is None else _upcast(out.uncertainty)
                 emb, global_batch = self.plan.gather(Embeddings(_upcast(out.semantic), unc), batch)
                 metric_loss = self._metric_loss(emb, global_batch)
@@ -580,8 +580,11 @@ class Trainer:
             bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
             raise self._non_finite(f"non-finite weights in {', '.join(bad[:3])}")
 
-    def _non_finite(self, what: str) -> NonFiniteError:
+    def _non_finite(self, what: str, after_epoch: bool = False) -> NonFiniteError:
         epoch, step = getattr(self, "_position", (self.start_epoch, 0))
+        where = (
+            f"after epoch {epoch + 1}" if after_epoch else f"at epoch {epoch + 1}, step {step + 1}"
+        )
         latest = self.run_dir / "checkpoints" / "latest"
         kept = (
             f"the last good checkpoint ({latest.read_text().strip()}) stays latest"
@@ -589,7 +592,7 @@ class Trainer:
             else "no checkpoint was written"
         )
         return NonFiniteError(
-            f"{what} at epoch {epoch + 1}, step {step + 1}; training stopped and {kept}. Lower "
+            f"{what} {where}; training stopped and {kept}. Lower "
             f"optim.lr (now {self.cfg.optim.lr:g}), set optim.grad_clip, or check the data, then "
             f"start again in a new --out (or with --overwrite)"
         )
@@ -664,9 +667,22 @@ class Trainer:
     def embed_test(self) -> tuple[Embeddings, Tensor]:
         """Test-set embeddings in dataset order; each process embeds a contiguous shard."""
         shard = contiguous_shard(self.data.test, self.dist)
-        emb, labels = build.embed_dataset(
-            self.model, shard, self.cfg.eval.batch_size, self.device, self.progress
-        )
+        error: NonFiniteEmbeddingsError | None = None
+        try:
+            emb, labels = build.embed_dataset(
+                self.model, shard, self.cfg.eval.batch_size, self.device, self.progress
+            )
+        except NonFiniteEmbeddingsError as err:
+            error = err
+        failed = error is not None
+        if self.dist.is_distributed:
+            # Agree before the gather: a rank stopping alone would leave the others waiting in it.
+            failed = self.dist.mean({"failed": float(failed)})["failed"] > 0
+        if failed:
+            raise self._non_finite(
+                f"NaN or inf in the test-set embeddings ({error or 'of another process'})",
+                after_epoch=True,
+            ) from error
         return gather_embeddings(emb, labels, self.dist)
 
     def evaluate(self) -> dict[str, float]:
