@@ -285,3 +285,38 @@ def test_search_source_records_follow_the_index(run_dir: Path, gallery: Path) ->
     small = Index.create(emb.embeddings[:2], emb.uncertainty[:2], ["p", "q"])
     result = small.search(emb.embeddings[:1], k=5)
     assert result.indices[0].tolist()[2:] == [-1, -1, -1]
+
+
+def test_faiss_backends_against_exact_search(tmp_path: Path) -> None:
+    pytest.importorskip("faiss")
+    g = torch.Generator().manual_seed(0)
+    gallery, queries = torch.randn(300, 24, generator=g), torch.randn(7, 24, generator=g)
+    exact = Index.create(gallery)
+    truth = exact.search(queries, 5)
+    assert torch.equal(truth.indices, _brute_force(queries, gallery, 5))  # no near-ties here
+    flat = Index.create(gallery, backend="faiss", faiss_factory="Flat")
+    found = flat.search(queries, 5)
+    assert torch.equal(found.indices, truth.indices)
+    # float32 inner products of unit vectors, faiss's BLAS vs our blocked matmul: a few ulp of 1.
+    torch.testing.assert_close(found.similarities, truth.similarities, rtol=0, atol=1e-6)
+
+    # HNSW: efSearch ≥ the gallery size visits every node of this small graph, so it is exact;
+    # the parameter is changed in place, saved with the index and can be overridden on load.
+    hnsw = Index.create(
+        gallery, backend="faiss", faiss_factory="HNSW8", search_parameters="efSearch=4"
+    )
+    assert hnsw._faiss.hnsw.efSearch == 4
+    hnsw.set_search_parameters("efSearch=400")
+    assert hnsw._faiss.hnsw.efSearch == 400
+    assert torch.equal(hnsw.search(queries, 5).indices, truth.indices)
+    hnsw.save(tmp_path / "hnsw")
+    assert Index.load(tmp_path / "hnsw")._faiss.hnsw.efSearch == 400
+    assert Index.load(tmp_path / "hnsw", "efSearch=16")._faiss.hnsw.efSearch == 16
+    # Grown by add, a faiss index equals a fresh one of the union (Flat: exact either way).
+    grown = Index.create(gallery[:200], backend="faiss", faiss_factory="Flat").add(gallery[200:])
+    assert torch.equal(grown.search(queries, 5).indices, truth.indices)
+
+    with pytest.raises(ValueError, match=r"'nprobe=3' do not apply.*efSearch=128"):
+        hnsw.set_search_parameters("nprobe=3")
+    with pytest.raises(ValueError, match="apply to the faiss backend; this index is exact"):
+        exact.set_search_parameters("efSearch=8")

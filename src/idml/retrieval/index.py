@@ -212,6 +212,16 @@ class Index:
             faiss_index,
         )
 
+    def set_search_parameters(self, parameters: str) -> None:
+        """Change the faiss search parameters in place (e.g. ``"efSearch=512"``): the
+        recall/speed trade-off of an approximate index, without rebuilding it."""
+        if self.backend != "faiss":
+            raise ValueError(
+                f"search parameters {parameters!r} apply to the faiss backend; this index is exact"
+            )
+        _faiss_parameters(self._faiss, parameters)
+        self.search_parameters = parameters
+
     # ----------------------------------------------------------------- properties
     def __len__(self) -> int:
         return int(self.embeddings.shape[0])
