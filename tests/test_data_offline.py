@@ -136,3 +136,26 @@ def test_fashion_mnist_installed_files() -> None:
     small = load_split("fashion-mnist", per_class=6, image_size=32, channels=1)
     assert small.train.class_counts().tolist() == [6] * 5
     assert small.test[0][0].shape == (1, 32, 32)
+
+
+def test_config_num_train_classes_moves_the_class_split(tmp_path: Path) -> None:
+    from idml.build import build_data
+    from idml.config import load_config
+
+    base = ["data.dataset=digits", "data.image_size=8", "data.resize_size=null"]
+    split = build_data(load_config(None, [*base, "data.num_train_classes=3"]))
+    targets = sklearn_digits().target
+    assert split.num_train_classes == 3 and split.num_test_classes == 7
+    assert len(split.train) == int((targets < 3).sum()) and len(split.test) == int(
+        (targets >= 3).sum()
+    )
+    for other in ("omniglot", "folder"):
+        cfg = load_config(
+            None, [f"data.dataset={other}", f"data.root={tmp_path}", "data.num_train_classes=3"]
+        )
+        with pytest.raises(
+            ValueError, match=f"num_train_classes applies to digits.*not to '{other}'"
+        ):
+            build_data(cfg)
+    with pytest.raises(ValueError, match=r"num_train_classes must be in 1\.\.9"):
+        build_data(load_config(None, [*base, "data.num_train_classes=10"]))

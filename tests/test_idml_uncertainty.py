@@ -296,8 +296,22 @@ def test_mixup_images_get_the_larger_uncertainty(tmp_path: Path) -> None:
     from idml.demo import DEMO_BASE, DEMO_IDML
     from idml.diagnostics import uncertainty_probe
 
+    # The standard 0–4 / 5–9 split (the demo itself trains on three classes only).
+    split = [
+        "data.num_train_classes=5",
+        "sampler.classes_per_batch=5",
+        "sampler.images_per_class=12",
+    ]
     cfg = load_config(
-        None, [*DEMO_BASE, *DEMO_IDML, "optim.epochs=4", "eval.every=100", "loss.name=proxy_anchor"]
+        None,
+        [
+            *DEMO_BASE,
+            *DEMO_IDML,
+            *split,
+            "optim.epochs=4",
+            "eval.every=100",
+            "loss.name=proxy_anchor",
+        ],
     )
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
     trainer.fit()

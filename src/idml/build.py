@@ -74,7 +74,14 @@ def build_data(cfg: Config) -> DMLSplit:
         options["seed"] = cfg.seed
         if d.samples_per_class is not None:
             options["per_class"] = d.samples_per_class
-    elif d.samples_per_class is not None:
+    if d.num_train_classes is not None:
+        if d.dataset not in ("digits", "fashion_mnist"):
+            raise ValueError(
+                f"data.num_train_classes applies to digits and fashion_mnist, not to {d.dataset!r} "
+                "(whose class split is part of the dataset); remove it"
+            )
+        options["num_train_classes"] = d.num_train_classes
+    if d.dataset not in _OFFLINE and d.samples_per_class is not None:
         raise ValueError(
             f"data.samples_per_class applies to the offline datasets ({sorted(_OFFLINE)}), "
             f"not to {d.dataset!r}"

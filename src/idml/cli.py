@@ -377,7 +377,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from idml.demo import run_demo
+    from idml.demo import DEMO_SETTING, run_demo
 
     result = run_demo(
         args.out,
@@ -386,7 +386,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         seeds=args.seeds,
     )
-    print("Digits 0-4 train, unseen digits 5-9 test; small CNN, Multi-Similarity loss")
+    print(DEMO_SETTING)
     print(result.table())
     print(f"runs: {args.out}/baseline, {args.out}/idml")
     if not args.no_report:

@@ -65,6 +65,12 @@ class DataConfig(Section):
     samples_per_class: int | None = Field(
         None, gt=0, description="subsample at most this many images per class (offline data)"
     )
+    num_train_classes: int | None = Field(
+        None,
+        gt=0,
+        description="digits / fashion_mnist: train on the first N class ids, test on the rest "
+        "(None: the standard half, 0-4 vs 5-9)",
+    )
     num_workers: int = Field(2, ge=0)
     protocol: Literal["test", "validation"] = Field(
         "test",
