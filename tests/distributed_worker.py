@@ -47,7 +47,16 @@ CASES: dict[str, list[str]] = {
         "mixup.mode=interpolate",
     ],
     "warmup": ["loss.name=proxy_anchor", *ISM, "mixup.enabled=true", "optim.warmup_epochs=1"],
+    # The classification task: introspective softmax over class weights, CutMix on every batch.
+    "classification_cutmix": [
+        "task=classification",
+        *ISM,
+        "classification.mix=cutmix",
+        "classification.mix_prob=1.0",
+    ],
 }
+METRIC_LEARNING_ONLY = ("eval.nmi",)
+"""``TINY`` keys a classification config refuses (they apply to metric learning only)."""
 STEPS = 3
 BATCH, CLASSES = 16, 4
 
@@ -79,11 +88,14 @@ def state_of(trainer: Any) -> dict[str, torch.Tensor]:
 
 
 def run_case(name: str, context: Any, shards: int | None, run_dir: Path) -> dict[str, Any]:
+    from idml.classification_task import make_trainer
     from idml.config import load_config
-    from idml.training import Trainer
 
-    cfg = load_config(None, [*TINY, *CASES[name]])
-    trainer = Trainer(cfg, run_dir / name, progress=False, distributed=context, shards=shards)
+    base = TINY
+    if "task=classification" in CASES[name]:
+        base = [item for item in TINY if not item.startswith(METRIC_LEARNING_ONLY)]
+    cfg = load_config(None, [*base, *CASES[name]])
+    trainer = make_trainer(cfg, run_dir / name, progress=False, distributed=context, shards=shards)
     for param in trainer.model.backbone_parameters():  # as train_epoch does in a warm-up epoch
         param.requires_grad_(cfg.optim.warmup_epochs == 0)
     initial = state_of(trainer)

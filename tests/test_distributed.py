@@ -37,8 +37,19 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "distributed_worker.py"
 # Cases whose random draws depend on the shard layout are compared with one process computing the
 # same 2 shards; ProxyAnchor + ISM draws nothing, so it is compared with the plain 1-process run.
-REFERENCE_CASES = "ms_ism_mixup:2,pa_ism:1,ssr_joint:2,ssr_alternating:2,interpolate:2,warmup:2"
-TRAINING_CASES = ["ms_ism_mixup", "pa_ism", "ssr_joint", "ssr_alternating", "interpolate", "warmup"]
+REFERENCE_CASES = (
+    "ms_ism_mixup:2,pa_ism:1,ssr_joint:2,ssr_alternating:2,interpolate:2,warmup:2,"
+    "classification_cutmix:2"
+)
+TRAINING_CASES = [
+    "ms_ism_mixup",
+    "pa_ism",
+    "ssr_joint",
+    "ssr_alternating",
+    "interpolate",
+    "warmup",
+    "classification_cutmix",
+]
 WEIGHT_TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-8
 LOSS_TOLERANCE = 1e-9
