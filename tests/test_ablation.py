@@ -194,8 +194,9 @@ def test_table_shows_mean_and_sample_std_in_percent_and_raw_fractions_in_csv(
     assert lines[3] == "| ISM | ✓ | 80.0 | 50.0 | 12.0 |"
     rows = list(csv.DictReader(io.StringIO(result.csv())))
     assert rows[0]["cell"] == "metric-plain__mixup-on" and rows[0]["seeds"] == "2"
-    assert float(rows[0]["recall@1_mean"]) == pytest.approx(0.6)
-    assert float(rows[0]["recall@1_std"]) == pytest.approx(math.sqrt(0.02))
+    # float64 mean/std of two values, written with 10 significant digits: rounding ≤ 5e-10 relative.
+    assert float(rows[0]["recall@1_mean"]) == pytest.approx(0.6, rel=1e-9)
+    assert float(rows[0]["recall@1_std"]) == pytest.approx(math.sqrt(0.02), rel=1e-9)
     assert rows[1]["recall@1_std"] == ""
     md, table = result.write()
     assert md.read_text() == result.markdown() and table.read_text() == result.csv()

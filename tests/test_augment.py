@@ -155,6 +155,8 @@ def test_interpolate_mode_loss_matches_the_official_formula() -> None:
         + lam * mixed.sum() * (1 + info.labels_a.sum())
         + (1 - lam) * mixed.sum() * (1 + info.labels_b.sum())
     )
+    # float32 sums of 4×5 embedding entries, grouped differently on the two sides: a few ε relative,
+    # inside assert_close's float32 defaults (rtol 1.3e-6, atol 1e-5).
     torch.testing.assert_close(value, expected)
     assert len(calls) == 3
     # Set mode: a single loss call over the whole batch with its label sets.
@@ -196,8 +198,13 @@ def test_low_resolution_removes_the_finest_detail() -> None:
     checker = ((torch.arange(16)[:, None] + torch.arange(16)[None, :]) % 2).float()
     images = checker.expand(2, 3, 16, 16).clone()
     out = LowResolution(fraction=1.0, factor=2.0)(images, torch.arange(2), _gen(0)).images
+    # Not rounding: the anti-aliased filter renormalises its weights at the border, which leaves up
+    # to ~0.010 of the checker there (0.5 ± 0.5 inside would be a surviving checker); 0.02 is twice
+    # that.
     torch.testing.assert_close(out, torch.full_like(out, 0.5), atol=0.02, rtol=0)
     flat = torch.full((1, 1, 16, 16), 0.3)
+    # float32 bilinear resampling of a constant: interpolation weights sum to 1 up to a few ε,
+    # inside the float32 defaults (rtol 1.3e-6, atol 1e-5).
     torch.testing.assert_close(LowResolution(1.0, 4.0)(flat, torch.arange(1)).images, flat)
 
 
@@ -208,6 +215,9 @@ def test_blur_matches_torchvision_away_from_borders() -> None:
     radius = math.ceil(3 * sigma)
     reference = TF.gaussian_blur(images, kernel_size=[2 * radius + 1] * 2, sigma=[sigma, sigma])
     inner = (..., slice(radius, -radius), slice(radius, -radius))
+    # float32 values in (0, 1), weights summing to 1: our two separable 11-tap passes vs
+    # torchvision's 11×11 kernel sum in different orders, ~√121·ε ≈ 1.3e-6 typical; 1e-5 allows ~8×
+    # that.
     torch.testing.assert_close(out[inner], reference[inner], atol=1e-5, rtol=0)
 
 
@@ -216,6 +226,7 @@ def test_blur_draws_sigma_per_image() -> None:
     impulse[:, :, 10, 10] = 1.0
     first = GaussianBlur(1.0, sigma=(0.5, 3.0))(impulse, torch.arange(2), _gen(1)).images
     peaks = first[:, 0, 10, 10]
+    # An inequality: σ drawn from [0.5, 3] moves the peak by far more than the default rel 1e-6.
     assert float(peaks[0]) != pytest.approx(float(peaks[1]))
     torch.testing.assert_close(first.sum(dim=(1, 2, 3)), torch.ones(2))  # mass preserved
 
@@ -265,6 +276,8 @@ def test_composition_tracks_altered_rows() -> None:
     info = batch.mixup
     lam = info.lam.view(-1, 1, 1, 1)
     base = batch.images[:8]
+    # float32 blend λ·a + (1-λ)·b of values in [0, 1], one or two roundings apart between the
+    # library and this formula: ~2ε, inside the float32 defaults (rtol 1.3e-6, atol 1e-5).
     torch.testing.assert_close(
         batch.images[8:], lam * base[info.index_a] + (1 - lam) * base[info.index_b]
     )
@@ -284,5 +297,7 @@ def test_augmentations_on_cuda_with_a_cpu_generator() -> None:
     cpu = apply_augmentations(images, labels, steps, _gen(8))
     gpu = apply_augmentations(images.cuda(), labels.cuda(), steps, _gen(8))
     assert gpu.images.device.type == "cuda" and gpu.labels.device.type == "cuda"
+    # float32 values in [0, 1] after resample, blur and mixup: CUDA and CPU kernels sum the
+    # ≤121-term filters in different orders, ~√121·ε per filter; 1e-5 absolute.
     torch.testing.assert_close(gpu.images.cpu(), cpu.images, atol=1e-5, rtol=0)
     assert torch.equal(gpu.mixed.cpu(), cpu.mixed) and torch.equal(gpu.degraded.cpu(), cpu.degraded)

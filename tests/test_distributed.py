@@ -50,6 +50,14 @@ TRAINING_CASES = [
     "warmup",
     "classification_cutmix",
 ]
+# Everything runs in float64 (ε ≈ 2.2e-16); two ranks sum the batch's losses and gradients in another
+# order than one process, so each value differs by ~(number of terms)·ε·|terms|. Losses are sums of
+# O(10²) terms of O(1): ~1e-14, LOSS_TOLERANCE 1e-9 leaves a wide margin yet is far below what a
+# wrong shard weighting (a factor 2) or a missing pair changes. Gradients: O(1e-3..1) entries summed
+# over ~10⁴ products through the network, ~1e-12, GRADIENT_TOLERANCE 1e-8. Weights after 3 Adam
+# steps: Adam divides by √v + 1e-8, so a gradient near zero turns its 1e-12 difference into up to
+# lr·1e-12/1e-8 = 1e-7 per step at lr 1e-3 (tiny_run), ~3e-7 in all; WEIGHT_TOLERANCE 1e-5 leaves
+# 30× for gradients that differ by more than 1e-12, still ≪ the > 1e-4 the weights move.
 WEIGHT_TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-8
 LOSS_TOLERANCE = 1e-9
@@ -420,6 +428,8 @@ def test_sharded_mixup_merges_originals_first_with_shifted_partners() -> None:
     assert bool((info.index_a[2:] >= 4).all() and (info.index_b[2:] >= 4).all())
     lam = info.lam.view(-1, 1, 1, 1)
     expected = lam * images[info.index_a] + (1 - lam) * images[info.index_b]
+    # float32 blend of values in [0, 1], possibly rounded in another order by the library: ~2ε,
+    # inside allclose's rtol 1e-5 + atol 1e-8.
     assert torch.allclose(batch.images[8:], expected)
     assert torch.equal(batch.labels.labels[8:, 0], labels[info.index_a])
     second = batch.labels.labels[8:, 1]

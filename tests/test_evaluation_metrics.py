@@ -34,6 +34,7 @@ needs_faiss = pytest.mark.skipif(not faiss_available(), reason="faiss is not ins
 def test_golden_map_at_r_and_r_precision() -> None:
     # R = 3, ranked relevance [1, 0, 1, 0, 1] -> relevant at positions 1, 3, 5.
     m = per_query_metrics(torch.tensor([[1, 3, 5]]), torch.tensor([3]))
+    # float64, values ≤ 1 from a handful of divisions and a sum of 3: a few ε ≈ 1e-15.
     assert m["map@r"].item() == pytest.approx((1 + 2 / 3) / 3, abs=1e-15)
     assert m["r_precision"].item() == pytest.approx(2 / 3, abs=1e-15)
     assert m["map"].item() == pytest.approx((1 + 2 / 3 + 3 / 5) / 3, abs=1e-15)
@@ -44,12 +45,14 @@ def test_golden_interpolated_precision_and_cutoffs() -> None:
     ranks, r = torch.tensor([[2, 3, 10]]), torch.tensor([3])
     # precision at hits: 1/2, 2/3, 3/10; suffix max: 2/3, 2/3, 3/10
     p = interpolated_precision(ranks, r, (0.0, 0.3, 1 / 3, 0.5, 0.7, 1.0))[0].tolist()
-    assert p == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2 / 3, 3 / 10, 3 / 10])
+    # float64 fractions ≤ 1, one division and a max each: 1e-15 (approx's rel 1e-6 was far looser).
+    assert p == pytest.approx([2 / 3, 2 / 3, 2 / 3, 2 / 3, 3 / 10, 3 / 10], abs=1e-15)
     acc = RankAccumulator(1, (1, 2), (1, 3, 10))
     acc.add(torch.tensor([0]), ranks, r)
     curve = acc.pr_curve()
-    assert curve.precision_at_cutoff == pytest.approx([0.0, 2 / 3, 3 / 10])
-    assert curve.recall_at_cutoff == pytest.approx([0.0, 2 / 3, 1.0])
+    # float64 fractions ≤ 1 (one count divided by c or R, one query): 1e-15.
+    assert curve.precision_at_cutoff == pytest.approx([0.0, 2 / 3, 3 / 10], abs=1e-15)
+    assert curve.recall_at_cutoff == pytest.approx([0.0, 2 / 3, 1.0], abs=1e-15)
     assert acc.means()["recall@1"] == 0.0 and acc.means()["recall@2"] == 1.0
 
 
@@ -58,8 +61,9 @@ def test_ranks_from_truncated_neighbour_lists() -> None:
     ranks = ranks_from_neighbors(torch.tensor([[1, 0, 2, 0]]), torch.tensor([0]), torch.tensor([3]))
     assert ranks.tolist() == [[2, 4, 5]]
     m = per_query_metrics(ranks, torch.tensor([3]))
-    assert m["r_precision"].item() == pytest.approx(1 / 3)
-    assert m["map@r"].item() == pytest.approx((1 / 2) / 3)
+    # float64, one query: a division or two, 1e-15.
+    assert m["r_precision"].item() == pytest.approx(1 / 3, abs=1e-15)
+    assert m["map@r"].item() == pytest.approx((1 / 2) / 3, abs=1e-15)
 
 
 # ----------------------------------------------------------------------------- pml parity
@@ -99,6 +103,8 @@ def test_matches_pytorch_metric_learning_with_separate_gallery() -> None:
     pml = _pml(qn, torch.from_numpy(qy), gn, torch.from_numpy(gy))
     report = evaluate_embeddings(g, gy, query=(q, qy), nmi=False, block_size=64)
     assert not report.retrieval.same_set
+    # As above: the same float32 neighbours, float64-exact counts for recall@1, and pml's float32
+    # pairwise mean of 150 values in [0, 1] (≲ log2(150)·ε ≈ 9e-7 bound) for the others: 1e-6.
     assert report.metrics["recall@1"] == pytest.approx(pml["precision_at_1"], abs=1e-12)
     assert report.metrics["r_precision"] == pytest.approx(pml["r_precision"], abs=1e-6)
     assert report.metrics["map@r"] == pytest.approx(pml["mean_average_precision_at_r"], abs=1e-6)
@@ -125,6 +131,8 @@ def test_nmi_with_faiss_equals_pytorch_metric_learning() -> None:
     calc = AccuracyCalculator(include=("NMI",), device=torch.device("cpu"))
     pml = calc.get_accuracy(xn, torch.from_numpy(y))["NMI"]
     report = evaluate_embeddings(x, y, nmi_backend="faiss")
+    # Same faiss k-means on the same float32 input (same seed), so the same clusters; NMI from the
+    # same contingency counts in float64: a reordered sum at most, ~1e-15, so 1e-12.
     assert report.nmi == pytest.approx(pml, abs=1e-12)
     sk = evaluate_embeddings(x, y, nmi_backend="sklearn").nmi
     assert sk == pytest.approx(pml, abs=0.1)  # another k-means, same value range
@@ -209,6 +217,8 @@ def test_uncertainty_summary_values() -> None:
     recall = torch.tensor([1.0, 1.0, 1.0, math.nan, 0.0, 1.0, 0.0, 0.0])
     s = summarize_uncertainty(levels, labels, quantiles=(0.0, 0.5, 1.0), recall_at_1=recall)
     assert (s.count, s.mean, s.min, s.max) == (8, 4.5, 1.0, 8.0)
+    # numpy's float32 std vs our float64 one: levels 1..8 make every step exact but the final √5.25,
+    # rounded to float32 there: ≤ ε/2 ≈ 6e-8 relative, inside approx's default rel 1e-6.
     assert s.std == pytest.approx(float(np.std(levels.numpy())))
     assert s.quantiles == {0.0: 1.0, 0.5: 4.5, 1.0: 8.0}
     assert s.per_class_mean == {0: 2.5, 1: 6.5}
@@ -221,6 +231,8 @@ def test_report_carries_uncertainty_from_embeddings() -> None:
     u = torch.rand(40, 3)
     report = evaluate_embeddings(Embeddings(torch.from_numpy(x), u), y, nmi=False)
     assert report.uncertainty is not None
+    # The same float32 norms (same torch op); our float64 mean vs torch's float32 mean of 40 values
+    # (vectorised: ≲ 8 roundings of ε/2 relative to the total, ≈ 5e-7): rel 1e-6.
     assert report.uncertainty.mean == pytest.approx(float(u.norm(dim=1).mean()), rel=1e-6)
     assert "uncertainty ||u||" in report.format_table()
 
@@ -259,6 +271,7 @@ def test_neighbor_values_are_distances_for_euclidean() -> None:
     r = report.retrieval
     assert not r.values_are_similarities
     assert r.neighbor_indices[0].tolist() == [2, 1]
+    # float32 distances between small-integer points: exact directly, a few ε via |a|²+|b|²-2a·b; rel 1e-6.
     assert r.neighbor_values[0].tolist() == pytest.approx([1.0, 5.0])
 
 
@@ -269,6 +282,8 @@ def test_faiss_backend_flat_index_gives_exact_truncated_metrics() -> None:
     approx = evaluate_embeddings(
         x, y, ks=(1, 2), nmi=False, knn_backend="faiss", faiss_index="Flat"
     )
+    # A Flat index is exhaustive: the same neighbours (no float32 near-ties in this data), so the
+    # metrics are float64 means of identical per-query values, equal up to a reordered sum: 1e-12.
     for key in ("recall@1", "recall@2", "r_precision", "map@r"):
         assert approx.metrics[key] == pytest.approx(exact.metrics[key], abs=1e-12)
     assert "map" not in approx.metrics and approx.retrieval.backend == "faiss:Flat"

@@ -128,6 +128,8 @@ def assert_matches(ref: dict, out, acc: RankAccumulator, ks: tuple[int, ...]) ->
     assert got == ref["neighbors"]
     means = acc.means()
     expected = ref["means"]
+    # Identical neighbour lists (checked above), hence identical per-query values; both means are
+    # float64 sums of ≤ a few hundred values ≤ 1 in different orders, ≲ n·ε ≈ 1e-14: 1e-12.
     for kk in ks:
         assert means[f"recall@{kk}"] == pytest.approx(expected[f"r@{kk}"], abs=1e-12)
     assert means["r_precision"] == pytest.approx(expected["rp"], abs=1e-12)
@@ -136,6 +138,7 @@ def assert_matches(ref: dict, out, acc: RankAccumulator, ks: tuple[int, ...]) ->
     assert means["mrr"] == pytest.approx(expected["mrr"], abs=1e-12)
     assert acc.lone.nonzero().flatten().tolist() == ref["lone"]
     curve = acc.pr_curve()
+    # The same float64 averages of per-query fractions, as for the means: 1e-12.
     np.testing.assert_allclose(curve.precision_at_cutoff, ref["pr_precision"], atol=1e-12)
     np.testing.assert_allclose(curve.recall_at_cutoff, ref["pr_recall"], atol=1e-12)
     np.testing.assert_allclose(curve.interpolated_precision, ref["interp"], atol=1e-12)
@@ -248,8 +251,10 @@ def test_collapsed_embeddings_score_worst_not_best() -> None:
     # Each query has 9 other-class items, all ranked before its 2 relevant ones (ranks 10, 11).
     assert report.metrics["recall@8"] == 0.0
     assert report.metrics["map@r"] == 0.0
-    assert report.metrics["mrr"] == pytest.approx(1 / 10)
-    assert report.metrics["map"] == pytest.approx((1 / 10 + 2 / 11) / 2)
+    # float64 means of 12 identical per-query values ≤ 1: ≲ 12ε ≈ 3e-15, so 1e-12 as elsewhere in
+    # this file (approx's default rel 1e-6 was far looser).
+    assert report.metrics["mrr"] == pytest.approx(1 / 10, abs=1e-12)
+    assert report.metrics["map"] == pytest.approx((1 / 10 + 2 / 11) / 2, abs=1e-12)
 
 
 def test_duplicate_of_the_query_is_a_neighbour_self_is_excluded_by_index() -> None:
@@ -276,6 +281,7 @@ def test_lone_queries_are_excluded_and_counted() -> None:
     assert math.isnan(report.retrieval.per_query["map@r"][3].item())
     assert report.retrieval.per_class[50]["num_lone_queries"] == 1
     ref = brute_force(x, y, k=1, ks=(1,), cutoffs=(1,))
+    # Same neighbours as the brute force; float64 means of ≤ 20 values ≤ 1 in different orders: 1e-12.
     assert report.metrics["map@r"] == pytest.approx(ref["means"]["mapr"], abs=1e-12)
 
 
@@ -286,6 +292,7 @@ def test_per_class_breakdown_matches_per_query_means() -> None:
     for c, row in report.retrieval.per_class.items():
         mask = torch.from_numpy(y == c)
         assert row["num_queries"] == int(mask.sum())
+        # float64 per-class means of ≤ 30 per-query values ≤ 1, summed in another order: 1e-12.
         for key in ("recall@1", "r_precision", "map@r", "map", "mrr"):
             assert row[key] == pytest.approx(float(per_query[key][mask].mean()), abs=1e-12)
 

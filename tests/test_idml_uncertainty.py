@@ -150,6 +150,7 @@ def test_bounded_head_bounds_and_starts_small() -> None:
     head = BoundedUncertaintyHead(32, 8, max_norm=2.0, init_level=0.05)
     features = 100 * torch.randn(50, 32)  # large features: the level reads their direction
     norms = head(features).norm(dim=1)
+    # float32: a norm of 8 entries of a level times a unit direction, a few ε of 0.1 ≈ 1e-7: 1e-6.
     assert torch.allclose(norms, torch.full((50,), 0.1), atol=1e-6)
     with torch.no_grad():
         head.level.bias.fill_(50.0)
@@ -193,12 +194,15 @@ def test_warm_up_strength_zero_is_the_plain_metric_and_ramps(tmp_path: Path) -> 
         assert torch.equal(ism(x, ux=u), base(x))
         ism.strength = 0.5
         half = IntrospectiveMetric(base, gamma=1.0, tau=10.0)
+        # Exact: the metric only uses τ/s, and 5/0.5 is exactly 10.0, so both run the same arithmetic.
         torch.testing.assert_close(ism(x, ux=u), half(x, ux=u), rtol=0, atol=0)
     cfg = load_config(None, [*TINY, *IDML, "optim.epochs=2", "metric.warmup_epochs=4"])
     trainer = Trainer(cfg, tmp_path / "warm", progress=False)
     trainer.fit()
     strengths = [line["ism/strength"] for line in trainer.history]
-    assert strengths == pytest.approx([0.25, 0.5])
+    # float64 min(1, progress/4) after 1 and 2 epochs: one division, 1e-12 (approx's default rel 1e-6
+    # was far looser).
+    assert strengths == pytest.approx([0.25, 0.5], abs=1e-12)
 
 
 def test_bounded_form_refuses_linear_only_keys() -> None:
@@ -239,8 +243,11 @@ def test_auroc_and_aurc_hand_cases() -> None:
     assert error_auroc(torch.tensor([0.0, 1.0, 2.0, 3.0]), errors) == 0.0
     assert error_auroc(torch.ones(4), errors) == 0.5
     # Answer the two right ones first: risks 0, 0, 1/3, 1/2.
-    assert aurc(torch.tensor([0.0, 0.1, 0.9, 0.8]), errors) == pytest.approx((1 / 3 + 1 / 2) / 4)
-    assert oracle_aurc(errors) == pytest.approx((1 / 3 + 1 / 2) / 4)
+    # float64 mean of 4 risks (cumulative counts over counts): a few ε, 1e-15 (was approx's rel 1e-6).
+    assert aurc(torch.tensor([0.0, 0.1, 0.9, 0.8]), errors) == pytest.approx(
+        (1 / 3 + 1 / 2) / 4, abs=1e-15
+    )
+    assert oracle_aurc(errors) == pytest.approx((1 / 3 + 1 / 2) / 4, abs=1e-15)
     # All tied: every coverage level is the whole set, risk 1/2.
     assert aurc(torch.ones(4), errors) == pytest.approx(0.5)
     assert math.isnan(error_auroc(torch.rand(3), torch.zeros(3, dtype=torch.bool)))
@@ -253,11 +260,14 @@ def test_auroc_and_aurc_against_brute_force_with_ties(seed: int) -> None:
     scores = torch.randint(0, 6, (n,), generator=g).double()  # many ties
     errors = torch.rand(n, generator=g) < 0.4
     s, e = scores.tolist(), errors.tolist()
+    # Integer-valued float64 scores, so ties are exact on both sides; both are float64 ratios of
+    # counts (ours via rank sums, brute force pairwise) or means of 37 such ratios: ≲ 37ε, 1e-12.
     assert error_auroc(scores, errors) == pytest.approx(_brute_auroc(s, e), abs=1e-12)
     assert aurc(scores, errors) == pytest.approx(_brute_aurc(s, e), abs=1e-12)
     assert oracle_aurc(errors) <= aurc(scores, errors) + 1e-12
     quality = confidence_quality(errors, scores, uncertainty_level=-scores)
-    # −||u|| is the confidence; here it equals the similarity, so all three scores agree.
+    # −||u|| is the confidence; here it equals the similarity, so all three scores agree (the same
+    # float64 computation on equal inputs: 1e-12 only covers a reordered sum).
     assert quality["norm_u"].auroc == pytest.approx(quality["top1_cos"].auroc, abs=1e-12)
     assert quality["combined"].aurc == pytest.approx(quality["top1_cos"].aurc, abs=1e-12)
 
@@ -275,11 +285,14 @@ def test_evaluation_reports_confidence_scores() -> None:
         assert key in metrics
     errors = report.retrieval.per_query["recall@1"] == 0
     top1 = report.retrieval.neighbor_values[:, 0].double()
+    # AUROC/AURC depend only on the order of the scores and are float64 ratios of counts: the same
+    # top-1 values here, and the same float32 norms below (continuous random norms have no near-ties,
+    # and a flipped pair would move AUROC by ≥ 1/(#wrong·#right) ≈ 1e-4): 1e-12 for both.
     assert metrics["auroc_top1_cos"] == pytest.approx(
         _brute_auroc((-top1).tolist(), errors.tolist()), abs=1e-12
     )
     assert metrics["auroc_norm_u"] == pytest.approx(
-        _brute_auroc(u.norm(dim=1).double().tolist(), errors.tolist()), abs=1e-6
+        _brute_auroc(u.norm(dim=1).double().tolist(), errors.tolist()), abs=1e-12
     )
     assert "auroc_norm_u" not in evaluate_embeddings(x, labels, nmi=False).metrics
 

@@ -55,6 +55,7 @@ def test_fastap_matches_pml_with_other_bin_counts() -> None:
     for bins in (1, 3, 25):
         ours = FastAPLoss(num_bins=bins)(x, labels)
         oracle = pml_losses.FastAPLoss(num_bins=bins)(x, labels)
+        # As above: float64 on both sides, 1e-5 for another histogram summation order.
         torch.testing.assert_close(ours, oracle, rtol=1e-5, atol=1e-10)
 
 
@@ -67,6 +68,7 @@ def test_fastap_hand_computed_with_mixed_image() -> None:
     """
     x = torch.eye(3, dtype=torch.float64)
     mixed = LabelSets(torch.tensor([[0, -1], [1, -1], [0, 1]]))
+    # float64 hand values from a 3×3 histogram: a few roundings, rel 1e-12.
     assert FastAPLoss()(x, mixed).item() == pytest.approx(1 / 3, rel=1e-12)
     assert FastAPLoss()(x, torch.tensor([0, 1, 0])).item() == pytest.approx(0.5, rel=1e-12)
 
@@ -87,6 +89,8 @@ def test_fastap_with_cosine_metric_equals_squared_euclidean() -> None:
         len(labels), DIM, generator=torch.Generator().manual_seed(4), dtype=torch.float64
     )
     cosine = FastAPLoss(metric=CosineSimilarity())(x, labels)
+    # float64: 2 − 2·cos vs the squared distance of unit vectors, a different formula of 8-term dot
+    # products, a few ε ≈ 1e-15 in each distance: rel 1e-10.
     torch.testing.assert_close(cosine, FastAPLoss()(x, labels), rtol=1e-10, atol=1e-12)
 
 
@@ -101,7 +105,9 @@ def test_fastap_ism_zero_uncertainty_equals_plain() -> None:
     ism = ism_loss(Embeddings(x_ism, torch.zeros(len(labels), 4, dtype=torch.float64)), labels)
     plain.backward()
     ism.backward()
-    # D_IN² = (√d)² equals the squared distance up to rounding.
+    # D_IN² = (√d)² equals the squared distance up to rounding: float64, a few ε on the loss, 1e-12;
+    # the gradient passes through √ and back, which scales a rounding by (largest/smallest distance)
+    # of ~20 terms: ≪ 1e-8.
     torch.testing.assert_close(ism, plain, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x_ism.grad, x_plain.grad, rtol=1e-8, atol=1e-12)
 
@@ -119,6 +125,8 @@ def test_fastap_ism_uncertainty_moves_toward_an_uninformed_ranking() -> None:
     uninformed = 1 - 4 / 19  # each anchor: 4 positives among 19 others
     assert values[0] < 0.05
     assert values[0] < values[1] < values[2]
+    # A limit, not rounding: at ||u|| = 1e4 every D_IN is ~e^(−2000)·d = 0 in float64, so every pair
+    # falls in the first bin and the loss is the float64 share 1 − 4/19; 1e-6 is a loose bound.
     assert values[2] == pytest.approx(uninformed, abs=1e-6)
 
     # On an unordered batch, the pull on the semantic embeddings fades as the uncertainty grows.
@@ -131,6 +139,7 @@ def test_fastap_ism_uncertainty_moves_toward_an_uninformed_ranking() -> None:
         loss_fn(Embeddings(leaf, scale * direction), labels).backward()
         grad_norms.append(leaf.grad.norm().item())
     assert grad_norms[0] > 0.01
+    # Not rounding: the factor e^(−2000) makes the gradient 0 in float64; 1e-3 just shows it faded.
     assert grad_norms[1] < 1e-3 * grad_norms[0]
 
 
@@ -179,6 +188,7 @@ def test_match_probability_hand_computed() -> None:
     expected_01 = (sigmoid(-0.5) + sigmoid(0.5) + sigmoid(-0.5) + sigmoid(-1.5)) / 4
     # image 0 vs itself: distances 0, 2, 2, 0
     expected_00 = (2 * sigmoid(0.5) + 2 * sigmoid(-1.5)) / 4
+    # float64 means of ≤ 4 sigmoids, a few ε: rel 1e-12 (also below).
     assert all_pairs[0, 1].item() == pytest.approx(expected_01, rel=1e-12)
     assert all_pairs[1, 0].item() == pytest.approx(expected_01, rel=1e-12)
     assert all_pairs[0, 0].item() == pytest.approx(expected_00, rel=1e-12)
@@ -192,6 +202,7 @@ def test_match_log_probabilities_do_not_underflow() -> None:
     samples = torch.tensor([[[0.0], [1000.0]]], dtype=torch.float64)
     log_match, log_mismatch = match_log_probabilities(samples, scale=10.0, bias=0.0)
     assert log_match[0, 1].item() == pytest.approx(-10000.0, rel=1e-9)  # p = sigmoid(−10⁴)
+    # float64 log(1 − sigmoid(−10⁴)) = log1p(−e^(−10⁴)) = 0 up to rounding; log(½) a few ε: 1e-12.
     assert log_mismatch[0, 1].item() == pytest.approx(0.0, abs=1e-12)
     assert log_mismatch[0, 0].item() == pytest.approx(math.log(0.5), rel=1e-12)
 
@@ -256,12 +267,16 @@ def test_pel_loss_equals_scalar_reference_with_set_labels(seed: int, sample_pair
     )
     # The parameters were created in float32: compare against the values actually stored.
     scale, bias = loss_fn.scale.item(), loss_fn.bias.item()
-    assert (scale, bias) == pytest.approx((0.7, 1.2), rel=1e-6)
+    # float32 storage of 0.7 and 1.2: rounding ≤ ε/2 ≈ 6e-8 relative (was rel 1e-6).
+    assert (scale, bias) == pytest.approx((0.7, 1.2), rel=1e-7)
     expected = reference_pel(mean, log_var, noise, label_sets, scale, bias, 0.3, sample_pairing)
+    # float64, the same noise: means over 8² sample pairs and the batch's pairs in another order,
+    # ≲ 10³·ε ≈ 2e-13 relative: 1e-10.
     assert value == pytest.approx(expected, rel=1e-10)
     # Read as singletons, the mixed images' extra positives vanish and the value changes.
     loss_fn.generator = torch.Generator().manual_seed(seed)  # the same noise again
     singles = loss_fn(Embeddings(mean, log_var), labels.primary).item()
+    # An inequality: losing the extra positives changes the value by far more than rel 1e-6.
     assert singles != pytest.approx(value, rel=1e-6)
 
 
@@ -291,7 +306,8 @@ def test_pel_gradients_reach_mean_variance_and_match_parameters() -> None:
     loss_fn(emb, labels).backward()
     for grad in (mean.grad, log_var.grad, loss_fn.log_scale.grad, loss_fn.bias.grad):
         assert grad is not None and bool(torch.isfinite(grad).all()) and grad.abs().sum() > 0
-    assert loss_fn.scale.item() == pytest.approx(1.0)
+    # Exact: scale = exp(log_scale) and log_scale starts at log 1 = 0; exp(0) is exactly 1.
+    assert loss_fn.scale.item() == 1.0
     assert [name for name, _ in loss_fn.named_parameters()] == ["log_scale", "bias"]
 
 
@@ -304,6 +320,8 @@ def test_pel_kl_term_has_the_documented_weight() -> None:
         with_kl(Embeddings(mean, log_var), labels) - without(Embeddings(mean, log_var), labels)
     ).item()
     kl = 0.5 * (log_var.exp() + mean**2 - 1 - log_var).sum(1).mean().item()
+    # float64, the same noise on both sides: the difference of two O(1) losses cancels the matching
+    # terms up to a few ε ≈ 1e-15, and the KL is a 6×4 sum: rel 1e-10 of an O(1) KL.
     assert difference == pytest.approx(0.5 * kl, rel=1e-10)
     assert PELLoss().kl_weight == 1e-4 and PELLoss().num_samples == 8
 

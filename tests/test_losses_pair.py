@@ -292,6 +292,8 @@ def test_distance_losses_with_ism_and_set_labels_match_reference(
         EuclideanDistance() if metric_name == "euclidean" else ISM_METRICS[metric_name]()
     )
     m = metric(emb.semantic, ux=emb.uncertainty).tolist()
+    # float64 losses vs plain-Python float64 references on the same metric matrix: means of ≤ 12³
+    # hinge terms summed in another order, ≲ 10³·ε ≈ 2e-13 relative: rel 1e-9 (also below).
     contrastive = ContrastiveLoss(metric=metric, neg_margin=1.0)(emb, labels)
     assert contrastive.item() == pytest.approx(ref_contrastive(m, sets, 0.0, 1.0), rel=1e-9)
     triplet = TripletLoss(metric=metric, margin=0.3)(emb, labels)
@@ -310,6 +312,8 @@ def test_multi_similarity_with_ism_and_set_labels_matches_reference(
     metric: Metric = CosineSimilarity() if metric_name == "cosine" else ISM_METRICS[metric_name]()
     s = metric(emb.semantic, ux=emb.uncertainty).tolist()
     loss = MultiSimilarityLoss(metric=metric)(emb, labels)
+    # float64 vs a Python float64 reference: log-sum-exps with scale 50 amplify a similarity's ε by
+    # 50, ≲ 50·12·ε ≈ 1e-13 relative: rel 1e-9.
     assert loss.item() == pytest.approx(ref_multi_similarity(s, sets, 2, 50, 0.5, 0.1), rel=1e-9)
 
 
@@ -342,6 +346,7 @@ def test_ism_without_uncertainty_or_bias_equals_plain_loss(loss_name: str) -> No
     zero_u = Embeddings(emb.semantic, torch.zeros_like(emb.uncertainty))  # type: ignore[arg-type]
     plain = LOSS_FACTORIES[loss_name](base)(emb.semantic, labels)
     introspective = LOSS_FACTORIES[loss_name](ism)(zero_u, labels)
+    # float64, u = 0 and γ = 0 leave the ISM factor at 1 up to a rounding or two: rel 1e-12.
     assert introspective.item() == pytest.approx(plain.item(), rel=1e-12)
 
 
@@ -374,6 +379,7 @@ def test_contrastive_treats_mixed_image_as_positive_of_both_classes() -> None:
     loss = ContrastiveLoss()  # m_pos 0, m_neg 0.5: every negative here is farther than 0.5
     # Positive pairs: (a, m), (b, m) in both orders.
     expected = (chord(30) + chord(60)) / 2
+    # float64 hand values (chords of unit vectors, a few terms): a few ε, rel 1e-12 (also below).
     assert loss(HAND_X, HAND_SETS).item() == pytest.approx(expected, rel=1e-12)
     # Labelled {0} only, (b, m) becomes a negative at 1.0 > 0.5: only (a, m) costs.
     assert loss(HAND_X, HAND_ONLY_A).item() == pytest.approx(chord(30), rel=1e-12)
@@ -391,6 +397,7 @@ def test_triplet_treats_mixed_image_as_positive_of_both_classes() -> None:
         chord(60) - chord(90) + 1,
     ]
     expected = sum(max(t, 0.0) for t in terms) / len(terms)
+    # float64 hand value from chords/cosines of unit vectors, a few terms: rel 1e-12.
     assert loss(HAND_X, HAND_SETS).item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -400,6 +407,7 @@ def test_margin_treats_mixed_image_as_positive_of_both_classes() -> None:
     an = [chord(150), chord(150), chord(90), chord(180), chord(90), chord(90)]
     terms = [max(0.2 + d - 0.9, 0.0) for d in ap] + [max(0.2 - d + 0.9, 0.0) for d in an]
     expected = sum(terms) / sum(t > 0 for t in terms)
+    # float64 hand value from chords/cosines of unit vectors, a few terms: rel 1e-12.
     assert loss(HAND_X, HAND_SETS).item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -408,6 +416,7 @@ def test_margin_class_boundary_of_a_mixed_anchor_is_the_mean_of_its_classes() ->
     with torch.no_grad():
         loss.boundary.copy_(torch.tensor([1.0, 1.4, 2.0], dtype=torch.float64))
     expected = torch.tensor([1.0, 1.4, 1.2, 2.0], dtype=torch.float64)
+    # float64: the mixed anchor's boundary is (1.0 + 1.4)/2, one rounding off 1.2: atol 1e-12.
     torch.testing.assert_close(loss.anchor_boundary(HAND_SETS), expected, rtol=0, atol=1e-12)
 
 
@@ -427,6 +436,7 @@ def test_multi_similarity_treats_mixed_image_as_positive_of_both_classes() -> No
         + pos(cos[30], cos[60]) + neg(cos[150])  # m: positives a and b; negative c
         + neg(cos[180], cos[90], cos[150])  # c: no positive
     ) / 4  # fmt: skip
+    # float64 hand value from chords/cosines of unit vectors, a few terms: rel 1e-12.
     assert loss(HAND_X, HAND_SETS).item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -490,6 +500,7 @@ def test_triplet_with_zero_margin_over_all_triplets() -> None:
     # 8 triplets; only anchors 1 and 2 have a negative (D = √0.08) closer than their positive
     # (D = √0.4); the other negatives are at √0.8 or √2.
     loss = TripletLoss(margin=0.0, miner=None)(x, torch.tensor([0, 0, 1, 1]))
+    # float64, two square roots and a mean of 8: a few ε, rel 1e-12.
     assert loss.item() == pytest.approx(2 * (math.sqrt(0.4) - math.sqrt(0.08)) / 8, rel=1e-12)
 
 
@@ -502,7 +513,8 @@ def test_default_hyper_parameters_follow_spec() -> None:
     c = ContrastiveLoss()
     assert (c.pos_margin, c.neg_margin) == (0.0, 0.5)
     m = MarginLoss()
-    assert m.margin == 0.2 and m.boundary.tolist() == pytest.approx([1.2])
+    # Exact: the boundary is a float64 torch.full of 1.2, the same double as the literal.
+    assert m.margin == 0.2 and m.boundary.tolist() == [1.2]
     assert isinstance(m.miner, DistanceWeightedMiner)
     assert (m.miner.cutoff, m.miner.nonzero_loss_cutoff) == (0.5, 1.4)
     t = TripletLoss()

@@ -108,10 +108,12 @@ def test_proxy_anchor_hand_computed_with_mixed_image() -> None:
     # Negative terms: proxies 0 and 1 see e2 at cos 0; proxy 2 sees the mixed image at cos 0.
     push = 3 * math.log1p(math.exp(alpha * (0 + delta)))
     expected = pull / 3 + push / 3
+    # float64 hand value: a few log1p/exp of O(10) arguments, a few ε relative: rel 1e-12.
     assert loss_fn(x, labels).item() == pytest.approx(expected, rel=1e-12)
 
     # Were the mixed image labelled {0} only, proxy 1 would push it away instead: a different value.
     single = loss_fn(x, torch.tensor([0, 2])).item()
+    # An inequality: the changed push term moves the value by far more than rel 1e-3.
     assert single != pytest.approx(expected, rel=1e-3)
 
 
@@ -121,6 +123,7 @@ def test_normalized_softmax_hand_computed() -> None:
         loss_fn.proxies.copy_(torch.tensor([[1.0, 0.0], [0.0, 3.0]]))
     x = torch.tensor([[3.0, 4.0]], dtype=torch.float64)  # cos 0.6 to proxy 0, 0.8 to proxy 1
     expected = -math.log(math.exp(0.6 / 0.5) / (math.exp(0.6 / 0.5) + math.exp(0.8 / 0.5)))
+    # float64 softmax of 2 logits (normalised 3-4-5 vectors: cosines exact up to ε): rel 1e-12.
     assert loss_fn(x, torch.tensor([0])).item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -135,6 +138,7 @@ def test_proxy_nca_hand_computed_set_label() -> None:
     log_norm = math.log(sum(math.exp(z) for z in logits))
     expected = -0.5 * ((logits[0] - log_norm) + (logits[1] - log_norm))
     value = loss_fn(x, LabelSets(torch.tensor([[0, 1]]))).item()
+    # float64 log-softmax of 3 logits of O(10) (×9 amplifies a distance's ε): ≲ 30ε, rel 1e-12.
     assert value == pytest.approx(expected, rel=1e-12)
 
 
@@ -144,6 +148,7 @@ def test_set_label_cross_entropy_targets() -> None:
     log_p = torch.log_softmax(logits, 1)[0]
     uniform = set_label_cross_entropy(logits, member, "uniform").item()
     summed = set_label_cross_entropy(logits, member, "sum").item()
+    # float64 log-softmax of 3 logits, then a mean or a log of a sum of 2: a few ε, rel 1e-12.
     assert uniform == pytest.approx(-(log_p[0] + log_p[1]).item() / 2, rel=1e-12)
     assert summed == pytest.approx(
         -math.log(log_p[0].exp().item() + log_p[1].exp().item()), rel=1e-12
@@ -151,8 +156,10 @@ def test_set_label_cross_entropy_targets() -> None:
     # For a singleton both are the ordinary cross-entropy.
     single = torch.tensor([[False, True, False]])
     ce = F.cross_entropy(logits, torch.tensor([1])).item()
-    assert set_label_cross_entropy(logits, single, "uniform").item() == pytest.approx(ce)
-    assert set_label_cross_entropy(logits, single, "sum").item() == pytest.approx(ce)
+    # float64, a log-softmax of 3 logits vs F.cross_entropy's: a few ε, so rel 1e-12 (approx's
+    # default rel 1e-6 was far looser).
+    assert set_label_cross_entropy(logits, single, "uniform").item() == pytest.approx(ce, rel=1e-12)
+    assert set_label_cross_entropy(logits, single, "sum").item() == pytest.approx(ce, rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------- set labels
@@ -205,7 +212,9 @@ def test_ism_with_zero_uncertainty_and_bias_equals_plain(kind: str) -> None:
     value_ism = ism(Embeddings(x_ism, torch.zeros(len(labels), 5, dtype=torch.float64)), labels)
     value_plain.backward()
     value_ism.backward()
-    # S_IN = 1 − (1 − C)·1 is C up to one rounding; the distance form is bit-exact.
+    # S_IN = 1 − (1 − C)·1 is C up to one rounding; the distance form is bit-exact. float64: the
+    # loss moves by ~ε·scale ≈ 1e-14, the gradients (through the same ~10-term softmaxes) by
+    # ≲ 1e-13 relative, hence 1e-13 and 1e-10.
     torch.testing.assert_close(value_ism, value_plain, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(x_ism.grad, x_plain.grad, rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(ism.proxies.grad, plain.proxies.grad, rtol=1e-10, atol=1e-13)

@@ -60,22 +60,30 @@ def build(cfg: dict) -> IntrospectiveMetric:
 def test_euclidean_matches_cdist_on_normalised_embeddings() -> None:
     x, y = rand(6, 5, seed=1), rand(4, 5, seed=2)
     expected = torch.cdist(F.normalize(x, dim=1), F.normalize(y, dim=1))
-    torch.testing.assert_close(EuclideanDistance()(x, y), expected)
-    torch.testing.assert_close(EuclideanDistance(power=2)(x, y), expected.pow(2))
-    torch.testing.assert_close(EuclideanDistance(normalize=False)(x, y), torch.cdist(x, y))
+    # float64, 5-dim: a Gram expansion vs cdist's direct differences errs by ~ε·|x|²/d ≈ 1e-15 for
+    # these O(1) distances; rtol 1e-10, atol 1e-12 (float64 defaults of 1e-7 were far looser).
+    tol = {"rtol": 1e-10, "atol": 1e-12}
+    torch.testing.assert_close(EuclideanDistance()(x, y), expected, **tol)
+    torch.testing.assert_close(EuclideanDistance(power=2)(x, y), expected.pow(2), **tol)
+    torch.testing.assert_close(EuclideanDistance(normalize=False)(x, y), torch.cdist(x, y), **tol)
 
 
 def test_cosine_matches_torch() -> None:
     x, y = rand(6, 5, seed=1), rand(4, 5, seed=2)
     expected = F.cosine_similarity(x[:, None, :], y[None, :, :], dim=2)
-    torch.testing.assert_close(CosineSimilarity()(x, y), expected)
+    # float64 5-term dot products of normalised rows, in another order than torch's: a few ε.
+    torch.testing.assert_close(CosineSimilarity()(x, y), expected, rtol=1e-12, atol=1e-14)
     assert CosineSimilarity.is_similarity and not EuclideanDistance.is_similarity
 
 
 @pytest.mark.parametrize("metric", [EuclideanDistance(), CosineSimilarity()], ids=["l2", "cos"])
 def test_plain_pairwise_and_paired_agree(metric: Metric) -> None:
     x, y = rand(7, 5, seed=3), rand(7, 5, seed=4)
-    torch.testing.assert_close(metric.paired(x, y), torch.diagonal(metric(x, y)))
+    # float64, row-wise vs matrix kernels for 5-dim rows: a few ε (distances via a Gram expansion
+    # ~ε/d): rtol 1e-10, atol 1e-12.
+    torch.testing.assert_close(
+        metric.paired(x, y), torch.diagonal(metric(x, y)), rtol=1e-10, atol=1e-12
+    )
 
 
 def test_plain_distance_gradient_is_finite_at_zero_distance() -> None:
@@ -96,6 +104,7 @@ def test_derivative_in_alpha_is_g_of_y(gamma: float, tau: float) -> None:
     d = metric.weaken(alpha, alpha, beta)
     (grad,) = torch.autograd.grad(d.sum(), alpha)
     y = (beta + gamma) / (tau * alpha.detach())
+    # float64 closed forms: an exp and a few products apart, a few ε: rtol 1e-12.
     torch.testing.assert_close(grad, torch.exp(-y) * (1 + y), rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(d.detach(), alpha.detach() * torch.exp(-y), rtol=1e-12, atol=0)
     assert (grad > 0).all() and (grad <= 1).all()
@@ -110,6 +119,7 @@ def test_derivative_in_alpha_with_power_two() -> None:
     beta = torch.tensor([0.5, 0.1, 2.0], dtype=F64)
     (grad,) = torch.autograd.grad(metric.weaken(alpha, alpha, beta).sum(), alpha)
     y = (beta**2 + 0.4) / (5.0 * alpha.detach() ** 2)
+    # float64 closed form, a few roundings: rtol 1e-12.
     torch.testing.assert_close(grad, torch.exp(-y) * (1 + 2 * y), rtol=1e-12, atol=0)
 
 
@@ -148,13 +158,19 @@ def test_beta_adds_uncertainty_vectors_before_the_norm() -> None:
     opposite = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=F64)  # ||u_i + u_j|| = 0, norms sum 2
     aligned = torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=F64)  # ||u_i + u_j|| = 2
     metric = ism("distance", gamma=0.0, tau=5.0)
+    # float64 hand values (an exp and a square root): a few ε, rel 1e-12.
     assert metric(x, ux=opposite)[0, 1].item() == pytest.approx(SQRT2, rel=1e-12)
     assert metric(x, ux=aligned)[0, 1].item() == pytest.approx(
         SQRT2 * math.exp(-2.0 / (5.0 * SQRT2)), rel=1e-12
     )
     # Same with a separate reference side, and row-aligned.
-    assert metric(x[:1], x[1:], opposite[:1], opposite[1:]).item() == pytest.approx(SQRT2)
-    assert metric.paired(x[:1], x[1:], opposite[:1], opposite[1:]).item() == pytest.approx(SQRT2)
+    # float64, a square root of a 2-term sum: a few ε, rel 1e-12 (approx's default 1e-6 was loose).
+    assert metric(x[:1], x[1:], opposite[:1], opposite[1:]).item() == pytest.approx(
+        SQRT2, rel=1e-12
+    )
+    assert metric.paired(x[:1], x[1:], opposite[:1], opposite[1:]).item() == pytest.approx(
+        SQRT2, rel=1e-12
+    )
 
 
 def test_one_sided_uncertainty_uses_that_side_only() -> None:
@@ -165,6 +181,8 @@ def test_one_sided_uncertainty_uses_that_side_only() -> None:
     cos = F.normalize(x, dim=1) @ F.normalize(p, dim=1).T
     beta = ux.norm(dim=1, keepdim=True)
     expected = 1 - (1 - cos) * torch.exp(-beta / (5.0 * alpha))
+    # float64, the same formula through another kernel (cosines of a few-dim dot products, an exp):
+    # ≲ 10ε relative; rtol 1e-10, atol 1e-12.
     torch.testing.assert_close(metric(x, p, ux, None), expected, rtol=1e-10, atol=1e-12)
 
 
@@ -197,6 +215,8 @@ def test_finite_value_and_gradient_at_zero_distance(cfg: dict) -> None:
     matrix = metric(sem, ux=unc).detach()
     if cfg["variant"] == "soft":  # D → 0 and S → 1 as α → 0 (SPEC §3)
         target = 1.0 if cfg["base"] == "similarity" else 0.0
+        # Not rounding: α of a duplicate pair is ~√ε·|x| ≈ 1e-8 in float64 and floored at 10⁻⁶, so
+        # |D| and |1 − S| stay below 10⁻⁶.
         assert torch.diagonal(matrix).sub(target).abs().max() < 1e-6
         assert (matrix[0, 5] - target).abs() < 1e-6
 
@@ -274,6 +294,7 @@ Y2 = (0.25 + 0.1) / (5.0 * 2.0)  # power 2
 )
 def test_hand_computed_variants(base: str, kwargs: dict, expected: float) -> None:
     metric = ism(base, gamma=0.1, tau=5.0, **kwargs)
+    # float64 hand values (an exp, a square root, a few products): rel 1e-12; abs 1e-15 for zeros.
     assert metric(HAND_X, ux=HAND_U)[0, 1].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert metric.paired(HAND_X[:1], HAND_X[1:], HAND_U[:1], HAND_U[1:]).item() == pytest.approx(
         expected, rel=1e-12, abs=1e-15
@@ -288,7 +309,7 @@ def test_strict_variant_drops_pairs_inside_the_uncertainty() -> None:
     assert ism("distance", gamma=1.8, variant="strict", power=2)(HAND_X, ux=HAND_U)[0, 1] == 0.0
     assert ism("distance", gamma=1.7, variant="strict", power=2)(HAND_X, ux=HAND_U)[
         0, 1
-    ].item() == pytest.approx(SQRT2)
+    ].item() == pytest.approx(SQRT2, rel=1e-12)  # float64 √2 via a 2-term sum: a few ε
 
 
 def test_similarity_delta_on_raw_vectors_when_not_normalised() -> None:
@@ -297,6 +318,7 @@ def test_similarity_delta_on_raw_vectors_when_not_normalised() -> None:
     u = torch.tensor([[0.5, 0.0]], dtype=F64)
     metric = ism("similarity", gamma=0.0, tau=5.0, delta_normalized=False)
     expected = 1 - math.exp(-0.5 / (5.0 * math.sqrt(13.0)))  # δ = ||(2, −3)||, C = 0
+    # float64 hand value, one exp and a square root: rel 1e-12.
     assert metric(x, p, u, None).item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -306,6 +328,7 @@ def test_pairwise_and_paired_agree(cfg: dict) -> None:
     x, y = rand(8, 6, seed=18), rand(8, 6, seed=19)
     ux, uy = rand(8, 3, seed=20), rand(8, 3, seed=21)
     metric = build(cfg)
+    # float64, row-wise vs matrix kernels of 6-dim rows, through an exp of up to ~(β/α)·ε: rtol 1e-9.
     torch.testing.assert_close(
         metric.paired(x, y, ux, uy), torch.diagonal(metric(x, y, ux, uy)), rtol=1e-9, atol=1e-12
     )
@@ -422,6 +445,7 @@ def test_weakening_matches_the_autograd_formula_including_the_alpha_floor(form: 
         value = weaken(p, a, b, *args)
         grads = torch.autograd.grad(value, (p, a, b) if similarity else (a, b), upstream)
         results.append((value, *grads))
+    # float64 elementwise formulas (ours vs the reference weaken), values and gradients a few ε apart.
     for ours, expected in zip(*results):
         torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-15)
 
@@ -466,6 +490,8 @@ def test_pairwise_ism_gradients_match_the_pair_by_pair_formula(form: tuple) -> N
             leaves = [t.clone().requires_grad_(True) for t in inputs]
             value = run(*leaves)
             results.append((value, *torch.autograd.grad(value, leaves)))
+        # float64, fused vs composite matrices of 6-dim rows and their gradients: sums of ≤ 7·6 terms
+        # in other orders, amplified ~1/α through distances: rtol 1e-10, atol 1e-12.
         for mine, expected in zip(*results):
             torch.testing.assert_close(mine, expected, rtol=1e-10, atol=1e-12)
 
@@ -521,6 +547,7 @@ def test_joint_uncertainty_matches_broadcast_norms_and_gradcheck() -> None:
     for left, right, w in ((u, u, rand(6, 6, seed=38)), (u, v, weights)):
         ours = pairwise_uncertainty(left, right, len(left), len(right), left)
         expected = (left[:, None, :] + right[None, :, :]).norm(dim=2)
+        # float64 norms of 4-dim sums (Gram form vs direct): ~ε·|u|²/β ≈ 1e-15; also for gradients.
         torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-14)
         leaves = (u,) if right is left else (u, v)
         torch.testing.assert_close(
@@ -549,9 +576,11 @@ def test_one_sided_uncertainty_norm_matches_torch_and_gradcheck() -> None:
             ours = pairwise_uncertainty(None, u, 5, 6, u)
             expected = u.norm(dim=1).unsqueeze(0).expand(5, 6)
             weight = w.T
+        # Exact: one side absent, both are the same u.norm(dim=1) broadcast.
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)
         (got,) = torch.autograd.grad((ours * weight).sum(), u)
         (want,) = torch.autograd.grad((expected * weight).sum(), u)
+        # float64 gradients of weighted sums of ≤ 6 norms, in another order: a few ε.
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
         assert torch.equal(got[2], torch.zeros(4, dtype=F64))
     nonzero = rand(6, 4, seed=41).requires_grad_(True)
@@ -623,6 +652,7 @@ def test_self_pair_matrix_matches_the_composite_at_zero_distance_and_zero_uncert
         results.append((value, *torch.autograd.grad((value * weights).sum(), leaves)))
     for ours, expected in zip(*results):
         assert torch.isfinite(ours).all()
+        # float64, fused vs composite, with α = 0 and β = 0 entries on the clamps: rtol 1e-10, atol 1e-12.
         torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -642,10 +672,12 @@ def test_safe_norm_from_squares_zeroes_tiny_and_negative_squares_with_zero_gradi
     squared.requires_grad_(True)
     root = safe_norm_from_squares(squared)
     expected = torch.tensor([0.0, 0.0, 0.0, 0.0, 2e-6, 0.5, 3.0], dtype=F64)
+    # float64 square roots are correctly rounded; with the input's own rounding ≤ ε ≈ 2.2e-16: 1e-15.
     torch.testing.assert_close(root.detach(), expected, rtol=1e-15, atol=0)
     (grad,) = torch.autograd.grad(root, squared, torch.ones_like(root))
     # d√s/ds = 1/(2√s) above 10⁻¹², else 0.
     expected_grad = torch.tensor([0.0, 0.0, 0.0, 0.0, 2.5e5, 1.0, 1 / 6], dtype=F64)
+    # float64 1/(2√s): two roundings and the input's: rtol 1e-12.
     torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=0)
     assert torch.autograd.gradcheck(
         safe_norm_from_squares, (squared[-2:].detach().requires_grad_(),)
