@@ -23,6 +23,7 @@ import torch
 from matplotlib.figure import Figure
 
 from idml.checkpoint import atomic_write_text
+from idml.metric_display import format_metric, metric_heading, metric_sort_key
 from idml.reports import figures
 from idml.reports.runs import AnalysisOptions, RunLog, TestAnalysis, analyse_run, read_run
 from idml.reports.seeds import expand_run_dirs, seed_table, seeds_section
@@ -201,17 +202,13 @@ def _slug(index: int, label: str) -> str:
 
 
 def _metric_keys(reports: Sequence[RunReport]) -> list[str]:
-    from idml.ablation import metric_sort_key
-
     keys = {k for r in reports for k in r.metrics}
     return sorted(keys, key=metric_sort_key)
 
 
 def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
-    from idml.ablation import metric_label
-
     keys = _metric_keys(reports)
-    head = "".join(f"<th>{html.escape(metric_label(k))} (%)</th>" for k in keys)
+    head = "".join(f"<th>{html.escape(metric_heading(k))}</th>" for k in keys)
     rows = []
     for report in reports:
         cfg = report.log.config
@@ -222,7 +219,9 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
         if report.log.nmi_method is not None:
             source += f"; NMI: {report.log.nmi_method}"  # the analysis uses the same k-means
         cells = "".join(
-            f"<td>{100 * report.metrics[k]:.2f}</td>" if k in report.metrics else "<td>–</td>"
+            f"<td>{format_metric(k, report.metrics[k])}</td>"
+            if k in report.metrics
+            else "<td>–</td>"
             for k in keys
         )
         rows.append(
