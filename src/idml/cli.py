@@ -411,7 +411,9 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         help="HTML report (figures, metrics, comparison) of one or more runs",
         description="Write an offline HTML page with PNG figures: training curves, Recall@K, "
         "precision-recall, uncertainty trend and test histogram, retrieval grid, t-SNE, and a "
-        "comparison table of all runs given.",
+        "comparison table of all runs given. Classification runs get their test metrics, "
+        "reliability diagram, confusion matrix, risk-coverage curves and most confident "
+        "mistakes instead of the retrieval figures.",
     )
     p.add_argument(
         "runs",
@@ -467,16 +469,6 @@ def _run_report(args: argparse.Namespace) -> int:
             f"{', '.join(flag for flag, _, _ in given)} only apply to the test-set analysis, "
             "which --no-test skips; drop them or --no-test"
         )
-    if not args.no_test:
-        from idml.classification_task import run_task
-
-        classification = [str(r) for r in args.runs if run_task(r) == "classification"]
-        if classification:
-            raise ValueError(
-                f"{', '.join(classification)}: the test-set analysis (retrieval metrics, PR curve, "
-                "retrieval grid) is for metric learning; report classification runs with --no-test "
-                "(curves and the metrics table) and score them with idml evaluate --checkpoint"
-            )
     options = AnalysisOptions(**{field: value for _, field, value in given if field})
     make_folder(out, "report folder")  # a file in the way is named before any figure is drawn
     page = write_report(

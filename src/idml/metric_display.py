@@ -25,7 +25,7 @@ PLAIN = ""
 _PERCENT_KEYS = frozenset(
     {"r_precision", "map@r", "map_at_r", "map", "mrr", "nmi", "ece"},
 )
-_PERCENT_PATTERN = re.compile(r"^(recall@\d+|mrr@\d+|top\d+|aurc_.+)$")
+_PERCENT_PATTERN = re.compile(r"^(recall@\d+|mrr@\d+|top\d+|aurc(_.+)?)$")
 
 _METRIC_LABELS = {
     "r_precision": "RP",
@@ -36,6 +36,8 @@ _METRIC_LABELS = {
     "nmi": "NMI",
     "ece": "ECE",
     "nll": "NLL",
+    "aurc": "AURC",
+    "auroc": "AUROC",
 }
 
 
