@@ -336,7 +336,11 @@ def _run_train(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- embed
 def _add_embed(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("embed", help="export semantic embeddings and uncertainty levels of images")
+    p = sub.add_parser(
+        "embed",
+        help="export semantic embeddings and uncertainty levels of images (a classification "
+        "run: also its logits and class probabilities)",
+    )
     p.add_argument("--checkpoint", type=Path, required=True, help="run folder or checkpoint folder")
     p.add_argument("--images", type=Path, required=True, help="image folder or CSV (path[,label])")
     p.add_argument("--out", type=Path, required=True, help=".npz, .pt or .safetensors file")
@@ -348,9 +352,16 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_embed(args: argparse.Namespace) -> int:
+    from idml.classification_task import load_classification_run, run_task
     from idml.export import embed_images, load_trained_model
 
-    cfg, model = load_trained_model(args.checkpoint, which=args.which)
+    classifier, logit_classes = None, None
+    if run_task(args.checkpoint, args.which) == "classification":
+        loaded = load_classification_run(args.checkpoint, args.which)
+        cfg, model = loaded.config, loaded.run.model
+        classifier, logit_classes = loaded.classifier, loaded.class_names
+    else:
+        cfg, model = load_trained_model(args.checkpoint, which=args.which)
     n = embed_images(
         cfg,
         model,
@@ -359,8 +370,11 @@ def _run_embed(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         split=args.split,
         progress=not args.no_progress,
+        classifier=classifier,
+        logit_classes=logit_classes,
     )
-    print(f"wrote {n} embeddings to {args.out}")
+    extra = " with logits and probabilities" if classifier is not None else ""
+    print(f"wrote {n} embeddings{extra} to {args.out}")
     return 0
 
 
