@@ -384,7 +384,9 @@ def test_cifar_conversion_needs_the_pickle_opt_in(tmp_path: Path) -> None:
     assert (len(split.train), len(split.test), split.num_classes) == (10, 2, 2)
 
 
-def test_report_of_a_classification_run_needs_no_test(tmp_path: Path, capsys) -> None:
+def test_report_of_a_classification_run_with_and_without_the_test_analysis(
+    tmp_path: Path, capsys
+) -> None:
     from idml.classification_task import make_trainer
     from idml.cli import main
 
@@ -392,9 +394,13 @@ def test_report_of_a_classification_run_needs_no_test(tmp_path: Path, capsys) ->
         None, [*TINY, "data.samples_per_class=8", "sampler.batch_size=16", "optim.epochs=1"]
     )
     make_trainer(cfg, tmp_path / "run", progress=False).fit()
-    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")]) != 0
-    assert "report classification runs with --no-test" in capsys.readouterr().err
-    args = ["report", str(tmp_path / "run"), "--no-test", "--out", str(tmp_path / "rep")]
-    assert main([*args, "--no-progress"]) == 0
+    args = ["report", str(tmp_path / "run"), "--no-progress", "--out"]
+    assert main([*args, str(tmp_path / "rep")]) == 0, capsys.readouterr().err
     page = (tmp_path / "rep" / "index.html").read_text()
-    assert "cosine classifier" in page and "top1" in page
+    assert "<h3>Reliability" not in page and "<h3>Calibration</h3>" in page
+    # No uncertainty head: the page says so instead of drawing −||u|| or the ||u|| probe.
+    assert "no uncertainty head, so −||u|| is not a score here" in page
+    assert main([*args, str(tmp_path / "logs"), "--no-test"]) == 0
+    page = (tmp_path / "logs" / "index.html").read_text()
+    assert "cosine classifier" in page and "top1 (%)" in page and "Confusion matrix" not in page
+    assert "no confusion matrix, reliability diagram or mistakes" in page

@@ -58,6 +58,14 @@ from idml.config import (
     load_config,
     stored_config_dict,
 )
+from idml.metric_display import (
+    PERCENT,
+    format_metric,
+    metric_heading,
+    metric_label,
+    metric_sort_key,
+    metric_unit,
+)
 from idml.preflight import check_run_config
 from idml.run_folder import claim_run_folder, move_run_aside
 
@@ -464,32 +472,6 @@ def _mean_std(values: np.ndarray) -> tuple[float, float]:
     return float(values.mean()), std
 
 
-_METRIC_LABELS = {
-    "r_precision": "RP",
-    "map@r": "MAP@R",
-    "map_at_r": "MAP@R",
-    "mrr": "MRR",
-    "map": "MAP",
-    "nmi": "NMI",
-}
-
-
-def metric_label(key: str) -> str:
-    """Paper-style column name: ``recall@1`` → ``R@1``, ``map@r`` → ``MAP@R``, ``nmi`` → ``NMI``."""
-    if key.startswith("recall@"):
-        return "R@" + key.removeprefix("recall@")
-    return _METRIC_LABELS.get(key, key)
-
-
-def metric_sort_key(key: str) -> tuple[int, float, str]:
-    """Order of metric columns as in the papers: Recall@K by K, then RP, MAP@R, NMI, the rest."""
-    if key.startswith("recall@"):
-        k = key.removeprefix("recall@")
-        return (0, float(k) if k.isdigit() else math.inf, key)
-    rank = {"r_precision": 1, "map@r": 2, "map_at_r": 2, "nmi": 3}.get(key, 4)
-    return (rank, 0.0, key)
-
-
 @dataclass
 class AblationResult:
     """The table of an ablation: one row per cell, ``mean ± std`` over seeds per metric."""
@@ -516,9 +498,10 @@ class AblationResult:
         return sorted(keys, key=metric_sort_key)
 
     def markdown(self, digits: int = 1) -> str:
-        """The table in Markdown: axis columns, metrics in percent as ``mean ± std``, wall time."""
+        """The table in Markdown: axis columns, metrics as ``mean ± std`` in their unit
+        (:func:`~idml.metric_display.metric_unit`: % for fractions), wall time."""
         metrics = self.metric_keys
-        header = [a.key for a in self.axes] + [metric_label(m) for m in metrics] + ["time (s)"]
+        header = [a.key for a in self.axes] + [_column(m) for m in metrics] + ["time (s)"]
         rows = []
         for cell in self.cells:
             labels = [
@@ -526,16 +509,19 @@ class AblationResult:
                 for axis, (_, value) in zip(self.axes, cell.cell.assignment, strict=True)
             ]
             values = [
-                _format(*cell.mean_std(m, self.select), scale=100.0, digits=digits) for m in metrics
+                format_metric(m, *cell.mean_std(m, self.select), percent_digits=digits)
+                for m in metrics
             ]
-            rows.append(labels + values + [_format(*cell.wall_mean_std(), scale=1.0, digits=1)])
+            rows.append(
+                labels + values + [format_metric("seconds", *cell.wall_mean_std(), digits=1)]
+            )
         seeds = sorted({len(c.runs) for c in self.cells})
         lines = [
             "| " + " | ".join(header) + " |",
             "|" + "|".join(":---:" for _ in header) + "|",
             *("| " + " | ".join(row) + " |" for row in rows),
             "",
-            f"Metrics in % ({self.select} epoch), mean ± sample std over "
+            f"Metrics in % unless the column names another unit ({self.select} epoch), mean ± sample std over "
             f"{'/'.join(map(str, seeds))} seed(s); time: mean wall-clock seconds per run.",
         ]
         return "\n".join(lines) + "\n"
@@ -567,12 +553,9 @@ class AblationResult:
         return md, table
 
 
-def _format(mean: float, std: float, scale: float, digits: int) -> str:
-    if math.isnan(mean):
-        return "–"
-    if math.isnan(std):
-        return f"{mean * scale:.{digits}f}"
-    return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
+def _column(key: str) -> str:
+    """Column name: the label alone for % metrics (the caption says %), else with its unit."""
+    return metric_label(key) if metric_unit(key) == PERCENT else metric_heading(key)
 
 
 # --------------------------------------------------------------------------- running
@@ -799,7 +782,7 @@ def _cell_line(
     if not keys:
         keys = sorted({k for r in result.runs for k in r.metrics(select)}, key=metric_sort_key)
     shown = "  ".join(
-        f"{metric_label(k)} {_format(*result.mean_std(k, select), scale=100.0, digits=1)}"
+        f"{_column(k)} {format_metric(k, *result.mean_std(k, select), percent_digits=1)}"
         for k in keys[:3]
     )
     wall = sum(r.wall_seconds for r in result.runs if not r.reused)

@@ -207,7 +207,86 @@ class ClassificationAugmentation:
         return AugmentedBatch(mixed.images, mixed.labels, mixed.mixed, degraded, mixed.mixup)
 
 
+@dataclass
+class ClassifierOutputs:
+    """One pass of a classifier over a test set (CPU tensors, in dataset order)."""
+
+    logits: Tensor
+    """``(N, C)`` float32 logits ``z_i`` of the clean images."""
+    labels: Tensor
+    """``(N,)`` true classes."""
+    uncertainty: Tensor | None
+    """``(N,)`` ``||u_i||`` of the clean images (``None`` without an uncertainty head)."""
+    probe_levels: dict[str, Tensor] = field(default_factory=dict)
+    """``||u||`` of the probes' altered images by probe (``mixup``, ``cutmix``, ``lowres``); empty
+    without an uncertainty head or with the probes off."""
+
+    def metrics(self, ks: Sequence[int] = (1, 5), ece_bins: int = 15) -> dict[str, float]:
+        """``top{k}``, ``ece``, ``nll`` and, with probes, the mean ``||u||`` per condition
+        (``u_clean``, ``u_mixup``, ``u_cutmix``, ``u_lowres``)."""
+        metrics = classification_metrics(self.logits, self.labels, ks, ece_bins)
+        if self.probe_levels and self.uncertainty is not None:
+            metrics["u_clean"] = float(self.uncertainty.double().mean())
+        for name, levels in self.probe_levels.items():
+            metrics[f"u_{name}"] = float(levels.double().mean())
+        return metrics
+
+
 @torch.no_grad()
+def classify_dataset(
+    model: EmbeddingModel,
+    classifier: IntrospectiveClassifier,
+    dataset: Dataset,
+    batch_size: int,
+    device: torch.device,
+    *,
+    introspective: bool,
+    uncertainty_probes: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+) -> ClassifierOutputs:
+    """Logits and ``||u||`` of every test image, and ``||u||`` of Mixup, CutMix and
+    low-resolution (×4) versions of them (with ``uncertainty_probes`` and an uncertainty head).
+
+    ``introspective`` feeds ``u`` to the classifier's metric (a run trained with ISM). The probes
+    draw partners and ``λ ~ U(0, 1)`` from a generator seeded with ``seed``, batch by batch, so
+    they repeat for the same ``batch_size``.
+    """
+    was_training = model.training, classifier.training
+    model.eval()
+    classifier.eval()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    generator = torch.Generator().manual_seed(seed)
+    probes = {"mixup": Mixup(), "cutmix": CutMix(), "lowres": LowResolution(fraction=1.0)}
+    logits, labels, clean = [], [], []
+    levels: dict[str, list[Tensor]] = {k: [] for k in probes}
+    for images, batch_labels, _ in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
+        images = images.to(device)
+        out = model(images)
+        semantic = out.semantic.float()
+        unc = None if out.uncertainty is None else out.uncertainty.float()
+        logits.append(classifier.logits(Embeddings(semantic, unc if introspective else None)).cpu())
+        labels.append(torch.as_tensor(batch_labels))
+        if unc is None:
+            continue
+        clean.append(model.uncertainty_level(Embeddings(semantic, unc)).cpu())
+        if not uncertainty_probes:
+            continue
+        for name, probe in probes.items():
+            probed = probe(images, torch.as_tensor(batch_labels).to(device), generator)
+            altered = probed.images[probed.altered]
+            emb = model(altered)
+            levels[name].append(model.uncertainty_level(emb.to(torch.float32)).cpu())
+    model.train(was_training[0])
+    classifier.train(was_training[1])
+    return ClassifierOutputs(
+        torch.cat(logits),
+        torch.cat(labels),
+        torch.cat(clean) if clean else None,
+        {name: torch.cat(parts) for name, parts in levels.items() if parts},
+    )
+
+
 def evaluate_classifier(
     model: EmbeddingModel,
     classifier: IntrospectiveClassifier,
@@ -224,38 +303,18 @@ def evaluate_classifier(
 ) -> dict[str, float]:
     """Test metrics of a classifier: ``top1``/``top5``, ``ece``, ``nll`` (clean images), and with an
     uncertainty head the mean ``||u||`` of clean, Mixup, CutMix and low-resolution (×4) versions of
-    the test images (``u_clean``, ``u_mixup``, ``u_cutmix``, ``u_lowres``).
-
-    ``introspective`` feeds ``u`` to the classifier's metric (a run trained with ISM). The probes
-    draw partners and ``λ ~ U(0, 1)`` from a generator seeded with ``seed``, so they repeat.
+    the test images (``u_clean``, ``u_mixup``, ``u_cutmix``, ``u_lowres``); see
+    :func:`classify_dataset` and :meth:`ClassifierOutputs.metrics`.
     """
-    was_training = model.training, classifier.training
-    model.eval()
-    classifier.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    generator = torch.Generator().manual_seed(seed)
-    probes = {"mixup": Mixup(), "cutmix": CutMix(), "lowres": LowResolution(fraction=1.0)}
-    logits, labels = [], []
-    levels: dict[str, list[Tensor]] = {"clean": [], **{k: [] for k in probes}}
-    for images, batch_labels, _ in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
-        images = images.to(device)
-        out = model(images)
-        semantic = out.semantic.float()
-        unc = None if out.uncertainty is None else out.uncertainty.float()
-        logits.append(classifier.logits(Embeddings(semantic, unc if introspective else None)).cpu())
-        labels.append(torch.as_tensor(batch_labels))
-        if unc is None or not uncertainty_probes:
-            continue
-        levels["clean"].append(model.uncertainty_level(Embeddings(semantic, unc)).cpu())
-        for name, probe in probes.items():
-            probed = probe(images, torch.as_tensor(batch_labels).to(device), generator)
-            altered = probed.images[probed.altered]
-            emb = model(altered)
-            levels[name].append(model.uncertainty_level(emb.to(torch.float32)).cpu())
-    model.train(was_training[0])
-    classifier.train(was_training[1])
-    metrics = classification_metrics(torch.cat(logits), torch.cat(labels), ks, ece_bins)
-    for name, parts in levels.items():
-        if parts:
-            metrics[f"u_{name}"] = float(torch.cat(parts).double().mean())
-    return metrics
+    outputs = classify_dataset(
+        model,
+        classifier,
+        dataset,
+        batch_size,
+        device,
+        introspective=introspective,
+        uncertainty_probes=uncertainty_probes,
+        seed=seed,
+        progress=progress,
+    )
+    return outputs.metrics(ks, ece_bins)

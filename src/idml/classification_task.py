@@ -15,6 +15,7 @@ What changes (:mod:`idml.classification` for the math):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,16 @@ from idml.checkpoint import (
 from idml.classification import (
     BatchMixing,
     ClassificationAugmentation,
+    ClassifierOutputs,
     IntrospectiveClassifier,
+    classify_dataset,
     evaluate_classifier,
     mixed_targets,
 )
 from idml.config import ClassificationConfig, Config
 from idml.data.classification import ClassificationSplit, load_classification_split
 from idml.embeddings import Embeddings
-from idml.export import load_trained_run
+from idml.export import TrainedRun, load_trained_run
 from idml.training import Trainer
 
 
@@ -106,6 +109,10 @@ class ClassificationTrainer(Trainer):
     def _build_augmentations(self) -> Any:
         return build_classification_augmentations(self.cfg)
 
+    def _checkpoint_extras(self) -> dict[str, Any]:
+        # The classifier's column names, so `idml embed` can name the logits without the data.
+        return {"class_names": list(self.data.train.class_names)}
+
     def _metric_loss(self, emb: Embeddings, batch: AugmentedBatch) -> Tensor:
         if not self.cfg.metric.introspective:
             emb = Embeddings(emb.semantic)  # the plain cosine classifier ignores u
@@ -138,20 +145,63 @@ def make_trainer(cfg: Config, run_dir: Path, **options: Any) -> Trainer:
     return cls(cfg, run_dir, **options)
 
 
-def evaluate_classification_run(
-    path: Path,
-    which: str = "best",
-    device: torch.device | str | None = None,
-    progress: bool = False,
-) -> dict[str, float]:
-    """A trained classification run's test metrics (:func:`~idml.classification.evaluate_classifier`),
-    from its ``which`` checkpoint: the model from ``model.safetensors``, the classifier's weights
-    from ``training.safetensors``."""
+@dataclass(frozen=True)
+class TrainedClassifier:
+    """A classification run as loaded from one checkpoint: the model and its classifier."""
+
+    run: TrainedRun
+    classifier: IntrospectiveClassifier
+    """In eval mode, on the CPU (like ``run.model``)."""
+    class_names: tuple[str, ...]
+    """The name of each classifier column (logit)."""
+
+    @property
+    def config(self) -> Config:
+        return self.run.config
+
+    def outputs(
+        self,
+        dataset: torch.utils.data.Dataset,
+        device: torch.device | str | None = None,
+        progress: bool = False,
+    ) -> ClassifierOutputs:
+        """:func:`~idml.classification.classify_dataset` with the run's own evaluation settings
+        (``eval.batch_size``, ``classification.uncertainty_probes``, ``seed``), so the numbers are
+        those the trainer logged for this checkpoint."""
+        cfg = self.config
+        target = torch.device(device) if device is not None else torch.device("cpu")
+        return classify_dataset(
+            self.run.model.to(target),
+            self.classifier.to(target),
+            dataset,
+            cfg.eval.batch_size,
+            target,
+            introspective=cfg.metric.introspective,
+            uncertainty_probes=_settings(cfg).uncertainty_probes,
+            seed=cfg.seed,
+            progress=progress,
+        )
+
+
+def load_classification_run(path: Path, which: str = "best") -> TrainedClassifier:
+    """A classification run's ``which`` checkpoint: the model from ``model.safetensors``, the
+    classifier's weights from ``training.safetensors``.
+
+    Raises:
+        ValueError: the run is not a classification run.
+        idml.checkpoint.CheckpointError: the checkpoint is missing or unreadable.
+    """
     run = load_trained_run(path, which)
     cfg = run.config
     if cfg.task != "classification":
         raise ValueError(f"{path} is a {cfg.task} run; evaluate it with idml evaluate --checkpoint")
-    classifier = build_classifier(cfg, int(run.state["num_train_classes"]))
+    if not isinstance(run.state.get("num_train_classes"), int):
+        raise CheckpointError(
+            f"{run.checkpoint / 'state.json'} has no integer 'num_train_classes', so the "
+            "classifier cannot be rebuilt; use a checkpoint written by `idml train`"
+        )
+    num_classes = int(run.state["num_train_classes"])
+    classifier = build_classifier(cfg, num_classes)
     file = run.checkpoint / TRAINING_FILE
     try:
         tensors = load_file(str(file))
@@ -161,22 +211,31 @@ def evaluate_classification_run(
     load_weights(
         classifier, {k: v for k, v in own.items() if not k.startswith("optimizer.")}, str(file)
     )
-    target = torch.device(device) if device is not None else torch.device("cpu")
-    data = build_classification_data(cfg)
-    c = _settings(cfg)
-    return evaluate_classifier(
-        run.model.to(target),
-        classifier.to(target),
-        data.test,
-        cfg.eval.batch_size,
-        target,
-        introspective=cfg.metric.introspective,
-        ks=c.ks,
-        ece_bins=c.ece_bins,
-        uncertainty_probes=c.uncertainty_probes,
-        seed=cfg.seed,
-        progress=progress,
-    )
+    classifier.eval()
+    names = run.state.get("class_names")
+    if names is None:
+        # Checkpoints written before the names were stored: the training split has them.
+        names = build_classification_data(cfg).train.class_names
+    if len(names) != num_classes:
+        raise CheckpointError(
+            f"{run.checkpoint / 'state.json'}: 'class_names' has {len(names)} entries but the "
+            f"classifier has {num_classes} classes"
+        )
+    return TrainedClassifier(run, classifier, tuple(str(n) for n in names))
+
+
+def evaluate_classification_run(
+    path: Path,
+    which: str = "best",
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
+    """A trained classification run's test metrics (:func:`~idml.classification.evaluate_classifier`),
+    from its ``which`` checkpoint (:func:`load_classification_run`)."""
+    loaded = load_classification_run(path, which)
+    c = _settings(loaded.config)
+    test = build_classification_data(loaded.config).test
+    return loaded.outputs(test, device, progress).metrics(c.ks, c.ece_bins)
 
 
 def run_task(path: Path, which: str = "best") -> str:

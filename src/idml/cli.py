@@ -336,7 +336,11 @@ def _run_train(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- embed
 def _add_embed(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("embed", help="export semantic embeddings and uncertainty levels of images")
+    p = sub.add_parser(
+        "embed",
+        help="export semantic embeddings and uncertainty levels of images (a classification "
+        "run: also its logits and class probabilities)",
+    )
     p.add_argument("--checkpoint", type=Path, required=True, help="run folder or checkpoint folder")
     p.add_argument("--images", type=Path, required=True, help="image folder or CSV (path[,label])")
     p.add_argument("--out", type=Path, required=True, help=".npz, .pt or .safetensors file")
@@ -348,9 +352,16 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_embed(args: argparse.Namespace) -> int:
+    from idml.classification_task import load_classification_run, run_task
     from idml.export import embed_images, load_trained_model
 
-    cfg, model = load_trained_model(args.checkpoint, which=args.which)
+    classifier, logit_classes = None, None
+    if run_task(args.checkpoint, args.which) == "classification":
+        loaded = load_classification_run(args.checkpoint, args.which)
+        cfg, model = loaded.config, loaded.run.model
+        classifier, logit_classes = loaded.classifier, loaded.class_names
+    else:
+        cfg, model = load_trained_model(args.checkpoint, which=args.which)
     n = embed_images(
         cfg,
         model,
@@ -359,8 +370,11 @@ def _run_embed(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         split=args.split,
         progress=not args.no_progress,
+        classifier=classifier,
+        logit_classes=logit_classes,
     )
-    print(f"wrote {n} embeddings to {args.out}")
+    extra = " with logits and probabilities" if classifier is not None else ""
+    print(f"wrote {n} embeddings{extra} to {args.out}")
     return 0
 
 
@@ -411,7 +425,9 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         help="HTML report (figures, metrics, comparison) of one or more runs",
         description="Write an offline HTML page with PNG figures: training curves, Recall@K, "
         "precision-recall, uncertainty trend and test histogram, retrieval grid, t-SNE, and a "
-        "comparison table of all runs given.",
+        "comparison table of all runs given. Classification runs get their test metrics, "
+        "reliability diagram, confusion matrix, risk-coverage curves and most confident "
+        "mistakes instead of the retrieval figures.",
     )
     p.add_argument(
         "runs",
@@ -467,16 +483,6 @@ def _run_report(args: argparse.Namespace) -> int:
             f"{', '.join(flag for flag, _, _ in given)} only apply to the test-set analysis, "
             "which --no-test skips; drop them or --no-test"
         )
-    if not args.no_test:
-        from idml.classification_task import run_task
-
-        classification = [str(r) for r in args.runs if run_task(r) == "classification"]
-        if classification:
-            raise ValueError(
-                f"{', '.join(classification)}: the test-set analysis (retrieval metrics, PR curve, "
-                "retrieval grid) is for metric learning; report classification runs with --no-test "
-                "(curves and the metrics table) and score them with idml evaluate --checkpoint"
-            )
     options = AnalysisOptions(**{field: value for _, field, value in given if field})
     make_folder(out, "report folder")  # a file in the way is named before any figure is drawn
     page = write_report(

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,9 +28,13 @@ from idml.checkpoint import (
 )
 from idml.config import Config, validate_config
 from idml.data import IMAGE_EXTENSIONS, FileImageDataset, ImageRecords, build_transforms
+from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.evaluation.clustering import KMeansBackend
 from idml.models import EmbeddingModel
+
+if TYPE_CHECKING:
+    from idml.classification import IntrospectiveClassifier
 
 
 @dataclass(frozen=True)
@@ -136,14 +141,31 @@ def embed_images(
     batch_size: int = 64,
     split: str | None = None,
     progress: bool = True,
+    classifier: IntrospectiveClassifier | None = None,
+    logit_classes: Sequence[str] | None = None,
 ) -> int:
     """Embed every image under ``images`` and save semantic embeddings and ``||u||`` to ``out``.
 
     ``out`` is ``.npz``/``.pt`` (with ``paths`` and ``classes``) or ``.safetensors`` (both in the
     metadata). Keys:
     ``embeddings`` ``(N, d)``, ``uncertainty`` ``(N,)`` (``||u||``; zeros without an uncertainty
-    head), ``labels`` when the source has them.
+    head), ``labels`` when the source has them (``classes`` names them: the source's labels).
+
+    With the ``classifier`` of a classification run, also ``logits`` ``(N, C)`` (``u`` fed to it
+    when the run trained with ISM, as in its evaluation), ``probabilities`` ``(N, C)`` (their
+    softmax) and ``logit_classes``: the class of each of the ``C`` columns (the run's classes,
+    not necessarily those of the source's labels).
     """
+    if (classifier is None) != (logit_classes is None):
+        raise ValueError(
+            "give both classifier and logit_classes (a classification run), or neither"
+        )
+    column_names = [] if logit_classes is None else [str(c) for c in logit_classes]
+    if classifier is not None and len(column_names) != classifier.num_classes:
+        raise ValueError(
+            f"logit_classes names {len(column_names)} classes but the classifier has "
+            f"{classifier.num_classes}"
+        )
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in (".npz", ".pt", ".safetensors"):
@@ -169,18 +191,27 @@ def embed_images(
     payload = {"embeddings": emb.semantic, "uncertainty": level}
     if names:
         payload["labels"] = torch.as_tensor(ids)
+    text: dict[str, list[str]] = {"paths": paths, "classes": classes}
+    if classifier is not None:
+        was_training = classifier.training
+        classifier.eval()
+        unc = emb.uncertainty if cfg.metric.introspective else None
+        logits = classifier.to(emb.semantic.device).logits(Embeddings(emb.semantic, unc))
+        classifier.train(was_training)
+        payload["logits"] = logits.float()
+        payload["probabilities"] = torch.softmax(logits.double(), dim=1).float()
+        text["logit_classes"] = column_names
     out.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".npz":
         np.savez(
             out,
             **{k: v.numpy() for k, v in payload.items()},
-            paths=np.array(paths),
-            classes=np.array(classes, dtype=str),
+            **{k: np.array(v, dtype=str) for k, v in text.items()},
         )
     elif suffix == ".pt":
-        torch.save({**payload, "paths": paths, "classes": classes}, out)
+        torch.save({**payload, **text}, out)
     elif suffix == ".safetensors":
-        meta = {"paths": json.dumps(paths), "classes": json.dumps(classes)}
+        meta = {k: json.dumps(v) for k, v in text.items()}
         save_file({k: v.contiguous() for k, v in payload.items()}, str(out), metadata=meta)
     return len(files)
 

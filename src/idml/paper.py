@@ -1,8 +1,10 @@
 """A run beside the numbers its recipe's paper reports ("paper vs this run").
 
 Presets carry ``published: {source, metrics}`` (metrics in %, as the papers print them; see
-``scripts/parse_published.py``). idml evaluates metrics as fractions in [0, 1]; the comparison
-puts both in %, with ``Δ = run − paper`` in percentage points, for every metric the source reports.
+``scripts/parse_published.py``). idml evaluates these metrics as fractions in [0, 1]; the
+comparison puts both in %, with ``Δ = run − paper`` in percentage points, for every metric the source
+reports (a metric not shown in %, such as NLL in nats, is compared in its own unit:
+:func:`~idml.metric_display.metric_unit`).
 A metric the source reports but the run did not compute (say NMI switched off, or a Recall@K not in
 ``eval.ks``) is listed with the run's value missing, so nothing is dropped silently.
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from idml.metric_display import metric_scale
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ def compare_with_paper(
     rows = []
     for key, paper in published.items():
         value = metrics.get(key)
-        run = None if value is None or not math.isfinite(float(value)) else 100.0 * float(value)
+        finite = value is not None and math.isfinite(float(value))
+        run = metric_scale(key) * float(value) if finite else None
         rows.append(PaperRow(key, float(paper), run))
     return rows
 

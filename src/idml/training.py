@@ -737,6 +737,10 @@ class Trainer:
                 )
             )
 
+    def _checkpoint_extras(self) -> dict[str, Any]:
+        """Task-specific entries of a checkpoint's ``state.json`` (none for metric learning)."""
+        return {}
+
     def _checkpoint(self, epoch: int) -> None:
         if not self.dist.is_main:
             return
@@ -751,6 +755,7 @@ class Trainer:
             "best_epoch": self.best_epoch,
             "best_metrics": self.best_metrics,
             "metrics": self.history[-1] if self.history else {},
+            **self._checkpoint_extras(),
         }
         save_checkpoint(
             self.run_dir, name, self.model, self._training_modules(), self._optimizer_map(), state

@@ -186,6 +186,38 @@ def oracle_aurc(errors: Tensor) -> float:
     return float(risks.sum() / n) if n else math.nan
 
 
+def rank_combination(*confidences: Tensor) -> Tensor:
+    """The mean of the scores' normalised ranks, ``(1/k)·Σ_j rank(c_j)/n`` (ties share their
+    average rank): a confidence that combines scores of different scales with no parameter to fit.
+    """
+    if not confidences:
+        raise ValueError("rank_combination needs at least one score")
+    n = len(confidences[0])
+    if any(len(c) != n for c in confidences):
+        raise ValueError(f"scores to combine differ in length: {[len(c) for c in confidences]}")
+    ranks = [_average_ranks(torch.as_tensor(c).double().flatten()) for c in confidences]
+    return sum(ranks[1:], ranks[0]) / (len(ranks) * n)
+
+
+def score_quality(errors: Tensor, scores: dict[str, Tensor]) -> dict[str, ConfidenceQuality]:
+    """AUROC (wrong-answer detection by ``−score``) and AURC of each named confidence score.
+
+    Args:
+        errors: ``(N,)`` bool, the answer is wrong.
+        scores: name → ``(N,)`` confidence (larger = surer).
+    """
+    err = torch.as_tensor(errors).bool().flatten()
+    out: dict[str, ConfidenceQuality] = {}
+    for name, confidence in scores.items():
+        confidence = torch.as_tensor(confidence).double().flatten()
+        if len(confidence) != len(err):
+            raise ValueError(
+                f"{name} has {len(confidence)} values but there are {len(err)} answers"
+            )
+        out[name] = ConfidenceQuality(error_auroc(-confidence, err), aurc(confidence, err))
+    return out
+
+
 def confidence_quality(
     errors: Tensor,
     top1_similarity: Tensor,
@@ -197,29 +229,23 @@ def confidence_quality(
 
     - ``top1_cos``: the similarity of the nearest neighbour;
     - ``norm_u``: ``−||u||`` of the query (IDML's uncertainty level), when known;
-    - ``combined``: the mean of the two scores' normalised ranks (no parameter to fit), when
-      ``||u||`` is known.
+    - ``combined``: :func:`rank_combination` of the two, when ``||u||`` is known.
 
     Args:
         errors: ``(Q,)`` bool, the top-1 neighbour has another class.
         top1_similarity: ``(Q,)`` similarity of each query's nearest neighbour.
         uncertainty_level: ``(Q,)`` ``||u||`` of each query.
     """
-    err = torch.as_tensor(errors).bool().flatten()
     scores = {"top1_cos": torch.as_tensor(top1_similarity).double().flatten()}
     if uncertainty_level is not None:
         level = torch.as_tensor(uncertainty_level).double().flatten()
-        scores["norm_u"] = -level
-        n = len(level)
-        scores["combined"] = (_average_ranks(scores["top1_cos"]) + _average_ranks(-level)) / (2 * n)
-    out: dict[str, ConfidenceQuality] = {}
-    for name, confidence in scores.items():
-        if len(confidence) != len(err):
+        if len(level) != len(scores["top1_cos"]):
             raise ValueError(
-                f"{name} has {len(confidence)} values but there are {len(err)} queries"
+                f"norm_u has {len(level)} values but there are {len(scores['top1_cos'])} queries"
             )
-        out[name] = ConfidenceQuality(error_auroc(-confidence, err), aurc(confidence, err))
-    return out
+        scores["norm_u"] = -level
+        scores["combined"] = rank_combination(scores["top1_cos"], -level)
+    return score_quality(errors, scores)
 
 
 def _average_ranks(values: Tensor) -> Tensor:

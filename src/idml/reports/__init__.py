@@ -2,18 +2,23 @@
 
 * :mod:`idml.reports.runs` — read a run folder (:func:`read_run`) and analyse its checkpoint on the
   test split (:func:`analyse_run`).
+* :mod:`idml.reports.classification` — the test-set analysis of a classification run
+  (:func:`analyse_classification_run`).
 * :mod:`idml.reports.figures` — the Matplotlib figures.
 * :mod:`idml.reports.page` — :func:`write_report`, the page itself (``idml report``).
 """
 
+from idml.reports.classification import ClassificationAnalysis, analyse_classification_run
 from idml.reports.page import RunReport, write_report
 from idml.reports.runs import AnalysisOptions, RunLog, TestAnalysis, analyse_run, read_run
 
 __all__ = [
     "AnalysisOptions",
+    "ClassificationAnalysis",
     "RunLog",
     "RunReport",
     "TestAnalysis",
+    "analyse_classification_run",
     "analyse_run",
     "read_run",
     "write_report",

@@ -17,6 +17,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from idml.evaluation.classification import CalibrationBins
 from idml.reports.runs import RunLog, TestAnalysis
 
 CORRECT = "#1a9641"
@@ -188,10 +189,14 @@ def ism_saturation(log: RunLog) -> Figure:
 
 
 def risk_coverage_curves(
-    curves: dict[str, tuple[np.ndarray, np.ndarray]], oracle: float | None = None
+    curves: dict[str, tuple[np.ndarray, np.ndarray]],
+    oracle: float | None = None,
+    answers: str = "queries",
+    error: str = "wrong top-1",
+    legend: str = "upper left",
 ) -> Figure:
-    """Risk–coverage: answering only the most confident share of the queries, the error rate of
-    the answers kept (top-1 neighbour of another class), per confidence score."""
+    """Risk–coverage (Geifman & El-Yaniv 2017): answering only the most confident share of the
+    ``answers``, the share of ``error`` among the answers kept, per confidence score."""
     figure = Figure(figsize=(5.2, 3.6))
     axes = figure.subplots()
     styles = ["-", "--", ":"]
@@ -206,12 +211,12 @@ def risk_coverage_curves(
             linestyle="-.",
             label=f"best possible AURC {100 * oracle:.2f}",
         )
-    axes.set_xlabel("coverage: % of queries answered (most confident first)")
-    axes.set_ylabel("% wrong top-1 among them")
+    axes.set_xlabel(f"coverage: % of {answers} answered (most confident first)")
+    axes.set_ylabel(f"% {error} among them")
     axes.set_title("risk–coverage")
     axes.set_xlim(0, 100)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left")
+    axes.legend(fontsize=8, loc=legend)
     figure.tight_layout()
     return figure
 
@@ -386,4 +391,134 @@ def tsne_scatter(points: np.ndarray, labels: np.ndarray, class_names: Sequence[s
     axes.set_yticks([])
     axes.set_title(f"t-SNE of {len(labels)} test embeddings ({len(classes)} classes)")
     figure.tight_layout()
+    return figure
+
+
+def reliability_diagram(bins: CalibrationBins, ece: float | None = None) -> Figure:
+    """Reliability diagram (Guo et al. 2017, Fig. 1): per equal-width confidence bin, the accuracy
+    (bars) against the diagonal ``accuracy = confidence``, the gap to each bin's mean confidence
+    shaded; below, how many images fall in each bin."""
+    figure = Figure(figsize=(5.0, 5.2))
+    top, bottom = figure.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    edges = bins.edges.numpy()
+    left, width = edges[:-1], np.diff(edges)
+    counts = bins.counts.numpy()
+    filled = counts > 0
+    accuracy = np.where(filled, bins.accuracy.numpy(), 0.0)
+    confidence = bins.mean_confidence.numpy()
+    top.bar(
+        left, accuracy, width, align="edge", color="#2c7bb6", edgecolor="white", label="accuracy"
+    )
+    gap_low = np.minimum(accuracy, confidence)[filled]
+    gap = np.abs(confidence - accuracy)[filled]
+    top.bar(
+        left[filled],
+        gap,
+        width[filled],
+        bottom=gap_low,
+        align="edge",
+        color=WRONG,
+        alpha=0.3,
+        edgecolor=WRONG,
+        label="gap to mean confidence",
+    )
+    top.plot([0, 1], [0, 1], "--", color="grey", linewidth=1, label="calibrated")
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1)
+    top.set_ylabel("accuracy in bin")
+    title = "reliability diagram"
+    if ece is not None:
+        title += f" (ECE {100 * ece:.2f} %)"
+    top.set_title(title)
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8, loc="upper left")
+    bottom.bar(left, counts, width, align="edge", color="#888888", edgecolor="white")
+    bottom.set_xlabel("confidence: max softmax probability")
+    bottom.set_ylabel("images")
+    bottom.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    return figure
+
+
+CONFUSION_NAMED_CLASSES = 30
+"""Up to this many classes the confusion matrix names every class on its axes; beyond, the axes
+carry class numbers at a readable spacing (the page lists the most confused pairs by name)."""
+
+
+def confusion_matrix_figure(normalized: np.ndarray, class_names: Sequence[str]) -> Figure:
+    """The confusion matrix normalised per true class (row sums 1): row = true class, column =
+    predicted class. Cells carry their share in % for up to 12 classes; up to
+    :data:`CONFUSION_NAMED_CLASSES` the axes name each class (long names shortened), beyond that
+    they number the classes."""
+    classes = normalized.shape[0]
+    side = min(11.0, max(4.8, 2.4 + 0.26 * classes))
+    figure = Figure(figsize=(side + 1.0, side))
+    axes = figure.subplots()
+    image = axes.imshow(normalized, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
+    figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04, label="share of the true class")
+    if classes <= CONFUSION_NAMED_CLASSES:
+        ticks = np.arange(classes)
+        names = [_wrap(str(n), 14, lines=1) for n in class_names]
+        fontsize = 8 if classes <= 15 else 7
+        axes.set_xticks(ticks, names, rotation=90, fontsize=fontsize)
+        axes.set_yticks(ticks, names, fontsize=fontsize)
+    else:
+        step = math.ceil(classes / 20)
+        ticks = np.arange(0, classes, step)
+        axes.set_xticks(ticks, [str(t) for t in ticks], fontsize=7, rotation=90)
+        axes.set_yticks(ticks, [str(t) for t in ticks], fontsize=7)
+    if classes <= 12:
+        for t in range(classes):
+            for p in range(classes):
+                share = normalized[t, p]
+                if share > 0:
+                    colour = "white" if share > 0.5 else "black"
+                    axes.text(
+                        p,
+                        t,
+                        f"{100 * share:.0f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color=colour,
+                    )
+    what = "class" if classes <= CONFUSION_NAMED_CLASSES else "class number"
+    axes.set_xlabel(f"predicted {what}")
+    axes.set_ylabel(f"true {what}")
+    axes.set_title(f"confusion matrix ({classes} classes; rows sum to 1)")
+    figure.tight_layout()
+    return figure
+
+
+def mistakes_grid(
+    images: np.ndarray,
+    true_names: Sequence[str],
+    predicted_names: Sequence[str],
+    confidences: Sequence[float],
+    columns: int = 6,
+) -> Figure:
+    """Test images the classifier got wrong, most confident first: each with its true class, the
+    predicted class and the predicted class's softmax probability."""
+    count = len(images)
+    columns = max(1, min(columns, count))
+    rows = math.ceil(count / columns)
+    # Constrained layout keeps each three-line title clear of the row above.
+    figure = Figure(figsize=(1.9 * columns, 2.5 * rows), layout="constrained")
+    grid = figure.subplots(rows, columns, squeeze=False).ravel()
+    if images.shape[-1] == 1:
+        images = np.repeat(images, 3, axis=-1)
+    for axes in grid[count:]:
+        axes.set_visible(False)
+    for i, axes in enumerate(grid[:count]):
+        axes.imshow(images[i], interpolation="nearest")
+        axes.set_xticks([])
+        axes.set_yticks([])
+        for spine in axes.spines.values():
+            spine.set_edgecolor(WRONG)
+            spine.set_linewidth(2)
+        axes.set_title(
+            f"true: {_wrap(str(true_names[i]), 16, lines=1)}\n"
+            f"pred: {_wrap(str(predicted_names[i]), 16, lines=1)}\np = {confidences[i]:.2f}",
+            fontsize=8,
+        )
     return figure

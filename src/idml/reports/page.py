@@ -23,7 +23,15 @@ import torch
 from matplotlib.figure import Figure
 
 from idml.checkpoint import atomic_write_text
+from idml.metric_display import format_metric, metric_heading, metric_sort_key
 from idml.reports import figures
+from idml.reports.classification import (
+    CONFIDENCE_SCORES as CLASSIFICATION_SCORES,
+)
+from idml.reports.classification import (
+    ClassificationAnalysis,
+    analyse_classification_run,
+)
 from idml.reports.runs import AnalysisOptions, RunLog, TestAnalysis, analyse_run, read_run
 from idml.reports.seeds import expand_run_dirs, seed_table, seeds_section
 
@@ -64,7 +72,9 @@ class RunReport:
 
     log: RunLog
     label: str
-    analysis: TestAnalysis | None
+    analysis: TestAnalysis | ClassificationAnalysis | None
+    """:class:`TestAnalysis` of a metric-learning run, :class:`ClassificationAnalysis` of a
+    classification run (``config.task``)."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -113,14 +123,21 @@ def write_report(
     seeds = seed_table(runs, [cells.get(r.run_dir, r.config.name) for r in runs], reference)
     reports = [RunReport(run, label, None) for run, label in zip(runs, _labels(runs), strict=True)]
     for report in reports:
+        classification = report.log.config.task == "classification"
         if not analyse:
+            missing = (
+                "no confusion matrix, reliability diagram or mistakes"
+                if classification
+                else "no retrieval grid, test uncertainty or t-SNE"
+            )
             report.notes.append(
                 "Test-set analysis was not requested (--no-test): metrics are those of the last "
-                "logged evaluation; no retrieval grid, test uncertainty or t-SNE."
+                f"logged evaluation; {missing}."
             )
             continue
+        analyse_one = analyse_classification_run if classification else analyse_run
         try:
-            report.analysis = analyse_run(report.log, options, device, progress)
+            report.analysis = analyse_one(report.log, options, device, progress)
         except CheckpointError as err:
             report.notes.append(f"No test-set analysis: {err}")
             continue
@@ -201,17 +218,13 @@ def _slug(index: int, label: str) -> str:
 
 
 def _metric_keys(reports: Sequence[RunReport]) -> list[str]:
-    from idml.ablation import metric_sort_key
-
     keys = {k for r in reports for k in r.metrics}
     return sorted(keys, key=metric_sort_key)
 
 
 def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
-    from idml.ablation import metric_label
-
     keys = _metric_keys(reports)
-    head = "".join(f"<th>{html.escape(metric_label(k))} (%)</th>" for k in keys)
+    head = "".join(f"<th>{html.escape(metric_heading(k))}</th>" for k in keys)
     rows = []
     for report in reports:
         cfg = report.log.config
@@ -222,7 +235,9 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
         if report.log.nmi_method is not None:
             source += f"; NMI: {report.log.nmi_method}"  # the analysis uses the same k-means
         cells = "".join(
-            f"<td>{100 * report.metrics[k]:.2f}</td>" if k in report.metrics else "<td>–</td>"
+            f"<td>{format_metric(k, report.metrics[k])}</td>"
+            if k in report.metrics
+            else "<td>–</td>"
             for k in keys
         )
         rows.append(
@@ -240,6 +255,9 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
         f"{head}<th>train time (s)</th></tr>\n" + "\n".join(rows) + "</table>"
     )
     parts = ["<h2>Comparison</h2>", table]
+    # Recall@K and precision–recall are retrieval results: a report of classification runs alone
+    # has none to miss.
+    retrieval = any(r.log.config.task != "classification" for r in reports)
     names = [r.label for r in reports]
     if any(k.startswith("recall@") for k in keys):
         dots = figures.recall_dots(names, [r.metrics for r in reports])
@@ -250,9 +268,11 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
                 "Recall@K on the test split, per run; each panel's axis is zoomed to the data.",
             )
         )
-    else:
+    elif retrieval:
         parts.append(_note("No run has Recall@K results yet, so there are no Recall@K bars."))
-    curves = [(r.label, r.analysis.pr_curve) for r in reports if r.analysis is not None]
+    curves = [
+        (r.label, r.analysis.pr_curve) for r in reports if isinstance(r.analysis, TestAnalysis)
+    ]
     if curves:
         figure = figures.pr_curves([c[0] for c in curves], [c[1] for c in curves])
         parts.append(
@@ -263,7 +283,7 @@ def _comparison(reports: Sequence[RunReport], page: _Page) -> str:
                 "gallery, averaged over queries (TREC 11-point curve).",
             )
         )
-    else:
+    elif retrieval:
         parts.append(
             _note("No precision–recall curve: it needs the test-set analysis of a checkpoint.")
         )
@@ -277,29 +297,52 @@ _CONFIDENCE_SCORES = {
 }
 
 
-def _confidence_table(metrics: dict[str, float]) -> str:
-    """AUROC (wrong top-1 detection) and AURC (risk–coverage) of each confidence score."""
-    rows = []
-    for key, name in _CONFIDENCE_SCORES.items():
-        auroc, aurc = metrics.get(f"auroc_{key}"), metrics.get(f"aurc_{key}")
-        if auroc is None or aurc is None:
-            continue
-        rows.append(
-            f"<tr><td>{html.escape(name)}</td><td>{auroc:.3f}</td><td>{100 * aurc:.2f}</td></tr>"
-        )
+def _confidence_table(
+    qualities: dict[str, tuple[float, float]],
+    oracle: float | None,
+    answers: str,
+    error: str,
+    wrong_answers: str,
+) -> str:
+    """AUROC (detecting ``error``) and AURC (risk–coverage) of each confidence score.
+
+    ``qualities`` maps a score's description to its ``(auroc, aurc)``; ``answers`` names what is
+    answered ("queries", "test images") and ``wrong_answers`` the wrong ones.
+    """
+    rows = [
+        f"<tr><td>{html.escape(name)}</td><td>{format_metric('auroc', auroc)}</td>"
+        f"<td>{format_metric('aurc', aurc)}</td></tr>"
+        for name, (auroc, aurc) in qualities.items()
+    ]
     if not rows:
         return ""
-    oracle = metrics.get("aurc_oracle")
-    floor = "" if oracle is None else f" The best any score could reach: AURC {100 * oracle:.2f}."
+    floor = (
+        ""
+        if oracle is None
+        else f" The best any score could reach: AURC {format_metric('aurc', oracle)}."
+    )
     return (
-        "<table><tr><th>confidence score</th><th>AUROC (wrong top-1)</th><th>AURC (%)</th></tr>"
+        f"<table><tr><th>confidence score</th><th>AUROC ({html.escape(error)})</th>"
+        f"<th>{metric_heading('aurc')}</th></tr>"
         + "".join(rows)
         + "</table>"
         + _note(
-            "AUROC: how well the score ranks wrong top-1 answers below right ones (0.5 = chance). "
-            "AURC: mean error rate when only the most confident queries are answered, over all "
+            f"AUROC: how well the score ranks {wrong_answers} below right ones (0.5 = chance). "
+            f"AURC: mean error rate when only the most confident {answers} are answered, over all "
             f"coverage levels (lower is better).{floor}"
         )
+    )
+
+
+def _retrieval_confidence(metrics: dict[str, float]) -> str:
+    """The confidence table of a metric-learning run, from its ``auroc_*``/``aurc_*`` metrics."""
+    qualities = {}
+    for key, name in _CONFIDENCE_SCORES.items():
+        auroc, aurc = metrics.get(f"auroc_{key}"), metrics.get(f"aurc_{key}")
+        if auroc is not None and aurc is not None:
+            qualities[name] = (auroc, aurc)
+    return _confidence_table(
+        qualities, metrics.get("aurc_oracle"), "queries", "wrong top-1", "wrong top-1 answers"
     )
 
 
@@ -356,6 +399,9 @@ def _run_section(index: int, report: RunReport, page: _Page) -> str:
 
     if analysis is None:
         return "\n".join(parts)
+    if isinstance(analysis, ClassificationAnalysis):
+        parts.append(_classification_section(analysis, slug, page))
+        return "\n".join(parts)
     parts.append("<h3>Test-set uncertainty</h3>")
     if analysis.uncertainty is not None:
         parts.append(
@@ -383,7 +429,7 @@ def _run_section(index: int, report: RunReport, page: _Page) -> str:
         parts.append(
             _note("This run has no uncertainty head (plain metric): no test uncertainty levels.")
         )
-    confidence = _confidence_table(analysis.metrics)
+    confidence = _retrieval_confidence(analysis.metrics)
     if confidence:
         parts.append("<h3>Can the answer's confidence be trusted?</h3>")
         parts.append(confidence)
@@ -423,3 +469,134 @@ def _run_section(index: int, report: RunReport, page: _Page) -> str:
         )
     parts.extend(_note(text) for text in analysis.notes)
     return "\n".join(parts)
+
+
+_CLASSIFICATION_METRICS = {
+    "ece": "expected calibration error: mean |accuracy − confidence| over the bins, weighted by "
+    "their share of images (Guo et al. 2017)",
+    "nll": "mean −log p(true class)",
+}
+
+
+def _classification_section(analysis: ClassificationAnalysis, slug: str, page: _Page) -> str:
+    """Metrics, reliability diagram, confusion matrix, risk–coverage, ``||u||`` by condition and
+    the most confident mistakes of a classification run's checkpoint."""
+    names = analysis.class_names
+    metrics = analysis.metrics
+    rows = "".join(
+        f'<tr><td class="text">{html.escape(metric_heading(key))}</td>'
+        f"<td>{format_metric(key, value)}</td>"
+        f'<td class="text">{html.escape(_describe_metric(key))}</td></tr>'
+        for key, value in sorted(metrics.items(), key=lambda item: metric_sort_key(item[0]))
+    )
+    parts = [
+        "<h3>Test metrics</h3>",
+        f'<p class="meta">{analysis.checkpoint} checkpoint, epoch {analysis.epoch}; '
+        f"{len(analysis.labels)} test images, {len(names)} classes.</p>",
+        '<table><tr><th class="text">metric</th><th>value</th><th class="text">meaning</th></tr>'
+        f"{rows}</table>",
+        "<h3>Calibration</h3>",
+        page.figure(
+            figures.reliability_diagram(analysis.calibration, metrics.get("ece")),
+            f"{slug}-reliability",
+            f"Reliability diagram: test images in {len(analysis.calibration.counts)} equal-width "
+            "bins of their max softmax probability; bars: accuracy of each bin, shaded: its gap to "
+            "the bin's mean confidence (the ECE's terms), dashed: perfect calibration (Guo et al. "
+            "2017, Fig. 1).",
+        ),
+        "<h3>Confusion matrix</h3>",
+        page.figure(
+            figures.confusion_matrix_figure(analysis.normalized_confusion, names),
+            f"{slug}-confusion",
+            "Share of each true class (row) predicted as each class (column); the diagonal is "
+            "each class's accuracy.",
+        ),
+    ]
+    confused = analysis.most_confused(10)
+    if confused:
+        counts = analysis.confusion.sum(axis=1)
+        cells = "".join(
+            f'<tr><td class="text">{html.escape(names[t])}</td>'
+            f'<td class="text">{html.escape(names[p])}</td><td>{n}</td>'
+            f"<td>{100 * n / counts[t]:.1f}</td></tr>"
+            for t, p, n in confused
+        )
+        parts.append(
+            f'<p class="meta">The {len(confused)} most frequent confusions, by name:</p>'
+            '<table><tr><th class="text">true class</th><th class="text">predicted as</th>'
+            f"<th>images</th><th>% of the true class</th></tr>{cells}</table>"
+        )
+    selective = analysis.selective
+    qualities = {
+        CLASSIFICATION_SCORES[key]: (q.auroc, q.aurc) for key, q in selective.quality.items()
+    }
+    parts.append("<h3>Can the prediction's confidence be trusted?</h3>")
+    parts.append(
+        _confidence_table(
+            qualities, selective.oracle_aurc, "test images", "wrong prediction", "wrong predictions"
+        )
+    )
+    curves = {CLASSIFICATION_SCORES[k]: c for k, c in selective.curves.items()}
+    parts.append(
+        page.figure(
+            figures.risk_coverage_curves(
+                curves,
+                selective.oracle_aurc,
+                answers="test images",
+                error="misclassified",
+                legend="best",
+            ),
+            f"{slug}-risk-coverage",
+            "Error rate of the predictions kept when only the most confident share of the test "
+            "images is classified, for each confidence score (Geifman & El-Yaniv 2017).",
+        )
+    )
+    if "norm_u" not in selective.quality:
+        parts.append(_note("This run has no uncertainty head, so −||u|| is not a score here."))
+
+    parts.append("<h3>Test-set uncertainty</h3>")
+    if analysis.probe is not None:
+        probe = analysis.probe
+        parts.append(
+            page.figure(
+                figures.uncertainty_by_condition(
+                    {k: v.numpy() for k, v in probe.levels.items()}, probe.auroc
+                ),
+                f"{slug}-uncertainty-conditions",
+                f"||u|| of {probe.levels['clean'].numel()} test images, clean and altered "
+                "(Mixup with a random partner, low resolution ÷4, blur σ 2, a quarter occluded); "
+                "AUROC: how often the altered image gets the larger ||u||.",
+            )
+        )
+    else:
+        parts.append(_note("This run has no uncertainty head: no test uncertainty levels."))
+
+    parts.append("<h3>Most confident mistakes</h3>")
+    if len(analysis.mistakes):
+        ids = analysis.mistakes
+        parts.append(
+            page.figure(
+                figures.mistakes_grid(
+                    analysis.mistake_images,
+                    [names[int(analysis.labels[i])] for i in ids],
+                    [names[int(analysis.predicted[i])] for i in ids],
+                    [float(analysis.confidence[i]) for i in ids],
+                ),
+                f"{slug}-mistakes",
+                f"The {len(ids)} misclassified test images with the highest max softmax "
+                "probability: true class, predicted class and its probability p.",
+            )
+        )
+    parts.extend(_note(text) for text in analysis.notes)
+    return "\n".join(parts)
+
+
+def _describe_metric(key: str) -> str:
+    """One line on what a classification metric is."""
+    if key in _CLASSIFICATION_METRICS:
+        return _CLASSIFICATION_METRICS[key]
+    if key.startswith("top") and key[3:].isdigit():
+        return f"share of test images whose class is among the {key[3:]} largest logits"
+    if key.startswith("u_"):
+        return f"mean ||u|| of the {key[2:]} test images (probe of the run's evaluation)"
+    return ""

@@ -178,13 +178,15 @@ class AnalysisOptions:
     """Mixed test images for the uncertainty histogram."""
     tsne_points: int = 1000
     """Test embeddings in the t-SNE (a random subsample above this)."""
+    mistakes: int = 12
+    """Classification runs: the most confident wrong predictions in the mistakes grid."""
     batch_size: int = 128
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.which not in ("best", "latest"):
             raise ValueError(f"which must be 'best' or 'latest', got {self.which!r}")
-        for name in ("num_queries", "top_k", "max_mixed", "tsne_points", "batch_size"):
+        for name in ("num_queries", "top_k", "max_mixed", "tsne_points", "mistakes", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from idml.config import RUNTIME_KEYS, config_difference, config_to_dict
+from idml.metric_display import format_delta, format_metric, metric_heading
 from idml.reports.runs import RunLog
 
 GROUP_IGNORED_KEYS = RUNTIME_KEYS | {"seed", "name"}
@@ -155,24 +156,23 @@ class SeedTable:
         return mean, std, n, delta
 
     def rows(self) -> list[list[str]]:
-        """Display rows (percent): label, seeds, then ``mean ± std`` and ``Δ`` per metric."""
+        """Display rows: label, seeds, then ``mean ± std`` and ``Δ`` per metric, in the metric's
+        unit (:func:`~idml.metric_display.metric_unit`: % for fractions)."""
         out = []
         for group in self.groups:
             row = [group.label + (" (reference)" if group is self.reference else "")]
             row.append(str(len(group.runs)))
             for metric in self.metrics:
                 mean, std, _, delta = self.cell(group, metric)
-                row.append(_pm(mean, std))
-                row.append("" if math.isnan(delta) else f"{100 * delta:+.2f}")
+                row.append(format_metric(metric, mean, std))
+                row.append(format_delta(metric, delta))
             out.append(row)
         return out
 
     def header(self) -> list[str]:
-        from idml.ablation import metric_label
-
         head = ["method", "seeds"]
         for metric in self.metrics:
-            head += [f"{metric_label(metric)} (%)", "Δ"]
+            head += [metric_heading(metric), "Δ"]
         return head
 
     def markdown(self) -> str:
@@ -183,8 +183,9 @@ class SeedTable:
             "| --- | ---: |" + " ---: |" * (len(head) - 2),
             *("| " + " | ".join(row) + " |" for row in self.rows()),
             "",
-            f"Mean ± sample std over seeds (last evaluation of each run), in %; Δ = mean − mean "
-            f"of {self.reference.label!r}, in percentage points.",
+            "Mean ± sample std over seeds (last evaluation of each run), in each column's unit; "
+            f"Δ = mean − mean of {self.reference.label!r}, in the same unit (percentage points "
+            "for %).",
         ]
         return "\n".join(lines) + "\n"
 
@@ -223,14 +224,6 @@ def seed_table(
     return SeedTable(groups, pick_reference(groups, reference), keys)
 
 
-def _pm(mean: float, std: float) -> str:
-    if math.isnan(mean):
-        return "–"
-    if math.isnan(std):
-        return f"{100 * mean:.2f}"
-    return f"{100 * mean:.2f} ± {100 * std:.2f}"
-
-
 def _num(value: float) -> str:
     return "" if math.isnan(value) else f"{value:.10g}"
 
@@ -258,8 +251,9 @@ def seeds_section(table: SeedTable) -> str:
         f"<table><tr>{head}</tr>\n{body}</table>",
         '<p class="meta">'
         + html.escape(
-            "Mean ± sample std over seeds of each run's last evaluation, in %; Δ = mean − mean of "
-            f"{table.reference.label!r} (the reference), in percentage points. Also in "
+            "Mean ± sample std over seeds of each run's last evaluation, in each column's unit; "
+            f"Δ = mean − mean of {table.reference.label!r} (the reference), in the same unit "
+            "(percentage points for %). Also in "
             "seeds.md and seeds.csv beside this page."
         )
         + "</p>",
