@@ -1,6 +1,7 @@
 """Forward + backward time of every idml loss against pytorch-metric-learning's (pml) implementation.
 
-For each of the eight losses of SPEC §4 (and PEL, which pml does not have) this times, in one process
+For each of the eight losses of :mod:`idml.losses` (and PEL, which pml does not have) this times,
+in one process
 and interleaved repeat by repeat:
 
 - **pml**: the pml loss with its miner, 240 images, integer labels;
@@ -157,7 +158,7 @@ def ours_runner(loss: nn.Module, with_uncertainty: bool) -> Callable[[Batch], Te
 
 
 def build_cases(seed: int) -> list[Case]:
-    """Every loss with SPEC §4 defaults, pml configured to match; proxies shared between them."""
+    """Every loss with its default hyper-parameters, pml configured to match; proxies shared."""
     torch.manual_seed(seed)
     cases: list[Case] = []
 

@@ -128,7 +128,11 @@ def recipe(dataset: str, loss: str, variant: str) -> dict[str, Any]:
 
 
 def official(dataset: str) -> dict[str, Any]:
-    """The authors' released IDML-ProxyAnchor code, reproduced with its quirks (SPEC §3)."""
+    """The authors' released IDML-ProxyAnchor code, reproduced with its quirks.
+
+    Only ProxyAnchor has ISM there, with squared norms in the exponent, ``γ = 4`` and ``τ = 5`` fixed,
+    ``δ`` between unnormalised proxies and samples, and an L2-normalised ``u`` (README, "Presets").
+    """
     cfg = recipe(dataset, "proxy_anchor", "idml")
     cfg["name"] = f"{dataset}-proxy_anchor-official"
     cfg["model"]["uncertainty"] = {"enabled": True, "form": "linear", "normalize": True}

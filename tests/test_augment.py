@@ -1,4 +1,5 @@
-"""Uncertainty-generating augmentations: Mixup with set labels and the Table 3 degradations (SPEC §5)."""
+"""Uncertainty-generating augmentations: Mixup with set labels and the degradations of
+Wang et al. 2022, Table 3 (low resolution, blur, occlusion)."""
 
 from __future__ import annotations
 

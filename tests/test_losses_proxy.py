@@ -35,7 +35,7 @@ SEEDS = [0, 1, 2]
 
 
 def make_ours(kind: str, num_classes: int, **kwargs: object) -> ProxyLoss:
-    """Our loss with the SPEC defaults."""
+    """Our loss with its default hyper-parameters."""
     if kind == "softmax":
         return NormalizedSoftmaxLoss(num_classes, DIM, **kwargs)  # type: ignore[arg-type]
     if kind == "nca":
@@ -251,7 +251,7 @@ def test_ism_uncertainty_weakens_proxy_anchor_pull() -> None:
 
 @pytest.mark.parametrize("kind", ["softmax", "nca", "anchor"])
 def test_ism_large_uncertainty_shrinks_semantic_gradient(kind: str) -> None:
-    """Uncertain images pull less on the network (SPEC §3): the semantic gradient vanishes as ||u|| grows."""
+    """Uncertain images pull less (IDML, TPAMI Eq. 19–20): the semantic gradient vanishes as ||u|| grows."""
     num_classes, label_list = LABEL_CASES["4x5"]
     labels = torch.tensor(label_list)
     x = torch.randn(

@@ -1,4 +1,4 @@
-"""Plain metrics and the introspective similarity metric (ISM, IDML eq. 5–7, SPEC §3)."""
+"""Plain metrics and the introspective similarity metric (ISM, IDML Eq. 4–6 and TPAMI Eq. 7)."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_plain_distance_gradient_is_finite_at_zero_distance() -> None:
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 3.0])
 @pytest.mark.parametrize("tau", [1.0, 5.0])
 def test_derivative_in_alpha_is_g_of_y(gamma: float, tau: float) -> None:
-    """dD_IN/dα = e^{−y}(1 + y), y = (β + γ)/(τα) (SPEC §3), by autograd with α a leaf."""
+    """dD_IN/dα = e^{−y}(1 + y), y = (β + γ)/(τα) (IDML, TPAMI Eq. 19–20), by autograd with α a leaf."""
     metric = ism("distance", gamma=gamma, tau=tau)
     alpha = torch.tensor([0.05, 0.3, 0.9, 1.4, 1.99], dtype=F64).repeat(4).requires_grad_(True)
     beta = torch.tensor([0.0, 0.2, 1.0, 4.0], dtype=F64).repeat_interleave(5)
@@ -213,7 +213,7 @@ def test_finite_value_and_gradient_at_zero_distance(cfg: dict) -> None:
         grads = torch.autograd.grad(value.sum(), [sem, unc], allow_unused=True)
         assert all(g is None or torch.isfinite(g).all() for g in grads)
     matrix = metric(sem, ux=unc).detach()
-    if cfg["variant"] == "soft":  # D → 0 and S → 1 as α → 0 (SPEC §3)
+    if cfg["variant"] == "soft":  # D → 0 and S → 1 as α → 0
         target = 1.0 if cfg["base"] == "similarity" else 0.0
         # Not rounding: α of a duplicate pair is ~√ε·|x| ≈ 1e-8 in float64 and floored at 10⁻⁶, so
         # |D| and |1 − S| stay below 10⁻⁶.
@@ -390,7 +390,7 @@ def reference_weaken(
     tau: float,
     power: int,
 ) -> Tensor:
-    """``t + (P − t)·exp(−(β^p + γ)/(τ·max(α, 10⁻⁶)^p))`` with autograd ops (SPEC §3)."""
+    """``t + (P − t)·exp(−(β^p + γ)/(τ·max(α, 10⁻⁶)^p))`` with autograd ops."""
     y = (beta**power + gamma) / (tau * alpha.clamp_min(1e-6) ** power)
     # The limit at full uncertainty: soft forms go to "alike", ISM-Dis to "unlike" (d_max = 2).
     limits = {("soft", False): 0.0, ("soft", True): 1.0, ("dissimilar", False): 2.0}

@@ -1,4 +1,5 @@
-"""Backbones, pooling, heads, frozen BatchNorm and pretrained-weight handling (SPEC §3, §7, §10)."""
+"""Backbones, pooling, heads, frozen BatchNorm and pretrained-weight handling (missing weights are
+an error that names the file to provide)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of SSR (Fu et al. 2021; SPEC §6): graded transforms, ranking head, ranking loss, module."""
+"""Tests of SSR (Fu et al. 2021): graded transforms, ranking head, ranking loss, module."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def digits() -> Tensor:
 def numpy_ranking(
     s_matrix: np.ndarray, scale: float, margin: float, boundary: float
 ) -> tuple[float, float]:
-    """Reference L_sort, L_pos with plain numpy sums (SPEC §6)."""
+    """Reference L_sort, L_pos with plain numpy sums (Fu et al. 2021, eq. 14 and 16)."""
     gaps = s_matrix[:, 1:] - s_matrix[:, :-1] + margin
     sort = np.log(1.0 + np.exp(scale * gaps).sum(axis=1)) / scale
     pos = np.log(1.0 + np.exp(-scale * (s_matrix - boundary)).sum(axis=1)) / scale

@@ -1,4 +1,4 @@
-"""Label relations: positives iff label sets intersect, for pairs and proxies (SPEC §2)."""
+"""Label relations: positives iff label sets intersect, for pairs and proxies (IDML's set labels)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Uncertainty-generating augmentations on batches of ``[0, 1]`` images (SPEC §5).
+"""Uncertainty-generating augmentations on batches of ``[0, 1]`` images.
 
 - :class:`Mixup` (Zhang et al. 2018, with IDML's *set labels*, Wang et al. 2022 §III-C): for a mixed
   image ``x_m = λ·x_a + (1 − λ)·x_b`` with ``λ ~ Beta(a, a)`` and the partner ``b`` given by a random
@@ -122,7 +122,7 @@ def _coerce_labels(labels: Tensor | LabelSets, images: Tensor) -> LabelSets:
 
 # --------------------------------------------------------------------------- results
 class MixupMode(str, enum.Enum):
-    """How mixed images enter the loss (SPEC §4)."""
+    """How mixed images enter the loss: extra rows with set labels (default), or interpolation."""
 
     SET = "set"
     """Set labels ``{l_a, l_b}`` in one batch with the originals (the paper; default)."""
@@ -221,7 +221,7 @@ class UncertaintyAugmentation(Protocol):
 # --------------------------------------------------------------------------- Mixup
 @dataclass(frozen=True)
 class Mixup:
-    """Mixup with set labels (Zhang et al. 2018; Wang et al. 2022 §III-C; SPEC §5).
+    """Mixup with set labels (Zhang et al. 2018; Wang et al. 2022 §III-C).
 
     Draws ``M`` distinct source rows ``a`` (kept in batch order), partners ``b = π(a)`` for a random
     permutation ``π`` of the batch, and ``λ ~ Beta(alpha, alpha)``; appends

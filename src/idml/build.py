@@ -330,8 +330,8 @@ def evaluate(
     nmi_backend: str | None = None,
     **settings: Any,
 ) -> EvaluationReport:
-    """Test-set evaluation of SPEC §9 with the run's ``eval.*`` settings (ISM at test time only
-    when ``eval.introspective`` and the run was trained with ISM).
+    """Test-set evaluation (:func:`idml.evaluation.evaluate_embeddings`) with the run's ``eval.*``
+    settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM).
 
     ``ks``, ``introspective``, ``nmi`` and ``nmi_backend`` override their ``eval.*`` keys when
     given; ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) go to

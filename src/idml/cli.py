@@ -81,7 +81,8 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         "evaluate",
         help="retrieval metrics of embeddings or of a trained run",
         description="Recall@K, R-Precision, MAP@R, MAP, MRR, NMI and ||u|| of saved embeddings "
-        "(.npy/.npz/.pt/.safetensors), exact and blocked (SPEC §9).",
+        "(.npy/.npz/.pt/.safetensors), exact and blocked, with the conventions of the DML literature "
+        "(Musgrave et al. 2020).",
     )
     src = p.add_argument_group("input")
     src.add_argument(
@@ -278,7 +279,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         description="Train and evaluate a run. Several GPUs or nodes: start it with torchrun, e.g. "
         "`torchrun --nproc_per_node=8 -m idml train CONFIG` (see the README).",
     )
-    p.add_argument("config", type=Path, help="YAML config, e.g. configs/idml/cub_proxy_anchor.yaml")
+    p.add_argument(
+        "config", type=Path, help="YAML config, e.g. configs/idml/cub_proxy_anchor_idml.yaml"
+    )
     _add_overrides(p, "override a config value, e.g. --set optim.epochs=10 (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")

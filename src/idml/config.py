@@ -47,7 +47,7 @@ DatasetName = Literal["digits", "fashion_mnist", "omniglot", "cub", "cars", "sop
 
 
 class DataConfig(Section):
-    """Where images come from and how they are shaped (SPEC §7, §8)."""
+    """Where images come from and how they are shaped (layouts: README, "Data layouts")."""
 
     dataset: DatasetName = "digits"
     root: Path | None = Field(None, description="dataset folder (or CSV file); unused for digits")
@@ -162,7 +162,7 @@ class UncertaintyHeadConfig(Section):
 
 
 class ModelConfig(Section):
-    """Backbone, pooling and heads (SPEC §7)."""
+    """Backbone, pooling and heads (:func:`idml.models.build_model`)."""
 
     backbone: BackboneName = "resnet50"
     pretrained: bool | Path = Field(
@@ -179,7 +179,7 @@ class ModelConfig(Section):
 
 # --------------------------------------------------------------------------- metric and losses
 class MetricConfig(Section):
-    """The metric every loss is written against; ``introspective`` switches on ISM (SPEC §3)."""
+    """The metric every loss is written against; ``introspective`` switches on ISM (IDML Eq. 6)."""
 
     introspective: bool = False
     gamma: float = Field(0.0, ge=0, description="introspective bias γ")
@@ -284,7 +284,7 @@ LOSS_CONFIGS: dict[str, type[Section]] = {
 
 # --------------------------------------------------------------------------- augmentations
 class MixupConfig(Section):
-    """Mixup with set labels (SPEC §5); ``interpolate`` is the official code's loss interpolation."""
+    """Mixup with set labels (IDML Sec. III-C); ``interpolate``: the official code's loss interpolation."""
 
     enabled: bool = False
     alpha: float = Field(1.0, gt=0, description="λ ~ Beta(alpha, alpha)")
@@ -307,7 +307,7 @@ class DegradationConfig(Section):
 
 # --------------------------------------------------------------------------- SSR
 class SSRSection(Section):
-    """Self-supervised ranking auxiliary task (SPEC §6); ``task`` holds its hyper-parameters.
+    """Self-supervised ranking auxiliary task (SSR, Fu et al. 2021); ``task`` holds its settings.
 
     ``task`` is :class:`idml.ranking.SSRConfig` (M, s, α_r, β_r, λ_r, γ_r, p_task, scheduling and
     the graded transforms' magnitudes and strength schedule under ``task.transforms``).
@@ -319,7 +319,7 @@ class SSRSection(Section):
 
 # --------------------------------------------------------------------------- optimisation
 class OptimConfig(Section):
-    """AdamW with parameter groups, schedules, warm-up and clipping (SPEC §7)."""
+    """AdamW with parameter groups, schedules, warm-up and clipping (recipes: README, "Presets")."""
 
     epochs: int = Field(60, gt=0)
     lr: float = Field(1e-4, gt=0)
@@ -365,7 +365,7 @@ class OptimConfig(Section):
 
 
 class EvalConfig(Section):
-    """Evaluation during training (SPEC §9)."""
+    """Evaluation during training, as :func:`idml.evaluation.evaluate_embeddings` does it."""
 
     every: int = Field(1, gt=0, description="evaluate every N epochs (and after the last)")
     ks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
@@ -549,11 +549,6 @@ class Config(Section):
         if "kind" not in self.sampler.model_fields_set:
             self.sampler.kind = "random"
         return self
-
-    @property
-    def idml(self) -> bool:
-        """IDML = ISM + an uncertainty head (Mixup is its usual companion)."""
-        return self.metric.introspective
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,8 +1,8 @@
 """The typed container for what an encoder produces for a batch of images.
 
 IDML gives every image a *semantic* embedding ``s ∈ R^d`` and an *uncertainty* embedding
-``u ∈ R^{d_u}`` (SPEC §2). Plain DML has only ``s``. The uncertainty level reported for an image is
-``||u||``.
+``u ∈ R^{d_u}`` (IDML, Wang et al., Sec. III: ``y_IN = {s, u}``). Plain DML has only ``s``. The
+uncertainty level reported for an image is ``||u||``.
 
 Example:
     >>> import torch

@@ -4,14 +4,15 @@ Every loss is written once against a :class:`Metric`. A metric maps two sets of 
 (and, for ISM, their uncertainty embeddings) to a matrix ``M[i, j]``; ``is_similarity`` says whether
 larger means more alike (cosine, ``S_IN``) or less alike (distance, ``D_IN``).
 
-The introspective similarity metric (IDML paper, eq. 5–7; SPEC §3) weakens the semantic discrepancy of
-a pair by its joint uncertainty ``β_ij = ||u_i + u_j||``::
+The introspective similarity metric (IDML, Wang et al.: Eq. 5–6; similarity form: TPAMI Eq. 7)
+weakens the semantic discrepancy of a pair by its joint uncertainty ``β_ij = ||u_i + u_j||``::
 
     y      = (β^p + γ) / (τ · α^p)                         (relative uncertainty β̃/τ; p = power)
     D_IN   = α · exp(−y)                                   (distance form)
     S_IN   = 1 − (1 − C) · exp(−y)                         (similarity form, α → δ = ||ŝ_i − ŝ_j||)
 
-``dD_IN/dα = e^{−y}(1 + y) ∈ (0, 1]`` for ``p = 1``: certain pairs train as with the plain metric,
+``dD_IN/dα = e^{−y}(1 + y) ∈ (0, 1]`` for ``p = 1`` (the gradient analysis of IDML, TPAMI Eq. 19–20
+and Fig. 6): certain pairs train as with the plain metric,
 uncertain pairs pull less. With ``γ = 0`` and ``u ≡ 0`` ISM equals the plain metric exactly.
 
 ``β`` must live on the scale of ``τ·α`` (``α ≤ 2`` on the unit sphere): an uncertainty embedding with
@@ -46,14 +47,15 @@ _EPS = 1e-12
 
 
 class ISMVariant(str, enum.Enum):
-    """Which form of the introspective metric to use (SPEC §3 "Variants")."""
+    """Which form of the introspective metric to use (all three are IDML's: Eq. 4, Eq. 6, ISM-Dis)."""
 
     SOFT = "soft"
-    """The paper's differentiable form ``α·exp(−β̃/τ)``."""
+    """The paper's differentiable form ``α·exp(−β̃/τ)`` (IDML Eq. 6)."""
     STRICT = "strict"
-    """The indicator form ``α·1[α − β − γ > 0]`` (not differentiable in β; ablation only)."""
+    """The indicator form ``α·1[α − β − γ > 0]`` (IDML Eq. 4; not differentiable in β; ablation only)."""
     DISSIMILAR = "dissimilar"
-    """ISM-Dis: uncertainty pushes pairs toward the *maximal* distance (ablation; worse in the paper)."""
+    """ISM-Dis: uncertainty pushes pairs toward the *maximal* distance (ablation; worse in the paper:
+    Wang et al. 2022, "Introspective Deep Metric Learning for Image Retrieval", Table 4)."""
 
 
 def safe_norm_from_squares(squared: Tensor) -> Tensor:
@@ -71,8 +73,8 @@ class _SafeSqrt(torch.autograd.Function):
     """The node behind :func:`safe_norm_from_squares`.
 
     ``threshold`` zeroes ``s ≤ 10⁻¹²`` and the backward divides by ``2√s`` with 0 turned into
-    ``+inf``: the values and gradients of the former ``clamp``/``where``/``sqrt`` chain, without its
-    boolean ``where`` passes (each about as slow as ten float passes on the CPU).
+    ``+inf``: the values and gradients of ``where(s > 10⁻¹², √s, 0)`` without boolean ``where``
+    passes, each of which costs several float passes on the CPU (``benchmarks/RESULTS.md``, Losses).
     """
 
     @staticmethod
@@ -120,8 +122,8 @@ class _JointUncertainty(torch.autograd.Function):
 
     For self-pairs (``v`` omitted, ``v = u``) both sides add up to
     ``∂L/∂u = rowsum(W + Wᵀ) ⊙ u + (W + Wᵀ)·u``: one matrix product instead of autograd's two, and
-    no ``n×d_u`` broadcasts for the squared norms (240 × 512: about 3.7 instead of 7.7 ms CPU time
-    for forward + backward).
+    no ``n×d_u`` broadcasts for the squared norms, which roughly halves the time of forward +
+    backward (``benchmarks/RESULTS.md``, Losses).
     """
 
     @staticmethod
@@ -176,7 +178,8 @@ class _RowNorm(torch.autograd.Function):
 def pairwise_uncertainty(
     ux: Tensor | None, uy: Tensor | None, n: int, m: int, like: Tensor
 ) -> Tensor:
-    """Joint uncertainty ``β_ij = ||u_i + u_j||`` (added *before* the norm; IDML eq. 5, SPEC §2),
+    """Joint uncertainty ``β_ij = ||u_i + u_j||`` (added *before* the norm; IDML, defined
+    with ``α`` just before Eq. 3),
     shape ``(n, m)``.
 
     A missing side (e.g. class proxies) has zero uncertainty, so ``β_ij = ||u_i||``. Passing the same
@@ -221,7 +224,7 @@ def _negative_relative_uncertainty(
 
 
 class _Weakening(torch.autograd.Function):
-    """The soft and dissimilar ISM forms as one autograd node (IDML eq. 5–7, SPEC §3).
+    """The soft and dissimilar ISM forms as one autograd node (IDML Eq. 5–6; TPAMI Eq. 7).
 
     With ``P`` the plain value (``α`` or ``C``), ``t`` the limit at full uncertainty (0 for ``D_IN``,
     1 for ``S_IN``, ``d_max`` and −1 for ISM-Dis) and ``y = (β^p + γ)/(τ·α_c^p)``,
@@ -240,9 +243,8 @@ class _Weakening(torch.autograd.Function):
     ``dD_IN/dα = e^{−y}(1 + p·y)`` and ``dD_IN/dβ = −α·e^{−y}·p·β^{p−1}/(τ·α^p)``; for ``S_IN``,
     ``∂S/∂C = e^{−y}``, ``∂S/∂δ = −(1 − C)·e^{−y}·p·y/δ``, ``∂S/∂β = (1 − C)·e^{−y}·p·β^{p−1}/(τ·δ^p)``.
     Both gradients share ``s = −q/(τ·α_c^p)``: ``∂L/∂β = p·β^{p−1}·s`` and
-    ``∂L/∂α = −p·τ·α_c^{p−1}·y·s``. One node with about eight elementwise passes replaces a chain of
-    autograd nodes (on a 240 × 240 matrix, forward + backward of ``D_IN`` went from about 1.7 to
-    1.1 ms CPU time). Not twice differentiable.
+    ``∂L/∂α = −p·τ·α_c^{p−1}·y·s``. One node with about eight elementwise passes, fewer than a chain
+    of autograd nodes needs (``benchmarks/RESULTS.md``, Losses). Not twice differentiable.
 
     With ``alpha=None`` the plain value is a cosine and ``α`` is the chord between the unit vectors,
     ``δ = √max(2 − 2C, 10⁻¹²)`` (``||x̂ − ŷ||² = 2 − 2C``), computed inside; its gradient
@@ -272,7 +274,8 @@ class _Weakening(torch.autograd.Function):
         else:
             factor = torch.expm1(neg_y)
             # (P − t)·expm1(−y) + P in place. Not addcmul: its fused multiply-add rounds once and
-            # would move values by an ulp from the two-step formula the tests and old runs used.
+            # would move values by an ulp from the two-step formula that the tests pin and that
+            # stored runs were computed with.
             out = (plain - target).mul_(factor).add_(plain)
         ctx.params = (tau, power, target, multiplicative)
         ctx.plain_is_alpha = plain is alpha and plain.shape == out.shape and gap is None
@@ -432,7 +435,7 @@ class CosineSimilarity(Metric):
 
 
 class IntrospectiveMetric(Metric):
-    """The introspective similarity metric wrapped around a plain metric (IDML eq. 5–7, SPEC §3).
+    """The introspective similarity metric wrapped around a plain metric (IDML Eq. 5–6; TPAMI Eq. 7).
 
     Args:
         base: :class:`EuclideanDistance` (distance form ``D_IN``) or :class:`CosineSimilarity`
@@ -521,7 +524,7 @@ class IntrospectiveMetric(Metric):
 
     def _smooth_weaken(self, plain: Tensor, alpha: Tensor | None, beta: Tensor) -> Tensor:
         """The soft or dissimilar form; ``alpha=None``: the chord of the cosine ``plain``."""
-        # The value the metric tends to as the pair's uncertainty grows (SPEC §3): soft forms pull
+        # The value the metric tends to as the pair's uncertainty grows: soft forms pull
         # toward "alike" (D → 0, S → 1), ISM-Dis toward "unlike" (D → d_max, S → −1).
         if self.variant is ISMVariant.SOFT:
             target = 1.0 if self.is_similarity else 0.0

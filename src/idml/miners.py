@@ -6,7 +6,8 @@ multi-similarity) or :class:`TripletIndices` for triplet losses (triplet, margin
 ``torch.no_grad`` on a detached matrix: it selects terms, gradients flow only through the loss.
 
 Positives and negatives always come from :class:`~idml.relations.LabelSets`, so Mixup *set labels*
-work unchanged (two images are positives iff their label sets intersect, SPEC §2); no miner looks
+work unchanged (two images are positives iff their label sets intersect, as IDML defines for
+Mixup); no miner looks
 at integer labels.
 
 Every miner is written once in *similarity orientation*: a distance ``D`` is mined as ``−D``, so

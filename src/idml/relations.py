@@ -1,9 +1,9 @@
 """Label relations: which samples (and which class proxies) are positives of each other.
 
 Every loss consumes relations, never raw integer labels, so that Mixup *set labels* work everywhere
-(SPEC §2). An image carries a set of up to ``K`` labels; an original image has the singleton ``{l}``,
-a mixed image ``x_m = λ·x_a + (1−λ)·x_b`` has ``{l_a, l_b}``. Two images are positives iff their
-label sets intersect.
+(IDML, Wang et al., Sec. III-C: ``l_i = l_j`` iff ``l_i ∩ l_j ≠ ∅``). An image carries a set of up
+to ``K`` labels; an original image has the singleton ``{l}``, a mixed image ``x_m = λ·x_a +
+(1−λ)·x_b`` has ``{l_a, l_b}``. Two images are positives iff their label sets intersect.
 
 Example:
     >>> import torch
@@ -136,7 +136,7 @@ class LabelSets:
         """``(B, B')`` boolean matrix: the label sets of ``i`` and ``j`` intersect (self included)."""
         other = self if other is None else other
         a, b = self.labels, other.labels
-        # One (B, B') comparison per pair of label slots (K·K' ≤ 4) is ~3x cheaper than a
+        # One (B, B') comparison per pair of label slots (K·K' ≤ 4) is cheaper than a
         # (B, K, B', K') tensor reduced twice. Padding in ``a`` becomes PAD - 1, which matches
         # nothing in ``b`` (labels >= 0 or PAD), so no validity mask is needed.
         a = torch.where(a >= 0, a, PAD - 1)

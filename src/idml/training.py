@@ -126,9 +126,17 @@ class Trainer:
             when no progress bars are shown.
 
     Example:
+        One epoch of the ``idml demo`` baseline (scikit-learn's digits, a small CNN), in a
+        throw-away folder; a preset from ``configs/`` loads the same way, by its path:
+
+        >>> import tempfile
         >>> from idml.config import load_config
-        >>> cfg = load_config("configs/demo/digits_baseline.yaml", ["optim.epochs=1"])  # doctest: +SKIP
-        >>> Trainer(cfg, Path("runs/demo")).fit()  # doctest: +SKIP
+        >>> from idml.demo import DEMO_BASE
+        >>> cfg = load_config(None, [*DEMO_BASE, "optim.epochs=1", "eval.every=1"])
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     result = Trainer(cfg, Path(folder) / "run", progress=False).fit()
+        >>> result.best_epoch, "recall@1" in result.final_metrics
+        (0, True)
     """
 
     def __init__(

@@ -1,10 +1,11 @@
 """Data for deep metric learning: class-disjoint splits, datasets, samplers and transforms.
 
 - :func:`load_split` (dispatch on :class:`DatasetName`) returns a :class:`DMLSplit` of two
-  :class:`ImageDataset` s yielding ``(image float C×H×W in [0, 1], label, index)`` (SPEC §8).
+  :class:`ImageDataset` s yielding ``(image float C×H×W in [0, 1], label, index)``, train and test
+  classes disjoint (README, "Data layouts").
 - :class:`ClassBalancedBatchSampler` (P classes × K images) and :class:`RandomBatchSampler`,
-  deterministic in ``(seed, epoch)`` (SPEC §7).
-- :func:`build_transforms`: the DML paper recipe with configurable sizes (SPEC §7).
+  deterministic in ``(seed, epoch)``.
+- :func:`build_transforms`: the DML paper recipe with configurable sizes.
 """
 
 from idml.data.datasets import (

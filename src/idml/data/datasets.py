@@ -2,7 +2,7 @@
 
 Every dataset yields ``(image, label, index)``: ``image`` a float tensor ``C×H×W`` in ``[0, 1]``
 (*not* normalised — the model applies its backbone's normalisation in ``forward``, so pixel
-augmentations such as Mixup, blur and SSR's graded transforms all act on ``[0, 1]`` images, SPEC §5–6),
+augmentations such as Mixup, blur and SSR's graded transforms all act on ``[0, 1]`` images),
 ``label`` the class remapped to ``0..C−1`` within the split, and ``index`` the position of the image
 in the dataset (so exported embeddings can be traced back to files). The original class ids of the
 source are kept in :attr:`ImageDataset.class_ids` and :attr:`ImageDataset.classes`.
@@ -389,7 +389,8 @@ class ArrayImageDataset(ImageDataset):
 
 @dataclass(frozen=True)
 class DMLSplit:
-    """A class-disjoint train/test pair: the zero-shot protocol of deep metric learning (SPEC §8).
+    """A class-disjoint train/test pair: the zero-shot protocol of deep metric learning
+    (test classes unseen in training; e.g. IDML and SSR, "Datasets": CUB's first 100 classes train).
 
     Construction checks that neither side is empty and that no original class id is on both
     sides; labels are remapped to ``0..C−1`` independently within each side.

@@ -1,8 +1,8 @@
-"""Loaders of the file-based DML benchmarks and of generic image collections (SPEC §8).
+"""Loaders of the file-based DML benchmarks and of generic image collections (README, "Data layouts").
 
 Each loader parses its annotation files into :class:`~idml.data.records.ImageRecords`, validates
-them (SPEC §10: missing files, malformed or mismatched label files, classes with too few images)
-and returns a class-disjoint :class:`~idml.data.datasets.DMLSplit`:
+them (missing files, malformed or mismatched label files and classes with too few images are errors
+that name the file and the fix) and returns a class-disjoint :class:`~idml.data.datasets.DMLSplit`:
 
 - **CUB-200-2011** (Wah et al. 2011): classes 1–100 train, 101–200 test. ``train_test_split.txt`` is
   the *classification* split and is never read.

@@ -1,7 +1,7 @@
 """Real image data that needs no network: scikit-learn's digits and Debian's Fashion-MNIST.
 
-Both follow the zero-shot DML protocol of SPEC §8: the first half of the classes (by class id)
-train, the rest test. They are small enough to hold in memory as ``uint8`` arrays, so they are
+Both follow the zero-shot DML protocol (train and test classes disjoint): the first half of the
+classes (by class id) train, the rest test. They are small enough to hold in memory as ``uint8`` arrays, so they are
 :class:`~idml.data.datasets.ArrayImageDataset` s. Options:
 
 - ``per_class``: keep at most this many images of each class, drawn at random with ``seed``

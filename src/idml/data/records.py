@@ -2,9 +2,10 @@
 
 Every file-based loader (CUB, Cars196, SOP, folder, CSV) parses its annotation files into one
 :class:`ImageRecords` table — a path, an *original* class id and optionally a bounding box per
-image — and then splits it by class into the train and test halves of a DML split (SPEC §8). The
-checks that SPEC §10 asks of bad input live here so that every loader applies them the same way:
-missing files, classes with too few images, malformed annotation lines.
+image — and then splits it by class into the train and test halves of a DML split. The
+checks of bad input live here so that every loader applies them the same way, each an error that
+names the file and the fix rather than a silently wrong split: missing files, classes with too few
+images, malformed annotation lines.
 
 Example:
     >>> import numpy as np
@@ -110,7 +111,8 @@ class ImageRecords:
     def split_by_class(self, train_class_ids: np.ndarray) -> tuple[ImageRecords, ImageRecords]:
         """``(train, test)``: images whose original class is in ``train_class_ids``, and the rest.
 
-        A DML split is by class, never by image (SPEC §8), so the two halves share no class.
+        A DML split is by class, never by image (the benchmarks' zero-shot protocol), so the two
+        halves share no class.
         """
         in_train = np.isin(self.class_ids, np.asarray(train_class_ids, dtype=np.int64))
         return self.take(in_train), self.take(~in_train)
@@ -133,7 +135,7 @@ class ImageRecords:
         """Raise ``ValueError`` naming the classes with fewer than ``minimum`` images.
 
         A class with a single image has no positive pair: it cannot train a metric and, in a test
-        set, cannot be queried (SPEC §10).
+        set, cannot be queried; this check names such classes instead of keeping them silently.
         """
         if minimum < 1:
             raise ValueError(f"min_images_per_class must be >= 1, got {minimum}")

@@ -24,7 +24,7 @@ from idml.data.omniglot import load_omniglot
 
 
 class DatasetName(str, Enum):
-    """The datasets :func:`load_split` knows (SPEC §8)."""
+    """The datasets :func:`load_split` knows (layouts: README, "Data layouts")."""
 
     CUB = "cub"
     CARS = "cars"

@@ -1,4 +1,4 @@
-"""Batch samplers: random batches, and class-balanced batches of P classes × K images (SPEC §7).
+"""Batch samplers: random batches, and class-balanced batches of P classes × K images.
 
 Pair- and proxy-based DML losses need positives in every batch; the class-balanced sampler
 guarantees ``K`` images of each of ``P`` distinct classes per batch (the "P×K" batches of

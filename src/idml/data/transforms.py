@@ -1,11 +1,11 @@
 """Image transforms: the DML paper recipe as torchvision v2 pipelines producing float ``[0, 1]``.
 
-The recipe of SPEC §7 (the DML convention of Kim et al. 2020, ProxyAnchor, which the IDML code
-builds on): train ``RandomResizedCrop(224)`` + horizontal flip; test ``Resize(256)`` +
-``CenterCrop(224)``. The IDML and SSR papers' text (Wang et al. 2022, "Implementation details";
-Fu et al. 2022) describe the train crop as "resize to 256×256, then random crop 224"; that variant
-is ``train_crop="resize_random"``. Sizes are parameters so that small data (digits at 32 px) uses
-the same recipe scaled down; the resize defaults to the recipe's ratio ``256/224`` of the crop.
+The default recipe (the DML convention of Kim et al. 2020, ProxyAnchor, which the IDML code builds
+on): train ``RandomResizedCrop(224)`` + horizontal flip; test ``Resize(256)`` + ``CenterCrop(224)``.
+The IDML and SSR papers' text (Wang et al. 2022, "Implementation details"; Fu et al. 2021,
+"Implementation Details") describe the train crop as "resize to 256×256, then random crop 224"; that
+variant is ``train_crop="resize_random"``. Sizes are parameters so that small data (digits at 32 px)
+uses the same recipe scaled down; the resize defaults to the recipe's ratio ``256/224`` of the crop.
 
 No normalisation happens here: the model normalises for its backbone inside ``forward``, so pixel
 augmentations (Mixup, blur, SSR's graded transforms) work on ``[0, 1]`` images. Geometric steps
@@ -33,7 +33,7 @@ PAPER_IMAGE_SIZE = 224
 PAPER_RESIZE_SIZE = 256
 
 TrainCrop = Literal["random_resized", "resize_random"]
-"""``random_resized``: RandomResizedCrop (SPEC §7); ``resize_random``: square resize + RandomCrop."""
+"""``random_resized``: RandomResizedCrop (the default); ``resize_random``: square resize + RandomCrop."""
 
 
 def eval_resize_size(image_size: int) -> int:
@@ -111,5 +111,5 @@ def build_transforms(
 
 
 def paper_transforms(train: bool) -> v2.Compose:
-    """The papers' exact recipe: 224-pixel crops, test resize 256 (SPEC §7)."""
+    """The papers' exact recipe: 224-pixel crops, test resize 256."""
     return build_transforms(train, PAPER_IMAGE_SIZE, PAPER_RESIZE_SIZE)

@@ -5,8 +5,8 @@ Entry point: :func:`evaluate_embeddings` → :class:`EvaluationReport` (``.metri
 plus the rank of every relevant item, never an N×N matrix), :func:`faiss_search` (approximate,
 optional ``faiss`` extra), :class:`RankAccumulator` (Recall@K, R-Precision, MAP@R, MAP, MRR,
 precision–recall from ranks), :func:`nmi_score`, :func:`summarize_uncertainty` and the file readers
-:func:`load_embedding_file` / :func:`load_labels`. Conventions: SPEC §9 and
-:mod:`idml.evaluation.knn`.
+:func:`load_embedding_file` / :func:`load_labels`. Conventions: those of the DML
+literature (Musgrave et al. 2020, "A Metric Learning Reality Check"), listed in :mod:`idml.evaluation.knn`.
 """
 
 from idml.evaluation.clustering import kmeans_assign, nmi_score

@@ -1,4 +1,4 @@
-"""Clustering quality: NMI of k-means clusters against the class labels (SPEC §9).
+"""Clustering quality: NMI of k-means clusters against the class labels.
 
 ``NMI = I(Y; Ω) / ((H(Y) + H(Ω)) / 2)`` (arithmetic normalisation, scikit-learn's default) between
 the labels ``Y`` and the k-means assignment ``Ω`` with as many clusters as classes, as in Oh Song
@@ -175,7 +175,7 @@ def _closest(x: Tensor, centroids: Tensor, candidates: Tensor) -> Tensor:
     for i in range(0, len(x), _CHUNK):
         cand = candidates[i : i + _CHUNK]
         safe = cand.clamp_min(0)
-        # index_select copies whole centroid rows (a third faster than advanced indexing); the
+        # index_select copies whole centroid rows (faster than advanced indexing); the
         # batched product is then one (k × d)·(d × 1) per point.
         gathered = centroids.index_select(0, safe.reshape(-1)).view(*safe.shape, -1)
         dots = torch.bmm(gathered, x[i : i + _CHUNK].unsqueeze(2)).squeeze(2)

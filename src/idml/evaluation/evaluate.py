@@ -7,7 +7,7 @@ and, for IDML models, a summary of the uncertainty levels ``||u||``
 (:mod:`idml.evaluation.uncertainty`). The trainer calls it after each epoch; ``idml evaluate``
 calls it on embedding files.
 
-Conventions (SPEC §9): L2-normalised semantic embeddings, cosine (or Euclidean) ranking with the
+Conventions of the DML literature: L2-normalised semantic embeddings, cosine (or Euclidean) ranking with the
 query excluded by index, Recall@K, R-Precision and MAP@R as in Musgrave et al. 2020 (MAP@R divides
 by R), queries alone in their class excluded and counted. ``introspective_metric`` ranks with the
 introspective similarity metric on semantic + uncertainty embeddings instead (IDML paper, Table 5
@@ -328,7 +328,7 @@ def evaluate_embeddings(
         metric: ``"cosine"`` (default), ``"euclidean"`` or a :class:`~idml.metrics.Metric`.
         introspective_metric: rank with this ISM on semantic + uncertainty embeddings instead
             (IDML Table 5 ablation); needs uncertainty on both sides.
-        normalize: L2-normalise semantic embeddings (SPEC §9); also for NMI.
+        normalize: L2-normalise semantic embeddings (the literature's convention); also for NMI.
         device: where to search (default: the embeddings' device); CPU and CUDA.
         block_size: tile side of the blocked search; memory ``O(block² + N·(k + R_max))``.
         num_neighbors: neighbour lists to return per query (metrics never depend on them).

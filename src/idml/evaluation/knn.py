@@ -28,7 +28,7 @@ on the order in which tiles finish.
 When the query set *is* the reference set, scores are symmetric, so only tiles on and above the
 diagonal are computed and each serves its rows and its columns: half the matrix products.
 
-Conventions (SPEC §9; Musgrave et al. 2020):
+Conventions (those of the DML literature; Musgrave et al. 2020, "A Metric Learning Reality Check"):
 
 * the query itself is excluded from its own ranking **by index** (an identical duplicate of the
   query is a legitimate neighbour);
@@ -358,9 +358,9 @@ class _TileWork:
     """Computes tiles and folds them into the query state, sequentially or on a thread pool.
 
     On CPU each worker thread takes whole tiles, single-threaded: its own matrix product, then the
-    candidate work. On a 2-core machine that is ~1.4× the throughput of one multi-threaded product
-    followed by the (short, poorly parallel) candidate work, because the product scales by only
-    ~1.5× over two threads and the candidate work not at all. A tile updates the queries of its
+    candidate work. That has a higher throughput than one multi-threaded product followed by the
+    (short, poorly parallel) candidate work, because the product scales poorly over threads and
+    the candidate work not at all (``benchmarks/RESULTS.md``, Evaluation at SOP scale). A tile updates the queries of its
     row block (and of its column block when it serves both); a lock per block keeps two tiles
     from updating the same queries at once. Results do not depend on the order in which tiles
     finish: top-k merges keep the best ``k`` by (score, index) and counts add up.

@@ -2,8 +2,8 @@
 
 For a query with ``R`` relevant references (same label; itself excluded) at 1-based positions
 ``p_1 < p_2 < … < p_R`` of its ranked gallery (:mod:`idml.evaluation.knn`), every metric of the
-DML literature is a function of those positions (SPEC §9; Musgrave et al. 2020, "A Metric Learning
-Reality Check", §3.3):
+DML literature is a function of those positions (Musgrave et al. 2020, "A Metric Learning Reality Check",
+whose definitions of R-Precision and MAP@R these follow):
 
 * Recall@K     = ``1[p_1 ≤ K]`` (a same-class item among the K nearest; = pml's precision_at_1 at K=1)
 * R-Precision  = ``#{t : p_t ≤ R} / R``

@@ -3,7 +3,7 @@
 The search engine (:mod:`idml.evaluation.knn`) only ever compares scores, so every metric is turned
 into a *score* once, here:
 
-* cosine similarity ``C_ij = ŝ_i · ŝ_j`` (SPEC §9; on L2-normalised embeddings);
+* cosine similarity ``C_ij = ŝ_i · ŝ_j`` (on L2-normalised embeddings, the default);
 * Euclidean distance ``α_ij = ||s_i − s_j||``, scored as ``−α_ij²`` (the square is monotone, so the
   ranking is the same and no square root is taken in the N×N work). The score is computed by a
   single matrix product of augmented vectors ``[s_i, ||s_i||², 1] · [2 s_j, −1, −||s_j||²]ᵀ

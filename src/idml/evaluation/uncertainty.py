@@ -1,8 +1,8 @@
-"""Summaries of the uncertainty level ``||u_i||`` of each image (IDML, SPEC §2–3).
+"""Summaries of the uncertainty level ``||u_i||`` of each image (IDML, Wang et al.).
 
 IDML gives each image an uncertainty embedding ``u_i``; its norm is the image's uncertainty level
-(the paper's Fig. 5 shows it growing with ambiguity). The summary reports its distribution (mean,
-standard deviation, extremes, quantiles), its per-class mean, and — when retrieval results are
+(Wang et al. 2022, Fig. 9: mixed and occluded test images get higher levels). The summary reports
+its distribution (mean, standard deviation, extremes, quantiles), its per-class mean, and — when retrieval results are
 given — Recall@1 per uncertainty quartile, which shows whether uncertain images are the hard ones.
 
 Example:

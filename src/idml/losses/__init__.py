@@ -1,4 +1,8 @@
-"""The eight DML losses of SPEC §4 and the PEL baseline, each written once against a pluggable metric.
+"""Eight DML losses and the PEL baseline, each written once against a pluggable metric.
+
+The losses are the ones IDML (Wang et al., TPAMI) combines with its metric in Sec. III-D, Eq. 8–16
+(contrastive, margin, triplet, multi-similarity, softmax, ProxyNCA, ProxyAnchor) plus FastAP, which
+its experiments also cover (Tables I–II).
 
 Every loss accepts plain ``(B, d)`` embeddings or :class:`~idml.embeddings.Embeddings` with
 uncertainty (for the introspective metric), and integer labels or Mixup

@@ -1,4 +1,4 @@
-"""Contrastive loss (Hadsell, Chopra and LeCun 2006, eq. 4; SPEC §4).
+"""Contrastive loss (Hadsell, Chopra and LeCun 2006, eq. 4; with ISM: IDML, TPAMI, Eq. 8).
 
 Example:
     >>> import torch
@@ -23,14 +23,14 @@ from idml.miners import Miner, all_pairs, as_pairs, resolve_miner
 from idml.relations import LabelSets
 
 DISTANCE_MARGINS = (0.0, 0.5)
-"""Default ``(m_pos, m_neg)`` for a distance metric (SPEC §4)."""
+"""Default ``(m_pos, m_neg)`` for a distance metric: positives pulled to 0, negatives pushed past 0.5."""
 SIMILARITY_MARGINS = (1.0, 1.0 - 0.5**2 / 2)
 """Default ``(m_pos, m_neg)`` for a similarity metric: the distance defaults mapped to cosine
 similarity on the unit sphere, ``S = 1 − D²/2``, i.e. ``(1.0, 0.875)``."""
 
 
 class ContrastiveLoss(MetricLoss):
-    """Contrastive loss over pairs (Hadsell et al. 2006, eq. 4, with a positive margin; SPEC §4).
+    """Contrastive loss over pairs (Hadsell et al. 2006, eq. 4, with a positive margin).
 
     For a distance metric ``D`` (Euclidean or the distance form of ISM, ``D_IN``)::
 
@@ -43,7 +43,7 @@ class ContrastiveLoss(MetricLoss):
         L = mean_{P} [m_pos − S_ij]₊ + mean_{N} [S_ij − m_neg]₊
 
     A mean over an empty set is 0. Margins left at ``None`` take the metric's defaults: ``(0, 0.5)``
-    for a distance (SPEC §4) and ``(1, 0.875)`` for a similarity, the same boundaries on the unit
+    for a distance and ``(1, 0.875)`` for a similarity, the same boundaries on the unit
     sphere (``S = 1 − D²/2``), so switching the metric does not change what the loss asks for.
 
     Args:

@@ -10,7 +10,7 @@ all others in bin ``l`` and ``H⁺_l``, ``H_l`` their cumulative sums::
     FastAP_i = (1 / N⁺_i) Σ_l h⁺_l · H⁺_l / H_l          (terms with h⁺_l·H⁺_l = 0 are 0)
     L        = mean_{i : N⁺_i > 0} (1 − FastAP_i)
 
-[``L`` = 10 bins, SPEC §4]. This follows pytorch-metric-learning's ``FastAPLoss``: squared Euclidean
+[default ``L`` = 10 bins]. This follows pytorch-metric-learning's ``FastAPLoss``: squared Euclidean
 distance, bin centres ``0, Δ, …, 4``, anchors without positives left out of the mean, and a loss of 0
 (with a graph) when no anchor has a positive.
 

@@ -1,4 +1,5 @@
-"""Margin loss with distance-weighted sampling (Wu et al. 2017, "Sampling Matters", eq. 3–4; SPEC §4).
+"""Margin loss with distance-weighted sampling (Wu et al. 2017, "Sampling Matters", eq. 3–4;
+with ISM: IDML, TPAMI, Eq. 9).
 
 Example:
     >>> import torch

@@ -1,4 +1,5 @@
-"""Multi-similarity loss with pair mining (Wang et al. 2019, eq. 5–7; SPEC §4).
+"""Multi-similarity loss with pair mining (Wang et al. 2019, eq. 5–7; with ISM: IDML,
+TPAMI, Eq. 12–13).
 
 Example:
     >>> import torch

@@ -1,6 +1,6 @@
 """PEL baseline: probabilistic embeddings with a Monte-Carlo match probability (HIB).
 
-Oh et al. 2019 ("Modeling Uncertainty with Hedged Instance Embedding"; SPEC §4) — the IDML paper's
+Oh et al. 2019 ("Modeling Uncertainty with Hedged Instance Embedding") — the IDML paper's
 "uncertainty as a distribution" comparison point (PEL-MDW in its Table 2). Every image is a Gaussian
 ``N(μ_i, diag σ_i²)``; ``K`` reparameterised samples ``z_i^k = μ_i + σ_i ⊙ ε_i^k``, ``ε ~ N(0, I)``, give the
 match probability of a pair::
@@ -16,7 +16,7 @@ class" plus a KL prior term [K 8, weight 1e-4]::
     KL = ½ Σ_d (σ² + μ² − 1 − log σ²)
 
 ``P`` / ``N`` are the positive / negative pairs of the batch (set labels honoured, self-pairs excluded).
-Positives and negatives are averaged separately, like the contrastive loss in SPEC §4, so that the
+Positives and negatives are averaged separately, like :class:`~idml.losses.ContrastiveLoss`, so that the
 few positive pairs of a DML batch are not drowned out; a batch without one kind uses the other alone.
 
 **Input convention.** ``Embeddings(semantic=μ, uncertainty=log σ²)``: the semantic embedding is the

@@ -7,7 +7,8 @@ negative to proxy ``p`` and ``s(x, p)`` the similarity::
     L = 1/|P⁺| Σ_{p∈P⁺} log(1 + Σ_{x∈X_p⁺} exp(−α·(s(x, p) − δ)))
       + 1/|P|  Σ_{p∈P}  log(1 + Σ_{x∈X_p⁻} exp( α·(s(x, p) + δ)))
 
-[α 32, δ 0.1, SPEC §4]. ``s`` is cosine by default, ``S_IN`` with the introspective metric (the only
+[defaults α 32, δ 0.1; with ISM: IDML, TPAMI, Eq. 16].
+``s`` is cosine by default, ``S_IN`` with the introspective metric (the only
 loss with ISM in the authors' code), and ``−D`` for a distance metric. With set labels a mixed image
 is in ``X_p⁺`` of *both* source proxies (:meth:`~idml.relations.LabelSets.proxy_mask`).
 
@@ -49,7 +50,7 @@ class ProxyAnchorLoss(ProxyLoss):
         proxy_uncertainty_dim: give each proxy a learnable uncertainty vector of this size.
 
     Proxies are kaiming-normal (fan_out) as in the paper, exposed as :attr:`proxies` for their own
-    learning rate (×100 in the recipe, SPEC §7).
+    learning rate (×100 the backbone's in the ProxyAnchor recipe the IDML presets follow).
     """
 
     default_metric = CosineSimilarity

@@ -2,7 +2,7 @@
 
 Movshovitz-Attias et al. 2017 ("No fuss distance metric learning using proxies", the ProxyNCA
 loss) on squared Euclidean distances between L2-normalised samples and proxies, both scaled to norm
-``√scale`` (SPEC §4: ``scale = 9``, i.e. norm 3)::
+``√scale`` (default ``scale = 9``, i.e. norm 3; with ISM: IDML, TPAMI, Eq. 15)::
 
     d_ic = scale · ||ŝ_i − p̂_c||²
     L    = mean_i −log( exp(−d_{i,l_i}) / Σ_c exp(−d_ic) )
@@ -62,7 +62,7 @@ class ProxyNCALoss(ProxyLoss):
         metric: squared Euclidean distance on L2-normalised vectors by default; any metric works via
             :func:`squared_distance_view` (e.g. ``IntrospectiveMetric(EuclideanDistance())`` gives
             ``D_IN²``).
-        scale: multiplies the squared distances [9, SPEC §4: samples and proxies at norm 3]; equal to
+        scale: multiplies the squared distances [9: samples and proxies at norm 3]; equal to
             pytorch-metric-learning's ``softmax_scale``.
         proxy_uncertainty_dim: give each proxy a learnable uncertainty vector of this size.
         set_target: how a Mixup label set becomes the target [``"uniform"``]; ``"sum"`` is NCA's

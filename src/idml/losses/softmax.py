@@ -3,12 +3,13 @@
 Zhai & Wu 2019 ("Classification is a strong baseline for deep metric learning", the
 normalised-softmax loss): with
 L2-normalised embeddings ``ŝ_i`` and proxies ``p̂_c``, the logits are ``z_ic = S(s_i, p_c) / T`` and the
-loss is the cross-entropy ``−log softmax(z_i)_{l_i}`` averaged over the batch (SPEC §4, ``T = 0.05``).
+loss is the cross-entropy ``−log softmax(z_i)_{l_i}`` averaged over the batch (default ``T = 0.05``;
+with ISM: IDML, TPAMI, Eq. 14).
 
-Any metric plugs in: with the introspective metric ``S = S_IN`` (SPEC §3), so an uncertain sample is
+Any metric plugs in: with the introspective metric ``S = S_IN`` (IDML, TPAMI, Eq. 7), so an uncertain sample is
 "close to every proxy" and its logits flatten; a distance metric enters as ``z = −D / T``.
 
-Set labels (Mixup, SPEC §2) use :func:`set_label_cross_entropy`: by default the target is the uniform
+Set labels (Mixup; IDML, Sec. III-C) use :func:`set_label_cross_entropy`: by default the target is the uniform
 distribution over the label set, so a mixed image is pulled toward *both* source proxies.
 
 Example:
@@ -95,7 +96,7 @@ class NormalizedSoftmaxLoss(ProxyLoss):
         metric: cosine similarity by default (as in the paper); an :class:`~idml.metrics.IntrospectiveMetric`
             gives ``S_IN`` between samples (with their uncertainty) and proxies (zero or learnable
             uncertainty); a distance metric is used as ``−D``.
-        temperature: ``T > 0`` [0.05, SPEC §4]; logits are ``S / T``.
+        temperature: ``T > 0`` [0.05]; logits are ``S / T``.
         proxy_uncertainty_dim: give each proxy a learnable uncertainty vector of this size.
         set_target: how a Mixup label set becomes the target, see :func:`set_label_cross_entropy`
             [``"uniform"``].

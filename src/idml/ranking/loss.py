@@ -1,4 +1,4 @@
-"""The self-supervised ranking loss of SSR (Fu et al. 2021, eq. 13–17; SPEC §6).
+"""The self-supervised ranking loss of SSR (Fu et al. 2021, eq. 13–17).
 
 With ``S_{m,n} = cos(g(x_m), g(T_n(x_m)))`` the similarity of image ``m`` to its view at level
 ``n = 1..N`` in the ranking head's space, views of weaker transforms must be more similar by a margin
@@ -92,7 +92,7 @@ def order_accuracy(similarities: Tensor, margin: float = 0.0) -> Tensor:
 
 
 class RankingLoss(nn.Module):
-    """``L_ranking = L_sort + λ·L_pos`` of SSR (Fu et al. 2021, eq. 14, 16, 17; SPEC §6).
+    """``L_ranking = L_sort + λ·L_pos`` of SSR (Fu et al. 2021, eq. 14, 16, 17).
 
     ``forward`` takes either the ``(M, N)`` similarity matrix ``S`` (columns ``n = 1..N``) or the
     ``(M, N + 1, d)`` ranking-head outputs with the original view first, and returns a

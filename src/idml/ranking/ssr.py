@@ -48,10 +48,12 @@ ImageSource = Literal["metric_batch", "separate"]
 
 
 class RankingHead(nn.Module):
-    """The ranking head ``g``: ``z = normalize(W₂ · ReLU(W₁ h + b₁) + b₂)`` (Fu et al. 2021, §3.2).
+    """The ranking head ``g``: ``z = normalize(W₂ · ReLU(W₁ h + b₁) + b₂)`` (Fu et al. 2021,
+    "Self-supervised Ranking Framework" and Implementation Details).
 
-    An MLP ``in_dim → hidden → out_dim`` with an L2-normalised output (SPEC §6: ``feat → 512 → ReLU →
-    128``), separate from the metric head ``q`` so the auxiliary task has its own embedding space.
+    An MLP ``in_dim → hidden → out_dim`` with an L2-normalised output (defaults ``feat → 512 → ReLU →
+    128``: the paper's 512-d hidden layer and its 128-d embeddings), separate from the metric head
+    ``q`` so the auxiliary task has its own embedding space.
     """
 
     def __init__(self, in_dim: int, hidden: int = 512, out_dim: int = 128) -> None:
@@ -81,7 +83,7 @@ class RankingHead(nn.Module):
 
 @dataclass(frozen=True)
 class SSRConfig:
-    """Hyper-parameters of SSR, defaults from Fu et al. 2021 (Implementation Details; SPEC §6).
+    """Hyper-parameters of SSR, defaults from Fu et al. 2021 (Implementation Details).
 
     A frozen stdlib dataclass that nests in a pydantic model (types checked, unknown keys rejected).
 

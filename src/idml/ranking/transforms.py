@@ -5,7 +5,8 @@ variation with a transform whose strength is indexed by ``n`` (eq. 5–6: ``i < 
 d(x, T_i(x)) < d(x, T_j(x))``), composed of a random crop resized back to the input size (eq. 7,
 scale), a perspective distortion (eq. 8, viewpoint) and a colour jitter of brightness, contrast and
 saturation (eq. 9, colour), cascaded as ``T_n = T^crop_n ∘ T^pt_n ∘ T^color_n`` (eq. 10), with
-``T_0(x) = x``. The paper gives no magnitudes; ours (SPEC §6) at level ``n`` with strength ``t_n = n``:
+``T_0(x) = x``. The paper gives no magnitudes; our configurable defaults at level ``n`` with
+strength ``t_n = n``:
 
 * crop: kept area ``a_n = 1 − 0.15·t_n`` (the aspect ratio of the input is kept, so the crop's side is
   ``√a_n`` of the image's), at a uniformly random position, resized back to ``H × W``;
@@ -46,7 +47,7 @@ from torch import Tensor, nn
 
 Interpolation = Literal["bilinear", "nearest", "bicubic"]
 
-MAX_PERSPECTIVE = 0.5
+MAX_CORNER_DISPLACEMENT = 0.5
 """Largest corner displacement (fraction of the half-size): keeps the warped quadrilateral convex."""
 
 _CORNERS = ((-1.0, -1.0), (1.0, -1.0), (1.0, 1.0), (-1.0, 1.0))
@@ -73,7 +74,7 @@ class GradedLevels(NamedTuple):
 
 @dataclass(frozen=True)
 class GradedTransformConfig:
-    """Magnitudes and schedule of the graded transforms (SPEC §6; Fu et al. 2021, eq. 5–10).
+    """Magnitudes and schedule of the graded transforms (Fu et al. 2021, eq. 5–10).
 
     Level ``n`` has strength ``t_n = strength · n`` (or ``strength · level_strengths[n − 1]``) and the
     magnitudes ``a_n = 1 − crop_area_step·t_n``, ``p_n = perspective_step·t_n`` and
@@ -221,8 +222,8 @@ class GradedTransformConfig:
         check(
             "perspective",
             "perspective_scales / perspective_step",
-            f"in [0, {MAX_PERSPECTIVE}] (larger displacements can fold the image)",
-            lambda v: 0.0 <= v <= MAX_PERSPECTIVE,
+            f"in [0, {MAX_CORNER_DISPLACEMENT}] (larger displacements can fold the image)",
+            lambda v: 0.0 <= v <= MAX_CORNER_DISPLACEMENT,
         )
         for colour in ("brightness", "contrast", "saturation"):
             # A factor 1 − j must stay positive, or the view loses the image entirely.
@@ -271,7 +272,7 @@ class GradedViewParams(NamedTuple):
 
 
 class GradedTransforms(nn.Module):
-    """Produce the views ``T_0(x), …, T_N(x)`` of a batch (Fu et al. 2021, eq. 5–10; SPEC §6).
+    """Produce the views ``T_0(x), …, T_N(x)`` of a batch (Fu et al. 2021, eq. 5–10).
 
     ``forward(images (M, C, H, W) in [0, 1]) → (M, N + 1, C, H, W)`` with ``[:, 0]`` the input itself
     (``T_0`` is the identity exactly) and ``[:, n]`` the view at level ``n``. ``C`` is 1 or 3 (grey

@@ -302,7 +302,7 @@ def _evaluate(
     Tensor,
     dict[str, tuple[np.ndarray, np.ndarray]],
 ]:
-    """Retrieval metrics exactly as training computes them (SPEC §9; ISM only with
+    """Retrieval metrics exactly as training computes them (ISM only with
     ``eval.introspective``), the interpolated precision–recall curve and each test image's
     ``num_neighbors`` nearest other test images (by the same search, so the retrieval grid shows
     what Recall@K counted)."""
