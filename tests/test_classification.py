@@ -23,6 +23,7 @@ from idml.evaluation.classification import (
 )
 from idml.losses import NormalizedSoftmaxLoss
 from idml.metrics import CosineSimilarity, IntrospectiveMetric
+from tiny_run import CLASSIFICATION
 
 
 def _pair(scale: float = 16.0, gamma: float = 0.0):
@@ -248,22 +249,11 @@ def test_classification_defaults_round_trip() -> None:
 
 # --------------------------------------------------------------------------- training
 TINY = [
-    "task=classification",
-    "data.dataset=digits",
-    "data.image_size=16",
-    "data.resize_size=null",
-    "data.horizontal_flip=false",
-    "data.train_crop_scale=[0.8, 1.0]",
-    "data.num_workers=0",
-    "model.backbone=small_cnn",
-    "model.pretrained=false",
+    *CLASSIFICATION,
     "model.embedding_dim=32",
     "sampler.batch_size=64",
     "optim.lr=0.003",
     "optim.proxy_lr_mult=1",
-    "optim.scheduler=none",
-    "optim.amp=false",
-    "tensorboard=false",
 ]
 
 

@@ -13,6 +13,7 @@ import torch
 from idml.evaluation.classification import calibration_bins, confusion_matrix
 from idml.metric_display import format_delta, format_metric, metric_heading, metric_unit
 from idml.reports.classification import selective_classification
+from tiny_run import CLASSIFICATION
 
 # Five images, three classes; each row's softmax is a ratio of small integers, so the max
 # probabilities are 0.4, 0.8, 0.8, 0.6 and 0.9 (row i: p = a_i / sum of the row's exponentials).
@@ -127,25 +128,14 @@ def test_metric_units_are_a_property_of_the_key() -> None:
 
 # --------------------------------------------------------------------------- a tiny run
 TINY = [
-    "task=classification",
-    "data.dataset=digits",
-    "data.image_size=16",
-    "data.resize_size=null",
-    "data.horizontal_flip=false",
-    "data.train_crop_scale=[0.8, 1.0]",
-    "data.num_workers=0",
+    *CLASSIFICATION,
     "data.samples_per_class=8",
-    "model.backbone=small_cnn",
-    "model.pretrained=false",
     "model.embedding_dim=16",
     "model.uncertainty.enabled=true",
     "metric.introspective=true",
     "sampler.batch_size=16",
     "optim.epochs=2",
     "optim.max_steps_per_epoch=2",
-    "optim.scheduler=none",
-    "optim.amp=false",
-    "tensorboard=false",
 ]
 
 

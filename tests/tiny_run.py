@@ -29,6 +29,21 @@ TINY = [
     "tensorboard=false",
 ]
 IDML = ["model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true"]
+CLASSIFICATION = [
+    "task=classification",
+    "data.dataset=digits",
+    "data.image_size=16",
+    "data.resize_size=null",
+    "data.horizontal_flip=false",
+    "data.train_crop_scale=[0.8, 1.0]",
+    "data.num_workers=0",
+    "model.backbone=small_cnn",
+    "model.pretrained=false",
+    "optim.scheduler=none",
+    "optim.amp=false",
+    "tensorboard=false",
+]
+"""The classification task on digits at 16 px (all ten classes on both sides), small CNN."""
 
 
 def train_tiny(root: Path, overrides: list[str] | None = None) -> Path:

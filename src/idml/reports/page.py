@@ -23,6 +23,7 @@ import torch
 from matplotlib.figure import Figure
 
 from idml.checkpoint import atomic_write_text
+from idml.diagnostics import UncertaintyProbe
 from idml.metric_display import format_metric, metric_heading, metric_sort_key
 from idml.reports import figures
 from idml.reports.classification import (
@@ -346,6 +347,19 @@ def _retrieval_confidence(metrics: dict[str, float]) -> str:
     )
 
 
+def _conditions_figure(probe: UncertaintyProbe, slug: str, page: _Page) -> str:
+    """||u|| of the same test images clean and altered, with each alteration's AUROC."""
+    return page.figure(
+        figures.uncertainty_by_condition(
+            {k: v.numpy() for k, v in probe.levels.items()}, probe.auroc
+        ),
+        f"{slug}-uncertainty-conditions",
+        f"||u|| of {probe.levels['clean'].numel()} test images, clean and altered (Mixup with a "
+        "random partner, low resolution ÷4, blur σ 2, a quarter occluded); AUROC: how often the "
+        "altered image gets the larger ||u||.",
+    )
+
+
 def _run_section(index: int, report: RunReport, page: _Page) -> str:
     run, analysis = report.log, report.analysis
     cfg = run.config
@@ -413,18 +427,7 @@ def _run_section(index: int, report: RunReport, page: _Page) -> str:
             )
         )
         if analysis.probe is not None:
-            probe = analysis.probe
-            parts.append(
-                page.figure(
-                    figures.uncertainty_by_condition(
-                        {k: v.numpy() for k, v in probe.levels.items()}, probe.auroc
-                    ),
-                    f"{slug}-uncertainty-conditions",
-                    f"||u|| of {probe.levels['clean'].numel()} test images, clean and altered "
-                    "(Mixup with a random partner, low resolution ÷4, blur σ 2, a quarter "
-                    "occluded); AUROC: how often the altered image gets the larger ||u||.",
-                )
-            )
+            parts.append(_conditions_figure(analysis.probe, slug, page))
     else:
         parts.append(
             _note("This run has no uncertainty head (plain metric): no test uncertainty levels.")
@@ -556,18 +559,7 @@ def _classification_section(analysis: ClassificationAnalysis, slug: str, page: _
 
     parts.append("<h3>Test-set uncertainty</h3>")
     if analysis.probe is not None:
-        probe = analysis.probe
-        parts.append(
-            page.figure(
-                figures.uncertainty_by_condition(
-                    {k: v.numpy() for k, v in probe.levels.items()}, probe.auroc
-                ),
-                f"{slug}-uncertainty-conditions",
-                f"||u|| of {probe.levels['clean'].numel()} test images, clean and altered "
-                "(Mixup with a random partner, low resolution ÷4, blur σ 2, a quarter occluded); "
-                "AUROC: how often the altered image gets the larger ||u||.",
-            )
-        )
+        parts.append(_conditions_figure(analysis.probe, slug, page))
     else:
         parts.append(_note("This run has no uncertainty head: no test uncertainty levels."))
 
