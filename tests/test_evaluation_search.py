@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-import idml.evaluation.knn as knn_module
+import idml.evaluation.search.candidates as candidates_module
+import idml.evaluation.search.ranks as ranks_module
 from idml.evaluation import RankAccumulator, evaluate_embeddings, exact_search
 from idml.evaluation.retrieval_metrics import default_cutoffs
 from synthetic import clustered
@@ -190,7 +191,7 @@ def test_sparse_and_dense_counting_agree_with_brute_force(
     dense_fraction: int, same_set: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 0: always list candidates sparsely; 10**9: count on whole tiles whenever any score qualifies.
-    monkeypatch.setattr(knn_module, "_DENSE_CANDIDATE_FRACTION", dense_fraction)
+    monkeypatch.setattr(ranks_module, "DENSE_CANDIDATE_FRACTION", dense_fraction)
     x, y = clustered(70, 4, 5, 1.5, seed=11)
     ks, cutoffs = (1, 3), (1, 5, 50)
     if same_set:
@@ -204,7 +205,7 @@ def test_sparse_and_dense_counting_agree_with_brute_force(
 
 def test_batched_count_path_for_many_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     # Force the padded searchsorted path that large classes with many candidates take.
-    monkeypatch.setattr(knn_module, "_FLAT_COUNT_MAX_ENTRIES", 0)
+    monkeypatch.setattr(ranks_module, "FLAT_COUNT_MAX_ENTRIES", 0)
     x, y = clustered(45, 3, 3, 3.0, seed=3)
     ks, cutoffs = (1, 2), default_cutoffs(44)
     ref = brute_force(x, y, k=3, ks=ks, cutoffs=cutoffs)
@@ -373,8 +374,8 @@ def test_numpy_and_torch_candidate_paths_agree(shape: tuple[int, int], transpose
     n_queries = shape[1] if transposed else shape[0]
     reach = torch.randn(n_queries, generator=gen).round(decimals=1)
     reach[0] = -100.0  # a query reaching every finite score
-    expected = knn_module._candidates_torch(tile, reach, transposed)
-    got = knn_module._candidates_numpy(tile, reach, transposed)
+    expected = candidates_module.candidates_torch(tile, reach, transposed)
+    got = candidates_module.candidates_numpy(tile, reach, transposed)
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
     q, r, v = got

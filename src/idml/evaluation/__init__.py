@@ -6,7 +6,7 @@ plus the rank of every relevant item, never an N×N matrix), :func:`faiss_search
 optional ``faiss`` extra), :class:`RankAccumulator` (Recall@K, R-Precision, MAP@R, MAP, MRR,
 precision–recall from ranks), :func:`nmi_score`, :func:`summarize_uncertainty` and the file readers
 :func:`load_embedding_file` / :func:`load_labels`. Conventions: those of the DML
-literature (Musgrave et al. 2020, "A Metric Learning Reality Check"), listed in :mod:`idml.evaluation.knn`.
+literature (Musgrave et al. 2020, "A Metric Learning Reality Check"), listed in :mod:`idml.evaluation.search`.
 """
 
 from idml.evaluation.clustering import kmeans_assign, nmi_score
@@ -17,9 +17,9 @@ from idml.evaluation.evaluate import (
     evaluate_files,
 )
 from idml.evaluation.io import EmbeddingFile, load_embedding_file, load_labels
-from idml.evaluation.knn import NeighborLists, SearchOutput, exact_search, faiss_search
 from idml.evaluation.retrieval_metrics import PRCurve, RankAccumulator, per_query_metrics
 from idml.evaluation.scoring import PairScorer
+from idml.evaluation.search import NeighborLists, SearchOutput, exact_search, faiss_search
 from idml.evaluation.uncertainty import UncertaintySummary, summarize_uncertainty
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The evaluation entry point: :func:`evaluate_embeddings` → :class:`EvaluationReport`.
 
-It runs the exact blocked retrieval of :mod:`idml.evaluation.knn` (or, optionally, an approximate
+It runs the exact blocked retrieval of :mod:`idml.evaluation.search` (or, optionally, an approximate
 faiss index), turns the ranks of the relevant items into every retrieval metric
 (:mod:`idml.evaluation.retrieval_metrics`), adds NMI of k-means (:mod:`idml.evaluation.clustering`)
 and, for IDML models, a summary of the uncertainty levels ``||u||``
@@ -44,7 +44,6 @@ from idml.evaluation.clustering import (
     resolve_backend,
 )
 from idml.evaluation.io import EmbeddingFile, check_labels, load_embedding_file, load_labels
-from idml.evaluation.knn import NeighborLists, exact_search, faiss_search, neighbors_only
 from idml.evaluation.retrieval_metrics import (
     DEFAULT_RECALL_LEVELS,
     PRCurve,
@@ -53,6 +52,7 @@ from idml.evaluation.retrieval_metrics import (
     ranks_from_neighbors,
 )
 from idml.evaluation.scoring import MetricSpec, PairScorer
+from idml.evaluation.search import NeighborLists, exact_search, faiss_search, neighbors_only
 from idml.evaluation.uncertainty import (
     ConfidenceQuality,
     UncertaintySummary,

@@ -1,7 +1,7 @@
 """Retrieval metrics computed exactly from the ranks of the relevant items.
 
 For a query with ``R`` relevant references (same label; itself excluded) at 1-based positions
-``p_1 < p_2 < … < p_R`` of its ranked gallery (:mod:`idml.evaluation.knn`), every metric of the
+``p_1 < p_2 < … < p_R`` of its ranked gallery (:mod:`idml.evaluation.search`), every metric of the
 DML literature is a function of those positions (Musgrave et al. 2020, "A Metric Learning Reality Check",
 whose definitions of R-Precision and MAP@R these follow):
 

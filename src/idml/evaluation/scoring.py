@@ -1,6 +1,6 @@
 """Pairwise scores for retrieval: one number per (query, reference) pair, larger = closer.
 
-The search engine (:mod:`idml.evaluation.knn`) only ever compares scores, so every metric is turned
+The search engine (:mod:`idml.evaluation.search`) only ever compares scores, so every metric is turned
 into a *score* once, here:
 
 * cosine similarity ``C_ij = ŝ_i · ŝ_j`` (on L2-normalised embeddings, the default);

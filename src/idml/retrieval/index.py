@@ -4,7 +4,7 @@ Search is by cosine similarity of L2-normalised semantic embeddings, ``sim(q, i)
 (the retrieval metric of the DML literature and of :mod:`idml.evaluation`):
 
 * ``backend="exact"`` (default): the blocked exact search of
-  :func:`idml.evaluation.knn.neighbors_only` (never a ``Q × N`` matrix); ties are ordered by item
+  :func:`idml.evaluation.search.neighbors_only` (never a ``Q × N`` matrix); ties are ordered by item
   position, lower first;
 * ``backend="faiss"``: a faiss index on the same vectors (the optional ``faiss`` extra), any
   factory string with an inner-product metric (``"Flat"`` exact, ``"HNSW32"``, ``"IVF1024,Flat"``)
@@ -49,8 +49,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from idml.evaluation.knn import neighbors_only
 from idml.evaluation.scoring import PairScorer, PreparedSide
+from idml.evaluation.search import neighbors_only
 from idml.inference import ModelInfo, file_sha256
 from idml.retrieval.confidence import confidence
 

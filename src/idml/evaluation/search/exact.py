@@ -1,0 +1,244 @@
+"""The exact blocked search: one pass over score tiles gives neighbour lists and relevant ranks.
+
+Per chunk of label-sorted queries:
+
+1. **band pass** — the score of every (query, relevant reference) pair, sorted per query
+   (:func:`~idml.evaluation.search.ranks.fill_relevant_scores`);
+2. **main pass** — for every tile (:func:`~idml.evaluation.search.layout.tiles`), on each of its
+   sides: list the scores that reach the query's current k-th score or its least relevant score
+   (:mod:`~idml.evaluation.search.candidates`), merge those above the k-th score into the top-k
+   (:mod:`~idml.evaluation.search.topk`) and count the non-relevant ones against the relevant
+   scores (:mod:`~idml.evaluation.search.ranks`); tiles run on worker threads
+   (:mod:`~idml.evaluation.search.execution`);
+3. **finish** — ranks ``pos_t = t + count(v_t)`` and the lists in original query order.
+
+Queries are chunked only when ``queries × max relevant`` exceeds ``max_rank_entries``; then each
+chunk's rows are scored against all references (no symmetric saving).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from idml.evaluation.scoring import MetricSpec, PairScorer, PreparedSide
+from idml.evaluation.search import ranks, topk
+from idml.evaluation.search.candidates import candidates
+from idml.evaluation.search.execution import BlockLocks, Progress, run_tiles, search_workers
+from idml.evaluation.search.layout import Layout, TileSide, exclude_self, make_layout, num_tiles
+from idml.evaluation.search.layout import tiles as tile_order
+from idml.evaluation.search.results import NeighborLists, SearchOutput
+from idml.evaluation.search.state import INF, QueryState
+
+DEFAULT_MAX_RANK_ENTRIES = 1 << 24
+
+
+def exact_search(
+    query: Tensor,
+    query_labels: Tensor,
+    k: int,
+    reference: Tensor | None = None,
+    reference_labels: Tensor | None = None,
+    *,
+    metric: MetricSpec | PairScorer = "cosine",
+    normalize: bool = True,
+    query_uncertainty: Tensor | None = None,
+    reference_uncertainty: Tensor | None = None,
+    block_size: int | None = None,
+    device: torch.device | str | None = None,
+    max_rank_entries: int = DEFAULT_MAX_RANK_ENTRIES,
+    progress: bool | Callable[[int], object] = False,
+) -> SearchOutput:
+    """Exact k-nearest neighbours and relevant ranks of ``query`` against ``reference``.
+
+    Args:
+        query: ``(Q, d)`` embeddings. ``reference=None`` searches the set against itself (each
+            query excluded from its own ranking by index).
+        query_labels: ``(Q,)`` integer labels (relevance = same label).
+        k: neighbours to return per query (0 for none; capped at the number of references).
+        reference, reference_labels: a separate gallery ``(R, d)`` and its labels.
+        metric: ``"cosine"``, ``"euclidean"``, a :class:`~idml.metrics.Metric` (e.g. ISM) or a
+            ready :class:`~idml.evaluation.scoring.PairScorer`.
+        normalize: L2-normalise embeddings first (plain metrics).
+        query_uncertainty, reference_uncertainty: uncertainty embeddings for ISM.
+        block_size: tile side (default 2048 on CPU, 8192 on CUDA); memory is ``O(block²)``.
+        device: where to compute (default: the device of ``query``).
+        max_rank_entries: bound on ``queries × max relevant`` held at once; above it queries are
+            chunked (and the symmetric saving is lost).
+        progress: ``True`` for progress over tiles (:mod:`idml.progress`), or a callback
+            receiving the tile count.
+
+    Returns:
+        :class:`SearchOutput` with neighbour lists in original index order and rank chunks.
+    """
+    if k < 0:
+        raise ValueError(f"k (number of neighbours) must be >= 0, got {k}")
+    scorer = metric if isinstance(metric, PairScorer) else PairScorer.from_spec(metric, normalize)
+    dev = torch.device(device) if device is not None else query.device
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r} requested but CUDA is not available; use 'cpu'")
+    if block_size is None:
+        block_size = 8192 if dev.type == "cuda" else 2048
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    same_set = reference is None
+    q_labels = torch.as_tensor(query_labels).to(dev).long()
+    r_labels = None if same_set else torch.as_tensor(reference_labels).to(dev).long()
+    layout = make_layout(q_labels, r_labels)
+    n_q = len(q_labels)
+    n_r = n_q if same_set else len(r_labels)  # type: ignore[arg-type]
+    k = min(k, n_r - (1 if same_set else 0))
+    queries, refs = _prepare(
+        scorer, layout, dev, (query, query_uncertainty), (reference, reference_uncertainty)
+    )
+    chunk_len, symmetric = _chunking(layout, block_size, max_rank_entries, scorer.symmetric)
+    bar = Progress(progress, num_tiles(n_q, n_r, block_size, symmetric))
+
+    out_scores = torch.full((n_q, k), -INF, device=dev)
+    out_indices = torch.full((n_q, k), -1, dtype=torch.long, device=dev)
+    output = SearchOutput(NeighborLists(out_indices, out_scores), symmetric=symmetric)
+    for c0 in range(0, n_q, chunk_len):
+        chunk = slice(c0, min(n_q, c0 + chunk_len))
+        chunk_r_max = int(layout.num_relevant[chunk].max()) if chunk.stop > c0 else 0
+        state = QueryState(chunk.stop - c0, k, chunk_r_max, dev)
+        # 1. The band pass: every relevant score, before any tile counts against them.
+        band = min(block_size, ranks.BAND_BLOCK)
+        ranks.fill_relevant_scores(state, scorer, queries, refs, layout, chunk, band)
+        # 2. The main pass over the tiles.
+        search = _TileSearch(state, scorer, queries, refs, layout, chunk)
+        for _ in run_tiles(
+            list(tile_order(chunk, n_r, block_size, symmetric)), search.process, search_workers(dev)
+        ):
+            output.num_tiles += 1
+            bar(1)
+        # 3. Ranks, and the lists in original query order.
+        query_ids = layout.query_order[chunk]
+        if k > 0:
+            out_scores[query_ids] = state.top_scores
+            out_indices[query_ids] = state.top_indices.masked_fill(
+                ~torch.isfinite(state.top_scores), -1
+            )
+        n_rel = layout.num_relevant[chunk]
+        output.rank_chunks.append((query_ids, ranks.final_ranks(state, n_rel), n_rel))
+    bar(0, close=True)
+    return output
+
+
+def _prepare(
+    scorer: PairScorer,
+    layout: Layout,
+    dev: torch.device,
+    query: tuple[Tensor, Tensor | None],
+    reference: tuple[Tensor | None, Tensor | None],
+) -> tuple[PreparedSide, PreparedSide]:
+    """Both sides in label-sorted order, prepared for the scorer (``(embeddings, uncertainty)``)."""
+    q_sorted = query[0].to(dev)[layout.query_order]
+    qu = None if query[1] is None else query[1].to(dev)[layout.query_order]
+    if layout.same_set:
+        return scorer.prepare(q_sorted, qu)
+    ref_rows, ref_unc = reference
+    assert ref_rows is not None
+    # A gallery already in label order (always, for neighbours without labels) is used as it is:
+    # reordering would copy the whole gallery at every call, however few the queries.
+    in_order = layout.ref_in_order
+    ru = None
+    if ref_unc is not None:
+        ru = ref_unc.to(dev)
+        ru = ru if in_order else ru[layout.ref_order]
+    ref_rows = ref_rows.to(dev)
+    return scorer.prepare_side(q_sorted, qu), scorer.prepare_reference(
+        ref_rows if in_order else ref_rows[layout.ref_order], ru
+    )
+
+
+def _chunking(
+    layout: Layout, block_size: int, max_rank_entries: int, scorer_symmetric: bool
+) -> tuple[int, bool]:
+    """Queries per chunk so that ``chunk × max relevant ≤ max_rank_entries``, and whether the
+    search is symmetric (one chunk of a same-set search with a symmetric score)."""
+    n_q = len(layout.query_order)
+    r_max = int(layout.num_relevant.max()) if n_q else 0
+    chunk_len = n_q if r_max == 0 else max(1, min(n_q, max_rank_entries // r_max))
+    symmetric = layout.same_set and chunk_len >= n_q and scorer_symmetric
+    if symmetric:
+        return n_q, True
+    if chunk_len < n_q:
+        # Chunks that are whole multiples of the block keep tiles square.
+        chunk_len = max(block_size, (chunk_len // block_size) * block_size)
+    return max(chunk_len, 1), False
+
+
+class _TileSearch:
+    """The main pass over the tiles of one chunk: score a tile, then update the queries along
+    each of its sides (see :func:`_update_side`)."""
+
+    def __init__(
+        self,
+        state: QueryState,
+        scorer: PairScorer,
+        queries: PreparedSide,
+        refs: PreparedSide,
+        layout: Layout,
+        chunk: slice,
+    ) -> None:
+        self.state, self.scorer, self.layout, self.chunk = state, scorer, layout, chunk
+        self.queries, self.refs = queries, refs
+        self.ref_ids = layout.ref_order  # sorted reference position -> original index
+        self.locks = BlockLocks()
+
+    def process(self, rows: slice, cols: slice, both: bool) -> None:
+        """Top-k merge and relevant-rank counting for one tile: its rows, and its columns if
+        ``both`` (a symmetric search's off-diagonal tile serves the queries on both sides)."""
+        tile = self.scorer.tile(self.queries, self.refs, rows, cols)
+        if self.layout.same_set:
+            exclude_self(tile, rows.start, cols.start)
+        sides = [TileSide.of(tile, False, rows, self.chunk, cols.start, self.ref_ids[cols])]
+        if both:
+            sides.append(TileSide.of(tile, True, cols, self.chunk, rows.start, self.ref_ids[rows]))
+        for side in sides:
+            # Row blocks of the chunk and column blocks of the reference set start at the same
+            # positions in a symmetric search, so one lock per start covers both roles.
+            with self.locks[side.query0]:
+                _update_side(self.state, self.layout, side)
+
+
+def _update_side(state: QueryState, layout: Layout, side: TileSide) -> None:
+    """Fold one tile side into its queries' top-k lists and relevant-rank counts.
+
+    Only scores at or above the query's k-th best (top-k) or its least relevant score (counts)
+    can change anything; one thresholding pass lists both kinds of candidates.
+    """
+    theta = topk.admission_threshold(state, side)
+    least = state.least_relevant[side.query_rows]
+    found = candidates(side.tile, torch.minimum(theta, least), side.transposed)
+    q_local, ref_local, values = found
+    if state.k > 0:
+        keep = values >= theta[q_local]
+        if bool(keep.any()):
+            ids = side.ref_ids[ref_local[keep]]
+            topk.merge_sparse(state, side.query_rows, q_local[keep], ids, values[keep])
+    ranks.count_side(state, layout, side, found, least)
+
+
+def neighbors_only(
+    query: Tensor,
+    k: int,
+    reference: Tensor | None = None,
+    **kwargs: object,
+) -> NeighborLists:
+    """Exact k-nearest neighbours without labels (no ranks): a convenience over :func:`exact_search`.
+
+    Example:
+        >>> import torch
+        >>> neighbors_only(torch.eye(3), k=1, metric="euclidean").indices.flatten().tolist()
+        [1, 0, 0]
+    """
+    n_q = query.shape[0]
+    labels = torch.arange(n_q, device=query.device)
+    ref_labels = None
+    if reference is not None:
+        # Distinct labels on both sides: nothing is relevant, only neighbours are computed.
+        ref_labels = torch.arange(n_q, n_q + reference.shape[0], device=query.device)
+    return exact_search(query, labels, k, reference, ref_labels, **kwargs).neighbors  # type: ignore[arg-type]

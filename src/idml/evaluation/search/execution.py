@@ -1,0 +1,105 @@
+"""Execution: which tiles run where, one at a time or on a thread pool, and progress.
+
+On CPU each worker thread takes whole tiles, single-threaded: its own matrix product, then the
+candidate work. That has a higher throughput than one multi-threaded product followed by the
+(short, poorly parallel) candidate work, because the product scales poorly over threads and the
+candidate work not at all (``benchmarks/RESULTS.md``, Evaluation at SOP scale). A tile updates
+the queries of its row block (and of its column block when it serves both); one lock per block
+(:class:`BlockLocks`) keeps two tiles from updating the same queries at once. Results do not depend
+on the order in which tiles finish: top-k merges keep the best ``k`` by (score, index) and counts
+add up. On CUDA one tile at a time uses the whole device.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
+
+import torch
+
+Tile = tuple[slice, slice, bool]
+"""``(rows, cols, serves_columns_too)``, as :func:`idml.evaluation.search.layout.tiles` yields."""
+
+
+def search_workers(device: torch.device) -> int:
+    """Tiles processed at once: one per intra-op thread on CPU, one (the whole device) on CUDA."""
+    return torch.get_num_threads() if device.type == "cpu" else 1
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``workers`` threads for tile work: threads are started once, not at
+    every search (the trainer evaluates after each epoch)."""
+    if workers not in _POOLS:
+        _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="idml-search")
+    return _POOLS[workers]
+
+
+def _single_threaded(fn: Callable[..., None], *args: object) -> None:
+    """Run ``fn`` with one intra-op thread (the setting is per thread under OpenMP and MKL)."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    fn(*args)
+
+
+def run_tiles(
+    tiles: Sequence[Tile], process: Callable[[slice, slice, bool], None], workers: int
+) -> Iterator[None]:
+    """Call ``process`` on every tile, yielding once per finished tile (for progress).
+
+    With ``workers > 1`` the tiles run on the pool, each single-threaded; the first failure is
+    raised and the tiles not yet started are cancelled.
+    """
+    if workers <= 1 or len(tiles) <= 1:
+        for rows, cols, both in tiles:
+            process(rows, cols, both)
+            yield
+        return
+    pool = _pool(workers)
+    futures = [pool.submit(_single_threaded, process, *tile) for tile in tiles]
+    try:
+        for future in as_completed(futures):
+            future.result()
+            yield
+    finally:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+
+
+class BlockLocks:
+    """One lock per query block, created on first use (``locks[block_start]``)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[int, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def __getitem__(self, block_start: int) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(block_start, threading.Lock())
+
+
+class Progress:
+    """A progress bar or plain lines (:class:`idml.progress.Progress`), a user callback, or
+    nothing, advanced once per tile."""
+
+    def __init__(self, progress: bool | Callable[[int], object], total: int) -> None:
+        self._bar = None
+        self._callback: Callable[[int], object] | None = None
+        if callable(progress):
+            self._callback = progress
+        elif progress:
+            from idml.progress import Progress as Bar
+
+            self._bar = Bar(total, "retrieval", unit="tile")
+
+    def __call__(self, n: int, close: bool = False) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+            if close:
+                self._bar.close()
+        elif self._callback is not None and n:
+            self._callback(n)

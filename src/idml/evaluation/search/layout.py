@@ -1,0 +1,110 @@
+"""Tiling and layout: label-sorted order, each query's relevant range, and the tiles to visit.
+
+Queries and references are processed in stable label order, so the relevant references of a query
+(same label) form one contiguous range ``[relevant_start, relevant_end)`` of sorted reference
+positions. The score matrix is cut into ``block × block`` tiles; when the query set is the
+reference set and the scores are symmetric, only the tiles on and above the diagonal are visited,
+each serving its rows and its columns (:class:`TileSide`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from idml.evaluation.search.state import INF
+
+
+@dataclass
+class Layout:
+    """Label-sorted views of queries and references and each query's relevant reference range."""
+
+    query_order: Tensor  # sorted position -> original query index
+    ref_order: Tensor  # sorted position -> original reference index
+    relevant_start: Tensor  # per sorted query: first sorted reference of its class
+    relevant_end: Tensor  # per sorted query: one past the last
+    num_relevant: Tensor  # relevant references (self excluded)
+    same_set: bool
+    ref_in_order: bool = False  # separate references already in label order (ref_order = arange)
+
+
+def sort_order(labels: Tensor) -> tuple[Tensor, bool]:
+    """Stable label order, and whether the labels were in order already (a gallery searched without
+    labels always is): then no sort is needed, and callers skip the reordering copy."""
+    if len(labels) < 2 or bool((labels[1:] >= labels[:-1]).all()):
+        return torch.arange(len(labels), device=labels.device), True
+    return torch.argsort(labels, stable=True), False
+
+
+def make_layout(query_labels: Tensor, ref_labels: Tensor | None) -> Layout:
+    """The layout of a search of ``query_labels`` against ``ref_labels`` (``None``: themselves)."""
+    same_set = ref_labels is None
+    query_order, _ = sort_order(query_labels)
+    sorted_query_labels = query_labels[query_order]
+    if same_set:
+        ref_order, sorted_ref_labels, ref_in_order = query_order, sorted_query_labels, False
+    else:
+        assert ref_labels is not None
+        ref_order, ref_in_order = sort_order(ref_labels)
+        sorted_ref_labels = ref_labels if ref_in_order else ref_labels[ref_order]
+    start = torch.searchsorted(sorted_ref_labels, sorted_query_labels, right=False)
+    end = torch.searchsorted(sorted_ref_labels, sorted_query_labels, right=True)
+    num_relevant = end - start - (1 if same_set else 0)
+    return Layout(
+        query_order, ref_order, start, end, num_relevant.clamp_min(0), same_set, ref_in_order
+    )
+
+
+def tiles(
+    chunk: slice, n_r: int, block: int, symmetric: bool
+) -> Iterator[tuple[slice, slice, bool]]:
+    """Tiles ``(rows, cols, serves_columns_too)`` in an order that visits references ascending."""
+    for r0 in range(chunk.start, chunk.stop, block):
+        rows = slice(r0, min(chunk.stop, r0 + block))
+        first = r0 if symmetric else 0
+        for c0 in range(first, n_r, block):
+            cols = slice(c0, min(n_r, c0 + block))
+            yield rows, cols, symmetric and c0 != r0
+
+
+def num_tiles(n_q: int, n_r: int, block: int, symmetric: bool) -> int:
+    """How many tiles :func:`tiles` yields over all queries."""
+    n_rows, n_cols = -(-n_q // block), -(-n_r // block)
+    return n_rows * (n_rows + 1) // 2 if symmetric else n_rows * n_cols
+
+
+def exclude_self(tile: Tensor, row0: int, col0: int) -> None:
+    """Set each query's own column to ``-inf`` (same-set search; by index, never by score)."""
+    r, c = tile.shape
+    lo, hi = max(row0, col0), min(row0 + r, col0 + c)
+    if lo < hi:
+        own = torch.arange(lo, hi, device=tile.device)
+        tile[own - row0, own - col0] = -INF
+
+
+@dataclass(frozen=True)
+class TileSide:
+    """The queries along one axis of a tile (its rows, or its columns when ``transposed``) against
+    the references along the other."""
+
+    tile: Tensor
+    transposed: bool
+    query0: int  # label-sorted position of the first query
+    query_rows: Tensor  # the queries' rows in the chunk's state
+    ref0: int  # label-sorted position of the first reference
+    ref_ids: Tensor  # original indices of the references
+
+    @staticmethod
+    def of(
+        tile: Tensor, transposed: bool, queries: slice, chunk: slice, ref0: int, ref_ids: Tensor
+    ) -> TileSide:
+        rows = torch.arange(queries.start, queries.stop, device=tile.device) - chunk.start
+        return TileSide(tile, transposed, queries.start, rows, ref0, ref_ids)
+
+    @property
+    def scores(self) -> Tensor:
+        """``(queries, references)`` view of the tile."""
+        return self.tile.T if self.transposed else self.tile
