@@ -18,6 +18,7 @@ import idml.evaluation.search.candidates as candidates_module
 import idml.evaluation.search.ranks as ranks_module
 from idml.evaluation import RankAccumulator, evaluate_embeddings, exact_search
 from idml.evaluation.retrieval_metrics import default_cutoffs
+from idml.evaluation.search import reference_search
 from synthetic import clustered
 
 pytestmark = pytest.mark.numerics  # compares numbers across runs/processes/implementations
@@ -384,3 +385,72 @@ def test_numpy_and_torch_candidate_paths_agree(shape: tuple[int, int], transpose
     assert int((q == 0).sum()) == dense.shape[1] - 1  # all but the -inf score
     assert len(q) == int((dense >= reach.unsqueeze(1)).sum())
     assert torch.equal(dense[q, r], v)
+
+
+# ----------------------------------------------------------------------------- dense specification
+def ranks_by_query(out) -> dict[int, list[int]]:
+    """Query index → its relevant ranks, from any chunking of the output."""
+    got: dict[int, list[int]] = {}
+    for query_ids, ranks, num_rel in out.rank_chunks:
+        for q, row, n in zip(query_ids.tolist(), ranks.tolist(), num_rel.tolist(), strict=True):
+            got[q] = row[:n]
+    return got
+
+
+def gaps_in_float64(q: np.ndarray, r: np.ndarray, same_set: bool) -> np.ndarray:
+    """Per query, the smallest gap between two of its cosine scores (float64, self excluded)."""
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    rn = r / np.linalg.norm(r, axis=1, keepdims=True)
+    s = qn.astype(np.float64) @ rn.astype(np.float64).T
+    if same_set:
+        np.fill_diagonal(s, np.inf)
+    s = np.sort(s, axis=1)[:, : s.shape[1] - (1 if same_set else 0)]
+    return np.diff(s, axis=1).min(axis=1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 100])
+@pytest.mark.parametrize("same_set", [True, False])
+def test_blocked_engine_equals_the_dense_reference_on_random_data(
+    block_size: int, same_set: bool
+) -> None:
+    # Float scores: tiles of different shapes may round a score differently in the last bit, so
+    # the comparison is exact wherever no two scores of a query are that close in float64.
+    rng = np.random.default_rng(block_size)
+    q = rng.standard_normal((23 if not same_set else 41, 6)).astype(np.float32)
+    r = q if same_set else rng.standard_normal((57, 6)).astype(np.float32)
+    q_labels = torch.from_numpy(rng.integers(0, 5, len(q)))
+    r_labels = q_labels if same_set else torch.from_numpy(rng.integers(0, 5, len(r)))
+    args = (torch.from_numpy(q), q_labels, 7) + (
+        () if same_set else (torch.from_numpy(r), r_labels)
+    )
+    ours = exact_search(*args, block_size=block_size)
+    spec = reference_search(*args)
+    clear = gaps_in_float64(q, r, same_set) > 1e-5
+    assert clear.sum() > len(q) // 2
+    ours_ranks, spec_ranks = ranks_by_query(ours), ranks_by_query(spec)
+    for i in np.flatnonzero(clear).tolist():
+        assert ours.neighbors.indices[i].tolist() == spec.neighbors.indices[i].tolist()
+        assert ours_ranks[i] == spec_ranks[i]
+    torch.testing.assert_close(ours.neighbors.scores, spec.neighbors.scores, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 5, 64])
+@pytest.mark.parametrize("shape", [(30, None), (11, 26), (26, 11)])
+def test_blocked_engine_equals_the_dense_reference_with_ties(
+    block_size: int, shape: tuple[int, int | None]
+) -> None:
+    # Small integer vectors and the unnormalised squared Euclidean score: every score is an exact
+    # integer on any tiling, so the many ties must be broken exactly as the specification says.
+    n_q, n_r = shape
+    gen = torch.Generator().manual_seed(block_size * 100 + n_q)
+    q = torch.randint(0, 3, (n_q, 3), generator=gen).float()
+    q_labels = torch.randint(0, 4, (n_q,), generator=gen)
+    args: tuple = (q, q_labels, 6)
+    if n_r is not None:
+        r = torch.cat([q[:4], torch.randint(0, 3, (n_r - 4, 3), generator=gen).float()])
+        args += (r, torch.randint(0, 4, (n_r,), generator=gen))
+    ours = exact_search(*args, metric="euclidean", normalize=False, block_size=block_size)
+    spec = reference_search(*args, metric="euclidean", normalize=False)
+    assert torch.equal(ours.neighbors.indices, spec.neighbors.indices)
+    assert torch.equal(ours.neighbors.scores, spec.neighbors.scores)
+    assert ranks_by_query(ours) == ranks_by_query(spec)

@@ -17,7 +17,8 @@ The package, one idea per module:
 * :mod:`~idml.evaluation.search.topk` — the running top-k merge;
 * :mod:`~idml.evaluation.search.ranks` — relevant scores and the three rank-counting regimes;
 * :mod:`~idml.evaluation.search.execution` — thread pool, per-block locks, progress;
-* :mod:`~idml.evaluation.search.faiss_backend` — :func:`faiss_search`, approximate.
+* :mod:`~idml.evaluation.search.faiss_backend` — :func:`faiss_search`, approximate;
+* :mod:`~idml.evaluation.search.reference` — :func:`reference_search`, the dense specification.
 
 When the query set *is* the reference set, scores are symmetric, so only tiles on and above the
 diagonal are computed and each serves its rows and its columns: half the matrix products.
@@ -46,6 +47,7 @@ Example:
 
 from idml.evaluation.search.exact import exact_search, neighbors_only
 from idml.evaluation.search.faiss_backend import faiss_search
+from idml.evaluation.search.reference import reference_search
 from idml.evaluation.search.results import NeighborLists, RankChunk, SearchOutput
 
 __all__ = [
@@ -55,4 +57,5 @@ __all__ = [
     "exact_search",
     "faiss_search",
     "neighbors_only",
+    "reference_search",
 ]
