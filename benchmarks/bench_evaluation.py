@@ -149,7 +149,7 @@ def main() -> None:
     if args.defaults_only:
         args.pml_default, args.no_pml, args.nmi = True, True, False
 
-    from idml.evaluation import evaluate_embeddings
+    from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
     threads = torch.get_num_threads()
     print(
@@ -175,7 +175,9 @@ def main() -> None:
 
     if not args.defaults_only:
         report, ours_s, ours_mem = timed(
-            lambda: evaluate_embeddings(x, y, ks=ks, nmi=False, block_size=args.block_size)
+            lambda: evaluate_embeddings(
+                x, y, EvaluationSettings(ks=ks, nmi=False, block_size=args.block_size)
+            )
         )
         ours = report.metrics
         rows.append(("idml evaluate_embeddings, retrieval metrics", ours_s, ours_mem, ""))
@@ -263,7 +265,7 @@ def main() -> None:
         # idml's defaults, as `idml evaluate` runs them: NMI's k-means is chosen by size. Timed
         # and printed first, so a pml run cut short by a time limit still leaves idml's line.
         ours_all, ours_all_s, ours_all_mem = timed(
-            lambda: evaluate_embeddings(x, y, ks=ks, block_size=args.block_size)
+            lambda: evaluate_embeddings(x, y, EvaluationSettings(ks=ks, block_size=args.block_size))
         )
         print(
             f"idml default, every metric + NMI:             {ours_all_s:8.1f} s  "

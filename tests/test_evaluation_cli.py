@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from idml.cli import main
-from idml.evaluation import evaluate_embeddings
+from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
 
 @pytest.fixture
@@ -49,7 +49,9 @@ def test_keyed_files_json(fmt: str, tmp_path: Path, data, capsys) -> None:
     code, out, _ = _run(capsys, "evaluate", "--embeddings", str(path), "--ks", "1,2,4", "--json")
     assert code == 0
     result = json.loads(out)
-    expected = evaluate_embeddings(x, labels, ks=(1, 2, 4), uncertainty=u).metrics
+    expected = evaluate_embeddings(
+        x, labels, EvaluationSettings(ks=(1, 2, 4)), uncertainty=u
+    ).metrics
     # The CLI computes the same float64 means of per-query fractions from the same float32 data (the
     # file round trip and JSON's repr are lossless): equal up to a reordered sum, ~1e-16; 1e-12.
     assert result["metrics"] == pytest.approx(expected, abs=1e-12)
@@ -76,7 +78,7 @@ def test_npy_embeddings_and_labels_table(tmp_path: Path, data, capsys) -> None:
         "2",
     )
     assert code == 0
-    expected = evaluate_embeddings(x, labels, nmi=False).metrics
+    expected = evaluate_embeddings(x, labels, EvaluationSettings(nmi=False)).metrics
     assert "30 queries against themselves" in out
     assert re.search(rf"recall@1 +{expected['recall@1']:.4f}\n", out)
     # NMI is not computed, and the table says so rather than leaving the reader to guess.
@@ -104,7 +106,10 @@ def test_separate_query_set_and_euclidean(tmp_path: Path, data, capsys) -> None:
     assert code == 0
     result = json.loads(out)
     expected = evaluate_embeddings(
-        x[~q], labels[~q], query=(x[q], labels[q]), metric="euclidean", nmi=False
+        x[~q],
+        labels[~q],
+        EvaluationSettings(metric="euclidean", nmi=False),
+        query=(x[q], labels[q]),
     ).metrics
     # Same float64 computation from the same float32 data (lossless file and JSON round trips): 1e-12.
     assert result["metrics"] == pytest.approx(expected, abs=1e-12)
@@ -172,5 +177,5 @@ def test_fast_nmi_backend_flag(tmp_path: Path, data, capsys) -> None:
     assert result["settings"]["nmi_backend"] == "knn"
     # Same k-NN NMI on the same float32 data through the CLI: a reordered float64 sum at most, 1e-12.
     assert result["metrics"]["nmi"] == pytest.approx(
-        evaluate_embeddings(x, labels, nmi_backend="knn").nmi, abs=1e-12
+        evaluate_embeddings(x, labels, EvaluationSettings(nmi_backend="knn")).nmi, abs=1e-12
     )

@@ -11,6 +11,7 @@ import torch
 
 from idml.embeddings import Embeddings
 from idml.evaluation import (
+    EvaluationSettings,
     evaluate_embeddings,
     faiss_search,
     nmi_score,
@@ -85,7 +86,9 @@ def test_matches_pytorch_metric_learning_on_clustered_data(seed: int) -> None:
     y[5] = 1000  # a lone query
     xn = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
     pml = _pml(xn, torch.from_numpy(y))
-    report = evaluate_embeddings(x, y, ks=(1, 2, 4, 8), nmi=False, block_size=128)
+    report = evaluate_embeddings(
+        x, y, EvaluationSettings(ks=(1, 2, 4, 8), nmi=False, block_size=128)
+    )
     # Same float32 neighbours (the only exact tie, the duplicate pair, shares a label), so the
     # per-query values agree; the means differ only by pml's float32 averaging of 600 values in
     # [0, 1] (~1e-7 typical; measured equal), hence 1e-6. Recall@1 is a count: float64-exact.
@@ -101,7 +104,7 @@ def test_matches_pytorch_metric_learning_with_separate_gallery() -> None:
     qn = torch.nn.functional.normalize(torch.from_numpy(q), dim=1)
     gn = torch.nn.functional.normalize(torch.from_numpy(g), dim=1)
     pml = _pml(qn, torch.from_numpy(qy), gn, torch.from_numpy(gy))
-    report = evaluate_embeddings(g, gy, query=(q, qy), nmi=False, block_size=64)
+    report = evaluate_embeddings(g, gy, EvaluationSettings(nmi=False, block_size=64), query=(q, qy))
     assert not report.retrieval.same_set
     # As above: the same float32 neighbours, float64-exact counts for recall@1, and pml's float32
     # pairwise mean of 150 values in [0, 1] (≲ log2(150)·ε ≈ 9e-7 bound) for the others: 1e-6.
@@ -130,11 +133,11 @@ def test_nmi_with_faiss_equals_pytorch_metric_learning() -> None:
     xn = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
     calc = AccuracyCalculator(include=("NMI",), device=torch.device("cpu"))
     pml = calc.get_accuracy(xn, torch.from_numpy(y))["NMI"]
-    report = evaluate_embeddings(x, y, nmi_backend="faiss")
+    report = evaluate_embeddings(x, y, EvaluationSettings(nmi_backend="faiss"))
     # Same faiss k-means on the same float32 input (same seed), so the same clusters; NMI from the
     # same contingency counts in float64: a reordered sum at most, ~1e-15, so 1e-12.
     assert report.nmi == pytest.approx(pml, abs=1e-12)
-    sk = evaluate_embeddings(x, y, nmi_backend="sklearn").nmi
+    sk = evaluate_embeddings(x, y, EvaluationSettings(nmi_backend="sklearn")).nmi
     assert sk == pytest.approx(pml, abs=0.1)  # another k-means, same value range
 
 
@@ -148,15 +151,40 @@ def test_knn_graph_kmeans_close_to_lloyd_and_reproducible() -> None:
     assert fast == nmi_score(xt, yt, backend="knn", neighbors=graph, seed=5)
     lloyd = nmi_score(xt, yt, backend="sklearn", seed=5)
     assert abs(fast - lloyd) < 0.05
-    report = evaluate_embeddings(x, y, nmi_backend="knn", seed=5)
+    report = evaluate_embeddings(x, y, EvaluationSettings(nmi_backend="knn", seed=5))
     assert report.nmi == pytest.approx(fast, abs=1e-12)  # same neighbours, same k-means
-    separate = evaluate_embeddings(x[100:], y[100:], query=(x[:100], y[:100]), nmi_backend="knn")
+    separate = evaluate_embeddings(
+        x[100:], y[100:], EvaluationSettings(nmi_backend="knn"), query=(x[:100], y[:100])
+    )
     assert separate.nmi is not None and 0.0 < separate.nmi <= 1.0
     # The graph is the search's first 10 neighbours however many lists are returned.
     for num_neighbors in (0, 1, 30):
-        other = evaluate_embeddings(x, y, nmi_backend="knn", seed=5, num_neighbors=num_neighbors)
+        other = evaluate_embeddings(
+            x, y, EvaluationSettings(nmi_backend="knn", seed=5, num_neighbors=num_neighbors)
+        )
         assert other.nmi == report.nmi
         assert other.retrieval.neighbor_indices.shape == (500, num_neighbors)
+
+
+def test_search_depth_is_num_neighbors_whatever_the_nmi_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import idml.evaluation.evaluate as evaluate_module
+
+    depths: list[int] = []
+    search = evaluate_module.exact_search
+
+    def recording(*args: object, **kwargs: object):
+        depths.append(int(args[2]))  # type: ignore[call-overload]
+        return search(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(evaluate_module, "exact_search", recording)
+    x, y = clustered(120, 6, 8, 0.9, seed=4)
+    for backend in ("knn", "sklearn"):
+        for num_neighbors in (0, 3, 25):
+            settings = EvaluationSettings(nmi_backend=backend, num_neighbors=num_neighbors)
+            evaluate_embeddings(x, y, settings)
+            assert depths.pop() == num_neighbors
 
 
 def test_auto_nmi_backend_picks_by_points_times_classes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,16 +196,18 @@ def test_auto_nmi_backend_picks_by_points_times_classes(monkeypatch: pytest.Monk
     assert clustering.resolve_backend("auto", 60_502, 11_316) == "knn"
     assert clustering.resolve_backend("sklearn", 60_502, 11_316) == "sklearn"  # explicit wins
     x, y = clustered(200, 10, 8, 0.9, seed=3)
-    small = evaluate_embeddings(x, y, seed=5)
+    small = evaluate_embeddings(x, y, EvaluationSettings(seed=5))
     assert small.settings["nmi_method"].startswith("full k-means")
     monkeypatch.setattr(clustering, "AUTO_FULL_KMEANS_MAX_WORK", 200 * 10 - 1)
-    large = evaluate_embeddings(x, y, seed=5)
+    large = evaluate_embeddings(x, y, EvaluationSettings(seed=5))
     assert large.settings["nmi_backend"] == "knn"
     assert large.settings["nmi_method"].startswith("k-NN-graph k-means (approximation")
-    assert large.nmi == evaluate_embeddings(x, y, seed=5, nmi_backend="knn").nmi
+    assert large.nmi == evaluate_embeddings(x, y, EvaluationSettings(seed=5, nmi_backend="knn")).nmi
     assert "k-NN-graph k-means" in large.format_table()
     assert json.loads(large.to_json())["settings"]["nmi_method"] == large.settings["nmi_method"]
-    assert evaluate_embeddings(x, y, nmi=False).settings["nmi_method"] == "skipped"
+    assert (
+        evaluate_embeddings(x, y, EvaluationSettings(nmi=False)).settings["nmi_method"] == "skipped"
+    )
 
 
 def test_bad_nmi_backend_fails_before_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,7 +219,7 @@ def test_bad_nmi_backend_fails_before_the_search(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(evaluate_module, "exact_search", no_search)
     x, y = clustered(20, 3, 4, 0.5, seed=1)
     with pytest.raises(ValueError, match="k-means backend"):
-        evaluate_embeddings(x, y, nmi_backend="bogus")  # type: ignore[arg-type]
+        evaluate_embeddings(x, y, EvaluationSettings(nmi_backend="bogus"))  # type: ignore[arg-type]
 
 
 def test_knn_graph_kmeans_without_neighbours_is_nearest_seed() -> None:
@@ -229,7 +259,9 @@ def test_uncertainty_summary_values() -> None:
 def test_report_carries_uncertainty_from_embeddings() -> None:
     x, y = clustered(40, 4, 6, 0.7, seed=1)
     u = torch.rand(40, 3)
-    report = evaluate_embeddings(Embeddings(torch.from_numpy(x), u), y, nmi=False)
+    report = evaluate_embeddings(
+        Embeddings(torch.from_numpy(x), u), y, EvaluationSettings(nmi=False)
+    )
     assert report.uncertainty is not None
     # The same float32 norms (same torch op); our float64 mean vs torch's float32 mean of 40 values
     # (vectorised: ≲ 8 roundings of ε/2 relative to the total, ≈ 5e-7): rel 1e-6.
@@ -240,7 +272,7 @@ def test_report_carries_uncertainty_from_embeddings() -> None:
 # ----------------------------------------------------------------------------- report
 def test_report_json_and_table() -> None:
     x, y = clustered(50, 5, 6, 0.8, seed=8)
-    report = evaluate_embeddings(x, y, ks=(1, 4), nmi_backend="sklearn", seed=0)
+    report = evaluate_embeddings(x, y, EvaluationSettings(ks=(1, 4), nmi_backend="sklearn", seed=0))
     data = json.loads(report.to_json(per_class=True))
     assert set(data["metrics"]) == {
         "recall@1",
@@ -266,7 +298,9 @@ def test_report_json_and_table() -> None:
 def test_neighbor_values_are_distances_for_euclidean() -> None:
     x = torch.tensor([[3.0, 0.0], [0.0, 4.0], [3.0, 1.0]])
     report = evaluate_embeddings(
-        x, [0, 0, 1], metric="euclidean", normalize=False, nmi=False, num_neighbors=2
+        x,
+        [0, 0, 1],
+        EvaluationSettings(metric="euclidean", normalize=False, nmi=False, num_neighbors=2),
     )
     r = report.retrieval
     assert not r.values_are_similarities
@@ -278,9 +312,9 @@ def test_neighbor_values_are_distances_for_euclidean() -> None:
 @needs_faiss
 def test_faiss_backend_flat_index_gives_exact_truncated_metrics() -> None:
     x, y = clustered(200, 10, 8, 1.0, seed=3)
-    exact = evaluate_embeddings(x, y, ks=(1, 2), nmi=False)
+    exact = evaluate_embeddings(x, y, EvaluationSettings(ks=(1, 2), nmi=False))
     approx = evaluate_embeddings(
-        x, y, ks=(1, 2), nmi=False, knn_backend="faiss", faiss_index="Flat"
+        x, y, EvaluationSettings(ks=(1, 2), nmi=False, knn_backend="faiss", faiss_index="Flat")
     )
     # A Flat index is exhaustive: the same neighbours (no float32 near-ties in this data), so the
     # metrics are float64 means of identical per-query values, equal up to a reordered sum: 1e-12.
@@ -312,15 +346,17 @@ def test_faiss_backend_flat_index_gives_exact_truncated_metrics() -> None:
 def test_bad_input_raises_clear_errors(kwargs: dict, match: str) -> None:
     args = {"embeddings": torch.randn(4, 2), "labels": [0, 1, 0, 1], "nmi": False}
     args.update(kwargs)
+    fields = set(EvaluationSettings.__dataclass_fields__)
     with pytest.raises(ValueError, match=match):
-        evaluate_embeddings(**args)
+        settings = EvaluationSettings(**{k: v for k, v in args.items() if k in fields})
+        evaluate_embeddings(settings=settings, **{k: v for k, v in args.items() if k not in fields})
 
 
 def test_nan_rows_are_named() -> None:
     x = torch.randn(5, 3)
     x[2, 1] = math.nan
     with pytest.raises(ValueError, match=r"embeddings contains NaN or inf \(rows \[2\]"):
-        evaluate_embeddings(x, [0, 0, 1, 1, 1], nmi=False)
+        evaluate_embeddings(x, [0, 0, 1, 1, 1], EvaluationSettings(nmi=False))
 
 
 def test_ism_without_uncertainty_is_rejected() -> None:
@@ -330,6 +366,6 @@ def test_ism_without_uncertainty_is_rejected() -> None:
         evaluate_embeddings(
             torch.randn(4, 2),
             [0, 1, 0, 1],
+            EvaluationSettings(nmi=False),
             introspective_metric=IntrospectiveMetric(CosineSimilarity()),
-            nmi=False,
         )

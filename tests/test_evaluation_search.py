@@ -16,7 +16,7 @@ import torch
 
 import idml.evaluation.search.candidates as candidates_module
 import idml.evaluation.search.ranks as ranks_module
-from idml.evaluation import RankAccumulator, evaluate_embeddings, exact_search
+from idml.evaluation import EvaluationSettings, RankAccumulator, evaluate_embeddings, exact_search
 from idml.evaluation.retrieval_metrics import default_cutoffs
 from idml.evaluation.search import reference_search
 from synthetic import clustered
@@ -248,7 +248,7 @@ def test_collapsed_embeddings_score_worst_not_best() -> None:
     # Every embedding identical: pessimistic ties give the chance-free worst case.
     x = torch.ones(12, 4)
     labels = torch.arange(12) % 4
-    report = evaluate_embeddings(x, labels, ks=(1, 8), nmi=False)
+    report = evaluate_embeddings(x, labels, EvaluationSettings(ks=(1, 8), nmi=False))
     assert report.metrics["recall@1"] == 0.0
     # Each query has 9 other-class items, all ranked before its 2 relevant ones (ranks 10, 11).
     assert report.metrics["recall@8"] == 0.0
@@ -271,14 +271,14 @@ def test_k_larger_than_class_and_gallery() -> None:
     out = exact_search(torch.from_numpy(x), torch.from_numpy(y), 50, block_size=4)
     assert out.neighbors.k == 8  # capped at the other 8 items
     assert sorted(out.neighbors.indices[0].tolist()) == list(range(1, 9))
-    report = evaluate_embeddings(x, y, ks=(1, 5, 100), nmi=False)
+    report = evaluate_embeddings(x, y, EvaluationSettings(ks=(1, 5, 100), nmi=False))
     assert report.metrics["recall@100"] == 1.0
 
 
 def test_lone_queries_are_excluded_and_counted() -> None:
     x, y = clustered(20, 4, 3, 0.5, seed=5)
     y[[3, 11]] = [50, 51]  # two singletons
-    report = evaluate_embeddings(x, y, ks=(1,), nmi=False)
+    report = evaluate_embeddings(x, y, EvaluationSettings(ks=(1,), nmi=False))
     assert report.retrieval.lone_queries.tolist() == [3, 11]
     assert math.isnan(report.retrieval.per_query["map@r"][3].item())
     assert report.retrieval.per_class[50]["num_lone_queries"] == 1
@@ -289,7 +289,7 @@ def test_lone_queries_are_excluded_and_counted() -> None:
 
 def test_per_class_breakdown_matches_per_query_means() -> None:
     x, y = clustered(30, 3, 4, 1.2, seed=9)
-    report = evaluate_embeddings(x, y, ks=(1, 2), nmi=False)
+    report = evaluate_embeddings(x, y, EvaluationSettings(ks=(1, 2), nmi=False))
     per_query = report.retrieval.per_query
     for c, row in report.retrieval.per_class.items():
         mask = torch.from_numpy(y == c)
@@ -311,8 +311,10 @@ def test_introspective_ranking_matches_a_dense_ism_matrix() -> None:
     dense.fill_diagonal_(-math.inf)
     expected = torch.sort(dense, dim=1, descending=True, stable=True).indices[:, :24]
     assert out.neighbors.indices.tolist() == expected.tolist()
-    report = evaluate_embeddings(x, labels, uncertainty=u, introspective_metric=ism, nmi=False)
-    plain = evaluate_embeddings(x, labels, nmi=False)
+    report = evaluate_embeddings(
+        x, labels, EvaluationSettings(nmi=False), uncertainty=u, introspective_metric=ism
+    )
+    plain = evaluate_embeddings(x, labels, EvaluationSettings(nmi=False))
     assert report.retrieval.metric_name.startswith("introspective")
     assert report.metrics != plain.metrics
 

@@ -273,13 +273,13 @@ def test_auroc_and_aurc_against_brute_force_with_ties(seed: int) -> None:
 
 
 def test_evaluation_reports_confidence_scores() -> None:
-    from idml.evaluation import evaluate_embeddings
+    from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
     g = torch.Generator().manual_seed(0)
     labels = torch.arange(120) % 6
     x = torch.randn(120, 8, generator=g) + 2 * torch.nn.functional.one_hot(labels, 8)
     u = torch.randn(120, 3, generator=g)
-    report = evaluate_embeddings(x, labels, uncertainty=u, nmi=False)
+    report = evaluate_embeddings(x, labels, EvaluationSettings(nmi=False), uncertainty=u)
     metrics = report.metrics
     for key in ("auroc_top1_cos", "aurc_top1_cos", "auroc_norm_u", "auroc_combined", "aurc_oracle"):
         assert key in metrics
@@ -294,7 +294,9 @@ def test_evaluation_reports_confidence_scores() -> None:
     assert metrics["auroc_norm_u"] == pytest.approx(
         _brute_auroc(u.norm(dim=1).double().tolist(), errors.tolist()), abs=1e-12
     )
-    assert "auroc_norm_u" not in evaluate_embeddings(x, labels, nmi=False).metrics
+    assert (
+        "auroc_norm_u" not in evaluate_embeddings(x, labels, EvaluationSettings(nmi=False)).metrics
+    )
 
 
 @pytest.mark.slow

@@ -182,13 +182,13 @@ def test_embed_then_evaluate_round_trip(
     assert main(["evaluate", "--embeddings", str(out), "--json", "--no-nmi"]) == 0
     report = _json_out(capsys)
     # Same numbers as evaluating the embeddings in memory.
-    from idml.evaluation import evaluate_embeddings
+    from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
     encoder = Encoder.from_run(run_dir)
     files = sorted(gallery.rglob("*.png"))
     emb = encoder.embed(files)
     labels = torch.tensor([ord(f.parent.name) - ord("a") for f in files])
-    direct = evaluate_embeddings(emb.embeddings, labels, nmi=False)
+    direct = evaluate_embeddings(emb.embeddings, labels, EvaluationSettings(nmi=False))
     for key, value in direct.metrics.items():
         assert report["metrics"][key] == pytest.approx(value, abs=1e-6)
     # The file's ||u|| levels reach the uncertainty summary as they are.

@@ -334,24 +334,25 @@ def evaluate(
     settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM).
 
     ``ks``, ``introspective``, ``nmi`` and ``nmi_backend`` override their ``eval.*`` keys when
-    given; ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) go to
-    :func:`~idml.evaluation.evaluate_embeddings` as they are.
+    given; ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) are further fields of the
+    :class:`~idml.evaluation.EvaluationSettings`.
     """
-    from idml.evaluation import evaluate_embeddings
+    from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
     options = evaluation_options(cfg, ks, introspective)
     if nmi is not None:
         options["nmi"] = nmi
     if nmi_backend is not None:
         options["nmi_backend"] = nmi_backend
+    ism = options.pop("introspective_metric")
     return evaluate_embeddings(
         embeddings.semantic,
         labels,
+        EvaluationSettings(**options, **settings),
         uncertainty=embeddings.uncertainty,
+        introspective_metric=ism,
         device=device,
         progress=progress,
-        **options,
-        **settings,
     )
 
 

@@ -153,7 +153,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from idml.evaluation import evaluate_files
+    from idml.evaluation import EvaluationSettings, evaluate_files
     from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 
     if args.checkpoint is not None:
@@ -246,17 +246,19 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         embeddings_key=args.embeddings_key,
         uncertainty_key=args.uncertainty_key,
         labels_key=args.labels_key,
-        ks=args.ks or (1, 2, 4, 8),
-        metric=args.metric,
-        normalize=not args.no_normalize,
+        settings=EvaluationSettings(
+            ks=args.ks or (1, 2, 4, 8),
+            metric=args.metric,
+            normalize=not args.no_normalize,
+            nmi=not args.no_nmi,
+            nmi_backend=args.nmi_backend or "auto",
+            seed=args.seed,
+            knn_backend=args.knn_backend,
+            faiss_index=args.faiss_index,
+            block_size=args.block_size,
+        ),
         introspective_metric=ism,
-        nmi=not args.no_nmi,
-        nmi_backend=args.nmi_backend or "auto",
-        seed=args.seed,
-        knn_backend=args.knn_backend,
-        faiss_index=args.faiss_index,
         device=args.device,
-        block_size=args.block_size,
         progress=not args.no_progress,
     )
     _print_report(report, args)

@@ -1,6 +1,7 @@
 """Evaluation: exact blocked retrieval at Stanford-Online-Products scale, metrics, NMI, ``||u||``.
 
-Entry point: :func:`evaluate_embeddings` → :class:`EvaluationReport` (``.metrics``,
+Entry point: :func:`evaluate_embeddings` (what to compute: :class:`EvaluationSettings`) →
+:class:`EvaluationReport` (``.metrics``,
 ``.format_table()``, ``.to_json()``). Building blocks: :func:`exact_search` (blocked exact k-NN
 plus the rank of every relevant item, never an N×N matrix), :func:`faiss_search` (approximate,
 optional ``faiss`` extra), :class:`RankAccumulator` (Recall@K, R-Precision, MAP@R, MAP, MRR,
@@ -12,6 +13,7 @@ literature (Musgrave et al. 2020, "A Metric Learning Reality Check"), listed in 
 from idml.evaluation.clustering import kmeans_assign, nmi_score
 from idml.evaluation.evaluate import (
     EvaluationReport,
+    EvaluationSettings,
     RetrievalResult,
     evaluate_embeddings,
     evaluate_files,
@@ -25,6 +27,7 @@ from idml.evaluation.uncertainty import UncertaintySummary, summarize_uncertaint
 __all__ = [
     "EmbeddingFile",
     "EvaluationReport",
+    "EvaluationSettings",
     "NeighborLists",
     "PRCurve",
     "PairScorer",

@@ -1,0 +1,187 @@
+"""What an evaluation measured: :class:`EvaluationReport` and its :class:`RetrievalResult`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from idml.evaluation.retrieval_metrics import PRCurve
+from idml.evaluation.uncertainty import ConfidenceQuality, UncertaintySummary
+
+
+@dataclass
+class RetrievalResult:
+    """Retrieval results: neighbour lists, metric means, per-query and per-class values.
+
+    Attributes:
+        ks: the K of Recall@K.
+        metrics: metric name → mean over non-lone queries (``recall@K``, ``r_precision``,
+            ``map@r``, ``map``, ``mrr``; approximate search reports ``mrr@k`` instead of the
+            last two).
+        per_query: metric name → ``(Q,)`` float64 values in query order (NaN for lone queries).
+        per_class: class label → metric means over its non-lone queries, with ``num_queries`` and
+            ``num_lone_queries``.
+        pr_curve: precision–recall data (see :class:`~idml.evaluation.retrieval_metrics.PRCurve`).
+        neighbor_indices: ``(Q, k)`` reference indices of the nearest neighbours (``-1`` = none).
+        neighbor_values: ``(Q, k)`` their metric values: similarities, or distances when
+            ``values_are_similarities`` is false (NaN = none).
+        values_are_similarities: whether ``neighbor_values`` are similarities (else distances).
+        num_queries, num_references: sizes; ``same_set`` when the set was searched against itself.
+        lone_queries: indices of the queries with no relevant reference (excluded from metrics).
+        metric_name: the ranking metric; ``backend``: ``"exact"`` or ``"faiss:<index>"``.
+    """
+
+    ks: tuple[int, ...]
+    metrics: dict[str, float]
+    per_query: dict[str, Tensor]
+    per_class: dict[int, dict[str, float]]
+    pr_curve: PRCurve
+    neighbor_indices: Tensor
+    neighbor_values: Tensor
+    values_are_similarities: bool
+    num_queries: int
+    num_references: int
+    same_set: bool
+    lone_queries: Tensor
+    metric_name: str
+    backend: str
+
+    @property
+    def num_lone_queries(self) -> int:
+        return int(self.lone_queries.numel())
+
+    def to_dict(self, per_class: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict (no per-query arrays or neighbour lists; per-class on request)."""
+        out: dict[str, Any] = {
+            "metrics": {k: _clean(v) for k, v in self.metrics.items()},
+            "num_queries": self.num_queries,
+            "num_references": self.num_references,
+            "same_set": self.same_set,
+            "num_lone_queries": self.num_lone_queries,
+            "ks": list(self.ks),
+            "metric": self.metric_name,
+            "backend": self.backend,
+            "pr_curve": self.pr_curve.to_dict(),
+        }
+        if per_class:
+            out["per_class"] = {
+                str(c): {k: _clean(v) for k, v in row.items()} for c, row in self.per_class.items()
+            }
+        return out
+
+
+@dataclass
+class EvaluationReport:
+    """Everything :func:`~idml.evaluation.evaluate_embeddings` measured."""
+
+    retrieval: RetrievalResult
+    nmi: float | None
+    uncertainty: UncertaintySummary | None
+    timings: dict[str, float] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    confidence: dict[str, ConfidenceQuality] = field(default_factory=dict)
+    """How well each confidence score predicts a wrong top-1 neighbour
+    (:func:`~idml.evaluation.uncertainty.confidence_quality`): ``top1_cos`` always, ``norm_u`` and
+    ``combined`` when the queries carry uncertainty."""
+    oracle_aurc: float | None = None
+    """The AURC of a perfect confidence score at this error rate (the floor of every ``aurc_*``)."""
+    uncertainty_levels: Tensor | None = None
+    """``||u||`` of every query (``None`` without uncertainty embeddings)."""
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Retrieval metric means, ``nmi`` (when computed), then ``auroc_<score>`` /
+        ``aurc_<score>`` of each confidence score and ``aurc_oracle``, in report order."""
+        out = dict(self.retrieval.metrics)
+        if self.nmi is not None:
+            out["nmi"] = self.nmi
+        for name, quality in self.confidence.items():
+            out[f"auroc_{name}"] = quality.auroc
+            out[f"aurc_{name}"] = quality.aurc
+        if self.oracle_aurc is not None:
+            out["aurc_oracle"] = self.oracle_aurc
+        return out
+
+    @property
+    def pr_curve(self) -> PRCurve:
+        """The precision–recall data of the retrieval (see :class:`RetrievalResult`)."""
+        return self.retrieval.pr_curve
+
+    def to_dict(self, per_class: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict: metrics (with NMI), counts, PR curve, ``||u||``, timings, settings."""
+        out = self.retrieval.to_dict(per_class)
+        out["metrics"] = {k: _clean(v) for k, v in self.metrics.items()}
+        if self.uncertainty is not None:
+            out["uncertainty"] = self.uncertainty.to_dict(per_class)
+        out["timings_s"] = {k: round(v, 4) for k, v in self.timings.items()}
+        out["settings"] = self.settings
+        return out
+
+    def to_json(self, per_class: bool = False, indent: int | None = 2) -> str:
+        """The report as JSON (stable keys; NaN written as ``null``)."""
+        return json.dumps(self.to_dict(per_class), indent=indent)
+
+    def format_table(self, per_class: int = 0) -> str:
+        """A readable report: a header line, the metric table, counts and ``||u||`` if known.
+
+        ``per_class`` > 0 appends the that many classes with the lowest Recall@1.
+        """
+        r = self.retrieval
+        against = "themselves" if r.same_set else f"{r.num_references:,} references"
+        header = (
+            f"{r.num_queries:,} queries against {against}; metric {r.metric_name}, "
+            f"search {r.backend}"
+        )
+        lines = [header, "", self._metric_table()]
+        lines.append("")
+        lines.append(f"lone queries (alone in their class, excluded): {r.num_lone_queries:,}")
+        if self.uncertainty is not None:
+            u = self.uncertainty
+            qs = ", ".join(f"q{round(q * 100):02d} {_fmt(v)}" for q, v in u.quantiles.items())
+            lines.append(
+                f"uncertainty ||u||: mean {_fmt(u.mean)}, std {_fmt(u.std)}, "
+                f"min {_fmt(u.min)}, max {_fmt(u.max)}; {qs}"
+            )
+            if u.recall_at_1_by_quartile:
+                parts = ", ".join(_fmt(v) for v in u.recall_at_1_by_quartile)
+                lines.append(f"recall@1 by ||u|| quartile (least uncertain first): {parts}")
+        if per_class > 0 and r.per_class:
+            key = f"recall@{r.ks[0]}"
+            rows = sorted(
+                r.per_class.items(),
+                key=lambda item: (math.inf if math.isnan(item[1][key]) else item[1][key], item[0]),
+            )[:per_class]
+            lines.append("")
+            lines.append(f"classes with the lowest {key}:")
+            lines += [
+                f"  class {c}: {key} {_fmt(row[key])}, map@r {_fmt(row['map@r'])}, "
+                f"{row['num_queries']} queries"
+                for c, row in rows
+            ]
+        return "\n".join(lines)
+
+    def _metric_table(self) -> str:
+        metrics = self.metrics
+        width = max(len(k) for k in metrics)
+        lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  ------"]
+        lines += [f"{k.ljust(width)}  {_fmt(v)}" for k, v in metrics.items()]
+        method = self.settings.get("nmi_method")
+        if method is not None:
+            # Say how NMI was computed (or that it was not): the approximation reads differently.
+            if "nmi" in metrics:
+                lines[-1] += f"  {method}"
+            else:
+                lines.append(f"{'nmi'.ljust(width)}  {method}")
+        return "\n".join(lines)
+
+
+def _fmt(value: float) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.4f}"
+
+
+def _clean(value: float) -> float | None:
+    return None if isinstance(value, float) and math.isnan(value) else value

@@ -1,0 +1,86 @@
+"""What an evaluation computes and how: :class:`EvaluationSettings`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from idml.evaluation.clustering import KMeansBackend
+from idml.evaluation.retrieval_metrics import DEFAULT_RECALL_LEVELS
+from idml.evaluation.scoring import MetricSpec
+
+KnnBackend = Literal["exact", "faiss"]
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """The settings of :func:`~idml.evaluation.evaluate_embeddings` (validated on construction).
+
+    Attributes:
+        ks: the K of Recall@K (SOP convention: ``(1, 10, 100, 1000)``).
+        metric: ``"cosine"`` (default), ``"euclidean"`` or a :class:`~idml.metrics.Metric`.
+        normalize: L2-normalise semantic embeddings (the literature's convention); also for NMI.
+        block_size: tile side of the blocked search (default per device); memory
+            ``O(block² + N·(k + R_max))``.
+        num_neighbors: how many nearest neighbours the search computes and returns per query. It
+            alone decides: metrics never depend on the lists, and the k-NN-graph k-means reuses
+            them only when they are long enough (else it runs its own search).
+        nmi: compute NMI of k-means (#clusters = #query classes) on the query embeddings.
+        nmi_backend, seed, kmeans_iterations: k-means settings (see
+            :mod:`idml.evaluation.clustering`; with faiss the defaults reproduce
+            pytorch-metric-learning; ``"knn"`` is the fast k-NN-graph k-means for many classes,
+            which ``"auto"`` picks when points × classes is large, e.g. SOP).
+        pr_cutoffs: rank cut-offs of the precision–recall curve (default 1, 2, 4, …, all).
+        recall_levels: recall levels of interpolated precision (default 0.0, 0.1, …, 1.0).
+        knn_backend: ``"exact"`` (default) or ``"faiss"`` (approximate index ``faiss_index`` with
+            ``faiss_parameters``; metrics then come from the neighbour lists, which are made long
+            enough for R-Precision and MAP@R, and MAP/MRR over the whole gallery are not reported).
+
+    Example:
+        >>> EvaluationSettings(ks=8, nmi=False).ks
+        (8,)
+    """
+
+    ks: Sequence[int] = (1, 2, 4, 8)
+    metric: MetricSpec = "cosine"
+    normalize: bool = True
+    block_size: int | None = None
+    num_neighbors: int = 10
+    nmi: bool = True
+    nmi_backend: KMeansBackend = "auto"
+    seed: int = 1234
+    kmeans_iterations: int = 20
+    pr_cutoffs: Sequence[int] | None = None
+    recall_levels: Sequence[float] = DEFAULT_RECALL_LEVELS
+    knn_backend: KnnBackend = "exact"
+    faiss_index: str = "HNSW32"
+    faiss_parameters: str | None = None
+
+    def __post_init__(self) -> None:
+        # Sequences become tuples so that settings are immutable and compare by value.
+        object.__setattr__(self, "ks", _check_ks(self.ks))
+        object.__setattr__(self, "recall_levels", tuple(self.recall_levels))
+        if self.pr_cutoffs is not None:
+            cutoffs = tuple(int(c) for c in self.pr_cutoffs)
+            if any(c < 1 for c in cutoffs):
+                raise ValueError(f"pr_cutoffs must be positive ranks, got {list(cutoffs)}")
+            object.__setattr__(self, "pr_cutoffs", cutoffs)
+        if self.num_neighbors < 0:
+            raise ValueError(f"num_neighbors must be >= 0, got {self.num_neighbors}")
+        if self.knn_backend not in ("exact", "faiss"):
+            raise ValueError(f"knn_backend must be 'exact' or 'faiss', got {self.knn_backend!r}")
+
+
+def _check_ks(ks: Sequence[int] | int) -> tuple[int, ...]:
+    if isinstance(ks, int):
+        ks = (ks,)
+    out = tuple(ks)
+    if not out:
+        raise ValueError("ks must contain at least one K for Recall@K, e.g. (1, 2, 4, 8)")
+    for k in out:
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k <= 0:
+            raise ValueError(f"ks must be positive integers (K of Recall@K), got {list(out)}")
+    return tuple(int(k) for k in out)
