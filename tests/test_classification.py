@@ -104,6 +104,8 @@ def test_cutmix_pastes_the_partner_and_reports_its_pixel_share() -> None:
         mixed = batch.images[row]
         from_a = (mixed == images[a]).all(dim=0).double().mean()
         if a != b:
+            # The pixel share is an exact count over 108 pixels (float64); λ' is the same fraction
+            # rounded to float32, ≤ ε/2 ≈ 6e-8 away: abs 1e-6 (one pixel is 1/108 ≈ 9e-3).
             assert float(from_a) == pytest.approx(float(info.lam[k]), abs=1e-6)
             assert bool(((mixed == images[a]) | (mixed == images[b])).all())
         assert batch.labels.labels[row].tolist() == (
@@ -119,6 +121,7 @@ def test_mixed_targets_weight_both_classes_by_lambda() -> None:
     targets = mixed_targets(batch, 3)
     info = batch.mixup
     assert info is not None
+    # float32 λ + (1 − λ): two roundings, ≤ ε ≈ 1.2e-7, inside assert_close's float32 defaults.
     torch.testing.assert_close(targets.sum(dim=1), torch.ones(8))
     assert torch.equal(targets[:4], F.one_hot(labels, 3).float())
     for k in range(4):
@@ -127,6 +130,8 @@ def test_mixed_targets_weight_both_classes_by_lambda() -> None:
         if a == b:
             assert row[a] == 1
         else:
+            # float32 λ·1 is λ exactly; 1 − λ is rounded once (≤ ε/2 relative) on each side:
+            # inside approx's default rel 1e-6.
             assert float(row[a]) == pytest.approx(lam) and float(row[b]) == pytest.approx(1 - lam)
 
 

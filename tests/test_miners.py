@@ -123,7 +123,10 @@ def test_distance_weighted_probabilities_match_pml(
     # pml divides an all-zero row by 0 (NaN) and then skips it; ours is an explicit zero row.
     empty = torch.isnan(oracle).all(dim=1)
     assert not empty.all()
-    torch.testing.assert_close(ours[~empty], oracle[~empty], rtol=1e-5, atol=1e-12)
+    # float64: cdist (pml) vs our Gram expansion put a few ε on d² ≈ O(1); with d ≥ cutoff 0.5,
+    # (n−2) = 14 times log d and a 21-term normalisation that is ≲ 1e-13 relative on every
+    # probability (all ≥ 1e-3 here, so atol is moot): rtol 1e-10 (was float32's 1e-5).
+    torch.testing.assert_close(ours[~empty], oracle[~empty], rtol=1e-10, atol=1e-12)
     assert (ours[empty] == 0).all()
 
 
@@ -161,7 +164,10 @@ def test_distance_weighted_probabilities_are_min_phi_inverse_q_with_set_labels()
     d = EuclideanDistance()(emb)
     ours = DistanceWeightedMiner().probabilities(d, labels, dim=6)
     expected = torch.tensor(brute_force_probabilities(d, sets, 6), dtype=torch.float64)
-    torch.testing.assert_close(ours, expected, rtol=1e-9, atol=1e-12)
+    # float64, the same d on both sides: log-space softmax vs plain powers and a 10-term sum in
+    # Python, a few ε times |log q⁻¹| ≲ 3: ≲ 1e-14 relative, rtol 1e-12 (was 1e-9); zeros are
+    # exact (same masks), atol only for them.
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
     # The mixed {0, 1} image (row 8) may never draw images of class 0 or 1.
     assert (ours[8, [0, 1, 2, 7]] == 0).all()
 
@@ -175,6 +181,7 @@ def test_distance_weighted_is_finite_in_high_dimension() -> None:
     )
     assert torch.isfinite(probs).all()
     sums = probs.sum(dim=1)
+    # float32 softmax of ≤ 24 admissible terms, then a ≤ 24-term sum: ≲ 27·ε ≈ 3e-6 worst case.
     assert ((sums - 1).abs() < 1e-5).logical_or(sums == 0).all()
 
 
@@ -219,7 +226,8 @@ def test_distance_weighted_sampling_frequencies_follow_probabilities() -> None:
     first_anchor = t.negative[t.anchor == 0] - 401
     counts = torch.bincount(first_anchor, minlength=5).double()
     expected = 400 * probs
-    # Generous 5-sigma band of a binomial count.
+    # Generous 5-sigma band of a binomial count (two-sided p ≈ 6e-7 per count under the seeded
+    # draw), +1 for the integer step of a count.
     sigma = (400 * probs * (1 - probs)).sqrt()
     assert ((counts - expected).abs() <= 5 * sigma + 1).all()
 
@@ -230,16 +238,21 @@ def test_distance_weighted_on_similarity_uses_chord_distance() -> None:
     miner = DistanceWeightedMiner()
     from_cos = miner.probabilities(CosineSimilarity()(emb), sets, dim=DIM, similarity=True)
     from_dist = miner.probabilities(EuclideanDistance()(emb), sets, dim=DIM)
-    torch.testing.assert_close(from_cos, from_dist, rtol=1e-6, atol=1e-12)
+    # float64: √(2 − 2S) vs the Gram-form distance differ by a few ε on d² = O(1); clamped at
+    # d ≥ 0.5 and amplified (n−2) = 14 times in log q⁻¹: ≲ 1e-13 relative, rtol 1e-10 (was 1e-6).
+    torch.testing.assert_close(from_cos, from_dist, rtol=1e-10, atol=1e-12)
 
 
 def test_to_distance_of_cosine_is_euclidean_on_the_unit_sphere() -> None:
     emb, _ = make_batch("4x5", 0)
+    # float64: 2 − 2S vs ||x̂||² + ||ŷ||² − 2x̂·ŷ (16-term dot products) differ by a few ε on
+    # d² = O(1), ≲ 1e-14 relative on d: rtol 1e-12 (was 1e-6). The diagonal's rounding residue
+    # (≲ 1e-14 ≤ 1e-12) is zeroed exactly by safe_norm_from_squares on both sides: atol 0 (was 1e-7).
     torch.testing.assert_close(
         to_distance(CosineSimilarity()(emb), similarity=True),
         EuclideanDistance()(emb),
-        rtol=1e-6,
-        atol=1e-7,
+        rtol=1e-12,
+        atol=0,
     )
 
 

@@ -61,14 +61,17 @@ def test_torchvision_backbone_shapes_and_normalised_output(name: str) -> None:
         feats = model.features(_images(2, 3, 32))
     assert emb.semantic.shape == (2, 8) and emb.uncertainty is not None
     assert emb.uncertainty.shape == (2, 8)
+    # float32 norm of F.normalize'd 8-dim rows: a few ε, inside assert_close's float32 defaults
+    # (rtol 1.3e-6, atol 1e-5).
     torch.testing.assert_close(emb.semantic.norm(dim=1), torch.ones(2))
     assert feats.shape == (2, FEATURE_DIMS[name])
     if name == "googlenet":  # TF-ported weights: (x − 0.5) / 0.5, see the test below
         mean, std = torch.full((3,), 0.5), torch.full((3,), 0.5)
     else:
         mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
-    torch.testing.assert_close(model.input_mean.flatten(), mean)
-    torch.testing.assert_close(model.input_std.flatten(), std)
+    # Exact: both are torch.tensor of the same Python floats, rounded to float32 once.
+    assert torch.equal(model.input_mean.flatten(), mean)
+    assert torch.equal(model.input_std.flatten(), std)
 
 
 def test_resnet_features_match_torchvision_reference() -> None:
@@ -87,6 +90,9 @@ def test_resnet_features_match_torchvision_reference() -> None:
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
     with torch.no_grad():
+        # float32, the same modules and weights on the same normalised input; only the global
+        # average over the 2×2 final map may be summed by another kernel (a few ε), inside the
+        # float32 defaults (rtol 1.3e-6, atol 1e-5).
         torch.testing.assert_close(model.features(x), reference((x - mean) / std))
 
 
@@ -119,6 +125,10 @@ def test_googlenet_matches_torchvision_transform_input(tmp_path: Path) -> None:
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
     with torch.no_grad():
+        # float32: (x − 0.5)/0.5 and torchvision's ImageNet norm + transform_input round differently,
+        # ≤ 1 ulp (~1.2e-7) per input pixel. GoogLeNet in eval is Lipschitz (ReLU, max-pool, fixed
+        # BN), so features of ~0.3 move by that times the gain of 22 layers; rtol 1e-4 + atol 1e-5
+        # allow a gain of ~100 over ε, still far below any normalisation mismatch (≥ 1e-2).
         torch.testing.assert_close(
             model.features(x), reference((x - mean) / std), atol=1e-5, rtol=1e-4
         )
@@ -135,8 +145,9 @@ def test_efficientnet_lite0_loads_shipped_weights() -> None:
     model = build_model("efficientnet_lite0", pretrained=True, embedding_dim=16).eval()
     assert model.freeze_bn  # pretrained ⇒ BN frozen by default
     assert model.feature_dim == FEATURE_DIMS["efficientnet_lite0"]
-    torch.testing.assert_close(model.input_mean.flatten(), torch.full((3,), 127 / 255))
-    torch.testing.assert_close(model.input_std.flatten(), torch.full((3,), 128 / 255))
+    # Exact: the same Python doubles 127/255 and 128/255, rounded to float32 once on each side.
+    assert torch.equal(model.input_mean.flatten(), torch.full((3,), 127 / 255))
+    assert torch.equal(model.input_std.flatten(), torch.full((3,), 128 / 255))
     # The loaded state is the file's, classifier excepted.
     state = load_state_dict_file(path)
     loaded = model.backbone.body.net.state_dict()
@@ -159,7 +170,12 @@ def test_efficientnet_lite0_loads_shipped_weights() -> None:
         emb = model(x)
     assert ours.shape == (2, 1280)
     assert torch.isfinite(logits).all()
+    # float32 logits up to ~20, each a 1280-term dot product over pooled features, reached through
+    # the package's modules in another grouping: ~√1280·ε·Σ|w·f| ≈ 1e-5 typical (1 ulp of 16 is
+    # 1.9e-6); atol 1e-4 + rtol 1e-4 cover it and any ulp-level input rounding of the two
+    # normalisations amplified through the network.
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    # float32 norm of normalised rows: a few ε, inside the float32 defaults.
     torch.testing.assert_close(emb.semantic.norm(dim=1), torch.ones(2))
 
 
@@ -281,9 +297,10 @@ def test_wrong_weights_file_is_a_clear_error(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- pooling
 def test_pooling_modes() -> None:
     fmap = torch.tensor([[[[1.0, 2.0], [3.0, 10.0]], [[-1.0, -2.0], [-3.0, -4.0]]]])
-    torch.testing.assert_close(global_pool(fmap, Pooling.GAP), torch.tensor([[4.0, -2.5]]))
-    torch.testing.assert_close(global_pool(fmap, Pooling.GMP), torch.tensor([[10.0, -1.0]]))
-    torch.testing.assert_close(global_pool(fmap, Pooling.SUM), torch.tensor([[14.0, -3.5]]))
+    # Exact: sums of small integers in any order, divided by 4 (a power of two), and maxima.
+    assert torch.equal(global_pool(fmap, Pooling.GAP), torch.tensor([[4.0, -2.5]]))
+    assert torch.equal(global_pool(fmap, Pooling.GMP), torch.tensor([[10.0, -1.0]]))
+    assert torch.equal(global_pool(fmap, Pooling.SUM), torch.tensor([[14.0, -3.5]]))
     assert Pooling("avg") is Pooling.GAP and Pooling("max") is Pooling.GMP
     with pytest.raises(ValueError, match="'gap', 'gmp', 'sum'"):
         Pooling("median")
@@ -296,6 +313,8 @@ def test_model_pooling_option(pooling: Pooling) -> None:
     x = _images(2, 3, 8)
     with torch.no_grad():
         fmap = model.backbone(model.normalize_images(x))
+        # float32, the same calls on the same input (equal in practice); the float32 defaults
+        # (rtol 1.3e-6, atol 1e-5) do not rely on the convolutions being run-to-run deterministic.
         torch.testing.assert_close(model.features(x), global_pool(fmap, pooling))
     assert model.build_config["pooling"] == pooling.value
 
@@ -383,10 +402,17 @@ def test_default_uncertainty_head_is_bounded_and_learns() -> None:
     assert emb.uncertainty is not None
     head = model.uncertainty_head
     level = head.max_norm * torch.sigmoid(head.level(F.normalize(features, dim=1)))
+    # float32, the head's own operations in the same order (the final product commutes): equal up
+    # to the backbone's run-to-run determinism; rtol 1e-6 ≈ 8ε, atol 1e-7 below |u| entries ~1e-2.
     torch.testing.assert_close(
         emb.uncertainty, level * F.normalize(head.linear(features), dim=1), rtol=1e-6, atol=1e-7
     )
-    torch.testing.assert_close(emb.uncertainty.norm(dim=1), torch.full((4,), 0.02))
+    # float32: 1·σ(fl(logit 0.02)) (bias rounding ε/2·3.9 ≈ 2.3e-7 relative after σ), times the
+    # norm of a normalised 8-dim direction (~4ε), vs fl(0.02): ≲ 1e-6 relative: rtol 2e-6, atol 0
+    # (the float32 default atol 1e-5 is 5e-4 of the value).
+    torch.testing.assert_close(
+        emb.uncertainty.norm(dim=1), torch.full((4,), 0.02), rtol=2e-6, atol=0
+    )
     _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
     assert head.level.bias.grad is not None and head.level.bias.grad.abs() > 0
 
@@ -398,11 +424,13 @@ def test_linear_uncertainty_head_is_the_papers_layer_and_learns() -> None:
     )
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
+    # float32, the same F.linear on the same features (equal in practice); float32 defaults.
     torch.testing.assert_close(
         emb.uncertainty,
         F.linear(model.features(_images(4, 3, 8)), *model.uncertainty_head.linear.parameters()),
     )
     assert bool((emb.uncertainty < 0).any())  # no activation: u is not forced non-negative
+    # Not rounding: a random linear layer's norms are nowhere near 1 (allclose's 1e-5 is moot).
     assert not torch.allclose(emb.uncertainty.norm(dim=1), torch.ones(4))
     _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
     grad = model.uncertainty_head.linear.weight.grad
@@ -422,13 +450,18 @@ def test_normalised_uncertainty_head_has_unit_norm_and_no_gradient() -> None:
     )
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
+    # float32 norms of F.normalize'd 8-dim rows: a few ε, inside the float32 defaults.
     torch.testing.assert_close(emb.uncertainty.norm(dim=1), torch.ones(4))
     torch.testing.assert_close(uncertainty_level(emb), torch.ones(4))
     _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
     grad = model.uncertainty_head.linear.weight.grad
     semantic_grad = model.semantic_head.linear.weight.grad
     assert grad is not None and semantic_grad is not None
-    assert grad.norm() < 1e-6 * semantic_grad.norm()
+    # The gradient is 0 analytically; what is left is float32 rounding in normalize's backward,
+    # (g − û(û·g))/||v|| with g ∥ û: an 8-term dot product cancels to ≲ 8ε ≈ 1e-6 of |g|, before
+    # the two heads' scales enter (2.6e-7 seen). 1e-5 (was 1e-6) leaves ~10× over that bound and
+    # is still 10⁴× below a real gradient (the linear head's is O(1e-2..1) of the semantic one).
+    assert grad.norm() < 1e-5 * semantic_grad.norm()
 
 
 @pytest.mark.parametrize("activation", ["relu", "softplus"])
@@ -448,6 +481,7 @@ def test_uncertainty_activations_are_non_negative(activation: str) -> None:
     assert model.uncertainty_dim == 5
     raw = F.linear(model.features(_images(4, 3, 8)), *model.uncertainty_head.linear.parameters())
     expected = F.relu(raw) if activation == "relu" else F.softplus(raw)
+    # float32, the same F.linear and activation on the same features; float32 defaults.
     torch.testing.assert_close(emb.uncertainty, expected)
     assert bool((emb.uncertainty >= 0).all())
 
@@ -481,11 +515,17 @@ def test_pel_head_outputs_mean_and_log_variance() -> None:
     model = build_model("small_cnn", pretrained=False, embedding_dim=16, uncertainty="pel")
     emb = model(_images(3, 3, 8))
     assert model.uncertainty_kind is UncertaintyKind.PEL and model.uncertainty_dim == 16
-    torch.testing.assert_close(emb.semantic.norm(dim=1), torch.ones(3))  # μ on the sphere
+    # μ on the sphere: float32 norm of normalised rows, a few ε, inside the float32 defaults.
+    torch.testing.assert_close(emb.semantic.norm(dim=1), torch.ones(3))
     assert emb.uncertainty is not None
-    torch.testing.assert_close(emb.uncertainty, torch.full((3, 16), math.log(0.01 / 16)))
-    # ||σ|| = sqrt(Σ σ²) = 0.1 at initialisation.
-    torch.testing.assert_close(model.uncertainty_level(emb), torch.full((3,), 0.1))
+    # Exact: W = 0 gives 0 + b = b, and b is the same double log(0.01/16) rounded to float32.
+    assert torch.equal(emb.uncertainty, torch.full((3, 16), math.log(0.01 / 16)))
+    # ||σ|| = sqrt(Σ σ²) = 0.1 at initialisation. float32: exp of a bias rounded by ε/2·7.4
+    # (≈ 4.4e-7 relative), exp's own ulp or two, a 16-term sum (≲ 8ε), then a square root that
+    # halves it, vs fl(0.1): ≲ 1e-6, rtol 2e-6, atol 0 (the default atol 1e-5 is 1e-4 of 0.1).
+    torch.testing.assert_close(
+        model.uncertainty_level(emb), torch.full((3,), 0.1), rtol=2e-6, atol=0
+    )
     with pytest.raises(ValueError, match="uncertainty_dim"):
         build_model(
             "small_cnn", pretrained=False, embedding_dim=16, uncertainty="pel", uncertainty_dim=8
@@ -497,6 +537,8 @@ def test_pel_head_outputs_mean_and_log_variance() -> None:
 def test_uncertainty_level_is_the_norm_of_u() -> None:
     u = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
     emb = Embeddings(torch.ones(2, 2), u)
+    # √25 and √0 are exact in IEEE arithmetic; the float32 defaults only leave room for a norm
+    # kernel that rescales before squaring.
     torch.testing.assert_close(uncertainty_level(emb), torch.tensor([5.0, 0.0]))
     with pytest.raises(ValueError, match="no uncertainty"):
         uncertainty_level(Embeddings(torch.ones(2, 2)))

@@ -118,6 +118,7 @@ def test_published_block_is_validated() -> None:
 
 def test_comparison_rows_put_the_run_in_percent() -> None:
     rows = compare_with_paper({"recall@1": 66.5, "nmi": 69.7}, {"recall@1": 0.6725})
+    # float64 100·0.6725 (one rounding, ≤ ε/2·67 ≈ 7e-15) and its difference from 66.5: abs 1e-12.
     assert rows[0].run == pytest.approx(67.25, abs=1e-12)
     assert rows[0].delta == pytest.approx(0.75, abs=1e-12)
     assert rows[1].run is None and rows[1].delta is None  # NMI not computed: shown, not dropped

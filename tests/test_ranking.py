@@ -78,12 +78,15 @@ def test_losses_hand_computed() -> None:
     out = RankingLoss(scale=1.0, margin=0.0, boundary=0.5, pos_weight=2.0)(similarities)
     expected_sort = (math.log(3.0) + math.log(2.5)) / 2
     expected_pos = (math.log(4.0) + math.log(3.5)) / 2
+    # float64 hand values: logsumexps of 3-4 terms, a few ε: rel 1e-12 (also below).
     assert out.sort.item() == pytest.approx(expected_sort, rel=1e-12)
     assert out.pos.item() == pytest.approx(expected_pos, rel=1e-12)
     assert out.loss.item() == pytest.approx(expected_sort + 2.0 * expected_pos, rel=1e-12)
     # The 1/s factor: at s = 2 with the same exponents halved, each term is halved.
     halved = torch.tensor([[0.5, 0.5, 0.5], [0.5 + ln2 / 2, 0.5, 0.5]], dtype=torch.float64)
-    assert sort_loss(halved, scale=2.0, margin=0.0).item() == pytest.approx(expected_sort / 2)
+    assert sort_loss(halved, scale=2.0, margin=0.0).item() == pytest.approx(
+        expected_sort / 2, rel=1e-12
+    )  # float64, the same few roundings: rel 1e-12 (approx's default 1e-6 was loose)
 
 
 def test_losses_match_numpy_reference_with_defaults() -> None:
@@ -91,6 +94,8 @@ def test_losses_match_numpy_reference_with_defaults() -> None:
     s_matrix = rng.uniform(-0.2, 1.0, size=(7, 4))
     out = RankingLoss()(torch.tensor(s_matrix))
     sort, pos = numpy_ranking(s_matrix, scale=12.0, margin=0.05, boundary=0.5)
+    # float64, logsumexp vs numpy's plain log(1 + Σ exp) over ≤ 4 terms and a mean of 7: exponents
+    # up to 12·1.25 carry 12·ε each, ≲ 1e-14 relative: rel 1e-12.
     assert out.sort.item() == pytest.approx(sort, rel=1e-12)
     assert out.pos.item() == pytest.approx(pos, rel=1e-12)
     assert out.loss.item() == pytest.approx(sort + pos, rel=1e-12)
@@ -101,27 +106,38 @@ def test_sort_loss_vanishes_for_well_ordered_views_and_grows_when_two_swap() -> 
     ordered = torch.tensor([[0.95, 0.8, 0.65, 0.5], [0.9, 0.7, 0.55, 0.3]], dtype=torch.float64)
     values = [sort_loss(ordered, scale=s, margin=0.05).item() for s in (12.0, 50.0, 200.0, 1000.0)]
     assert all(b < a for a, b in itertools.pairwise(values))  # → 0 as s grows
+    # Not rounding: at s = 1000 every term is ≤ e^{−100}, L_sort ≈ 3·e^{−100}/1000 ≈ 1e-46 (or 0
+    # once 1 + x rounds to 1).
     assert values[-1] < 1e-30
     swapped = ordered[:, [1, 0, 2, 3]]
     for s in (12.0, 200.0):
         assert sort_loss(swapped, s, 0.05).item() > sort_loss(ordered, s, 0.05).item() + 0.05
     # As s → ∞ the smooth maximum tends to the hinge of the worst violation (eq. 13 per image):
-    # row 1 violation 0.95 − 0.8 + 0.05 = 0.2, row 2 0.9 − 0.7 + 0.05 = 0.25.
-    assert sort_loss(swapped, 1000.0, 0.05).item() == pytest.approx(0.225, abs=1e-3)
+    # row 1 violation 0.95 − 0.8 + 0.05 = 0.2, row 2 0.9 − 0.7 + 0.05 = 0.25. The other terms are
+    # ≤ e^{−300} of the worst, so the smooth maximum equals the hinge to float64 rounding of the
+    # gaps (a few ε): rel 1e-12 (was abs 1e-3).
+    assert sort_loss(swapped, 1000.0, 0.05).item() == pytest.approx(0.225, rel=1e-12)
 
 
 def test_sort_loss_counts_the_margin() -> None:
     # Views ordered by less than the margin still cost, and more than by the margin.
     tight = torch.tensor([[0.9, 0.88, 0.86]])
+    # Not rounding: two tied violations of 0.03 make the smooth maximum 0.03 + log(2)/1000
+    # ≈ 0.03069; abs 1e-3 covers that 6.9e-4 (float32 rounding of the gaps adds ~1e-8).
     assert sort_loss(tight, 1000.0, margin=0.05).item() == pytest.approx(0.03, abs=1e-3)
+    # Not rounding: ≈ 2·e^{−20}/1000 ≈ 4e-12, or 0 where 1 + x rounds to 1 in float32.
     assert sort_loss(tight, 1000.0, margin=0.0).item() < 1e-6
 
 
 def test_positive_loss_limits() -> None:
     above = torch.tensor([[0.9, 0.8, 0.7, 0.6]])
+    # Not rounding: every term is ≤ e^{−100}, L_pos ≈ e^{−100}/1000 ≈ 4e-47 (or 0 in float32).
     assert positive_loss(above, scale=1000.0, boundary=0.5).item() < 1e-30
     below = torch.tensor([[0.9, 0.8, 0.3, 0.6]])
-    assert positive_loss(below, scale=1000.0, boundary=0.5).item() == pytest.approx(0.2, abs=1e-3)
+    # The other terms are ≤ e^{−300} of e^{200}, so L_pos is 0.2 up to float32 rounding: fl(0.3)
+    # (≤ 1.5e-8, ×1000 in an exponent of 200: 7.5e-8 relative) and two more roundings, ≲ 2ε ≈ 2.4e-7
+    # relative: rel 1e-6 (was abs 1e-3).
+    assert positive_loss(below, scale=1000.0, boundary=0.5).item() == pytest.approx(0.2, rel=1e-6)
 
 
 def test_gradients_match_eq15_and_have_the_right_sign() -> None:
@@ -135,10 +151,14 @@ def test_gradients_match_eq15_and_have_the_right_sign() -> None:
     h = np.exp(scale * (s_np[:, 1:] - s_np[:, :-1] + margin))
     h_padded = np.concatenate([np.zeros((5, 1)), h, np.zeros((5, 1))], axis=1)
     expected = (h_padded[:, :-1] - h_padded[:, 1:]) / (1.0 + h.sum(axis=1, keepdims=True)) / 5
+    # float64, autograd's chain through logsumexp vs the closed form: exps of 12·gap (12·ε·|gap|
+    # each) and 3-term sums, ~1e-14 relative; entries where h_{n−1} ≈ h_n cancel err by
+    # ≲ ε·h/(1 + Σh)/5 < 1e-16 absolute: rtol 1e-10, atol 1e-15.
     np.testing.assert_allclose(grad_sort.numpy(), expected, rtol=1e-10, atol=1e-15)
     # Raising the similarity of the weakest view lowers L_sort, raising the strongest view's raises it.
     assert bool((grad_sort[:, 0] < 0).all()) and bool((grad_sort[:, -1] > 0).all())
-    assert grad_sort.sum().item() == pytest.approx(0.0, abs=1e-12)  # only differences matter
+    # Only differences matter: 0 analytically; float64 sum of 20 entries ≤ 0.2, ≲ 20·ε·0.2 ≈ 1e-15.
+    assert grad_sort.sum().item() == pytest.approx(0.0, abs=1e-12)
     (grad_pos,) = torch.autograd.grad(positive_loss(s_matrix, scale, boundary), s_matrix)
     assert bool((grad_pos < 0).all())  # every view is pulled up toward the original
 
@@ -158,15 +178,23 @@ def test_loss_from_view_embeddings_equals_loss_from_similarities() -> None:
     planar = torch.stack([angles.cos(), angles.sin(), torch.zeros_like(angles)], dim=-1)
     lengths = torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=torch.float64).view(1, 4, 1)
     embeddings = planar * lengths  # unnormalised: the loss normalises
-    torch.testing.assert_close(view_similarities(embeddings), angles[:, 1:].cos())
+    # float64: normalising 3-dim rows and a 3-term dot product vs cos θ, a few ε on values
+    # ≥ cos 1.2 ≈ 0.36: rtol 1e-12 (assert_close's float64 defaults, 1e-7, were loose).
+    torch.testing.assert_close(
+        view_similarities(embeddings), angles[:, 1:].cos(), rtol=1e-12, atol=0
+    )
     loss = RankingLoss()
     from_embeddings, from_similarities = loss(embeddings), loss(angles[:, 1:].cos())
-    torch.testing.assert_close(from_embeddings.loss, from_similarities.loss)
-    torch.testing.assert_close(from_embeddings.sort, from_similarities.sort)
+    # float64: similarities a few ε apart and |∂L/∂S| ≤ 1, so the losses (~0.1..0.2) differ by
+    # ≲ 10ε: rtol 1e-12 (was the float64 defaults, 1e-7).
+    torch.testing.assert_close(from_embeddings.loss, from_similarities.loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(from_embeddings.sort, from_similarities.sort, rtol=1e-12, atol=0)
 
 
 def test_order_accuracy() -> None:
     s_matrix = torch.tensor([[0.9, 0.8, 0.7, 0.6], [0.9, 0.95, 0.7, 0.8]])
+    # float32 mean of six 0/1 values: an exact count divided by 6, ≤ ε/2 ≈ 6e-8 from the double;
+    # approx's default rel 1e-6 covers it (also below).
     assert order_accuracy(s_matrix).item() == pytest.approx(4 / 6)
     # Gaps 0.1, 0.1, 0.1 and −0.05, 0.25, −0.1: four of six exceed 0.09, one exceeds 0.2.
     assert order_accuracy(s_matrix, margin=0.09).item() == pytest.approx(4 / 6)
@@ -207,12 +235,16 @@ def test_ranking_head_is_unit_norm_mlp() -> None:
     features = torch.randn(6, 24) * 5
     z = head(features)
     assert z.shape == (6, 128) and head.out_dim == 128
+    # float32 norm of normalised 128-dim rows: a few ε, inside assert_close's float32 defaults
+    # (rtol 1.3e-6, atol 1e-5).
     torch.testing.assert_close(z.norm(dim=1), torch.ones(6))
     assert [type(layer) for layer in head.layers] == [nn.Linear, nn.ReLU, nn.Linear]
     assert head.layers[0].out_features == 512
     # Independent reference: the same weights applied by hand.
     hidden = torch.relu(features @ head.layers[0].weight.T + head.layers[0].bias)
     raw = hidden @ head.layers[2].weight.T + head.layers[2].bias
+    # float32: matmul + bias vs nn.Linear's addmm (512- and 24-term dot products, possibly blocked
+    # differently: ~√512·ε relative), then a normalisation; inside the float32 defaults.
     torch.testing.assert_close(z, raw / raw.norm(dim=1, keepdim=True))
     with pytest.raises(ValueError, match="in_dim"):
         head(torch.randn(6, 23))
@@ -251,29 +283,32 @@ def test_determinism_with_a_generator(digits: Tensor) -> None:
     again = transforms(images, torch.Generator().manual_seed(7))
     other = transforms(images, torch.Generator().manual_seed(8))
     assert torch.equal(first, again)
+    # Not rounding: other draws give other views (allclose's 1e-5 is moot).
     assert not torch.allclose(first[:, 1:], other[:, 1:])
 
 
 def test_default_magnitudes() -> None:
     levels = GradedTransformConfig().levels()
-    assert levels.crop_area == pytest.approx((0.85, 0.7, 0.55, 0.4))
-    assert levels.perspective == pytest.approx((0.1, 0.2, 0.3, 0.4))
-    assert (
-        levels.brightness
-        == levels.contrast
-        == levels.saturation
-        == pytest.approx((0.1, 0.2, 0.3, 0.4))
-    )
+    # Exact: levels() rounds to 12 decimals, and Python's round is correctly rounded, so each value
+    # is the double nearest the decimal, i.e. the literal's (approx's default rel 1e-6 was loose).
+    assert levels.crop_area == (0.85, 0.7, 0.55, 0.4)
+    assert levels.perspective == (0.1, 0.2, 0.3, 0.4)
+    assert levels.brightness == levels.contrast == levels.saturation == (0.1, 0.2, 0.3, 0.4)
     doubled = GradedTransformConfig(strength=0.5, level_strengths=(1.0, 2.0, 4.0, 6.0)).levels()
-    assert doubled.crop_area == pytest.approx((0.925, 0.85, 0.7, 0.55))
+    assert doubled.crop_area == (0.925, 0.85, 0.7, 0.55)
     params = GradedTransforms().sample_params(50, torch.Generator().manual_seed(0))
     # Crop side = √(kept area); jitter factors exactly 1 ± j_n with both signs drawn.
     expected_half = torch.tensor([0.85, 0.7, 0.55, 0.4], dtype=torch.float64).sqrt()
-    torch.testing.assert_close(params.crop_half_sizes[..., 0], expected_half.expand(50, 4))
+    # Exact: the same doubles through IEEE sqrt, which is correctly rounded on every CPU.
+    assert torch.equal(params.crop_half_sizes[..., 0], expected_half.expand(50, 4))
     deviation = (params.jitter_factors - 1.0).abs()
+    # float64: 1 ± j is rounded once (≤ ε/2 ≈ 1.1e-16 absolute) and subtracting 1 is then exact
+    # (Sterbenz): atol 1e-15, rtol 0 (the float64 defaults, 1e-7, were loose).
     torch.testing.assert_close(
         deviation,
         torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64).view(1, 4, 1).expand(50, 4, 3),
+        rtol=0,
+        atol=1e-15,
     )
     assert bool((params.jitter_factors > 1).any()) and bool((params.jitter_factors < 1).any())
     # Perspective corners move inward by at most p_n of the half-size.
@@ -315,7 +350,7 @@ def test_non_nested_crops_stay_inside_the_image() -> None:
     low = params.crop_centres - params.crop_half_sizes
     high = params.crop_centres + params.crop_half_sizes
     assert bool((low >= -1).all()) and bool((high <= 1).all())
-    # Positions vary per level when not nested.
+    # Positions vary per level when not nested (independent draws; allclose's 1e-5 is moot).
     assert not torch.allclose(params.crop_centres[:, 0], params.crop_centres[:, 1])
 
 
@@ -343,12 +378,18 @@ def test_nested_crops_nest() -> None:
     views = transforms.apply(coords.expand(100, 3, size, size), params)
     seen_low = views[:, :, :2].amin(dim=(-2, -1))
     seen_high = views[:, :, :2].amax(dim=(-2, -1))
+    # 1e-6: float32 bilinear reads of a [0, 1] ramp carry a few ε (~4e-7); equal extremes (both
+    # views clamped at an edge of the ramp) are exact.
     assert bool((seen_low[:, 1:] >= seen_low[:, :-1] - 1e-6).all())
     assert bool((seen_high[:, 1:] <= seen_high[:, :-1] + 1e-6).all())
     # The span seen shrinks with the side √a_n of the crop.
     span = (seen_high - seen_low)[:, 1:, 0].mean(0)
     expected = torch.tensor([0.85, 0.7, 0.55, 0.4]).sqrt()
-    torch.testing.assert_close(span, expected, atol=0.03, rtol=0)
+    # Not rounding: pixel-centre samples of the ramp i/47 span exactly the crop side h; only the
+    # border clamp can cut a sample that falls within half a pixel outside the outer centres, which
+    # only the largest crop (|centre| ≤ 1 − h₁) can do, by ≤ (1 − √0.85)/47 ≈ 1.7e-3 in all.
+    # atol 2e-3 (was 0.03) is that bound plus float32 rounding (~1e-6).
+    torch.testing.assert_close(span, expected, atol=2e-3, rtol=0)
 
 
 def test_shared_draws_scale_one_direction() -> None:
@@ -359,7 +400,9 @@ def test_shared_draws_scale_one_direction() -> None:
         params.corner_offsets[:, :1] != 0, torch.ones(1, dtype=torch.float64)
     )
     expected = torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64).view(1, 3, 1, 1)
-    torch.testing.assert_close(ratio, expected.expand_as(ratio))
+    # float64: (u·p_n)/(u·p_1) is three roundings and p_n/p_1 itself is not exactly n (0.3/0.1):
+    # ≲ 2ε ≈ 4e-16 relative: rtol 1e-14 (was the float64 defaults, 1e-7).
+    torch.testing.assert_close(ratio, expected.expand_as(ratio), rtol=1e-14, atol=0)
     signs = (params.jitter_factors - 1.0).sign()
     assert bool((signs == signs[:, :1]).all())
 
@@ -383,6 +426,9 @@ def test_crop_matches_torchvision_resized_crop(digits: Tensor) -> None:
         inside_cols = (cols >= 0) & (cols <= width - 1)
         keep = inside_rows[:, None] & inside_cols[None, :]
         assert keep.sum() >= 28 * 28
+        # float32 bilinear: grid_sample's and interpolate's source positions are computed by other
+        # formulas, each ~ε·32 ≈ 4e-6 pixel off at worst; times pixel steps ≤ 1 and a few roundings
+        # of the blend, ≲ 5e-6 on values in [0, 1]: atol 1e-5.
         torch.testing.assert_close(views[m, 1][:, keep], reference[:, keep], atol=1e-5, rtol=0)
 
 
@@ -396,6 +442,9 @@ def test_perspective_matches_torchvision(digits: Tensor) -> None:
     params = identity_params(1, 4)
     params.corner_offsets[0, 0] = (torch.tensor(end) - torch.tensor(start)).double() * 2 / size
     views = GradedTransforms(GradedTransformConfig(fill=0.0)).apply(image.unsqueeze(0), params)
+    # float32 bilinear: torchvision evaluates the homography on its grid in float32 (a few roundings
+    # of coordinates up to 32 pixels, ~1e-5 pixel), ours in float64 before one cast: times pixel
+    # steps ≤ 1, ≲ 5e-6 on values in [0, 1]: atol 1e-5.
     torch.testing.assert_close(views[0, 1], reference, atol=1e-5, rtol=0)
     # Outside the distorted quadrilateral the view holds the fill value.
     outside = TF.perspective(torch.ones(1, size, size), start, end)[0] == 0.0
@@ -415,6 +464,9 @@ def test_color_jitter_matches_torchvision(digits: Tensor) -> None:
         reference = TF.adjust_saturation(
             TF.adjust_contrast(TF.adjust_brightness(images[m], b), c), s
         )
+        # float32 values in [0, 1]: our mean grey Σ w_c·mean(x_c) vs torchvision's mean of the grey
+        # image (1024-term sums grouped differently, ≲ 10ε typical), lerp vs blend (~2ε), then
+        # clamps (1-Lipschitz): ≲ 2e-6; atol 1e-5.
         torch.testing.assert_close(views[m, 3], reference, atol=1e-5, rtol=0)
 
 
@@ -539,6 +591,8 @@ def test_module_runs_one_backbone_forward_and_trains_only_its_head(digits: Tenso
     out = ssr.loss(backbone, digits[:5], torch.Generator().manual_seed(0))
     assert backbone.calls == [5 * 5]
     assert out.similarities.shape == (5, 4)
+    # float32 sum of the two terms (weight 1) vs the same sum in double: one rounding, ≤ ε/2,
+    # inside approx's default rel 1e-6.
     assert out.loss.item() == pytest.approx(out.sort.item() + out.pos.item())
     out.loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in backbone.parameters())
@@ -571,6 +625,8 @@ def test_task_gate() -> None:
     assert all(TaskGate(1.0)() for _ in range(50))
     gate = TaskGate(0.8, generator=torch.Generator().manual_seed(0))
     share = sum(gate() for _ in range(4000)) / 4000
+    # Statistical: Binomial(4000, 0.8)/4000 has standard error √(0.16/4000) ≈ 0.0063; abs 0.03 is
+    # 4.7 standard errors (the generator is seeded, so the test is deterministic).
     assert share == pytest.approx(0.8, abs=0.03)
     epoch_gate = TaskGate(0.5, per="epoch", generator=torch.Generator().manual_seed(1))
     decisions = []

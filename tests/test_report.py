@@ -166,6 +166,8 @@ def test_analysis_agrees_with_the_log_and_independent_recomputation(
     best = max(history, key=lambda line: line["test/recall@1"])
     assert analysis.epoch == best["epoch"] + 1
     for key, value in analysis.metrics.items():
+        # Fractions of counts in [0, 1] from the same checkpoint and test split: the same ranking
+        # gives the same value up to a float32 rounding (ε/2 ≈ 6e-8) on either side: abs 1e-6.
         assert value == pytest.approx(best[f"test/{key}"], abs=1e-6), key
 
     # Embeddings straight from the model, without the report's code.
@@ -175,6 +177,8 @@ def test_analysis_agrees_with_the_log_and_independent_recomputation(
     with torch.no_grad():
         out = model(images)
     labels = test.labels.numpy()
+    # float32, the same model on other batch compositions: convolution sums grouped otherwise put a
+    # few ulp on each activation, ~1e-6 relative on ||u|| after the heads: rtol 1e-5.
     np.testing.assert_allclose(analysis.uncertainty, out.uncertainty.norm(dim=1).numpy(), rtol=1e-5)
     np.testing.assert_array_equal(analysis.labels, labels)
 
@@ -187,7 +191,9 @@ def test_analysis_agrees_with_the_log_and_independent_recomputation(
     np.testing.assert_array_equal(
         analysis.correct, labels[order] == labels[analysis.queries][:, None]
     )
-    # Grid pixels are the dataset's images: query first, then its neighbours.
+    # Grid pixels are the dataset's images: query first, then its neighbours. Copies of the same
+    # float32 pixels (clamped to [0, 1], which they are): numpy's default rtol 1e-7, below one
+    # float32 ulp, is equality in effect.
     np.testing.assert_allclose(
         analysis.grid_images[:, 0], images[analysis.queries].permute(0, 2, 3, 1).numpy()
     )
@@ -201,6 +207,9 @@ def test_analysis_agrees_with_the_log_and_independent_recomputation(
 
     # Interpolated precision at recall 0, 0.1, ..., 1 never increases with recall.
     levels, precision = analysis.pr_curve
+    # float64 recall levels k/10 vs numpy's linspace: an ulp or two: atol 1e-12. Each query's
+    # interpolated precision is non-increasing; their float64 means over the queries may invert by
+    # ~Q·ε ≪ 1e-12.
     np.testing.assert_allclose(levels, np.linspace(0, 1, 11), atol=1e-12)
     assert (np.diff(precision) <= 1e-12).all() and 0 < precision[-1] <= precision[0] <= 1
 
@@ -236,6 +245,8 @@ def test_mixed_test_images_are_convex_mixtures_of_test_pairs(runs: dict[str, Pat
             expected.append(model(mixed).uncertainty.norm(dim=1))
         if sum(len(e) for e in expected) >= 30:
             break
+    # float32: the analysis may form λ·x_a + (1 − λ)·x_b in another order (an ulp per pixel) and
+    # batch it otherwise; that moves ||u|| by ~1e-6 relative through the network: rtol 1e-5.
     np.testing.assert_allclose(levels, torch.cat(expected)[:30].numpy(), rtol=1e-5)
 
 
@@ -295,9 +306,12 @@ def _fake_run(root: Path, epochs: int = 3, uncertainty: bool = False) -> Path:
 def test_read_run_exposes_series_and_last_metrics(tmp_path: Path) -> None:
     log = read_run(_fake_run(tmp_path / "r", epochs=4, uncertainty=True))
     epochs, values = log.series("test/recall@1")
-    assert epochs.tolist() == [2, 4] and values == pytest.approx([0.6, 0.8])
-    assert log.last_metrics == pytest.approx({"recall@1": 0.8, "recall@2": 1.0})
-    assert log.training_seconds == pytest.approx(6.0)
+    # float64 values written as 0.5 + 0.1·epoch (0.7 + 0.1 reads 0.7999999999999999) and read back
+    # losslessly from JSON: an ulp from the decimals, rel 1e-12 (approx's default 1e-6 was loose).
+    assert epochs.tolist() == [2, 4] and values == pytest.approx([0.6, 0.8], rel=1e-12)
+    assert log.last_metrics == pytest.approx({"recall@1": 0.8, "recall@2": 1.0}, rel=1e-12)
+    # Exact: four epochs of 1.5 s, sums of dyadic numbers.
+    assert log.training_seconds == 6.0
     assert log.has_uncertainty and log.mixup_enabled and not log.ssr_enabled
     assert log.keys("uncertainty/") == ["uncertainty/original", "uncertainty/mixed"]
     assert log.method.startswith("proxy_anchor + ISM (γ=0, τ=5) + Mixup")

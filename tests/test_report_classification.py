@@ -89,6 +89,7 @@ def test_max_softmax_auroc_and_aurc_against_brute_force() -> None:
     assert quality.auroc == pytest.approx(_brute_force_auroc(confidence, errors), abs=1e-12)
     assert quality.aurc == pytest.approx(_brute_force_aurc(confidence, errors), abs=1e-12)
     # By hand: AUROC (0 + ½ + 1 + 0 + 1 + 1)/6 = 7/12; AURC 0·.2 + ⅓·.4 + ½·.2 + .4·.2 = 47/150.
+    # float64 ratios and sums of ≤ 6 such terms: a few ε, abs 1e-12 (also the oracle below).
     assert quality.auroc == pytest.approx(7 / 12, abs=1e-12)
     assert quality.aurc == pytest.approx(47 / 150, abs=1e-12)
     # Oracle: the 3 right answers first, then risks 1/4 and 2/5 over 5 images = 0.13.

@@ -55,6 +55,9 @@ def test_report_of_an_ablation_folder_has_mean_std_and_delta_of_the_logged_metri
             means[group, metric] = values.mean()
         assert rows[group]["seeds"] == "0 1"
     delta = means["mixup=on", "recall@1"] - means["mixup=off", "recall@1"]
+    # Recall@1 over the 200 test images is k/200, so means and Δ are multiples of 1/400 (at most
+    # four decimals), which .10g writes exactly; the float64 Δ here is a few ulp from that decimal:
+    # abs 1e-12 (rel 1e-9 is the 10-digit bound in general; also the flipped Δ below).
     assert float(rows["mixup=on"]["recall@1_delta"]) == pytest.approx(delta, rel=1e-9, abs=1e-12)
     assert rows["mixup=off"]["recall@1_delta"] == ""
     markdown = (out / "seeds.md").read_text()
@@ -97,6 +100,8 @@ def test_run_folders_that_differ_by_seed_form_one_group_with_the_paper_beside(
     assert [len(g.runs) for g in table.groups] == [2, 1]
     assert table.groups[1].label == "fake (lr)"  # same name, other recipe: told apart
     mean, std, n, delta = table.cell(table.groups[0], "recall@1")
+    # float64 mean and sample std of two values in another order/formula than numpy's: an ulp or
+    # two of 0.62 and 0.028 (≤ 2.2e-16): abs 1e-15.
     assert (mean, n) == (pytest.approx(0.62, abs=1e-15), 2)
     assert std == pytest.approx(np.std([0.60, 0.64], ddof=1), abs=1e-15)
     assert np.isnan(delta)  # the first baseline group is the reference

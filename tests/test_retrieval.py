@@ -73,9 +73,12 @@ def test_index_then_search_equals_brute_force(
             assert set(n) == {"rank", "id", "path", "label", "similarity", "uncertainty"}
             i = ids.index(n["id"])
             assert n["label"] == files[i].parent.name and n["path"] == str(files[i].resolve())
-            # float32 dot products of unit vectors (d = 16) against float64: ~1e-7 apart.
+            # float32 dot products of re-normalised unit vectors (d = 16) against float64: ~1e-7
+            # apart typically, ≲ (16 + a few)·ε ≈ 2.4e-6 at worst: abs 1e-5.
             sim = float(emb.embeddings[q].double() @ emb.embeddings[i].double())
             assert n["similarity"] == pytest.approx(sim, abs=1e-5)
+            # float32 ||u|| ≲ 1 from the same model on the same batches (equal in practice); abs
+            # 1e-6 ≈ 8 ulp of 1 only allows convolutions that group their sums otherwise.
             assert n["uncertainty"] == pytest.approx(float(emb.uncertainty[i]), abs=1e-6)
         assert record["query"]["uncertainty"] == pytest.approx(float(emb.uncertainty[q]), abs=1e-6)
         assert record["confidence"] == record["neighbors"][0]["similarity"]
@@ -190,8 +193,12 @@ def test_embed_then_evaluate_round_trip(
     labels = torch.tensor([ord(f.parent.name) - ord("a") for f in files])
     direct = evaluate_embeddings(emb.embeddings, labels, EvaluationSettings(nmi=False))
     for key, value in direct.metrics.items():
+        # The file holds the float32 embeddings losslessly, so both sides rank alike; the metrics
+        # are fractions of counts in [0, 1], ≤ ε/2 ≈ 6e-8 apart if one side went through float32:
+        # abs 1e-6 (a changed neighbour would move recall@1 by 1/12).
         assert report["metrics"][key] == pytest.approx(value, abs=1e-6)
-    # The file's ||u|| levels reach the uncertainty summary as they are.
+    # The file's ||u|| levels reach the uncertainty summary as they are: float32 means of 12
+    # positive values summed in other orders, ≲ 12·ε ≈ 1.4e-6 relative at worst: rel 1e-5.
     assert report["uncertainty"]["mean"] == pytest.approx(float(emb.uncertainty.mean()), rel=1e-5)
     # ISM needs uncertainty vectors, which levels are not: a clear error, not a wrong number.
     assert main(["evaluate", "--embeddings", str(out), "--introspective", "--no-nmi"]) == 2
@@ -225,12 +232,14 @@ def test_exports_match_the_pytorch_model(run_dir: Path, gallery: Path, tmp_path:
     # Through the Encoder (preprocessing included) the export gives the run's answers.
     files = sorted(gallery.rglob("*.png"))
     via_export, via_run = scripted.embed(files), encoder.embed(files)
+    # The same float32 bound as above (a few ulp of unit-norm embeddings), here with preprocessing.
     assert torch.allclose(via_export.embeddings, via_run.embeddings, atol=1e-5, rtol=0)
     # The export knows which weights it holds, and how to feed them.
     assert scripted.info.same_model(encoder.info) and scripted.info.source == str(out.resolve())
     assert scripted.info.image_size == encoder.info.image_size == 8
     session = onnxruntime.InferenceSession(str(out / "model.onnx"))
     emb, level = session.run(None, {"images": images[:5].numpy()})  # another batch size
+    # ONNX Runtime's kernels: the same float32 bound as above, a few ulp; atol 1e-5.
     assert np.allclose(emb, ref_s[:5].numpy(), atol=1e-5, rtol=0)
     assert np.allclose(level, ref_u[:5].numpy(), atol=1e-5, rtol=0)
     meta = json.loads((out / "export.json").read_text())

@@ -48,6 +48,9 @@ def _cli_search(index_dir: Path, query: Path, k: int, capsys: pytest.CaptureFixt
 
 def _same_answers(served_record: dict, cli_record: dict) -> None:
     assert served_record["confidence_kind"] == cli_record["confidence_kind"]
+    # float32 similarities ≤ 1 and ||u|| ≲ 1 from the same model on the same bytes, one query a
+    # batch (equal in practice): abs 1e-6 ≈ 8 ulp of 1 only allows a kernel that groups a sum
+    # otherwise in the server's thread; a different neighbour would differ by far more.
     assert served_record["confidence"] == pytest.approx(cli_record["confidence"], abs=1e-6)
     assert served_record["query"]["uncertainty"] == pytest.approx(
         cli_record["query"]["uncertainty"], abs=1e-6
@@ -57,6 +60,7 @@ def _same_answers(served_record: dict, cli_record: dict) -> None:
         n["id"] for n in cli_record["neighbors"]
     ]
     for a, b in zip(served_record["neighbors"], cli_record["neighbors"]):
+        # The same float32 bound as the confidence above.
         assert a["similarity"] == pytest.approx(b["similarity"], abs=1e-6)
         assert (a["label"], a["path"], a["uncertainty"]) == (
             b["label"],

@@ -212,8 +212,10 @@ def test_uncertainty_lr_mult_gives_the_uncertainty_head_its_own_group(tmp_path: 
     unc = {id(p) for p in trainer.model.uncertainty_head_parameters()}
     assert unc and {id(p) for p in groups["uncertainty"]["params"]} == unc
     assert not unc & {id(p) for p in groups["heads"]["params"]}
-    assert groups["uncertainty"]["lr"] == pytest.approx(0.005)
-    assert groups["heads"]["lr"] == pytest.approx(0.1)
+    # One float64 product of the configured values each (0.01·0.5, 0.01·10): ≤ ε/2 from the
+    # decimal, rel 1e-12 (approx's default 1e-6 was loose).
+    assert groups["uncertainty"]["lr"] == pytest.approx(0.005, rel=1e-12)
+    assert groups["heads"]["lr"] == pytest.approx(0.1, rel=1e-12)
     # Unset: one heads group as before (so earlier checkpoints' optimizer state still loads).
     default = Trainer(load_config(None, common), tmp_path / "default", progress=False)
     names = [g["name"] for g in default.optimizer.param_groups]
@@ -295,11 +297,15 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
     data = np.load(out)
     assert data["embeddings"].shape == (6, 16)
     assert data["uncertainty"].shape == (6,) and (data["uncertainty"] > 0).all()
+    # float32 norms of normalised 16-dim rows: ≲ 10ε ≈ 1.2e-6 at worst, inside atol 1e-5.
     assert np.allclose(np.linalg.norm(data["embeddings"], axis=1), 1, atol=1e-5)
     # `idml evaluate --checkpoint` scores the run's test split and agrees with the training log.
     assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--json"]) == 0
     scored = json.loads(_last_json(capsys))
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    # recall@1 is a count over the test split divided by its size: the same ranking gives the same
+    # fraction up to a float32 rounding (ε/2); approx's default rel 1e-6 covers that, while one
+    # changed neighbour would move it by 1/N ≫ 1e-6 (also below).
     assert scored["metrics"]["recall@1"] == pytest.approx(logged["test/recall@1"])
     assert "nmi" not in scored["metrics"]  # the run's eval.nmi=false
     # Evaluation flags that apply to a run override its config; naming a backend asks for NMI.
@@ -395,6 +401,9 @@ def test_uncertainty_head_gradient_official_preset_versus_default(preset: str) -
     s_grad = model.semantic_head.linear.weight.grad
     assert u_grad is not None and s_grad is not None
     if preset == "official":
+        # 0 analytically (β = ||û|| ≡ 1); float32 rounding in normalize's backward leaves ~1e-8 of
+        # the semantic gradient here (a d-term cancellation is ≲ d·ε of the u head's upstream);
+        # 1e-6 is far above that and far below the default head's > 1e-3.
         assert u_grad.norm() < 1e-6 * s_grad.norm()
     else:
         assert u_grad.norm() > 1e-3 * s_grad.norm()

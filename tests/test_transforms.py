@@ -44,8 +44,11 @@ def test_test_pipeline_resizes_shorter_side_then_centre_crops() -> None:
     image = horizontal_ramp(40, 80)
     out = build_transforms(False, image_size=20, resize_size=40)(image)
     expected = image[:, 10:30, 30:50].float() / 255
+    # Resize and crop leave the uint8 pixels as they are; ToDtype multiplies by fl(1/255) where this
+    # divides by 255: ≤ 1 ulp apart, inside allclose's rtol 1e-5.
     assert torch.allclose(out, expected)
-    # Constant colour survives any resize exactly.
+    # Constant colour survives any resize exactly: the uint8 filter's fixed-point weights sum to one
+    # (a level off would be 1/255 ≈ 0.004 ≫ 1e-5); 51·fl(1/255) vs fl(0.2) is ≤ 1 ulp.
     flat = torch.full((3, 33, 47), 51, dtype=torch.uint8)
     assert torch.allclose(
         build_transforms(False, image_size=16)(flat), torch.full((3, 16, 16), 0.2)
@@ -58,7 +61,8 @@ def test_train_pipeline_flips_and_crops() -> None:
         True, image_size=30, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), flip_probability=1.0
     )
     out = always_flip(image)
-    assert torch.allclose(out, image.flip(-1).float() / 255)  # full crop + flip = mirror image
+    # Full crop + flip = mirror image: the same uint8 pixels, ·fl(1/255) vs /255 (≤ 1 ulp).
+    assert torch.allclose(out, image.flip(-1).float() / 255)
     never_flip = build_transforms(True, image_size=10, crop_scale=(0.2, 0.5), flip_probability=0.0)
     crops = [never_flip(image) for _ in range(8)]
     for crop in crops:
@@ -77,7 +81,9 @@ def test_paper_text_variant_resizes_square_then_crops() -> None:
         image[None].float(), size=(40, 40), mode="bilinear", antialias=True
     )[0]
     out = pipeline(image) * 255
-    # The crop is one of the 9×9 windows of the resized image.
+    # The crop is one of the 9×9 windows of the resized image. Not float rounding: torchvision
+    # resizes the uint8 image with its own fixed-point weights and rounds to integer levels (±0.5),
+    # against float interpolation here: ≤ 1 of 255 levels.
     windows = [resized[:, y : y + 32, x : x + 32] for y in range(9) for x in range(9)]
     assert min(float((out - w).abs().max()) for w in windows) <= 1.0
     with pytest.raises(ValueError, match="train_crop must be"):
@@ -87,6 +93,7 @@ def test_paper_text_variant_resizes_square_then_crops() -> None:
 def test_accepts_pil_and_arrays() -> None:
     pil = Image.new("RGB", (40, 30), (255, 0, 0))
     out = build_transforms(False, image_size=24)(pil)
+    # A constant 255 stays 255 through the uint8 resize; 255·fl(1/255) is 1 within 1 ulp.
     assert out.shape == (3, 24, 24) and torch.allclose(out[0], torch.ones(24, 24))
     array = np.zeros((5, 6, 3), dtype=np.uint8)
     assert to_float_transform()(array).shape == (3, 5, 6)
