@@ -24,8 +24,6 @@ from idml.metrics import Metric
 from idml.miners import (
     DistanceWeightedMiner,
     MinerArg,
-    all_triplets,
-    as_triplets,
     resolve_miner,
     to_distance,
 )
@@ -107,12 +105,7 @@ class MarginLoss(MetricLoss):
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         distance = to_distance(self.pairwise(embeddings), self.metric.is_similarity)
-        if self.miner is None:
-            triplets = all_triplets(labels)
-        else:
-            mined = self.miner(distance, labels, similarity=False, dim=embeddings.dim)
-            triplets = as_triplets(mined, len(labels))
-        a, p, n = triplets
+        a, p, n = self.mined_triplets(distance, labels, embeddings.dim, similarity=False)
         omega = self.anchor_boundary(labels).to(distance.dtype)[a]
         pos_terms = torch.relu(self.margin + distance[a, p] - omega)
         neg_terms = torch.relu(self.margin - distance[a, n] + omega)
