@@ -188,7 +188,8 @@ class Metric(nn.Module, ABC):
 
     def to_squared_distance(self, values: Tensor) -> Tensor:
         """This metric's values as squared distances on the unit sphere: ``D²`` for a distance
-        (plain ``α`` or ``D_IN``), ``2·(1 − S)`` for a similarity (``||ŝ_i − ŝ_j||²`` for cosine)."""
+        (plain ``α`` or ``D_IN``, whose base is never squared), ``2·(1 − S)`` for a similarity
+        (``||ŝ_i − ŝ_j||²`` for cosine); the squared Euclidean distance is returned as is."""
         return 2.0 * (1.0 - values) if self.is_similarity else values.square()
 
 
