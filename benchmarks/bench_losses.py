@@ -22,7 +22,7 @@ time mostly measures how long the scheduler kept this process waiting. Run with
 ``--breakdown`` adds a second table that splits the ISM overhead of each loss, timed the same way:
 
 - **ISM, u = 0**: the ISM loss without an uncertainty embedding (``β = 0``): the cost of the
-  weakening node alone;
+  weakening alone;
 - **β**: the joint uncertainty ``β_ij = ||u_i + u_j||`` (:func:`~idml.metrics.pairwise_uncertainty`)
   forward + backward on its own, or ``||u_i||`` for the proxy losses;
 - **u-Gram floor**: the two matrix products that any exact ``β`` for all pairs needs, ``u·uᵀ``

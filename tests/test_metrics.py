@@ -362,10 +362,10 @@ def test_bad_configuration_raises(factory: object, match: str) -> None:
         factory()  # type: ignore[operator]
 
 
-# ------------------------------------------------------------------------------ fused autograd
-# IntrospectiveMetric runs β = ||u_i + u_j|| and the weakening as autograd Functions with closed-form
-# backward passes. These tests hold them against finite differences (gradcheck, float64) and against
-# the ISM formulas written directly with autograd ops on explicitly enumerated pairs.
+# ------------------------------------------------------------------------------ gradients
+# IntrospectiveMetric computes β = ||u_i + u_j|| from a Gram matrix and the weakening on whole
+# matrices, with clamps at α = 0 and β = 0. These tests hold it against finite differences
+# (gradcheck, float64) and against the ISM formulas written directly on explicitly enumerated pairs.
 FORMS = [
     (similarity, variant, power, gamma)
     for similarity in (False, True)
@@ -476,7 +476,7 @@ def all_pairs_of(rows: int, cols: int) -> tuple[Tensor, Tensor]:
 
 @pytest.mark.parametrize("form", FORMS, ids=form_id)
 def test_pairwise_ism_gradients_match_the_pair_by_pair_formula(form: tuple) -> None:
-    """Self pairs (the symmetric fast path), cross pairs and one-sided uncertainty, all gradients."""
+    """Self pairs (one uncertainty tensor on both sides), cross pairs and one-sided uncertainty, all gradients."""
     metric = form_metric(form)
     x, y = rand(7, 6, seed=24), rand(5, 6, seed=25)
     ux, uy = rand(7, 4, seed=26, scale=0.5), rand(5, 4, seed=27, scale=0.5)
@@ -490,8 +490,8 @@ def test_pairwise_ism_gradients_match_the_pair_by_pair_formula(form: tuple) -> N
             leaves = [t.clone().requires_grad_(True) for t in inputs]
             value = run(*leaves)
             results.append((value, *torch.autograd.grad(value, leaves)))
-        # float64, fused vs composite matrices of 6-dim rows and their gradients: sums of ≤ 7·6 terms
-        # in other orders, amplified ~1/α through distances: rtol 1e-10, atol 1e-12.
+        # float64, Gram-matrix vs pair-by-pair values of 6-dim rows and their gradients: sums of
+        # ≤ 7·6 terms in other orders, amplified ~1/α through distances: rtol 1e-10, atol 1e-12.
         for mine, expected in zip(*results):
             torch.testing.assert_close(mine, expected, rtol=1e-10, atol=1e-12)
 
@@ -600,15 +600,20 @@ def test_joint_uncertainty_is_zero_with_zero_gradient_for_opposite_vectors() -> 
     assert torch.equal(grad, torch.zeros_like(grad))
 
 
-def test_fused_weakening_is_not_twice_differentiable() -> None:
-    alpha = torch.tensor([0.5, 1.0], dtype=F64, requires_grad=True)
-    (grad,) = torch.autograd.grad(
-        ism("distance", gamma=0.5).weaken(alpha, alpha, alpha.detach()).square().sum(),
-        alpha,
-        create_graph=True,
-    )
-    with pytest.raises(RuntimeError, match="twice"):
-        grad.sum().backward()
+@pytest.mark.parametrize("form", FORMS, ids=form_id)
+def test_weakening_is_twice_differentiable(form: tuple) -> None:
+    """Plain autograd all the way: second derivatives (e.g. a gradient penalty) are exact too."""
+    similarity, *_ = form
+    metric = form_metric(form, tau=0.7)
+    alpha = 0.05 + 2 * torch.rand(3, 4, dtype=F64, generator=torch.Generator().manual_seed(44))
+    beta = 3 * rand(3, 4, seed=45).abs()
+    alpha.requires_grad_(True)
+    beta.requires_grad_(True)
+    if similarity:
+        cosine = (2 * torch.rand(3, 4, dtype=F64) - 1).requires_grad_(True)
+        assert torch.autograd.gradgradcheck(metric.weaken, (cosine, alpha, beta))
+    else:
+        assert torch.autograd.gradgradcheck(lambda a, b: metric.weaken(a, a, b), (alpha, beta))
 
 
 def composite_ism(form: tuple, x: Tensor, u: Tensor) -> Tensor:
@@ -652,7 +657,8 @@ def test_self_pair_matrix_matches_the_composite_at_zero_distance_and_zero_uncert
         results.append((value, *torch.autograd.grad((value * weights).sum(), leaves)))
     for ours, expected in zip(*results):
         assert torch.isfinite(ours).all()
-        # float64, fused vs composite, with α = 0 and β = 0 entries on the clamps: rtol 1e-10, atol 1e-12.
+        # float64, matrix ISM vs the composite, with α = 0 and β = 0 entries on the clamps:
+        # rtol 1e-10, atol 1e-12.
         torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
 
 

@@ -66,7 +66,7 @@ from torch.utils.data import Dataset, Subset
 
 from idml.augment import AugmentedBatch, MixupInfo, MixupMode, UncertaintyAugmentation
 from idml.embeddings import Embeddings
-from idml.relations import PAD, LabelSets
+from idml.relations import LabelSets, pad_label_width
 
 T = TypeVar("T")
 
@@ -349,7 +349,7 @@ def merge_rows(batches: Sequence[AugmentedBatch]) -> MergedRows:
     if not batches:
         raise ValueError("batches must hold at least one shard's batch")
     width = max(b.labels.labels.shape[1] for b in batches)
-    labels = torch.cat([_pad_label_width(b.labels.labels, width) for b in batches])
+    labels = torch.cat([pad_label_width(b.labels.labels, width) for b in batches])
     mixed = torch.cat([b.mixed for b in batches])
     degraded = torch.cat([b.degraded for b in batches])
     # A stable sort on the mixed flag moves every shard's mixed rows behind all originals.
@@ -386,13 +386,6 @@ def merge_rows(batches: Sequence[AugmentedBatch]) -> MergedRows:
     return MergedRows(LabelSets(labels[order]), mixed[order], degraded[order], mixup, order)
 
 
-def _pad_label_width(labels: Tensor, width: int) -> Tensor:
-    if labels.shape[1] == width:
-        return labels
-    pad = labels.new_full((labels.shape[0], width - labels.shape[1]), PAD)
-    return torch.cat([labels, pad], dim=1)
-
-
 def gather_batch(
     embeddings: Embeddings, batch: AugmentedBatch, context: DistributedContext
 ) -> tuple[Embeddings, AugmentedBatch]:
@@ -420,7 +413,7 @@ def gather_batch(
     widest = max(row[1] for row in table)
     rows = torch.cat(
         [
-            _pad_label_width(batch.labels.labels, widest),
+            pad_label_width(batch.labels.labels, widest),
             batch.mixed.long().unsqueeze(1),
             batch.degraded.long().unsqueeze(1),
         ],

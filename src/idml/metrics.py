@@ -2,7 +2,9 @@
 
 Every loss is written once against a :class:`Metric`. A metric maps two sets of semantic embeddings
 (and, for ISM, their uncertainty embeddings) to a matrix ``M[i, j]``; ``is_similarity`` says whether
-larger means more alike (cosine, ``S_IN``) or less alike (distance, ``D_IN``).
+larger means more alike (cosine, ``S_IN``) or less alike (distance, ``D_IN``), and the metric's
+direction methods (:meth:`Metric.oriented`, :meth:`Metric.to_distance`, ...) turn its values into
+the orientation a loss or miner is written in.
 
 The introspective similarity metric (IDML, Wang et al.: Eq. 5–6; similarity form: TPAMI Eq. 7)
 weakens the semantic discrepancy of a pair by its joint uncertainty ``β_ij = ||u_i + u_j||``::
@@ -36,14 +38,13 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 _EPS = 1e-12
+"""Squared norms at or below this count as 0 (a square root's gradient is infinite at 0)."""
 
 
 class ISMVariant(str, enum.Enum):
@@ -60,48 +61,14 @@ class ISMVariant(str, enum.Enum):
 
 def safe_norm_from_squares(squared: Tensor) -> Tensor:
     """``√s`` of squared norms ``s``: exactly 0, with a zero gradient, where ``s ≤ 10⁻¹²`` (negative
-    rounding errors of a Gram expansion included); ``∂/∂s = 1/(2√s)`` elsewhere.
+    rounding errors of a Gram expansion included); ``√s`` and ``∂/∂s = 1/(2√s)`` elsewhere. A NaN
+    input stays NaN.
 
-    The zero gradient keeps the diagonal of a pairwise matrix (``α_ii = 0``) finite instead of
-    ``inf·0 = NaN``. One autograd node with float-only masks (:class:`_SafeSqrt`); a NaN input stays
-    NaN.
+    The zero gradient keeps the diagonal of a pairwise matrix (``α_ii = 0``) finite.
     """
-    return _SafeSqrt.apply(squared)
-
-
-class _SafeSqrt(torch.autograd.Function):
-    """The node behind :func:`safe_norm_from_squares`.
-
-    ``threshold`` zeroes ``s ≤ 10⁻¹²`` and the backward divides by ``2√s`` with 0 turned into
-    ``+inf``: the values and gradients of ``where(s > 10⁻¹², √s, 0)`` without boolean ``where``
-    passes, each of which costs several float passes on the CPU (``benchmarks/RESULTS.md``, Losses).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, squared: Tensor) -> Tensor:
-        root = torch.threshold(squared, _EPS, 0.0).sqrt_()
-        ctx.save_for_backward(root)
-        return root
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (root,) = ctx.saved_tensors
-        return grad / _zero_to_inf(root).mul_(2.0)
-
-
-def _zero_to_inf(values: Tensor) -> Tensor:
-    """Non-negative ``values`` with 0 replaced by ``+inf``, so that ``g / result`` is 0 there.
-
-    A float-only kernel: on the CPU a boolean ``where`` over a ``B×B`` matrix costs about ten
-    elementwise float passes.
-    """
-    return torch.threshold(values, 0.0, float("inf"))
-
-
-def _mask_at_or_below(grad: Tensor, values: Tensor, floor: float) -> Tensor:
-    """``grad`` with 0 wherever ``values ≤ floor`` (a ``clamp_min(floor)``'s backward), float-only."""
-    return torch.ops.aten.threshold_backward(grad, values, floor)
+    # `where` multiplies the discarded branch's gradient by 0, and 0·∞ (√'s slope at 0) is NaN:
+    # clamping the inner argument keeps that branch finite. Above 10⁻¹² the clamp is the identity.
+    return torch.where(squared <= _EPS, 0.0, squared.clamp_min(_EPS).sqrt())
 
 
 def pairwise_squared_distance(x: Tensor, y: Tensor) -> Tensor:
@@ -110,81 +77,15 @@ def pairwise_squared_distance(x: Tensor, y: Tensor) -> Tensor:
     return sq.clamp_min(0)
 
 
-class _JointUncertainty(torch.autograd.Function):
-    """``β_ij = ||u_i + v_j||`` from one Gram matrix, with a closed-form backward.
-
-    Forward: ``β_ij² = ||u_i||² + ||v_j||² + 2·u_i·v_j`` (one ``n×m×d_u`` product), then a square root
-    that is exactly 0 (with zero gradient) where ``β² ≤ 10⁻¹²``, as :func:`safe_norm_from_squares`.
-
-    Backward, with ``W = ∂L/∂β ⊘ β`` (0 where ``β = 0``) and ``∂β_ij/∂u_i = (u_i + v_j)/β_ij``::
-
-        ∂L/∂u = rowsum(W) ⊙ u + W·v          ∂L/∂v = colsum(W) ⊙ v + Wᵀ·u
-
-    For self-pairs (``v`` omitted, ``v = u``) both sides add up to
-    ``∂L/∂u = rowsum(W + Wᵀ) ⊙ u + (W + Wᵀ)·u``: one matrix product instead of autograd's two, and
-    no ``n×d_u`` broadcasts for the squared norms, which roughly halves the time of forward +
-    backward (``benchmarks/RESULTS.md``, Losses).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, ux: Tensor, uy: Tensor | None) -> Tensor:
-        other = ux if uy is None else uy
-        sq_x = ux.square().sum(1)
-        sq_y = sq_x if uy is None else other.square().sum(1)
-        sq = (sq_x[:, None] + sq_y[None, :]).addmm_(ux, other.T, alpha=2.0)
-        beta = torch.threshold(sq, _EPS, 0.0).sqrt_()
-        ctx.self_pairs = uy is None
-        ctx.save_for_backward(ux, other, beta)
-        return beta
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        ux, other, beta = ctx.saved_tensors
-        weight = grad / _zero_to_inf(beta)
-        if ctx.self_pairs:
-            weight = weight + weight.T
-            return (weight @ ux).addcmul_(weight.sum(1, keepdim=True), ux), None
-        grad_x = grad_y = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (weight @ other).addcmul_(weight.sum(1, keepdim=True), ux)
-        if ctx.needs_input_grad[1]:
-            grad_y = (weight.T @ ux).addcmul_(weight.sum(0).unsqueeze(1), other)
-        return grad_x, grad_y
-
-
-class _RowNorm(torch.autograd.Function):
-    """``||u_i||`` as an ``(n, 1)`` column, with the backward ``∂L/∂u_i = g_i·u_i/||u_i||`` (0 where
-    ``||u_i|| = 0``, as torch's norm) computed on the column before one broadcast multiply.
-
-    torch's own norm backward masks zero norms with a broadcast ``masked_fill`` over the whole
-    ``n×d_u`` gradient, several times the cost of the rest on the CPU; this is the one-sided
-    ``β_ij = ||u_i||`` of every proxy loss.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, u: Tensor) -> Tensor:
-        norm = torch.linalg.vector_norm(u, dim=1, keepdim=True)
-        ctx.save_for_backward(u, norm)
-        return norm
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        u, norm = ctx.saved_tensors
-        return u * (grad / _zero_to_inf(norm))
-
-
 def pairwise_uncertainty(
     ux: Tensor | None, uy: Tensor | None, n: int, m: int, like: Tensor
 ) -> Tensor:
     """Joint uncertainty ``β_ij = ||u_i + u_j||`` (added *before* the norm; IDML, defined
-    with ``α`` just before Eq. 3),
-    shape ``(n, m)``.
+    with ``α`` just before Eq. 3), shape ``(n, m)``.
 
-    A missing side (e.g. class proxies) has zero uncertainty, so ``β_ij = ||u_i||``. Passing the same
-    tensor as ``ux`` and ``uy`` (a batch against itself) takes the cheaper self-pair backward of
-    :class:`_JointUncertainty`. ``β`` is exactly 0, with a zero gradient, where ``β² ≤ 10⁻¹²``.
+    ``β_ij² = ||u_i||² + ||u_j||² + 2·u_i·u_j`` comes from one Gram matrix, and ``β`` is exactly 0,
+    with a zero gradient, where ``β² ≤ 10⁻¹²`` (:func:`safe_norm_from_squares`). A missing side
+    (e.g. class proxies) has zero uncertainty, so ``β_ij = ||u_i||``.
 
     >>> u = torch.tensor([[3.0, 0.0], [-3.0, 4.0]])
     >>> pairwise_uncertainty(u, u, 2, 2, u)
@@ -194,141 +95,52 @@ def pairwise_uncertainty(
     if ux is None and uy is None:
         return like.new_zeros(n, m)
     if uy is None:
-        return _RowNorm.apply(ux).expand(n, m)
+        return torch.linalg.vector_norm(ux, dim=1, keepdim=True).expand(n, m)
     if ux is None:
-        return _RowNorm.apply(uy).T.expand(n, m)
-    return _JointUncertainty.apply(ux, None if uy is ux else uy)
+        return torch.linalg.vector_norm(uy, dim=1).unsqueeze(0).expand(n, m)
+    sq_x = ux.square().sum(1)
+    sq_y = sq_x if uy is ux else uy.square().sum(1)
+    return safe_norm_from_squares(torch.addmm(sq_x[:, None] + sq_y[None, :], ux, uy.T, alpha=2.0))
 
 
 _ALPHA_FLOOR = 1e-6
 """``α`` is clamped below at this value in the exponent, so ``y`` stays finite at ``α = 0``."""
 
 
-def _negative_relative_uncertainty(
-    alpha: Tensor, beta: Tensor, tau: float, gamma: float, power: int
-) -> tuple[Tensor, Tensor]:
-    """``(−y, −τ·α_c^p)`` with ``y = (β^p + γ)/(τ·α_c^p)`` and ``α_c = max(α, 10⁻⁶)``.
+def relative_uncertainty(
+    alpha: Tensor, beta: Tensor, tau: float, gamma: float, power: int = 1
+) -> Tensor:
+    """``y = (β^p + γ) / (τ·max(α, 10⁻⁶)^p)``: the relative uncertainty ``β̃/τ`` of IDML Eq. 6
+    (``p = 1``; the official code uses ``p = 2``). Exactly 0 where ``β^p + γ = 0``, even at
+    ``α = 0``; no gradient reaches ``α ≤ 10⁻⁶``."""
+    return (beta.pow(power) + gamma) / (tau * alpha.clamp_min(_ALPHA_FLOOR).pow(power))
 
-    The negated denominator gives ``−y`` in one division (the same bits as ``−(num/den)``), which is
-    what the exponential takes, and ``∂L/∂β`` in one more in :class:`_Weakening`.
+
+def oriented(values: Tensor, similarity: bool) -> Tensor:
+    """Metric values as "larger is more alike" scores: a similarity ``S`` unchanged, a distance
+    ``D`` as ``−D`` (:meth:`Metric.oriented`)."""
+    return values if similarity else -values
+
+
+def to_distance(values: Tensor, similarity: bool) -> Tensor:
+    """Metric values as a distance: distances unchanged, similarities ``S`` mapped to the chord
+    distance ``√(2 − 2S)`` (:meth:`Metric.to_distance`).
+
+    For cosine similarity this is exactly the Euclidean distance between L2-normalised embeddings
+    (``||ŝ_i − ŝ_j||² = 2 − 2C_ij``). For the similarity form of ISM,
+    ``2 − 2S_IN = α²·exp(−y)``, so the result is ``α·exp(−y/2)``: the distance form ``D_IN`` with the
+    weakening degree doubled. The square root has a finite gradient at ``S = 1``.
+
+    >>> to_distance(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), similarity=True)
+    tensor([[0.0000, 1.4142],
+            [1.4142, 0.0000]])
     """
-    alpha_c = alpha.clamp_min(_ALPHA_FLOOR)
-    if power == 1:
-        # pow(1) is not free (a copy forward, extra multiplies backward): skip it for the paper's p = 1.
-        num = beta if gamma == 0 else beta + gamma
-        neg_den = alpha_c.mul_(-tau)
-    else:
-        num = beta.square() + gamma
-        neg_den = alpha_c.square_().mul_(-tau)
-    return num / neg_den, neg_den
-
-
-class _Weakening(torch.autograd.Function):
-    """The soft and dissimilar ISM forms as one autograd node (IDML Eq. 5–6; TPAMI Eq. 7).
-
-    With ``P`` the plain value (``α`` or ``C``), ``t`` the limit at full uncertainty (0 for ``D_IN``,
-    1 for ``S_IN``, ``d_max`` and −1 for ISM-Dis) and ``y = (β^p + γ)/(τ·α_c^p)``,
-    ``α_c = max(α, 10⁻⁶)``, every form is ``out = t + (P − t)·e^{−y}``. It is evaluated as
-    ``P·e^{−y}`` for ``D_IN`` (relative accuracy when ``e^{−y}`` underflows) and as
-    ``P + (P − t)·expm1(−y)`` otherwise, so ``y = 0`` returns ``P`` bit for bit
-    (``1 − (1 − C)·1`` is not ``C`` in floating point).
-
-    Closed-form backward, with ``q = ∂L/∂out·(P − t)·e^{−y}`` (``= −∂L/∂y``)::
-
-        ∂out/∂P = e^{−y}
-        ∂L/∂α   = q·p·y/α_c     for α > 10⁻⁶, else 0 (the clamp)
-        ∂L/∂β   = −q·p·β^{p−1}/(τ·α_c^p)
-
-    For ``D_IN`` (``P = α``, ``t = 0``) the two ``α`` paths add up to the paper's
-    ``dD_IN/dα = e^{−y}(1 + p·y)`` and ``dD_IN/dβ = −α·e^{−y}·p·β^{p−1}/(τ·α^p)``; for ``S_IN``,
-    ``∂S/∂C = e^{−y}``, ``∂S/∂δ = −(1 − C)·e^{−y}·p·y/δ``, ``∂S/∂β = (1 − C)·e^{−y}·p·β^{p−1}/(τ·δ^p)``.
-    Both gradients share ``s = −q/(τ·α_c^p)``: ``∂L/∂β = p·β^{p−1}·s`` and
-    ``∂L/∂α = −p·τ·α_c^{p−1}·y·s``. One node with about eight elementwise passes, fewer than a chain
-    of autograd nodes needs (``benchmarks/RESULTS.md``, Losses). Not twice differentiable.
-
-    With ``alpha=None`` the plain value is a cosine and ``α`` is the chord between the unit vectors,
-    ``δ = √max(2 − 2C, 10⁻¹²)`` (``||x̂ − ŷ||² = 2 − 2C``), computed inside; its gradient
-    ``∂δ/∂C = −1/δ`` (0 where the clamp is active) is folded into ``∂L/∂C``.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        plain: Tensor,
-        alpha: Tensor | None,
-        beta: Tensor,
-        tau: float,
-        gamma: float,
-        power: int,
-        target: float,
-        multiplicative: bool,
-    ) -> Tensor:
-        gap = None
-        if alpha is None:
-            gap = torch.rsub(plain, 2.0, alpha=2.0)  # 2 − 2C in one pass
-            alpha = gap.clamp_min(_EPS).sqrt_()
-        neg_y, neg_den = _negative_relative_uncertainty(alpha, beta, tau, gamma, power)
-        if multiplicative:
-            factor = torch.exp(neg_y)
-            out = plain * factor
-        else:
-            factor = torch.expm1(neg_y)
-            # (P − t)·expm1(−y) + P in place. Not addcmul: its fused multiply-add rounds once and
-            # would move values by an ulp from the two-step formula that the tests pin and that
-            # stored runs were computed with.
-            out = (plain - target).mul_(factor).add_(plain)
-        ctx.params = (tau, power, target, multiplicative)
-        ctx.plain_is_alpha = plain is alpha and plain.shape == out.shape and gap is None
-        ctx.save_for_backward(plain, alpha, beta, neg_y, neg_den, factor, gap)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        plain, alpha, beta, neg_y, neg_den, factor, gap = ctx.saved_tensors
-        tau, power, target, multiplicative = ctx.params
-        chord = gap is not None
-        # ∂out/∂P = e^{−y}; the additive forms stored expm1(−y) = e^{−y} − 1.
-        grad_plain = grad * factor if multiplicative else torch.addcmul(grad, grad, factor)
-        grad_alpha = grad_beta = None
-        if chord or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            q = grad_plain * plain if target == 0 else (plain - target).mul_(grad_plain)
-            shared = q.div_(neg_den)  # s = −q/(τ·α_c^p)
-            if chord or ctx.needs_input_grad[1]:
-                grad_alpha = _mask_at_or_below(neg_y, alpha, _ALPHA_FLOOR).mul_(shared)
-                grad_alpha.mul_(power * tau)
-                if power == 2:
-                    grad_alpha.mul_(alpha.clamp_min(_ALPHA_FLOOR))
-            if ctx.needs_input_grad[2]:
-                grad_beta = shared if power == 1 else shared.mul_(beta).mul_(2.0)
-        if chord:
-            # ∂δ/∂C = −1/δ above the clamp.
-            grad_plain.sub_(_mask_at_or_below(grad_alpha.div_(alpha), gap, _EPS))
-            return _sum_to(grad_plain, plain), None, _sum_to(grad_beta, beta), *_NO_GRADS
-        if ctx.plain_is_alpha and grad_alpha is not None:
-            # D_IN weakens α itself: hand autograd one summed gradient instead of two to add.
-            return grad_plain.add_(grad_alpha), None, _sum_to(grad_beta, beta), *_NO_GRADS
-        return (
-            _sum_to(grad_plain, plain) if ctx.needs_input_grad[0] else None,
-            _sum_to(grad_alpha, alpha),
-            _sum_to(grad_beta, beta),
-            *_NO_GRADS,
-        )
-
-
-_NO_GRADS = (None,) * 5
-"""The gradients of :class:`_Weakening`'s non-tensor arguments."""
-
-
-def _sum_to(grad: Tensor | None, like: Tensor) -> Tensor | None:
-    """A gradient reduced to the shape of a broadcast input (``β`` of one-sided uncertainty)."""
-    if grad is None or grad.shape == like.shape:
-        return grad
-    return grad.sum_to_size(like.shape)
+    return safe_norm_from_squares(2.0 - 2.0 * values) if similarity else values
 
 
 class Metric(nn.Module, ABC):
-    """A pairwise comparison of embeddings; ``is_similarity`` gives its direction."""
+    """A pairwise comparison of embeddings; ``is_similarity`` gives its direction, and the methods
+    below state every direction-dependent rule once for losses and miners."""
 
     is_similarity: bool = False
     uses_uncertainty: bool = False
@@ -364,6 +176,21 @@ class Metric(nn.Module, ABC):
     def worst_value(self) -> float:
         """A value less similar than any the metric produces (used to mask)."""
         return float("-inf") if self.is_similarity else float("inf")
+
+    def oriented(self, values: Tensor) -> Tensor:
+        """This metric's values as "larger is more alike" scores: ``S`` as is, a distance as ``−D``."""
+        return oriented(values, self.is_similarity)
+
+    def to_distance(self, values: Tensor) -> Tensor:
+        """This metric's values as a distance: ``D`` as is, ``S`` as the chord ``√(2 − 2S)``
+        (:func:`to_distance`)."""
+        return to_distance(values, self.is_similarity)
+
+    def to_squared_distance(self, values: Tensor) -> Tensor:
+        """This metric's values as squared distances on the unit sphere: ``D²`` for a distance
+        (plain ``α`` or ``D_IN``, whose base is never squared), ``2·(1 − S)`` for a similarity
+        (``||ŝ_i − ŝ_j||²`` for cosine); the squared Euclidean distance is returned as is."""
+        return 2.0 * (1.0 - values) if self.is_similarity else values.square()
 
 
 class EuclideanDistance(Metric):
@@ -408,6 +235,9 @@ class EuclideanDistance(Metric):
         sq = (self.prepare(x) - self.prepare(y)).pow(2).sum(1)
         return sq if self.power == 2 else safe_norm_from_squares(sq)
 
+    def to_squared_distance(self, values: Tensor) -> Tensor:
+        return values if self.power == 2 else values.square()
+
 
 class CosineSimilarity(Metric):
     """``C_ij = ŝ_i · ŝ_j`` on L2-normalised embeddings."""
@@ -435,7 +265,21 @@ class CosineSimilarity(Metric):
 
 
 class IntrospectiveMetric(Metric):
-    """The introspective similarity metric wrapped around a plain metric (IDML Eq. 5–6; TPAMI Eq. 7).
+    """The introspective similarity metric wrapped around a plain metric (IDML Eq. 4–6; TPAMI Eq. 7).
+
+    With the plain value ``P`` (``α = ||ŝ_i − ŝ_j||`` or the cosine ``C``), the semantic distance
+    ``α`` (for the similarity form ``δ = ||ŝ_i − ŝ_j||``), the joint uncertainty
+    ``β = ||u_i + u_j||`` and the relative uncertainty ``y = (β^p + γ)/(τ·α^p)``
+    (:func:`relative_uncertainty`), the forms are::
+
+        soft,  distance    D_IN = α·e^{−y}                    (IDML Eq. 6)
+        soft,  similarity  S_IN = 1 − (1 − C)·e^{−y}          (TPAMI Eq. 7)
+        dissimilar         t + (P − t)·e^{−y},  t = d_max (distance) or −1 (similarity)   (ISM-Dis)
+        strict             P where α^p − (β^p + γ) > 0, else 0 (distance) or 1 (similarity)  (Eq. 4)
+
+    The soft and dissimilar forms are ``t + (P − t)·e^{−y}`` with the limit ``t`` at full
+    uncertainty (:attr:`limit`); every one is ``P`` at ``y = 0`` bit for bit. The warm-up strength
+    ``s`` scales ``y → s·y`` (and ``β^p + γ → s·(β^p + γ)`` in the strict form).
 
     Args:
         base: :class:`EuclideanDistance` (distance form ``D_IN``) or :class:`CosineSimilarity`
@@ -487,66 +331,61 @@ class IntrospectiveMetric(Metric):
         self.is_similarity = base.is_similarity
         self.strength = 1.0
 
-    @property
-    def _tau(self) -> float:
-        """``τ/s``: the warm-up strength ``s`` scales ``y = (β^p + γ)/(τ·α^p)`` by ``s``."""
-        return self.tau / self.strength
-
     def extra_repr(self) -> str:
         return (
             f"gamma={self.gamma}, tau={self.tau}, power={self.power}, variant={self.variant.value}"
         )
 
+    @property
+    def limit(self) -> float:
+        """``t``, the value a pair tends to as its uncertainty grows: the soft forms pull toward
+        "alike" (``D → 0``, ``S → 1``), ISM-Dis toward "unlike" (``D → d_max``, ``S → −1``)."""
+        if self.variant is ISMVariant.DISSIMILAR:
+            return -1.0 if self.is_similarity else self.d_max
+        return 1.0 if self.is_similarity else 0.0
+
     def relative_uncertainty(self, alpha: Tensor, beta: Tensor) -> Tensor:
-        """``y = (β^p + γ) / (τ·α^p)`` (IDML eq. 6: ``β̃/τ``) with ``α`` clamped below at ``10⁻⁶``;
-        exactly 0 where ``β^p + γ = 0`` (even at ``α = 0``)."""
+        """``s·y`` with ``y = (β^p + γ) / (τ·α^p)`` (:func:`relative_uncertainty`) and ``s`` the
+        warm-up strength."""
         if self.strength == 0:
             return torch.zeros_like(alpha)
-        neg_y, _ = _negative_relative_uncertainty(alpha, beta, self._tau, self.gamma, self.power)
-        return neg_y.neg_()
+        return relative_uncertainty(alpha, beta, self.tau / self.strength, self.gamma, self.power)
 
     def weaken(self, plain: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
-        """Apply the configured variant to plain values given semantic distance and uncertainty.
-
-        The soft and dissimilar forms run as one autograd node (:class:`_Weakening`, closed-form
-        backward); the strict form is an indicator and stays a ``where``.
-        """
+        """The configured form from the plain values ``P``, semantic distances ``α`` and joint
+        uncertainties ``β`` (see the class docstring)."""
         if self.variant is ISMVariant.STRICT:
-            keep = self._strict_keep(alpha, beta)
-            if self.is_similarity:
-                return torch.where(keep, plain, torch.ones_like(plain))
-            return torch.where(keep, plain, torch.zeros_like(plain))
-        return self._smooth_weaken(plain, alpha, beta)
+            return torch.where(self._strict_keep(alpha, beta), plain, self.limit)
+        y = self.relative_uncertainty(alpha, beta)
+        if self.variant is ISMVariant.SOFT and not self.is_similarity:
+            # D_IN = α·e^{−y}: a product keeps its relative accuracy when e^{−y} underflows.
+            return plain * torch.exp(-y)
+        # t + (P − t)·e^{−y} written as P + (P − t)·(e^{−y} − 1), so that y = 0 gives P exactly
+        # (1 − (1 − C)·1 is not C in floating point).
+        return plain + (plain - self.limit) * torch.expm1(-y)
 
     def _strict_keep(self, alpha: Tensor, beta: Tensor) -> Tensor:
         """The strict form's indicator ``α^p − s·(β^p + γ) > 0`` (``s`` the warm-up strength)."""
         return (alpha.pow(self.power) - self.strength * (beta.pow(self.power) + self.gamma)) > 0
 
-    def _smooth_weaken(self, plain: Tensor, alpha: Tensor | None, beta: Tensor) -> Tensor:
-        """The soft or dissimilar form; ``alpha=None``: the chord of the cosine ``plain``."""
-        # The value the metric tends to as the pair's uncertainty grows: soft forms pull
-        # toward "alike" (D → 0, S → 1), ISM-Dis toward "unlike" (D → d_max, S → −1).
-        if self.variant is ISMVariant.SOFT:
-            target = 1.0 if self.is_similarity else 0.0
-        else:
-            target = -1.0 if self.is_similarity else self.d_max
-        multiplicative = self.variant is ISMVariant.SOFT and not self.is_similarity
-        return _Weakening.apply(
-            plain, alpha, beta, self._tau, self.gamma, self.power, target, multiplicative
-        )
-
-    @property
-    def _chord_alpha(self) -> bool:
-        """Whether ``δ`` is the chord of the base cosine (no second normalisation or Gram matrix)."""
-        return (
-            self.is_similarity and self.delta_normalized and isinstance(self.base, CosineSimilarity)
-        )
+    def _operands(
+        self, x: Tensor, y: Tensor | None, ux: Tensor | None, uy: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(P, y, u_y)``: the plain matrix and the right-hand side (the batch itself when ``y`` is
+        omitted)."""
+        if y is None:
+            # The base metric is told it compares the batch with itself, so it normalises the batch
+            # once (not once per side): bit for bit the plain metric's matrix.
+            return self.base(x), x, ux
+        return self.base(x, y), y, uy
 
     def _alpha(self, x: Tensor, y: Tensor, plain: Tensor) -> Tensor:
+        """``α``: the distance itself, or for the similarity form ``δ = ||ŝ_i − ŝ_j||``."""
         if not self.is_similarity:
             return plain
-        if self._chord_alpha:
-            # On the unit sphere ||x̂ − ŷ||² = 2 − 2·cos (the soft forms compute this inside _Weakening).
+        if self.delta_normalized and isinstance(self.base, CosineSimilarity):
+            # On the unit sphere ||x̂ − ŷ||² = 2 − 2·cos: no second normalisation or Gram matrix.
+            # The clamp keeps √ differentiable at C = 1 and is the identity above 10⁻¹².
             return (2.0 - 2.0 * plain).clamp_min(_EPS).sqrt()
         if self.delta_normalized:
             x, y = F.normalize(x, dim=1), F.normalize(y, dim=1)
@@ -559,18 +398,10 @@ class IntrospectiveMetric(Metric):
         ux: Tensor | None = None,
         uy: Tensor | None = None,
     ) -> Tensor:
-        if y is None:
-            # The base metric is told it compares the batch with itself, so it normalises the batch
-            # once (not once per side): bit for bit the plain metric's matrix.
-            plain = self.base(x)
-            y, uy = x, ux
-        else:
-            plain = self.base(x, y)
+        plain, y, uy = self._operands(x, y, ux, uy)
         if self.strength == 0:
             return plain
         beta = pairwise_uncertainty(ux, uy, x.shape[0], y.shape[0], plain)
-        if self._chord_alpha and self.variant is not ISMVariant.STRICT:
-            return self._smooth_weaken(plain, None, beta)
         return self.weaken(plain, self._alpha(x, y, plain), beta)
 
     @torch.no_grad()
@@ -584,10 +415,9 @@ class IntrospectiveMetric(Metric):
         """The weakening factor of every pair, ``(B, B')``, without gradients: ``e^{−s·y}`` for the
         soft and dissimilar forms (1 = the plain metric, 0 = fully weakened), the indicator
         ``1[α^p > s·(β^p + γ)]`` for the strict form. What a saturation monitor looks at."""
-        plain = self.base(x) if y is None else self.base(x, y)
-        y_side, uy = (x, ux) if y is None else (y, uy)
-        beta = pairwise_uncertainty(ux, uy, x.shape[0], y_side.shape[0], plain)
-        alpha = self._alpha(x, y_side, plain)
+        plain, y, uy = self._operands(x, y, ux, uy)
+        beta = pairwise_uncertainty(ux, uy, x.shape[0], y.shape[0], plain)
+        alpha = self._alpha(x, y, plain)
         if self.variant is ISMVariant.STRICT:
             return self._strict_keep(alpha, beta).to(plain.dtype)
         return torch.exp(-self.relative_uncertainty(alpha, beta))

@@ -11,7 +11,8 @@ Mixup); no miner looks
 at integer labels.
 
 Every miner is written once in *similarity orientation*: a distance ``D`` is mined as ``−D``, so
-"more similar" is always "larger" (see :func:`oriented`).
+"more similar" is always "larger" (see :func:`~idml.metrics.oriented`, re-exported here with
+:func:`~idml.metrics.to_distance`; losses use the same rules as :meth:`~idml.metrics.Metric.oriented`).
 
 Example:
     >>> import torch
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from idml.embeddings import Embeddings
-from idml.metrics import Metric, safe_norm_from_squares
+from idml.metrics import Metric, oriented, to_distance
 from idml.relations import LabelSets
 
 __all__ = [
@@ -100,30 +101,6 @@ class TripletIndices(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def oriented(matrix: Tensor, similarity: bool) -> Tensor:
-    """The matrix in similarity orientation: ``S`` unchanged, a distance ``D`` as ``−D``.
-
-    Mining rules are stated once for "larger is more alike" and hold for both kinds of metric.
-    """
-    return matrix if similarity else -matrix
-
-
-def to_distance(matrix: Tensor, similarity: bool) -> Tensor:
-    """A distance matrix from any metric matrix: distances unchanged, similarities ``S`` mapped to
-    the chord distance ``√(2 − 2S)``.
-
-    For cosine similarity this is exactly the Euclidean distance between L2-normalised embeddings
-    (``||ŝ_i − ŝ_j||² = 2 − 2C_ij``). For the similarity form of ISM,
-    ``2 − 2S_IN = α²·exp(−y)``, so the result is ``α·exp(−y/2)``: the distance form ``D_IN`` with the
-    weakening degree doubled. The square root has a finite gradient at ``S = 1``.
-
-    >>> to_distance(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), similarity=True)
-    tensor([[0.0000, 1.4142],
-            [1.4142, 0.0000]])
-    """
-    return safe_norm_from_squares(2.0 - 2.0 * matrix) if similarity else matrix
-
-
 def triplet_mask(labels: LabelSets) -> Tensor:
     """``(B, B, B)`` mask of valid triplets ``[a, p, n]``: ``p`` positive and ``n`` negative of ``a``."""
     return labels.positive_mask()[:, :, None] & labels.negative_mask()[:, None, :]
@@ -344,7 +321,7 @@ class DistanceWeightedMiner(Miner):
     ``n ≥ 3``, this is exactly the cap ``min(φ, q^{-1})`` with ``φ = q^{-1}(cutoff)``. Negatives at
     ``d ≥ nonzero_loss_cutoff`` are never drawn (they give zero margin loss), nor pairs at ``d ≥ 2``
     where ``q`` is undefined. A similarity matrix is first mapped to the chord distance
-    ``√(2 − 2S)`` (:func:`to_distance`).
+    ``√(2 − 2S)`` (:func:`~idml.metrics.to_distance`).
 
     Each anchor keeps *every* positive and draws one negative per positive, with replacement, as in
     the paper's reference code. Anchors without admissible negatives are skipped.

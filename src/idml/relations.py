@@ -106,7 +106,9 @@ class LabelSets:
     def cat(self, other: LabelSets) -> LabelSets:
         """Concatenate two batches (padding the narrower one)."""
         k = max(self.labels.shape[1], other.labels.shape[1])
-        return LabelSets(torch.cat([_pad_to(self.labels, k), _pad_to(other.labels, k)], dim=0))
+        return LabelSets(
+            torch.cat([pad_label_width(self.labels, k), pad_label_width(other.labels, k)], dim=0)
+        )
 
     def to(self, device: torch.device | str) -> LabelSets:
         return LabelSets(self.labels.to(device))
@@ -165,8 +167,10 @@ def pair_masks(labels: Tensor | LabelSets) -> tuple[Tensor, Tensor]:
     return sets.positive_mask(), sets.negative_mask()
 
 
-def _pad_to(labels: Tensor, k: int) -> Tensor:
-    if labels.shape[1] == k:
+def pad_label_width(labels: Tensor, width: int) -> Tensor:
+    """A ``(B, k)`` label-set tensor widened to ``(B, width)`` with :data:`PAD` columns (``width ≥ k``),
+    so that batches with label sets of different sizes can be concatenated."""
+    if labels.shape[1] == width:
         return labels
-    pad = labels.new_full((labels.shape[0], k - labels.shape[1]), PAD)
+    pad = labels.new_full((labels.shape[0], width - labels.shape[1]), PAD)
     return torch.cat([labels, pad], dim=1)

@@ -182,8 +182,7 @@ class PairScorer:
         assert self.metric is not None
         uq = None if queries.uncertainty is None else queries.uncertainty[rows]
         ur = None if references.uncertainty is None else references.uncertainty[cols]
-        values = self.metric(q, r, uq, ur)
-        return values if self.metric.is_similarity else -values
+        return self.metric.oriented(self.metric(q, r, uq, ur))
 
     def pairwise_values(
         self,
@@ -209,4 +208,4 @@ class PairScorer:
             sq = (-scores).clamp_min(0)
             return sq if self.squared else sq.sqrt()
         assert self.metric is not None
-        return scores if self.metric.is_similarity else -scores
+        return self.metric.oriented(scores)  # the orientation is its own inverse

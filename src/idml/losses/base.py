@@ -15,6 +15,15 @@ from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
 from idml.metrics import EuclideanDistance, IntrospectiveMetric, Metric
+from idml.miners import (
+    Miner,
+    PairIndices,
+    TripletIndices,
+    all_pairs,
+    all_triplets,
+    as_pairs,
+    as_triplets,
+)
 from idml.relations import LabelSets, pair_masks
 
 
@@ -27,6 +36,8 @@ class MetricLoss(nn.Module):
     """
 
     default_metric: type[Metric] = EuclideanDistance
+    miner: Miner | None = None
+    """The loss's miner; ``None`` sums over every pair or triplet of the batch."""
 
     def __init__(self, metric: Metric | None = None) -> None:
         super().__init__()
@@ -55,6 +66,29 @@ class MetricLoss(nn.Module):
     def pairwise(self, embeddings: Embeddings) -> Tensor:
         """The configured metric over all pairs of the batch (uncertainty used when present)."""
         return self.metric(embeddings.semantic, ux=embeddings.uncertainty)
+
+    def mined_pairs(self, matrix: Tensor, labels: LabelSets, dim: int) -> PairIndices:
+        """The pairs the loss sums over: every positive and negative pair without a miner, else
+        the miner's selection on ``matrix`` (a mined triplet ``(a, p, n)`` gives ``(a, p)`` and
+        ``(a, n)``). ``dim`` is the embedding dimension, which some miners need."""
+        if self.miner is None:
+            return all_pairs(labels)
+        return as_pairs(self.miner(matrix, labels, similarity=self.metric.is_similarity, dim=dim))
+
+    def mined_triplets(
+        self, matrix: Tensor, labels: LabelSets, dim: int, similarity: bool | None = None
+    ) -> TripletIndices:
+        """The triplets the loss sums over: every valid triplet without a miner, else the miner's
+        selection on ``matrix`` (mined pairs give every ``(a, p, n)`` with both pairs mined).
+
+        ``similarity`` says how ``matrix`` is oriented when it is not the metric's own matrix (a
+        loss that mines on distances derived from a similarity passes ``False``)."""
+        if self.miner is None:
+            return all_triplets(labels)
+        if similarity is None:
+            similarity = self.metric.is_similarity
+        mined = self.miner(matrix, labels, similarity=similarity, dim=dim)
+        return as_triplets(mined, len(labels))
 
     @torch.no_grad()
     def weakening(

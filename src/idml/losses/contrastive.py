@@ -19,7 +19,7 @@ from torch import Tensor
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss
 from idml.metrics import Metric
-from idml.miners import Miner, all_pairs, as_pairs, resolve_miner
+from idml.miners import Miner, resolve_miner
 from idml.relations import LabelSets
 
 DISTANCE_MARGINS = (0.0, 0.5)
@@ -74,14 +74,10 @@ class ContrastiveLoss(MetricLoss):
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         matrix = self.pairwise(embeddings)
-        similarity = self.metric.is_similarity
-        if self.miner is None:
-            pairs = all_pairs(labels)
-        else:
-            pairs = as_pairs(self.miner(matrix, labels, similarity=similarity, dim=embeddings.dim))
+        pairs = self.mined_pairs(matrix, labels, embeddings.dim)
         pos = matrix[pairs.anchor_pos, pairs.positive]
         neg = matrix[pairs.anchor_neg, pairs.negative]
-        if similarity:
+        if self.metric.is_similarity:
             pos_terms = torch.relu(self.pos_margin - pos)
             neg_terms = torch.relu(neg - self.neg_margin)
         else:

@@ -14,7 +14,7 @@ all others in bin ``l`` and ``H⁺_l``, ``H_l`` their cumulative sums::
 distance, bin centres ``0, Δ, …, 4``, anchors without positives left out of the mean, and a loss of 0
 (with a graph) when no anchor has a positive.
 
-Any metric works through :func:`~idml.losses.proxy_nca.squared_distance_view` (``D_IN²`` with the
+Any metric works through :meth:`~idml.metrics.Metric.to_squared_distance` (``D_IN²`` with the
 introspective metric, ``2·(1 − S)`` for a similarity). Set labels define the positives
 (:meth:`~idml.relations.LabelSets.positive_mask`).
 
@@ -35,7 +35,6 @@ from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss
-from idml.losses.proxy_nca import squared_distance_view
 from idml.metrics import EuclideanDistance, Metric
 from idml.relations import LabelSets
 
@@ -48,7 +47,7 @@ class FastAPLoss(MetricLoss):
 
     Args:
         metric: squared Euclidean distance on L2-normalised embeddings by default; any metric that
-            normalises its inputs works via :func:`~idml.losses.proxy_nca.squared_distance_view`.
+            normalises its inputs works via :meth:`~idml.metrics.Metric.to_squared_distance`.
         num_bins: number of histogram bins ``L ≥ 1`` [10] (``L + 1`` bin centres).
 
     Raises:
@@ -102,7 +101,7 @@ class FastAPLoss(MetricLoss):
         if not bool(has_positive.any()):
             return embeddings.semantic.sum() * 0.0
 
-        squared = squared_distance_view(self.metric, self.pairwise(embeddings))
+        squared = self.metric.to_squared_distance(self.pairwise(embeddings))
         positive_hist, negative_hist = self.histograms(squared, positive, negative)
 
         positive_cumulative = positive_hist.cumsum(dim=1)

@@ -24,10 +24,7 @@ from idml.metrics import Metric
 from idml.miners import (
     DistanceWeightedMiner,
     MinerArg,
-    all_triplets,
-    as_triplets,
     resolve_miner,
-    to_distance,
 )
 from idml.relations import LabelSets
 
@@ -49,7 +46,7 @@ class MarginLoss(MetricLoss):
     regulariser ``ν·ω`` is not included (it is 0 by default in the reference implementations).
 
     The loss works on distances; a similarity metric's ``S`` is mapped to the chord distance
-    ``√(2 − 2S)`` (:func:`~idml.miners.to_distance`), exact for cosine on the unit sphere, so ``ξ`` and
+    ``√(2 − 2S)`` (:meth:`~idml.metrics.Metric.to_distance`), exact for cosine on the unit sphere, so ``ξ`` and
     ``ω`` keep their meaning with every metric, including both forms of ISM.
 
     Args:
@@ -106,13 +103,8 @@ class MarginLoss(MetricLoss):
         return (member @ self.boundary) / member.sum(dim=1)
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
-        distance = to_distance(self.pairwise(embeddings), self.metric.is_similarity)
-        if self.miner is None:
-            triplets = all_triplets(labels)
-        else:
-            mined = self.miner(distance, labels, similarity=False, dim=embeddings.dim)
-            triplets = as_triplets(mined, len(labels))
-        a, p, n = triplets
+        distance = self.metric.to_distance(self.pairwise(embeddings))
+        a, p, n = self.mined_triplets(distance, labels, embeddings.dim, similarity=False)
         omega = self.anchor_boundary(labels).to(distance.dtype)[a]
         pos_terms = torch.relu(self.margin + distance[a, p] - omega)
         neg_terms = torch.relu(self.margin - distance[a, n] + omega)

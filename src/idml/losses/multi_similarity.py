@@ -20,7 +20,7 @@ from torch import Tensor
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss, masked_logsumexp
 from idml.metrics import CosineSimilarity, Metric
-from idml.miners import MinerArg, MultiSimilarityMiner, all_pairs, as_pairs, resolve_miner
+from idml.miners import MinerArg, MultiSimilarityMiner, resolve_miner
 from idml.relations import LabelSets
 
 
@@ -68,11 +68,7 @@ class MultiSimilarityLoss(MetricLoss):
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         matrix = self.pairwise(embeddings)
         similarity = self.metric.is_similarity
-        if self.miner is None:
-            pairs = all_pairs(labels)
-        else:
-            pairs = as_pairs(self.miner(matrix, labels, similarity=similarity, dim=embeddings.dim))
-        pos_mask, neg_mask = pairs.masks(len(labels))
+        pos_mask, neg_mask = self.mined_pairs(matrix, labels, embeddings.dim).masks(len(labels))
         # Exponents written as "how far the pair is on the wrong side of λ", for either orientation.
         pos_exponent = (self.base - matrix) if similarity else (matrix - self.base)
         neg_exponent = (matrix - self.base) if similarity else (self.base - matrix)

@@ -31,7 +31,6 @@ from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import ProxyLoss, check_positive, masked_logsumexp
-from idml.losses.softmax import similarity_logits
 from idml.metrics import CosineSimilarity, Metric
 from idml.relations import LabelSets
 
@@ -78,7 +77,7 @@ class ProxyAnchorLoss(ProxyLoss):
         )
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
-        similarity = similarity_logits(self.metric, self.proxy_matrix(embeddings))
+        similarity = self.metric.oriented(self.proxy_matrix(embeddings))
         positive = labels.proxy_mask(self.num_classes)
         pull = masked_logsumexp(
             self.alpha * (self.margin - similarity), positive, dim=0, add_one=True

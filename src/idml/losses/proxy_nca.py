@@ -38,21 +38,6 @@ from idml.metrics import EuclideanDistance, Metric
 from idml.relations import LabelSets
 
 
-def squared_distance_view(metric: Metric, values: Tensor) -> Tensor:
-    """Express metric values as squared distances on the unit sphere.
-
-    - ``EuclideanDistance(power=2)``: already squared, returned unchanged.
-    - any other distance ``D`` (plain ``α`` or the introspective ``D_IN``): ``D²``.
-    - a similarity ``S`` (cosine or ``S_IN``): ``2·(1 − S)``, which equals ``||ŝ_i − ŝ_j||²`` for
-      cosine similarity of unit vectors.
-    """
-    if metric.is_similarity:
-        return 2.0 * (1.0 - values)
-    # ISM never wraps a squared base (IntrospectiveMetric rejects it), so D_IN is always squared here.
-    already_squared = isinstance(metric, EuclideanDistance) and metric.power == 2
-    return values if already_squared else values.square()
-
-
 class ProxyNCALoss(ProxyLoss):
     """ProxyNCA (Movshovitz-Attias et al. 2017, softmax form): ``mean_i CE(−scale·d²_i·, S_i)``.
 
@@ -60,8 +45,8 @@ class ProxyNCALoss(ProxyLoss):
         num_classes: number of training classes ``C`` (one proxy each).
         embedding_dim: dimension ``d`` of the semantic embedding.
         metric: squared Euclidean distance on L2-normalised vectors by default; any metric works via
-            :func:`squared_distance_view` (e.g. ``IntrospectiveMetric(EuclideanDistance())`` gives
-            ``D_IN²``).
+            :meth:`~idml.metrics.Metric.to_squared_distance` (e.g.
+            ``IntrospectiveMetric(EuclideanDistance())`` gives ``D_IN²``).
         scale: multiplies the squared distances [9: samples and proxies at norm 3]; equal to
             pytorch-metric-learning's ``softmax_scale``.
         proxy_uncertainty_dim: give each proxy a learnable uncertainty vector of this size.
@@ -100,6 +85,6 @@ class ProxyNCALoss(ProxyLoss):
         )
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
-        squared = squared_distance_view(self.metric, self.proxy_matrix(embeddings))
+        squared = self.metric.to_squared_distance(self.proxy_matrix(embeddings))
         membership = labels.proxy_mask(self.num_classes)
         return set_label_cross_entropy(-self.scale * squared, membership, self.set_target).mean()

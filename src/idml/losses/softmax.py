@@ -82,11 +82,6 @@ def set_label_cross_entropy(
     return -(log_probs * target).sum(dim=1)
 
 
-def similarity_logits(metric: Metric, values: Tensor) -> Tensor:
-    """Turn metric values into "larger is more alike" scores: ``S`` as is, a distance as ``−D``."""
-    return values if metric.is_similarity else -values
-
-
 class NormalizedSoftmaxLoss(ProxyLoss):
     """Normalised softmax (Zhai & Wu 2019): ``mean_i CE(S(s_i, p_·)/T, S_i)``.
 
@@ -130,7 +125,7 @@ class NormalizedSoftmaxLoss(ProxyLoss):
 
     def logits(self, embeddings: Embeddings) -> Tensor:
         """``(B, C)`` logits ``z_ic = S(s_i, p_c) / T`` (``−D/T`` for a distance metric)."""
-        return similarity_logits(self.metric, self.proxy_matrix(embeddings)) / self.temperature
+        return self.metric.oriented(self.proxy_matrix(embeddings)) / self.temperature
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         logits = self.logits(embeddings)

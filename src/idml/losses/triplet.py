@@ -21,7 +21,7 @@ from torch import Tensor
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss
 from idml.metrics import Metric
-from idml.miners import MinerArg, SemiHardMiner, all_triplets, as_triplets, oriented, resolve_miner
+from idml.miners import MinerArg, SemiHardMiner, resolve_miner
 from idml.relations import LabelSets
 
 
@@ -64,14 +64,8 @@ class TripletLoss(MetricLoss):
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         matrix = self.pairwise(embeddings)
-        similarity = self.metric.is_similarity
-        if self.miner is None:
-            triplets = all_triplets(labels)
-        else:
-            mined = self.miner(matrix, labels, similarity=similarity, dim=embeddings.dim)
-            triplets = as_triplets(mined, len(labels))
-        s = oriented(matrix, similarity)
-        a, p, n = triplets
+        a, p, n = self.mined_triplets(matrix, labels, embeddings.dim)
+        s = self.metric.oriented(matrix)
         terms = torch.relu(s[a, n] - s[a, p] + self.margin)
         # An empty selection sums to a graph-connected 0, so backward still works.
         return terms.sum() / max(terms.numel(), 1)
