@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import re
 import typing
@@ -702,20 +701,17 @@ def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _field_types(owner: Any) -> dict[str, Any]:
-    """Field name → annotation of a pydantic model or a stdlib dataclass (empty otherwise)."""
+    """Field name → annotation of a pydantic model (empty otherwise)."""
     members = [a for a in typing.get_args(owner) if a is not type(None)]
     if len(members) == 1:  # an optional section, ``Section | None``
         owner = members[0]
     if isinstance(owner, type) and issubclass(owner, BaseModel):
         return {name: f.annotation for name, f in owner.model_fields.items()}
-    if dataclasses.is_dataclass(owner):
-        hints = typing.get_type_hints(owner)
-        return {f.name: hints.get(f.name) for f in dataclasses.fields(owner)}
     return {}
 
 
 def _owner_of(loc: tuple[Any, ...], raw: dict[str, Any]) -> Any:
-    """The model or dataclass that owns the key at ``loc[-1]``."""
+    """The model that owns the key at ``loc[-1]``."""
     owner: Any = Config
     node: Any = raw
     for part in loc[:-1]:
