@@ -7,7 +7,10 @@ A grid is a list of axes, ``key=v1,v2,…``. A key is either
   components, Table 4 for the metric formulation), ``test_ism=on,off`` (its Table 5),
   ``batch_size=…`` (its Table 6), ``ssr=on,off`` (Fu et al. 2021), ``method=baseline,idml,ssr,
   idml_ssr`` — or an alias of one config key
-  (``gamma`` → ``metric.gamma``, ``tau`` → ``metric.tau``, …; see :data:`PRESETS`);
+  (``gamma`` → ``metric.gamma``, ``tau`` → ``metric.tau``, …; see :data:`PRESETS`). The values of
+  ``metric``, ``mixup=on`` and ``method`` are the packaged method fragments (``method/ism``,
+  ``method/idml``, …; :mod:`idml.config`, "Composition") written as overrides, so a grid cell and a
+  preset that includes the fragment mean the same method;
 * any **raw config key** (``metric.gamma=0,2,4``, ``model.embedding_dim=128,512``), set through the
   same ``key.sub=value`` overrides as ``idml train --set``.
 
@@ -55,6 +58,7 @@ from idml.config import (
     Config,
     config_difference,
     config_to_dict,
+    fragment_overrides,
     load_config,
     stored_config_dict,
 )
@@ -181,9 +185,21 @@ class BatchSizePreset:
 Preset = ChoicePreset | AliasPreset | BatchSizePreset
 
 _ON_OFF_SYNONYMS = {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}
-_UNCERTAINTY_ON = ("model.uncertainty.enabled=true", "metric.introspective=true")
-_IDML = (*_UNCERTAINTY_ON, "metric.variant=soft", "mixup.enabled=true")
-_PLAIN = ("model.uncertainty.enabled=false", "metric.introspective=false")
+
+
+def _fragment(name: str, **replace: str) -> tuple[str, ...]:
+    """A packaged fragment (``method/ism``) as overrides, with some keys set to other values."""
+    overrides = []
+    for item in fragment_overrides(name):
+        key = item.partition("=")[0]
+        overrides.append(f"{key}={replace.pop(key)}" if key in replace else item)
+    if replace:
+        raise KeyError(f"fragment {name} sets none of {', '.join(replace)}")
+    return tuple(overrides)
+
+
+def _ism(variant: str) -> tuple[str, ...]:
+    return _fragment("method/ism", **{"metric.variant": variant})
 
 
 def _switch(name: str, description: str, key: str) -> ChoicePreset:
@@ -204,10 +220,10 @@ PRESETS: dict[str, Preset] = {
             "training metric: plain, ISM (IDML eq. 5-7), ISM-Dis (uncertainty pushes pairs "
             "apart; IDML Table 4) or ISM's strict indicator form",
             {
-                "plain": (_PLAIN, "plain"),
-                "ism": ((*_UNCERTAINTY_ON, "metric.variant=soft"), "ISM"),
-                "ism_dis": ((*_UNCERTAINTY_ON, "metric.variant=dissimilar"), "ISM-Dis"),
-                "ism_strict": ((*_UNCERTAINTY_ON, "metric.variant=strict"), "ISM-strict"),
+                "plain": (_fragment("method/plain"), "plain"),
+                "ism": (_fragment("method/ism"), "ISM"),
+                "ism_dis": (_ism("dissimilar"), "ISM-Dis"),
+                "ism_strict": (_ism("strict"), "ISM-strict"),
             },
             {
                 "baseline": "plain",
@@ -218,7 +234,13 @@ PRESETS: dict[str, Preset] = {
                 "strict": "ism_strict",
             },
         ),
-        _switch("mixup", "Mixup images with set labels (IDML §III-C, Table 2)", "mixup.enabled"),
+        ChoicePreset(
+            "mixup",
+            "Mixup images with set labels (IDML §III-C, Table 2)",
+            {"on": (_fragment("method/mixup"), "on"), "off": (("mixup.enabled=false",), "off")},
+            _ON_OFF_SYNONYMS,
+            switch=True,
+        ),
         _switch("ssr", "self-supervised ranking auxiliary task (Fu et al. 2021)", "ssr.enabled"),
         _switch(
             "test_ism",
@@ -229,10 +251,10 @@ PRESETS: dict[str, Preset] = {
             "method",
             "baseline, IDML (uncertainty head + ISM + Mixup), SSR, or IDML with SSR",
             {
-                "baseline": ((*_PLAIN, "mixup.enabled=false", "ssr.enabled=false"), "baseline"),
-                "idml": ((*_IDML, "ssr.enabled=false"), "IDML"),
-                "ssr": ((*_PLAIN, "mixup.enabled=false", "ssr.enabled=true"), "SSR"),
-                "idml_ssr": ((*_IDML, "ssr.enabled=true"), "IDML+SSR"),
+                "baseline": (_fragment("method/baseline"), "baseline"),
+                "idml": (_fragment("method/idml"), "IDML"),
+                "ssr": (_fragment("method/ssr"), "SSR"),
+                "idml_ssr": (_fragment("method/idml_ssr"), "IDML+SSR"),
             },
             {"plain": "baseline", "idml+ssr": "idml_ssr", "idml-ssr": "idml_ssr"},
         ),
