@@ -136,16 +136,24 @@ def test_idml_means_one_thing_everywhere() -> None:
     assert idml == [
         "model.uncertainty.enabled=true",
         "metric.introspective=true",
-        "metric.variant=soft",
         "mixup.enabled=true",
-        "ssr.enabled=false",
     ]
     assert idml == IDML
-    assert list(ablation.PRESETS["method"].overrides("idml", None)) == idml
     assert demo.DEMO_IDML[: len(idml)] == idml
-    for method in ("baseline", "ssr", "idml_ssr"):
-        expected = fragment_overrides(f"method/{method}")
-        assert list(ablation.PRESETS["method"].overrides(method, None)) == expected
-    assert list(ablation.PRESETS["metric"].overrides("ism", None)) == fragment_overrides(
-        "method/ism"
+    # A grid's method value switches every other component off and pins the ISM variant.
+    cell = ablation.PRESETS["method"].overrides("idml", None)
+    assert set(idml) <= set(cell)
+    assert set(cell) - set(idml) == {"metric.variant=soft", "ssr.enabled=false"}
+    assert ablation.PRESETS["method"].overrides("baseline", None) == tuple(
+        fragment_overrides("method/baseline")
+    )
+    assert set(fragment_overrides("method/ssr")) <= set(
+        ablation.PRESETS["method"].overrides("ssr", None)
+    )
+    assert ablation.PRESETS["metric"].overrides("ism", None) == (
+        *fragment_overrides("method/ism"),
+        "metric.variant=soft",
+    )
+    assert ablation.PRESETS["mixup"].overrides("on", None) == tuple(
+        fragment_overrides("method/mixup")
     )

@@ -10,7 +10,8 @@ A grid is a list of axes, ``key=v1,v2,…``. A key is either
   (``gamma`` → ``metric.gamma``, ``tau`` → ``metric.tau``, …; see :data:`PRESETS`). The values of
   ``metric``, ``mixup=on`` and ``method`` are the packaged method fragments (``method/ism``,
   ``method/idml``, …; :mod:`idml.config`, "Composition") written as overrides, so a grid cell and a
-  preset that includes the fragment mean the same method;
+  preset that includes the fragment mean the same method; ``method=…`` first switches every
+  component off (``method/baseline``), and the ISM values pin ``metric.variant``;
 * any **raw config key** (``metric.gamma=0,2,4``, ``model.embedding_dim=128,512``), set through the
   same ``key.sub=value`` overrides as ``idml train --set``.
 
@@ -58,9 +59,11 @@ from idml.config import (
     Config,
     config_difference,
     config_to_dict,
-    fragment_overrides,
     load_config,
+    merge_configs,
+    read_fragment,
     stored_config_dict,
+    to_overrides,
 )
 from idml.metric_display import (
     PERCENT,
@@ -187,19 +190,22 @@ Preset = ChoicePreset | AliasPreset | BatchSizePreset
 _ON_OFF_SYNONYMS = {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}
 
 
-def _fragment(name: str, **replace: str) -> tuple[str, ...]:
-    """A packaged fragment (``method/ism``) as overrides, with some keys set to other values."""
-    overrides = []
-    for item in fragment_overrides(name):
-        key = item.partition("=")[0]
-        overrides.append(f"{key}={replace.pop(key)}" if key in replace else item)
-    if replace:
-        raise KeyError(f"fragment {name} sets none of {', '.join(replace)}")
-    return tuple(overrides)
+def _method(*names: str, variant: str | None = None) -> tuple[str, ...]:
+    """Packaged fragments merged in order (``method/baseline``, ``method/idml``) as overrides;
+    ``variant`` pins ISM's ``metric.variant``, so the value means one metric whatever the base
+    config says."""
+    merged: dict[str, Any] = {}
+    for name in names:
+        merged = merge_configs(merged, read_fragment(name))
+    if variant is not None:
+        merged = merge_configs(merged, {"metric": {"variant": variant}})
+    return tuple(to_overrides(merged))
 
 
-def _ism(variant: str) -> tuple[str, ...]:
-    return _fragment("method/ism", **{"metric.variant": variant})
+def _full(method: str) -> tuple[str, ...]:
+    """``method=…``: every component off (``method/baseline``), then the method's own on."""
+    ism = method in ("idml", "idml_ssr")
+    return _method("method/baseline", f"method/{method}", variant="soft" if ism else None)
 
 
 def _switch(name: str, description: str, key: str) -> ChoicePreset:
@@ -220,10 +226,10 @@ PRESETS: dict[str, Preset] = {
             "training metric: plain, ISM (IDML eq. 5-7), ISM-Dis (uncertainty pushes pairs "
             "apart; IDML Table 4) or ISM's strict indicator form",
             {
-                "plain": (_fragment("method/plain"), "plain"),
-                "ism": (_fragment("method/ism"), "ISM"),
-                "ism_dis": (_ism("dissimilar"), "ISM-Dis"),
-                "ism_strict": (_ism("strict"), "ISM-strict"),
+                "plain": (_method("method/plain"), "plain"),
+                "ism": (_method("method/ism", variant="soft"), "ISM"),
+                "ism_dis": (_method("method/ism", variant="dissimilar"), "ISM-Dis"),
+                "ism_strict": (_method("method/ism", variant="strict"), "ISM-strict"),
             },
             {
                 "baseline": "plain",
@@ -237,7 +243,7 @@ PRESETS: dict[str, Preset] = {
         ChoicePreset(
             "mixup",
             "Mixup images with set labels (IDML §III-C, Table 2)",
-            {"on": (_fragment("method/mixup"), "on"), "off": (("mixup.enabled=false",), "off")},
+            {"on": (_method("method/mixup"), "on"), "off": (("mixup.enabled=false",), "off")},
             _ON_OFF_SYNONYMS,
             switch=True,
         ),
@@ -251,10 +257,10 @@ PRESETS: dict[str, Preset] = {
             "method",
             "baseline, IDML (uncertainty head + ISM + Mixup), SSR, or IDML with SSR",
             {
-                "baseline": (_fragment("method/baseline"), "baseline"),
-                "idml": (_fragment("method/idml"), "IDML"),
-                "ssr": (_fragment("method/ssr"), "SSR"),
-                "idml_ssr": (_fragment("method/idml_ssr"), "IDML+SSR"),
+                "baseline": (_full("baseline"), "baseline"),
+                "idml": (_full("idml"), "IDML"),
+                "ssr": (_full("ssr"), "SSR"),
+                "idml_ssr": (_full("idml_ssr"), "IDML+SSR"),
             },
             {"plain": "baseline", "idml+ssr": "idml_ssr", "idml-ssr": "idml_ssr"},
         ),

@@ -17,7 +17,8 @@ errors (:class:`ConfigError`) naming the file and the chain of files that includ
 relate several keys run on the merged config. A run stores the merged config (no ``include:``),
 so a run folder never depends on the fragments. ``method/idml`` is the one definition of "IDML =
 uncertainty head + ISM + Mixup": the presets, ``idml ablate``'s ``method``/``metric``/``mixup``
-axes, ``idml demo`` and the tests read it.
+axes, ``idml demo`` and the tests read it. A method fragment switches its own components on and
+leaves every other key alone (``method/baseline`` switches all of them off).
 
 Example:
     >>> cfg = load_config(None, overrides=["loss.name=multi_similarity", "optim.epochs=3"])
@@ -624,9 +625,19 @@ def fragment_overrides(name: str) -> list[str]:
     override lists that build on another config).
 
     >>> fragment_overrides("method/idml")
-    ['model.uncertainty.enabled=true', 'metric.introspective=true', 'metric.variant=soft', 'mixup.enabled=true', 'ssr.enabled=false']
+    ['model.uncertainty.enabled=true', 'metric.introspective=true', 'mixup.enabled=true']
     """
-    return [f"{key}={_yaml_scalar(value)}" for key, value in _flatten(read_fragment(name))]
+    return to_overrides(read_fragment(name))
+
+
+def to_overrides(raw: Mapping[str, Any]) -> list[str]:
+    """A (partial) config mapping as ``key.sub=value`` overrides that :func:`load_config` reads
+    back to it, one per value, in the mapping's order.
+
+    >>> to_overrides({"data": {"resize_size": None, "train_crop_scale": [0.7, 1.0]}})
+    ['data.resize_size=null', 'data.train_crop_scale=[0.7, 1.0]']
+    """
+    return [f"{key}={_yaml_scalar(value)}" for key, value in _flatten(raw)]
 
 
 def merge_configs(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
