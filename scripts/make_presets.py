@@ -1,18 +1,33 @@
 """Write the paper-recipe presets under configs/ (run from the repository root).
 
-The presets are plain YAML files that users read and copy; this script only keeps the 40-odd files
-consistent with each other. Re-run it after changing a recipe, and commit its output.
+Each recipe is spelled out here in full (the method's keys read from its packaged fragment,
+``method/<baseline|idml|ssr>``); a preset file lists the fragments of its dataset, backbone, loss
+and method under ``include:`` and holds only the keys those fragments do not already give. Before
+writing, every preset is checked to resolve to its full recipe. Re-run after changing a recipe or a fragment, and
+commit the output; ``tests/test_published.py`` fails while the committed files differ from it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1] / "configs"
+# The fragments of this checkout, not those of some other installed idml.
+sys.path.insert(0, str(ROOT.parent / "src"))
+
+from idml.config import (  # noqa: E402
+    config_difference,
+    config_to_dict,
+    merge_configs,
+    read_fragment,
+    validate_config,
+)
 
 DATASETS: dict[str, dict[str, Any]] = {
     "cub": {
@@ -86,6 +101,7 @@ IDML_TEXT_ROWS = {
 
 
 def recipe(dataset: str, loss: str, variant: str) -> dict[str, Any]:
+    """The IDML paper's recipe in full; ``variant``: ``baseline``, ``idml`` or (SSR presets) ``ssr``."""
     d = DATASETS[dataset]
     cfg: dict[str, Any] = {
         "name": f"{dataset}-{loss}-{variant}",
@@ -115,10 +131,12 @@ def recipe(dataset: str, loss: str, variant: str) -> dict[str, Any]:
         },
         "eval": {"ks": [1, 10, 100, 1000] if dataset == "sop" else [1, 2, 4, 8]},
     }
+    cfg = merge_configs(cfg, read_fragment(f"method/{variant}"))
     if variant == "idml":
-        cfg["model"]["uncertainty"] = {"enabled": True}
-        cfg["metric"] = {"introspective": True, "gamma": d["gamma"], "tau": 5.0}
-        cfg["mixup"] = {"enabled": True, "alpha": 1.0, "mode": "set"}
+        cfg = merge_configs(
+            cfg,
+            {"metric": {"gamma": d["gamma"], "tau": 5.0}, "mixup": {"alpha": 1.0, "mode": "set"}},
+        )
     cfg["published"] = (
         published(("Sec. IV text", IDML_TEXT_ROWS[variant], "R512", dataset))
         if loss == "proxy_anchor"
@@ -135,15 +153,14 @@ def official(dataset: str) -> dict[str, Any]:
     """
     cfg = recipe(dataset, "proxy_anchor", "idml")
     cfg["name"] = f"{dataset}-proxy_anchor-official"
-    cfg["model"]["uncertainty"] = {"enabled": True, "form": "linear", "normalize": True}
-    cfg["metric"] = {
-        "introspective": True,
-        "gamma": 4.0,
-        "tau": 5.0,
-        "power": 2,
-        "delta_normalized": False,
-    }
-    cfg["mixup"] = {"enabled": True, "alpha": 1.0, "mode": "interpolate"}
+    cfg = merge_configs(
+        cfg,
+        {
+            "model": {"uncertainty": {"form": "linear", "normalize": True}},
+            "metric": {"gamma": 4.0, "tau": 5.0, "power": 2, "delta_normalized": False},
+            "mixup": {"alpha": 1.0, "mode": "interpolate"},
+        },
+    )
     # The README of the released code reports what that code reaches.
     cfg["published"] = published(("Results", "idml_proxy_anchor", "R512", dataset))
     return cfg
@@ -188,7 +205,7 @@ def ssr_recipe(dataset: str, loss: str, dim: int, with_ssr: bool = True) -> dict
 
     ``with_ssr=False`` is its baseline twin: the same recipe without the ranking task.
     """
-    cfg = recipe(dataset, loss, "baseline")
+    cfg = recipe(dataset, loss, "ssr" if with_ssr else "baseline")
     cfg["name"] = f"{dataset}-{loss}-{dim}-{'ssr' if with_ssr else 'baseline'}"
     cfg["model"]["embedding_dim"] = dim
     cfg["sampler"] = {"kind": "balanced", "classes_per_batch": 30, "images_per_class": 4}
@@ -201,9 +218,8 @@ def ssr_recipe(dataset: str, loss: str, dim: int, with_ssr: bool = True) -> dict
             "scheduler": "none",
         }
     )
-    cfg["ssr"] = {
-        "enabled": with_ssr,
-        "task": {
+    if with_ssr:
+        cfg["ssr"]["task"] = {
             "num_images": 20,
             "scale": 12.0,
             "margin": 0.05,
@@ -212,50 +228,110 @@ def ssr_recipe(dataset: str, loss: str, dim: int, with_ssr: bool = True) -> dict
             "weight": 0.8,
             "p_task": 0.8,
             "transforms": {"num_levels": 4},
-        },
-    }
+        }
     cfg["published"] = ssr_published(dataset, loss, dim, with_ssr)
-    if not with_ssr:
-        del cfg["ssr"]
     return cfg
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One preset: its title, the fragments it includes and the full recipe it must resolve to."""
+
+    title: str
+    include: tuple[str, ...]
+    recipe: dict[str, Any]
+
+    def body(self) -> dict[str, Any]:
+        """``include:`` and the recipe's keys the fragments do not give (in the recipe's order).
+
+        Raises SystemExit when the composed preset would not resolve to the recipe (a fragment
+        sets a key the recipe wants otherwise and the recipe does not spell it).
+        """
+        given: dict[str, Any] = {}
+        for name in self.include:
+            given = merge_configs(given, read_fragment(name))
+        own = _missing(self.recipe, given)
+        composed = merge_configs(given, own)
+        wanted = config_to_dict(validate_config(self.recipe))
+        differences = config_difference(config_to_dict(validate_config(composed)), wanted, ())
+        if differences:
+            raise SystemExit(f"{self.recipe['name']}: its fragments change {differences}")
+        return {"include": list(self.include), **own}
+
+
+def _missing(wanted: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``wanted`` whose value ``given`` lacks or differs from, nested as in ``wanted``."""
+    out: dict[str, Any] = {}
+    for key, value in wanted.items():
+        have = given.get(key, _ABSENT)
+        if isinstance(value, dict) and value and isinstance(have, dict):
+            rest = _missing(value, have)
+            if rest:
+                out[key] = rest
+        elif have is _ABSENT or have != value or type(have) is not type(value):
+            out[key] = value
+    return out
+
+
+_ABSENT = object()
+
+
+def components(dataset: str, loss: str, method: str) -> tuple[str, ...]:
+    """The fragments a preset includes, in merge order."""
+    return (f"dataset/{dataset}", "backbone/resnet50", f"loss/{loss}", f"method/{method}")
+
+
+def presets() -> dict[Path, Preset]:
+    """Every preset, by its path under configs/."""
+    out: dict[Path, Preset] = {}
+    for dataset in DATASETS:
+        for loss in LOSSES:
+            for variant in ("baseline", "idml"):
+                out[Path("idml") / f"{dataset}_{loss}_{variant}.yaml"] = Preset(
+                    f"IDML paper Table I: {dataset.upper()}, {loss}, {variant}",
+                    components(dataset, loss, variant),
+                    recipe(dataset, loss, variant),
+                )
+        for ds, loss, dim in SSR_ROWS:
+            if ds == dataset:
+                for with_ssr, tag in ((True, "ssr"), (False, "baseline")):
+                    what = "with SSR" if with_ssr else "baseline twin (no SSR)"
+                    out[Path("ssr") / f"{dataset}_{loss}_{dim}_{tag}.yaml"] = Preset(
+                        f"SSR paper Tables 1-3: {dataset.upper()}, {loss}, {dim}-d, {what}",
+                        components(dataset, loss, tag),
+                        ssr_recipe(dataset, loss, dim, with_ssr),
+                    )
+        out[Path("official") / f"{dataset}_proxy_anchor_official.yaml"] = Preset(
+            f"Official IDML-ProxyAnchor code on {dataset.upper()} (L2-normalised u, γ=4, τ=5, "
+            "squared)",
+            components(dataset, "proxy_anchor", "idml"),
+            official(dataset),
+        )
+    return out
 
 
 HEADER = (
     "# {title}\n# Generated by scripts/make_presets.py; `idml train {path}` runs it.\n"
+    "# `include` names fragments packaged with idml (src/idml/fragments/); they merge in order,\n"
+    '# then the keys below (README, "Composing configs"). A run\'s config.yaml holds the result.\n'
     "# `published` records a source's numbers (%) for this recipe and names the source (null: no\n"
     "# source states them); `idml train` and `idml report` compare the run with them. It does\n"
     "# not change training.\n"
 )
 
 
-def write(path: Path, cfg: dict[str, Any], title: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rel = path.relative_to(ROOT.parent)
-    path.write_text(HEADER.format(title=title, path=rel) + yaml.safe_dump(cfg, sort_keys=False))
+def render(path: Path, preset: Preset) -> str:
+    """The text of the preset file at ``path`` (relative to configs/)."""
+    rel = Path("configs") / path
+    header = HEADER.format(title=preset.title, path=rel.as_posix())
+    return header + yaml.safe_dump(preset.body(), sort_keys=False)
 
 
 def main() -> None:
-    for dataset in DATASETS:
-        for loss in LOSSES:
-            for variant in ("baseline", "idml"):
-                title = f"IDML paper Table I: {dataset.upper()}, {loss}, {variant}"
-                write(
-                    ROOT / "idml" / f"{dataset}_{loss}_{variant}.yaml",
-                    recipe(dataset, loss, variant),
-                    title,
-                )
-        for ds, loss, dim in SSR_ROWS:
-            if ds == dataset:
-                for with_ssr, tag in ((True, "ssr"), (False, "baseline")):
-                    what = "with SSR" if with_ssr else "baseline twin (no SSR)"
-                    title = f"SSR paper Tables 1-3: {dataset.upper()}, {loss}, {dim}-d, {what}"
-                    write(
-                        ROOT / "ssr" / f"{dataset}_{loss}_{dim}_{tag}.yaml",
-                        ssr_recipe(dataset, loss, dim, with_ssr),
-                        title,
-                    )
-        title = f"Official IDML-ProxyAnchor code on {dataset.upper()} (L2-normalised u, γ=4, τ=5, squared)"
-        write(ROOT / "official" / f"{dataset}_proxy_anchor_official.yaml", official(dataset), title)
+    for path, preset in presets().items():
+        target = ROOT / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(render(path, preset))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,13 @@ import pytest
 import yaml
 
 from idml.cli import main
-from idml.config import ConfigError, load_config, validate_config
+from idml.config import (
+    ConfigError,
+    config_difference,
+    config_to_dict,
+    load_config,
+    validate_config,
+)
 from idml.paper import compare_with_paper, format_paper_table, paper_table_markdown
 from tiny_run import TINY
 
@@ -46,7 +52,7 @@ def test_preset_numbers_equal_the_source_rows_they_name(path: str) -> None:
     published = yaml.safe_load(Path(path).read_text())["published"]
     if published is None:
         return
-    dataset = yaml.safe_load(Path(path).read_text())["data"]["dataset"]
+    dataset = load_config(path).data.dataset  # from the preset's dataset fragment
     # The source names one or more rows ("; "-separated); the first row holding a metric gives it.
     rows = []
     for part in published["source"].split("; "):
@@ -77,9 +83,56 @@ def test_generator_output_is_committed(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(presets, "ROOT", tmp_path / "configs")
     (tmp_path / "configs").mkdir()
     presets.main()
-    for written in (tmp_path / "configs").rglob("*.yaml"):
-        committed = REPO / "configs" / written.relative_to(tmp_path / "configs")
-        assert committed.read_text() == written.read_text(), f"re-run make_presets: {committed}"
+    written = sorted((tmp_path / "configs").rglob("*.yaml"))
+    for path in written:
+        committed = REPO / "configs" / path.relative_to(tmp_path / "configs")
+        assert committed.read_text() == path.read_text(), f"re-run make_presets: {committed}"
+    # No committed preset that the generator no longer writes.
+    assert {str(p.relative_to(tmp_path / "configs")) for p in written} == {
+        str(Path(p).relative_to(REPO / "configs")) for p in PRESETS
+    }
+
+
+def test_every_preset_resolves_to_its_full_recipe() -> None:
+    """A preset and its fragments agree: the committed file, with its includes merged, is the
+    recipe the generator spells out in full (a fragment edited alone makes this fail)."""
+    presets = _script("make_presets")
+    recipes = presets.presets()
+    assert len(recipes) == len(PRESETS) == 69
+    for path, preset in recipes.items():
+        file = REPO / "configs" / path
+        assert yaml.safe_load(file.read_text())["include"] == list(preset.include)
+        resolved = config_to_dict(load_config(file))
+        wanted = config_to_dict(validate_config(preset.recipe))
+        assert config_difference(resolved, wanted, ignore=()) == [], f"{file} vs its recipe"
+
+
+def test_presets_and_fragments_that_disagree_are_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    import idml.config
+
+    presets = _script("make_presets")
+    preset = presets.presets()[Path("idml") / "cub_triplet_idml.yaml"]
+    wanted = config_to_dict(validate_config(preset.recipe))
+    # A fragment edited without regenerating: the committed preset no longer resolves to its recipe.
+    fragments = tmp_path / "fragments"
+    shutil.copytree(idml.config.FRAGMENTS, fragments)
+    cub = fragments / "dataset" / "cub.yaml"
+    cub.write_text(cub.read_text().replace("image_size: 224", "image_size: 256"))
+    monkeypatch.setattr(idml.config, "FRAGMENTS", fragments)
+    resolved = config_to_dict(load_config(REPO / "configs" / "idml" / "cub_triplet_idml.yaml"))
+    assert config_difference(resolved, wanted, ignore=()) == ["data.image_size: 256 -> 224"]
+    # Regenerating writes the recipe's value into the preset rather than trusting the fragment,
+    assert preset.body()["data"] == {"image_size": 224}
+    # and refuses a fragment that changes a key the recipe leaves at its default.
+    cub.write_text(
+        cub.read_text().replace("resize_size: 256", "resize_size: 256\n  horizontal_flip: false")
+    )
+    with pytest.raises(SystemExit, match=r"data\.horizontal_flip"):
+        preset.body()
 
 
 @pytest.mark.skipif(

@@ -508,9 +508,9 @@ def test_grey_images_are_supported(digits: Tensor) -> None:
             },
             "level 3 is no stronger than level 2",
         ),
-        ({"num_levels": 0}, "num_levels must be >= 1"),
-        ({"strength": -1.0}, "strength must be > 0"),
-        ({"fill": 2.0}, "fill must be <= 1.0"),
+        ({"num_levels": 0}, r"num_levels\s+Input should be greater than or equal to 1"),
+        ({"strength": -1.0}, r"strength\s+Input should be greater than 0"),
+        ({"fill": 2.0}, r"fill\s+Input should be less than or equal to 1"),
         ({"interpolation": "lanczos"}, "interpolation"),
     ],
 )
@@ -560,6 +560,39 @@ def test_configs_nest_in_pydantic_models() -> None:
         Experiment.model_validate({"ssr": {"p_task": 1.5}})
     with pytest.raises(pydantic.ValidationError, match="task_draw"):
         Experiment.model_validate({"ssr": {"task_draw": "sometimes"}})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"num_images": 0}, "num_images"),
+        ({"hidden_dim": True}, "hidden_dim"),
+        ({"out_dim": 2.0}, "out_dim"),
+        ({"scale": 0.0}, "scale"),
+        ({"margin": math.inf}, "margin"),
+        ({"weight": -0.1}, "weight"),
+        ({"pos_weight": False}, "pos_weight"),
+        ({"p_task": 1.5}, "p_task"),
+        ({"update": "sometimes"}, "update"),
+        ({"source": "elsewhere"}, "source"),
+        ({"transforms": {"num_levels": True}}, "num_levels"),
+        ({"transforms": {"crop_areas": (0.9, "x", 0.5, 0.4)}}, "crop_areas"),
+        ({"no_such_key": 1}, "no_such_key"),
+    ],
+)
+def test_ssr_config_errors_name_the_key(kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        SSRConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_run_config_errors_name_the_ssr_key() -> None:
+    from idml.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^ssr\.task\.num_images: .*greater than or equal to 1"):
+        load_config(None, ["ssr.task.num_images=0"])
+    with pytest.raises(ConfigError, match="valid keys here: boundary, hidden_dim"):
+        load_config(None, ["ssr.task.nums=3"])
+    assert load_config(None, ["ssr.task.scale=8"]).ssr.task.scale == 8.0
 
 
 # --------------------------------------------------------------------------- SSR module

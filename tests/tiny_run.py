@@ -1,12 +1,14 @@
 """Config overrides for training runs small enough for unit tests (seconds on 2 CPU cores).
 
 ``TINY``: scikit-learn's digits at 8 px, the small CNN from scratch, two steps of one epoch, no NMI
-and no TensorBoard. ``IDML``: the uncertainty head, ISM and Mixup on top.
+and no TensorBoard. ``IDML``: the uncertainty head, ISM and Mixup on top (the packaged ``method/idml`` fragment).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from idml.config import fragment_overrides
 
 TINY = [
     "data.dataset=digits",
@@ -28,7 +30,7 @@ TINY = [
     "eval.nmi=false",
     "tensorboard=false",
 ]
-IDML = ["model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true"]
+IDML = fragment_overrides("method/idml")
 CLASSIFICATION = [
     "task=classification",
     "data.dataset=digits",

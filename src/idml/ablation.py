@@ -7,7 +7,11 @@ A grid is a list of axes, ``key=v1,v2,…``. A key is either
   components, Table 4 for the metric formulation), ``test_ism=on,off`` (its Table 5),
   ``batch_size=…`` (its Table 6), ``ssr=on,off`` (Fu et al. 2021), ``method=baseline,idml,ssr,
   idml_ssr`` — or an alias of one config key
-  (``gamma`` → ``metric.gamma``, ``tau`` → ``metric.tau``, …; see :data:`PRESETS`);
+  (``gamma`` → ``metric.gamma``, ``tau`` → ``metric.tau``, …; see :data:`PRESETS`). The values of
+  ``metric``, ``mixup=on`` and ``method`` are the packaged method fragments (``method/ism``,
+  ``method/idml``, …; :mod:`idml.config`, "Composition") written as overrides, so a grid cell and a
+  preset that includes the fragment mean the same method; ``method=…`` first switches every
+  component off (``method/baseline``), and the ISM values pin ``metric.variant``;
 * any **raw config key** (``metric.gamma=0,2,4``, ``model.embedding_dim=128,512``), set through the
   same ``key.sub=value`` overrides as ``idml train --set``.
 
@@ -56,7 +60,10 @@ from idml.config import (
     config_difference,
     config_to_dict,
     load_config,
+    merge_configs,
+    read_fragment,
     stored_config_dict,
+    to_overrides,
 )
 from idml.metric_display import (
     PERCENT,
@@ -181,9 +188,24 @@ class BatchSizePreset:
 Preset = ChoicePreset | AliasPreset | BatchSizePreset
 
 _ON_OFF_SYNONYMS = {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}
-_UNCERTAINTY_ON = ("model.uncertainty.enabled=true", "metric.introspective=true")
-_IDML = (*_UNCERTAINTY_ON, "metric.variant=soft", "mixup.enabled=true")
-_PLAIN = ("model.uncertainty.enabled=false", "metric.introspective=false")
+
+
+def _method(*names: str, variant: str | None = None) -> tuple[str, ...]:
+    """Packaged fragments merged in order (``method/baseline``, ``method/idml``) as overrides;
+    ``variant`` pins ISM's ``metric.variant``, so the value means one metric whatever the base
+    config says."""
+    merged: dict[str, Any] = {}
+    for name in names:
+        merged = merge_configs(merged, read_fragment(name))
+    if variant is not None:
+        merged = merge_configs(merged, {"metric": {"variant": variant}})
+    return tuple(to_overrides(merged))
+
+
+def _full(method: str) -> tuple[str, ...]:
+    """``method=…``: every component off (``method/baseline``), then the method's own on."""
+    ism = method in ("idml", "idml_ssr")
+    return _method("method/baseline", f"method/{method}", variant="soft" if ism else None)
 
 
 def _switch(name: str, description: str, key: str) -> ChoicePreset:
@@ -204,10 +226,10 @@ PRESETS: dict[str, Preset] = {
             "training metric: plain, ISM (IDML eq. 5-7), ISM-Dis (uncertainty pushes pairs "
             "apart; IDML Table 4) or ISM's strict indicator form",
             {
-                "plain": (_PLAIN, "plain"),
-                "ism": ((*_UNCERTAINTY_ON, "metric.variant=soft"), "ISM"),
-                "ism_dis": ((*_UNCERTAINTY_ON, "metric.variant=dissimilar"), "ISM-Dis"),
-                "ism_strict": ((*_UNCERTAINTY_ON, "metric.variant=strict"), "ISM-strict"),
+                "plain": (_method("method/plain"), "plain"),
+                "ism": (_method("method/ism", variant="soft"), "ISM"),
+                "ism_dis": (_method("method/ism", variant="dissimilar"), "ISM-Dis"),
+                "ism_strict": (_method("method/ism", variant="strict"), "ISM-strict"),
             },
             {
                 "baseline": "plain",
@@ -218,7 +240,13 @@ PRESETS: dict[str, Preset] = {
                 "strict": "ism_strict",
             },
         ),
-        _switch("mixup", "Mixup images with set labels (IDML §III-C, Table 2)", "mixup.enabled"),
+        ChoicePreset(
+            "mixup",
+            "Mixup images with set labels (IDML §III-C, Table 2)",
+            {"on": (_method("method/mixup"), "on"), "off": (("mixup.enabled=false",), "off")},
+            _ON_OFF_SYNONYMS,
+            switch=True,
+        ),
         _switch("ssr", "self-supervised ranking auxiliary task (Fu et al. 2021)", "ssr.enabled"),
         _switch(
             "test_ism",
@@ -229,10 +257,10 @@ PRESETS: dict[str, Preset] = {
             "method",
             "baseline, IDML (uncertainty head + ISM + Mixup), SSR, or IDML with SSR",
             {
-                "baseline": ((*_PLAIN, "mixup.enabled=false", "ssr.enabled=false"), "baseline"),
-                "idml": ((*_IDML, "ssr.enabled=false"), "IDML"),
-                "ssr": ((*_PLAIN, "mixup.enabled=false", "ssr.enabled=true"), "SSR"),
-                "idml_ssr": ((*_IDML, "ssr.enabled=true"), "IDML+SSR"),
+                "baseline": (_full("baseline"), "baseline"),
+                "idml": (_full("idml"), "IDML"),
+                "ssr": (_full("ssr"), "SSR"),
+                "idml_ssr": (_full("idml_ssr"), "IDML+SSR"),
             },
             {"plain": "baseline", "idml+ssr": "idml_ssr", "idml-ssr": "idml_ssr"},
         ),

@@ -4,6 +4,22 @@ One pydantic schema describes a whole run. Every model forbids unknown keys, so 
 that names the key and lists the valid ones instead of being silently dropped. YAML files in
 ``configs/`` are presets of this schema; ``--set key.sub=value`` overrides any field.
 
+Composition: a YAML config may start with ``include:``, one entry or a list. An entry ending in
+``.yaml``/``.yml`` is a file, relative to the including file; any other entry names a fragment
+packaged with idml (:data:`FRAGMENTS`, listed by :func:`fragment_names`): ``method/<baseline|plain|
+ism|mixup|idml|ssr|idml_ssr>``, ``dataset/<cub|cars|sop|digits_demo>``, ``loss/<name>`` (the loss
+and the sampler the IDML paper trains it with) and ``backbone/<resnet50|small_cnn>``. Fragments
+may include fragments. They merge deeply, in order, then the file's own keys (later wins;
+mappings merge key by key, values and lists are replaced, and a ``loss`` naming another loss
+replaces the whole section); ``--set`` overrides apply after that. A missing file or name, an
+include cycle, a fragment that is not a mapping and an unknown key inside a fragment are
+errors (:class:`ConfigError`) naming the file and the chain of files that included it; the checks that
+relate several keys run on the merged config. A run stores the merged config (no ``include:``),
+so a run folder never depends on the fragments. ``method/idml`` is the one definition of "IDML =
+uncertainty head + ISM + Mixup": the presets, ``idml ablate``'s ``method``/``metric``/``mixup``
+axes, ``idml demo`` and the tests read it. A method fragment switches its own components on and
+leaves every other key alone (``method/baseline`` switches all of them off).
+
 Example:
     >>> cfg = load_config(None, overrides=["loss.name=multi_similarity", "optim.epochs=3"])
     >>> cfg.loss.name, cfg.optim.epochs
@@ -18,7 +34,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import re
 import typing
@@ -553,27 +568,19 @@ class Config(Section):
 
 # --------------------------------------------------------------------------- loading
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML preset (or the defaults), apply ``key.sub=value`` overrides and validate.
+    """Read a YAML preset (or the defaults), resolve its ``include:``, apply ``key.sub=value``
+    overrides and validate.
 
     Values in overrides are parsed as YAML scalars (``3``, ``1e-4``, ``true``, ``[1, 2]``).
     """
     raw: dict[str, Any] = {}
+    source = "defaults"
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; see configs/ for the presets")
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
-        except UnicodeDecodeError:
-            raise ConfigError(
-                f"config file {path} is not UTF-8 text (a binary file?); give a YAML config"
-            ) from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                f"config file {path} must hold a mapping of keys, got {type(raw).__name__}"
-            )
+        raw, included = _resolve_file(path, chain=())
+        source = str(path) + (f" (includes {', '.join(included)})" if included else "")
     before = copy.deepcopy(raw.get("data")) if isinstance(raw.get("data"), dict) else {}
     keys = set()
     for item in overrides or []:
@@ -584,7 +591,191 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         keys.add(key.strip())
     if "data.image_size" in keys and "data.resize_size" not in keys:
         _follow_image_size(raw, before)
-    return validate_config(raw, source=str(path) if path else "defaults")
+    return validate_config(raw, source=source)
+
+
+# --------------------------------------------------------------------------- composition
+FRAGMENTS = Path(__file__).with_name("fragments")
+"""The packaged fragments: ``include: method/idml`` reads ``FRAGMENTS / "method/idml.yaml"``."""
+
+INCLUDE_KEY = "include"
+
+
+def fragment_names() -> list[str]:
+    """Names of the packaged fragments (``method/idml``, ``dataset/cub``, …), sorted."""
+    return sorted(p.relative_to(FRAGMENTS).with_suffix("").as_posix() for p in _fragment_files())
+
+
+def _fragment_files() -> list[Path]:
+    return sorted(FRAGMENTS.rglob("*.yaml"))
+
+
+def read_fragment(name: str) -> dict[str, Any]:
+    """A packaged fragment with its own includes resolved: the partial config it stands for.
+
+    >>> read_fragment("method/mixup")
+    {'mixup': {'enabled': True}}
+    """
+    raw, _ = _resolve_file(_fragment_path(name, "read_fragment"), chain=(), check_keys=True)
+    return raw
+
+
+def fragment_overrides(name: str) -> list[str]:
+    """A packaged fragment as ``key.sub=value`` overrides, in the fragment's order (for grids and
+    override lists that build on another config).
+
+    >>> fragment_overrides("method/idml")
+    ['model.uncertainty.enabled=true', 'metric.introspective=true', 'mixup.enabled=true']
+    """
+    return to_overrides(read_fragment(name))
+
+
+def to_overrides(raw: Mapping[str, Any]) -> list[str]:
+    """A (partial) config mapping as ``key.sub=value`` overrides that :func:`load_config` reads
+    back to it, one per value, in the mapping's order.
+
+    >>> to_overrides({"data": {"resize_size": None, "train_crop_scale": [0.7, 1.0]}})
+    ['data.resize_size=null', 'data.train_crop_scale=[0.7, 1.0]']
+    """
+    return [f"{key}={_yaml_scalar(value)}" for key, value in _flatten(raw)]
+
+
+def merge_configs(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``update`` merged into a copy of ``base``: mappings merge key by key, everything else
+    (values, lists) is replaced. A ``loss`` that names another loss replaces the whole section,
+    since the settings of one loss are unknown keys to another.
+
+    >>> merge_configs({"optim": {"lr": 1e-4, "epochs": 60}}, {"optim": {"epochs": 3}})
+    {'optim': {'lr': 0.0001, 'epochs': 3}}
+    """
+    merged = copy.deepcopy(dict(base))
+    for key, value in update.items():
+        old = merged.get(key)
+        if isinstance(old, dict) and isinstance(value, Mapping):
+            if key == "loss" and "name" in value and value["name"] != old.get("name"):
+                merged[key] = copy.deepcopy(dict(value))
+            else:
+                merged[key] = merge_configs(old, value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _fragment_path(name: str, where: str) -> Path:
+    found = FRAGMENTS / f"{name}.yaml"
+    if not found.is_file():
+        raise ConfigError(
+            f"{where}: no packaged fragment {name!r}; the fragments are "
+            f"{', '.join(fragment_names())} (a file path ends in .yaml)"
+        )
+    return found
+
+
+def _show(path: Path) -> str:
+    """A fragment by its name when it is packaged, by its path otherwise."""
+    try:
+        return path.resolve().relative_to(FRAGMENTS.resolve()).with_suffix("").as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _read_yaml(path: Path, chain: tuple[str, ...]) -> dict[str, Any]:
+    where = f"config file {path}" + "".join(f", included from {c}" for c in reversed(chain))
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"{where} is not UTF-8 text (a binary file?); give a YAML config"
+        ) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where} is not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must hold a mapping of keys, got {type(raw).__name__}")
+    return raw
+
+
+def _resolve_file(
+    path: Path, chain: tuple[tuple[str, Path], ...], check_keys: bool = False
+) -> tuple[dict[str, Any], list[str]]:
+    """The file's mapping with its includes merged in (in order, the file's own keys last), and
+    the fragments it pulled in, depth first. ``chain``: the including files, outermost first, as
+    (shown name, resolved path)."""
+    shown = _show(path)
+    raw = _read_yaml(path, tuple(name for name, _ in chain))
+    inner = (*chain, (shown, path.resolve()))
+    names = " -> ".join(name for name, _ in inner)
+    if check_keys:
+        _check_fragment_keys(raw, f"{shown} (include chain: {names})")
+    entries = raw.pop(INCLUDE_KEY, None)
+    if entries is None:
+        return raw, []
+    if isinstance(entries, str):
+        entries = [entries]
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise ConfigError(
+            f"{INCLUDE_KEY} in {names}: give a fragment name or a .yaml path, or a list of them; "
+            f"got {entries!r}"
+        )
+    merged: dict[str, Any] = {}
+    included: list[str] = []
+    for entry in entries:
+        if entry.endswith((".yaml", ".yml")):
+            target = Path(entry) if Path(entry).is_absolute() else path.parent / entry
+            if not target.is_file():
+                raise ConfigError(
+                    f"{INCLUDE_KEY} in {names}: {entry} does not exist (looked for {target}; "
+                    "paths are relative to the including file)"
+                )
+        else:
+            target = _fragment_path(entry, f"{INCLUDE_KEY} in {names}")
+        if target.resolve() in {resolved for _, resolved in inner}:
+            raise ConfigError(
+                f"{INCLUDE_KEY} cycle: {names} -> {_show(target)}; a file cannot include itself"
+            )
+        part, nested = _resolve_file(target, inner, check_keys=True)
+        merged = merge_configs(merged, part)
+        included += [*nested, _show(target)]
+    return merge_configs(merged, raw), included
+
+
+def _check_fragment_keys(raw: dict[str, Any], where: str) -> None:
+    """Unknown keys of one fragment, named with the file that holds them.
+
+    Only unknown keys: a fragment is a partial config, so the checks that relate several keys
+    (an ISM metric needs the uncertainty head) run on the merged result.
+    """
+    body = {k: v for k, v in raw.items() if k != INCLUDE_KEY}
+    loss = body.get("loss")
+    if isinstance(loss, dict) and "name" not in loss:
+        body.pop("loss")  # which loss's keys these are depends on the fragments around it
+    try:
+        Config.model_validate(body)
+    except ValidationError as err:
+        unknown = [e for e in err.errors() if e["type"] in _UNKNOWN_KEY_ERRORS]
+        if unknown:
+            raise ConfigError(_explain(unknown, body, f"fragment {where}")) from None
+
+
+_UNKNOWN_KEY_ERRORS = ("extra_forbidden", "unexpected_keyword_argument")
+
+
+def _flatten(raw: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in raw.items():
+        if isinstance(value, Mapping) and value:
+            items += _flatten(value, f"{prefix}{key}.")
+        else:
+            items.append((f"{prefix}{key}", value))
+    return items
+
+
+def _yaml_scalar(value: Any) -> str:
+    """``value`` as the YAML text an override reads back to it (``true``, ``0.5``, ``[1, 2]``)."""
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=1 << 16)
+        .removesuffix("\n...\n")
+        .strip()
+    )
 
 
 def _follow_image_size(raw: dict[str, Any], before: dict[str, Any]) -> None:
@@ -613,7 +804,7 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_explain(err, raw, source)) from None
+        raise ConfigError(_explain(err.errors(), raw, source)) from None
 
 
 _LINEAR_HEAD_KEYS = ("normalize", "activation", "init_std")
@@ -702,20 +893,17 @@ def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _field_types(owner: Any) -> dict[str, Any]:
-    """Field name → annotation of a pydantic model or a stdlib dataclass (empty otherwise)."""
+    """Field name → annotation of a pydantic model (empty otherwise)."""
     members = [a for a in typing.get_args(owner) if a is not type(None)]
     if len(members) == 1:  # an optional section, ``Section | None``
         owner = members[0]
     if isinstance(owner, type) and issubclass(owner, BaseModel):
         return {name: f.annotation for name, f in owner.model_fields.items()}
-    if dataclasses.is_dataclass(owner):
-        hints = typing.get_type_hints(owner)
-        return {f.name: hints.get(f.name) for f in dataclasses.fields(owner)}
     return {}
 
 
 def _owner_of(loc: tuple[Any, ...], raw: dict[str, Any]) -> Any:
-    """The model or dataclass that owns the key at ``loc[-1]``."""
+    """The model that owns the key at ``loc[-1]``."""
     owner: Any = Config
     node: Any = raw
     for part in loc[:-1]:
@@ -734,9 +922,9 @@ def _owner_of(loc: tuple[Any, ...], raw: dict[str, Any]) -> Any:
     return owner
 
 
-def _explain(err: ValidationError, raw: dict[str, Any], source: str) -> str:
+def _explain(errors: list[Any], raw: dict[str, Any], source: str) -> str:
     lines: list[str] = []
-    for item in err.errors():
+    for item in errors:
         loc = tuple(item["loc"])
         # Drop discriminator tags from the printed key path.
         shown = ".".join(str(p) for p in loc if not (isinstance(p, str) and p in LOSS_CONFIGS))

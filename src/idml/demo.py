@@ -17,21 +17,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from idml.config import Config, load_config
+from idml.config import Config, fragment_overrides, load_config
 from idml.training import Trainer, TrainResult
 
 DEMO_BASE: list[str] = [
     "name=demo",
-    "data.dataset=digits",
-    "data.image_size=16",
-    "data.resize_size=null",
-    "data.train_crop_scale=[0.7, 1.0]",
-    "data.horizontal_flip=false",
-    "data.num_workers=0",
-    "model.backbone=small_cnn",
-    "model.pretrained=false",
+    *fragment_overrides("dataset/digits_demo"),
+    *fragment_overrides("backbone/small_cnn"),
     "model.embedding_dim=64",
-    "data.num_train_classes=3",
     "sampler.classes_per_batch=3",
     "sampler.images_per_class=20",
     "loss.name=multi_similarity",
@@ -49,14 +42,13 @@ DEMO_SETTING = "Digits 0-2 train, unseen digits 3-9 test; small CNN, Multi-Simil
 """One line for the demo's output: what was trained and tested."""
 
 DEMO_IDML: list[str] = [
-    "model.uncertainty.enabled=true",
-    "metric.introspective=true",
+    *fragment_overrides("method/idml"),
     "metric.gamma=0.0",
     "metric.tau=5.0",
-    "mixup.enabled=true",
     "mixup.fraction=0.5",
 ]
-"""What IDML changes: an uncertainty head, ISM, and Mixup images with set labels."""
+"""What IDML changes: an uncertainty head, ISM, and Mixup images with set labels (the packaged
+``method/idml`` fragment), with the demo's γ, τ and Mixup fraction."""
 
 
 DEMO_METRICS = ("recall@1", "map@r", "nmi", "auroc_top1_cos", "auroc_norm_u")

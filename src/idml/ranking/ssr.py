@@ -27,17 +27,22 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from idml.ranking.loss import RankingLoss, RankingOutput
-from idml.ranking.transforms import GradedTransformConfig, GradedTransforms, check_images
+from idml.ranking.transforms import (
+    FiniteNumber,
+    GradedTransformConfig,
+    GradedTransforms,
+    StrictPositiveInt,
+    check_images,
+)
 
 FeaturesFn = Callable[[Tensor], Tensor]
 """Maps a batch of ``[0, 1]`` images ``(B, C, H, W)`` to backbone features ``(B, feature_dim)``."""
@@ -81,77 +86,45 @@ class RankingHead(nn.Module):
         return F.normalize(self.layers(features), dim=1)
 
 
-@dataclass(frozen=True)
-class SSRConfig:
+class SSRConfig(BaseModel):
     """Hyper-parameters of SSR, defaults from Fu et al. 2021 (Implementation Details).
 
-    A frozen stdlib dataclass that nests in a pydantic model (types checked, unknown keys rejected).
-
-    Attributes:
-        num_images: ``M`` [20] images per ranking batch.
-        scale: ``s`` [12] of eq. 14 and 16.
-        margin: ``α_r`` [0.05] between adjacent levels (eq. 14).
-        boundary: ``β_r`` [0.5] on every view's similarity (eq. 16).
-        pos_weight: ``λ_r`` [1] of ``L_pos`` (eq. 17).
-        weight: ``γ_r`` [0.8] of ``L_ranking`` in the total loss (eq. 18).
-        p_task: probability [0.8] of running the task (Alg. 1).
-        task_draw: draw the ``p_task`` coin every ``"iteration"`` (Alg. 1) or once per ``"epoch"``.
-        update: ``"joint"`` — one backward of ``L_metric + γ_r·L_ranking`` (eq. 18); ``"alternating"`` —
-            a separate optimizer step on ``γ_r·L_ranking`` after the metric step (Alg. 1's two backward
-            passes).
-        source: ranking images drawn from the ``"metric_batch"`` (Alg. 1) or sampled ``"separate"``-ly.
-        hidden_dim: hidden width [512] of ``g``.
-        out_dim: ``d_r`` [128], the ranking embedding dimension.
-        transforms: the graded transforms ``T_n`` (``N`` = ``transforms.num_levels`` [4]).
+    A frozen pydantic model: unknown keys are errors, integers and numbers are strict (``true`` is
+    not ``1``), and each bound is a field constraint. It nests in the run config as ``ssr.task``.
     """
 
-    num_images: int = 20
-    scale: float = 12.0
-    margin: float = 0.05
-    boundary: float = 0.5
-    pos_weight: float = 1.0
-    weight: float = 0.8
-    p_task: float = 0.8
-    task_draw: TaskDraw = "iteration"
-    update: UpdateMode = "joint"
-    source: ImageSource = "metric_batch"
-    hidden_dim: int = 512
-    out_dim: int = 128
-    transforms: GradedTransformConfig = field(default_factory=GradedTransformConfig)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        for name in ("num_images", "hidden_dim", "out_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("scale", "margin", "boundary", "pos_weight", "weight", "p_task"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-            ):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.scale <= 0:
-            raise ValueError(f"scale must be > 0, got {self.scale}")
-        if self.pos_weight < 0 or self.weight < 0:
-            raise ValueError(
-                f"pos_weight and weight must be >= 0, got {self.pos_weight} and {self.weight}"
-            )
-        if not 0.0 <= self.p_task <= 1.0:
-            raise ValueError(f"p_task must be a probability in [0, 1], got {self.p_task}")
-        for name, allowed in (
-            ("task_draw", ("iteration", "epoch")),
-            ("update", ("joint", "alternating")),
-            ("source", ("metric_batch", "separate")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not isinstance(self.transforms, GradedTransformConfig):
-            raise ValueError(
-                "transforms must be a GradedTransformConfig, got "
-                f"{type(self.transforms).__name__}; build it with GradedTransformConfig(**values)"
-            )
+    num_images: StrictPositiveInt = Field(20, description="M: images per ranking batch")
+    scale: FiniteNumber = Field(12.0, gt=0, description="s of eq. 14 and 16")
+    margin: FiniteNumber = Field(0.05, description="α_r between adjacent levels (eq. 14)")
+    boundary: FiniteNumber = Field(0.5, description="β_r on every view's similarity (eq. 16)")
+    pos_weight: FiniteNumber = Field(1.0, ge=0, description="λ_r of L_pos (eq. 17)")
+    weight: FiniteNumber = Field(
+        0.8, ge=0, description="γ_r of L_ranking in the total loss (eq. 18)"
+    )
+    p_task: FiniteNumber = Field(
+        0.8, ge=0, le=1, description="probability of running the task (Alg. 1)"
+    )
+    task_draw: TaskDraw = Field(
+        "iteration", description="draw the p_task coin every iteration (Alg. 1) or once per epoch"
+    )
+    update: UpdateMode = Field(
+        "joint",
+        description="joint: one backward of L_metric + γ_r·L_ranking (eq. 18); alternating: a "
+        "separate optimizer step on γ_r·L_ranking after the metric step (Alg. 1's two backward "
+        "passes)",
+    )
+    source: ImageSource = Field(
+        "metric_batch",
+        description="ranking images drawn from the metric batch (Alg. 1) or sampled separately",
+    )
+    hidden_dim: StrictPositiveInt = Field(512, description="hidden width of g")
+    out_dim: StrictPositiveInt = Field(128, description="d_r, the ranking embedding dimension")
+    transforms: GradedTransformConfig = Field(
+        default_factory=GradedTransformConfig,
+        description="the graded transforms T_n (N = transforms.num_levels)",
+    )
 
 
 class TaskGate:

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import pairwise
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 Interpolation = Literal["bilinear", "nearest", "bicubic"]
@@ -55,6 +55,15 @@ _CORNERS = ((-1.0, -1.0), (1.0, -1.0), (1.0, 1.0), (-1.0, 1.0))
 
 _LUMA = (0.2989, 0.587, 0.114)
 """ITU-R 601-2 luma weights of R, G, B (the grey level torchvision's colour ops use)."""
+
+_PER_LEVEL_FIELDS = (
+    "level_strengths",
+    "crop_areas",
+    "perspective_scales",
+    "brightness_magnitudes",
+    "contrast_magnitudes",
+    "saturation_magnitudes",
+)
 
 
 class GradedLevels(NamedTuple):
@@ -72,8 +81,15 @@ class GradedLevels(NamedTuple):
     """Saturation factor magnitude: the factor is ``1 ± j_n``."""
 
 
-@dataclass(frozen=True)
-class GradedTransformConfig:
+FiniteNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+"""A finite int or float (``true`` is not a number here)."""
+StrictPositiveInt = Annotated[int, Field(strict=True, ge=1)]
+"""An integer >= 1 (``true`` and ``20.0`` are not integers here)."""
+PerLevel = tuple[FiniteNumber, ...] | None
+"""One value per level ``n = 1..N`` (a YAML list becomes a tuple, so the config stays hashable)."""
+
+
+class GradedTransformConfig(BaseModel):
     """Magnitudes and schedule of the graded transforms (Fu et al. 2021, eq. 5–10).
 
     Level ``n`` has strength ``t_n = strength · n`` (or ``strength · level_strengths[n − 1]``) and the
@@ -84,102 +100,84 @@ class GradedTransformConfig:
     Fig. 7 ablation). Every component must be monotone in ``n`` and every level strictly stronger
     than the previous one in at least one component, with ``T_0`` the identity.
 
-    A frozen stdlib dataclass, so it nests in a pydantic model (which then validates types and rejects
-    unknown keys); ``__post_init__`` checks the values.
-
-    Attributes:
-        num_levels: ``N``, the number of transformed views per image (``T_1..T_N``).
-        strength: multiplier of every step (a global strength schedule knob).
-        level_strengths: explicit ``t_1..t_N`` (strictly increasing, positive) instead of ``1..N``.
-        crop_area_step: kept-area decrease per unit of strength.
-        perspective_step: corner-displacement increase per unit of strength.
-        brightness_step: brightness factor magnitude per unit of strength.
-        contrast_step: contrast factor magnitude per unit of strength.
-        saturation_step: saturation factor magnitude per unit of strength.
-        crop_areas: explicit kept areas ``a_1..a_N`` (non-increasing, in ``(0, 1]``).
-        perspective_scales: explicit ``p_1..p_N`` (non-decreasing, in ``[0, 0.5]``).
-        brightness_magnitudes: explicit brightness magnitudes (non-decreasing, in ``[0, 1)``).
-        contrast_magnitudes: explicit contrast magnitudes (non-decreasing, in ``[0, 1)``).
-        saturation_magnitudes: explicit saturation magnitudes (non-decreasing, in ``[0, 1)``).
-        nested_crops: all crops of an image share one centre, so crop ``n`` contains crop ``n + 1``.
-        shared_draws: one perspective draw and one set of jitter signs per image, scaled by each
-            level's magnitude, so each image's views lie on a single path of growing distortion
-            (independent draws per level otherwise, as with separate torchvision transforms).
-        fill: value of the pixels the perspective distortion uncovers, in ``[0, 1]``.
-        interpolation: resampling of crop and perspective (``grid_sample`` mode).
+    A frozen pydantic model: unknown keys are errors, bounds are field constraints, and the checks
+    that involve several fields (per-level lengths, monotone levels) run after them.
     """
 
-    num_levels: int = 4
-    strength: float = 1.0
-    level_strengths: tuple[float, ...] | None = None
-    crop_area_step: float = 0.15
-    perspective_step: float = 0.1
-    brightness_step: float = 0.1
-    contrast_step: float = 0.1
-    saturation_step: float = 0.1
-    crop_areas: tuple[float, ...] | None = None
-    perspective_scales: tuple[float, ...] | None = None
-    brightness_magnitudes: tuple[float, ...] | None = None
-    contrast_magnitudes: tuple[float, ...] | None = None
-    saturation_magnitudes: tuple[float, ...] | None = None
-    nested_crops: bool = False
-    shared_draws: bool = False
-    fill: float = 0.0
-    interpolation: Interpolation = "bilinear"
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.num_levels, bool) or not isinstance(self.num_levels, int):
-            raise ValueError(f"num_levels must be an integer, got {self.num_levels!r}")
-        if self.num_levels < 1:
-            raise ValueError(
-                f"num_levels must be >= 1 (the number of transformed views), got {self.num_levels}"
-            )
-        _check_number("strength", self.strength, low=0.0, low_open=True)
-        for name in (
-            "crop_area_step",
-            "perspective_step",
-            "brightness_step",
-            "contrast_step",
-            "saturation_step",
-        ):
-            _check_number(name, getattr(self, name), low=0.0)
-        _check_number("fill", self.fill, low=0.0, high=1.0)
-        for name in (
-            "level_strengths",
-            "crop_areas",
-            "perspective_scales",
-            "brightness_magnitudes",
-            "contrast_magnitudes",
-            "saturation_magnitudes",
-        ):
+    num_levels: StrictPositiveInt = Field(
+        4, description="N, the number of transformed views per image (T_1..T_N)"
+    )
+    strength: FiniteNumber = Field(
+        1.0, gt=0, description="multiplier of every step (a global strength schedule knob)"
+    )
+    level_strengths: PerLevel = Field(
+        None, description="explicit t_1..t_N (strictly increasing, positive) instead of 1..N"
+    )
+    crop_area_step: FiniteNumber = Field(
+        0.15, ge=0, description="kept-area decrease per unit of strength"
+    )
+    perspective_step: FiniteNumber = Field(
+        0.1, ge=0, description="corner-displacement increase per unit of strength"
+    )
+    brightness_step: FiniteNumber = Field(
+        0.1, ge=0, description="brightness factor magnitude per unit of strength"
+    )
+    contrast_step: FiniteNumber = Field(
+        0.1, ge=0, description="contrast factor magnitude per unit of strength"
+    )
+    saturation_step: FiniteNumber = Field(
+        0.1, ge=0, description="saturation factor magnitude per unit of strength"
+    )
+    crop_areas: PerLevel = Field(
+        None, description="explicit kept areas a_1..a_N (non-increasing, in (0, 1])"
+    )
+    perspective_scales: PerLevel = Field(
+        None, description="explicit p_1..p_N (non-decreasing, in [0, 0.5])"
+    )
+    brightness_magnitudes: PerLevel = Field(
+        None, description="explicit brightness magnitudes (non-decreasing, in [0, 1))"
+    )
+    contrast_magnitudes: PerLevel = Field(
+        None, description="explicit contrast magnitudes (non-decreasing, in [0, 1))"
+    )
+    saturation_magnitudes: PerLevel = Field(
+        None, description="explicit saturation magnitudes (non-decreasing, in [0, 1))"
+    )
+    nested_crops: bool = Field(
+        False, description="all crops of an image share one centre: crop n contains crop n + 1"
+    )
+    shared_draws: bool = Field(
+        False,
+        description="one perspective draw and one set of jitter signs per image, scaled by each "
+        "level's magnitude, so each image's views lie on one path of growing distortion "
+        "(independent draws per level otherwise, as with separate torchvision transforms)",
+    )
+    fill: FiniteNumber = Field(
+        0.0, ge=0, le=1, description="value of the pixels the perspective distortion uncovers"
+    )
+    interpolation: Interpolation = Field(
+        "bilinear", description="resampling of crop and perspective (grid_sample mode)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent_levels(self) -> GradedTransformConfig:
+        for name in _PER_LEVEL_FIELDS:
             value = getattr(self, name)
-            if value is not None:
-                # Frozen: normalise lists (e.g. from YAML) to tuples so the config stays hashable.
-                object.__setattr__(self, name, self._per_level(name, value))
+            if value is not None and len(value) != self.num_levels:
+                raise ValueError(
+                    f"{name} must have one value per level n = 1..{self.num_levels} "
+                    f"(num_levels={self.num_levels}), got {len(value)}"
+                )
         if self.level_strengths is not None:
             ts = self.level_strengths
             if ts[0] <= 0 or any(b <= a for a, b in pairwise(ts)):
                 raise ValueError(
                     f"level_strengths must be positive and strictly increasing, got {list(ts)}"
                 )
-        if self.interpolation not in ("bilinear", "nearest", "bicubic"):
-            raise ValueError(
-                f"interpolation must be 'bilinear', 'nearest' or 'bicubic', got {self.interpolation!r}"
-            )
         self._check_levels(self.levels())
-
-    def _per_level(self, name: str, value: object) -> tuple[float, ...]:
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            raise ValueError(f"{name} must be a list of {self.num_levels} numbers, got {value!r}")
-        values = tuple(value)  # type: ignore[call-overload]
-        if len(values) != self.num_levels:
-            raise ValueError(
-                f"{name} must have one value per level n = 1..{self.num_levels} "
-                f"(num_levels={self.num_levels}), got {len(values)}"
-            )
-        for v in values:
-            _check_number(name, v)
-        return tuple(float(v) for v in values)
+        return self
 
     def level_strength(self, n: int) -> float:
         """``t_n`` for ``n = 1..N`` (``t_0 = 0``)."""
@@ -535,21 +533,6 @@ def check_images(images: Tensor, name: str = "images") -> None:
             f"{name} must be un-normalised pixels in [0, 1], got values in [{low:.3g}, {high:.3g}]; "
             "apply the graded transforms before normalisation (the model normalises inside forward)"
         )
-
-
-def _check_number(
-    name: str,
-    value: object,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if low is not None and (value < low or (low_open and value == low)):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
 
 
 def _describe(levels: GradedLevels, n: int) -> str:
