@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from idml import build
-from idml.config import LOSS_CONFIGS, ConfigError, load_config
+from idml.config import ConfigError, load_config
 from idml.evaluation.uncertainty import aurc, confidence_quality, error_auroc, oracle_aurc
+from idml.losses import LOSSES as LOSS_SPECS
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 from idml.models.model import BoundedUncertaintyHead
 from idml.monitoring import WeakeningMonitor
@@ -26,7 +27,9 @@ from idml.relations import LabelSets
 from idml.training import Trainer
 from tiny_run import IDML, TINY
 
-LOSSES = [name for name in LOSS_CONFIGS if name != "pel"]  # PEL models uncertainty itself
+LOSSES = [
+    name for name, spec in LOSS_SPECS.items() if not spec.probabilistic
+]  # PEL models uncertainty itself
 BACKBONES = {
     "small_cnn": ["model.backbone=small_cnn", "model.pretrained=false"],
     "efficientnet_lite0": ["model.backbone=efficientnet_lite0", "model.pretrained=true"],

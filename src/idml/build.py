@@ -25,27 +25,13 @@ from idml.config import Config
 from idml.data import DMLSplit, ImageDataset, build_batch_sampler, build_transforms, load_split
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
-from idml.losses import (
-    ContrastiveLoss,
-    FastAPLoss,
-    MarginLoss,
-    MetricLoss,
-    MultiSimilarityLoss,
-    NormalizedSoftmaxLoss,
-    PELLoss,
-    ProxyAnchorLoss,
-    ProxyNCALoss,
-    TripletLoss,
-)
+from idml.losses import LossContext, MetricLoss
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
-from idml.miners import DistanceWeightedMiner, MultiSimilarityMiner
-from idml.models import EmbeddingModel
+from idml.models import EmbeddingModel, UncertaintyKind
 from idml.models import build_model as _build_model
 from idml.progress import Progress
 from idml.ranking import SelfSupervisedRanking
 
-# Losses whose natural metric is a similarity (ISM then takes its similarity form S_IN).
-_SIMILARITY_LOSSES = {"multi_similarity", "normalized_softmax", "proxy_anchor"}
 _OFFLINE = {"digits", "fashion_mnist", "omniglot"}
 """Datasets decoded into memory at load time (they take ``channels``, ``seed``, ``per_class``)."""
 
@@ -179,8 +165,10 @@ def embed_dataset(
 # --------------------------------------------------------------------------- model
 def build_model(cfg: Config) -> EmbeddingModel:
     m = cfg.model
-    pel = cfg.loss.name == "pel"
-    uncertainty: bool | str = "pel" if pel else m.uncertainty.enabled
+    # A probabilistic loss (PEL) reads the PEL head's (mean, log σ²), whatever model.uncertainty says.
+    uncertainty: bool | str = (
+        UncertaintyKind.PEL.value if cfg.loss.probabilistic else m.uncertainty.enabled
+    )
     return _build_model(
         backbone=m.backbone,
         pretrained=m.pretrained,
@@ -201,17 +189,15 @@ def build_model(cfg: Config) -> EmbeddingModel:
 
 # --------------------------------------------------------------------------- metric and loss
 def build_metric(cfg: Config) -> Metric:
-    """The loss's natural metric, wrapped in ISM when ``metric.introspective`` is on."""
-    base: Metric = (
-        CosineSimilarity() if cfg.loss.name in _SIMILARITY_LOSSES else EuclideanDistance()
-    )
+    """The loss's natural metric (``default_metric`` of its class), wrapped in ISM when
+    ``metric.introspective`` is on: ISM's similarity form ``S_IN`` around cosine for a similarity,
+    its distance form around the plain Euclidean distance otherwise."""
+    natural = cfg.loss.spec.natural_metric()
     if not cfg.metric.introspective:
-        if cfg.loss.name in ("proxy_nca", "fastap"):
-            return EuclideanDistance(power=2)
-        return base
+        return natural
     mc = cfg.metric
     return IntrospectiveMetric(
-        base,
+        CosineSimilarity() if natural.is_similarity else EuclideanDistance(),
         gamma=mc.gamma,
         tau=mc.tau,
         power=mc.power,
@@ -222,59 +208,12 @@ def build_metric(cfg: Config) -> Metric:
 
 def build_loss(cfg: Config, num_classes: int) -> MetricLoss:
     """The configured loss on the configured metric (proxies sized to the training classes)."""
-    lc = cfg.loss
-    metric = build_metric(cfg)
     dim = cfg.model.embedding_dim
     proxy_u = None
     if cfg.metric.introspective and cfg.metric.proxy_uncertainty:
         proxy_u = cfg.model.uncertainty.dim or dim
-    match lc.name:
-        case "contrastive":
-            return ContrastiveLoss(metric, pos_margin=lc.pos_margin, neg_margin=lc.neg_margin)
-        case "margin":
-            miner = DistanceWeightedMiner(
-                cutoff=lc.cutoff, nonzero_loss_cutoff=lc.nonzero_loss_cutoff
-            )
-            return MarginLoss(
-                metric,
-                margin=lc.margin,
-                boundary=lc.boundary,
-                learn_boundary=lc.learn_boundary,
-                num_classes=num_classes if lc.learn_boundary else None,
-                miner=miner,
-            )
-        case "triplet":
-            return TripletLoss(metric, margin=lc.margin)
-        case "multi_similarity":
-            return MultiSimilarityLoss(
-                metric,
-                alpha=lc.alpha,
-                beta=lc.beta,
-                base=lc.base,
-                miner=MultiSimilarityMiner(epsilon=lc.epsilon),
-            )
-        case "normalized_softmax":
-            return NormalizedSoftmaxLoss(
-                num_classes, dim, metric, temperature=lc.temperature, proxy_uncertainty_dim=proxy_u
-            )
-        case "proxy_nca":
-            return ProxyNCALoss(
-                num_classes, dim, metric, scale=lc.scale, proxy_uncertainty_dim=proxy_u
-            )
-        case "proxy_anchor":
-            return ProxyAnchorLoss(
-                num_classes,
-                dim,
-                metric,
-                alpha=lc.alpha,
-                margin=lc.margin,
-                proxy_uncertainty_dim=proxy_u,
-            )
-        case "fastap":
-            return FastAPLoss(metric, num_bins=lc.num_bins)
-        case "pel":
-            return PELLoss(num_samples=lc.num_samples, kl_weight=lc.kl_weight)
-    raise AssertionError(f"unhandled loss {lc.name}")  # the config schema lists every name
+    context = LossContext(num_classes, dim, build_metric(cfg), proxy_u)
+    return cfg.loss.spec.build(cfg.loss, context)
 
 
 # --------------------------------------------------------------------------- augmentations and SSR
@@ -311,7 +250,9 @@ def needs_unused_parameter_search(cfg: Config) -> bool:
     task = cfg.ssr.task
     idle_ssr = cfg.ssr.enabled and (task.update == "alternating" or task.p_task < 1)
     unused_head = (
-        cfg.model.uncertainty.enabled and not cfg.metric.introspective and cfg.loss.name != "pel"
+        cfg.model.uncertainty.enabled
+        and not cfg.metric.introspective
+        and not cfg.loss.probabilistic
     )
     return cfg.optim.warmup_epochs > 0 or idle_ssr or unused_head
 

@@ -42,8 +42,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    TypeAdapter,
+    ValidationError,
+    WrapValidator,
+    create_model,
+    model_validator,
+)
 
+from idml.losses import LOSSES, LossParams, LossSpec
 from idml.ranking import SSRConfig as RankingConfig
 
 
@@ -214,87 +225,78 @@ class MetricConfig(Section):
     )
 
 
-class ContrastiveConfig(Section):
-    """Margins default to (0, 0.5) on a distance and (1, 0.875) on a similarity (same boundary)."""
+class LossSection(Section):
+    """Base of the ``loss`` section: ``name`` picks a loss of :data:`idml.losses.LOSSES`, whose
+    hyper-parameter model supplies the other keys (:func:`loss_section`)."""
 
-    name: Literal["contrastive"]
-    pos_margin: float | None = None
-    neg_margin: float | None = None
+    name: str
 
+    @property
+    def spec(self) -> LossSpec:
+        """The registry entry of this loss."""
+        return LOSSES[self.name]
 
-class MarginConfig(Section):
-    name: Literal["margin"]
-    margin: float = 0.2
-    boundary: float = 1.2
-    learn_boundary: bool = False
-    cutoff: float = 0.5
-    nonzero_loss_cutoff: float = 1.4
-
-
-class TripletConfig(Section):
-    name: Literal["triplet"]
-    margin: float = 0.1
+    @property
+    def probabilistic(self) -> bool:
+        """The loss models uncertainty itself (PEL): the PEL head, no ISM."""
+        return self.spec.probabilistic
 
 
-class MultiSimilarityConfig(Section):
-    name: Literal["multi_similarity"]
-    alpha: float = 2.0
-    beta: float = 50.0
-    base: float = 0.5
-    epsilon: float = 0.1
-
-
-class NormalizedSoftmaxConfig(Section):
-    name: Literal["normalized_softmax"]
-    temperature: float = 0.05
-
-
-class ProxyNCAConfig(Section):
-    name: Literal["proxy_nca"]
-    scale: float = 9.0
-
-
-class ProxyAnchorConfig(Section):
-    name: Literal["proxy_anchor"]
-    alpha: float = 32.0
-    margin: float = 0.1
-
-
-class FastAPConfig(Section):
-    name: Literal["fastap"]
-    num_bins: int = 10
-
-
-class PELConfig(Section):
-    name: Literal["pel"]
-    num_samples: int = 8
-    kl_weight: float = 1e-4
-
-
-LossConfig = Annotated[
-    ContrastiveConfig
-    | MarginConfig
-    | TripletConfig
-    | MultiSimilarityConfig
-    | NormalizedSoftmaxConfig
-    | ProxyNCAConfig
-    | ProxyAnchorConfig
-    | FastAPConfig
-    | PELConfig,
-    Field(discriminator="name"),
-]
 DEFAULT_LOSS = "proxy_anchor"
-LOSS_CONFIGS: dict[str, type[Section]] = {
-    "contrastive": ContrastiveConfig,
-    "margin": MarginConfig,
-    "triplet": TripletConfig,
-    "multi_similarity": MultiSimilarityConfig,
-    "normalized_softmax": NormalizedSoftmaxConfig,
-    "proxy_nca": ProxyNCAConfig,
-    "proxy_anchor": ProxyAnchorConfig,
-    "fastap": FastAPConfig,
-    "pel": PELConfig,
-}
+_LOSS_SECTIONS: dict[tuple[str, type[LossParams]], type[LossSection]] = {}
+
+
+def loss_section(name: str) -> type[LossSection]:
+    """The config model of ``loss: {name: <name>, ...}``: the registered loss's hyper-parameter
+    model (fields, defaults, bounds and validators) with ``name`` first.
+
+    >>> loss_section("proxy_anchor")(name="proxy_anchor")
+    ProxyAnchorConfig(name='proxy_anchor', alpha=32.0, margin=0.1)
+    """
+    spec = LOSSES[name]
+    key = (name, spec.params)
+    if key not in _LOSS_SECTIONS:
+        title = spec.params.__name__.removesuffix("Params") + "Config"
+        section = create_model(
+            title,
+            __base__=(spec.params, LossSection),
+            __module__=__name__,
+            name=(Literal[name], ...),  # type: ignore[valid-type]
+        )
+        section.__doc__ = spec.params.__doc__
+        _LOSS_SECTIONS[key] = section
+    return _LOSS_SECTIONS[key]
+
+
+class _LossSections(Mapping[str, type[LossSection]]):
+    """Loss name → its config model, following the loss registry (a loss registered after this
+    module was imported is a valid ``loss.name`` too)."""
+
+    def __getitem__(self, name: str) -> type[LossSection]:
+        return loss_section(name)
+
+    def __iter__(self) -> typing.Iterator[str]:
+        return iter(LOSSES)
+
+    def __len__(self) -> int:
+        return len(LOSSES)
+
+
+LOSS_CONFIGS: Mapping[str, type[LossSection]] = _LossSections()
+_LOSS_UNIONS: dict[tuple[type[LossSection], ...], TypeAdapter[Any]] = {}
+
+
+def _validate_loss(value: Any, handler: Any) -> LossSection:
+    """The ``loss`` section as the discriminated union of the registered losses' models."""
+    members = tuple(LOSS_CONFIGS.values())
+    if members not in _LOSS_UNIONS:
+        union = typing.Union[members]  # noqa: UP007 (a runtime tuple of models)
+        _LOSS_UNIONS[members] = TypeAdapter(Annotated[union, Field(discriminator="name")])
+    return _LOSS_UNIONS[members].validate_python(value)
+
+
+LossConfig = Annotated[SerializeAsAny[LossSection], WrapValidator(_validate_loss)]
+"""Any registered loss's section, chosen by ``name`` (an unknown name lists the valid ones)."""
 
 
 # --------------------------------------------------------------------------- augmentations
@@ -485,7 +487,7 @@ class Config(Section):
     sampler: SamplerConfig = SamplerConfig()
     model: ModelConfig = ModelConfig()
     metric: MetricConfig = MetricConfig()
-    loss: LossConfig = Field(default_factory=lambda: ProxyAnchorConfig(name=DEFAULT_LOSS))
+    loss: LossConfig = Field(default_factory=lambda: LOSS_CONFIGS[DEFAULT_LOSS](name=DEFAULT_LOSS))
     mixup: MixupConfig = MixupConfig()
     degradations: DegradationConfig = DegradationConfig()
     ssr: SSRSection = SSRSection()
@@ -507,9 +509,10 @@ class Config(Section):
                 "metric.introspective=true needs an uncertainty head: set "
                 "model.uncertainty.enabled=true"
             )
-        if self.loss.name == "pel" and self.metric.introspective:
+        if self.loss.probabilistic and self.metric.introspective:
             raise ValueError(
-                "loss.name=pel models uncertainty itself; set metric.introspective=false"
+                f"loss.name={self.loss.name} models uncertainty itself; set "
+                "metric.introspective=false"
             )
         if any(k <= 0 for k in self.eval.ks):
             raise ValueError(f"eval.ks must be positive integers, got {self.eval.ks}")
@@ -906,8 +909,8 @@ def _owner_of(loc: tuple[Any, ...], raw: dict[str, Any]) -> Any:
     """The model that owns the key at ``loc[-1]``."""
     owner: Any = Config
     node: Any = raw
-    for part in loc[:-1]:
-        if isinstance(part, str) and part in LOSS_CONFIGS:
+    for i, part in enumerate(loc[:-1]):
+        if _is_loss_tag(loc, i):
             owner = LOSS_CONFIGS[part]  # discriminated-union tag in the error location
             continue
         annotation = _field_types(owner).get(str(part))
@@ -922,12 +925,18 @@ def _owner_of(loc: tuple[Any, ...], raw: dict[str, Any]) -> Any:
     return owner
 
 
+def _is_loss_tag(loc: tuple[Any, ...], i: int) -> bool:
+    """Whether ``loc[i]`` is the loss union's tag (``loss.<name>[.<key>]``), not a key that happens
+    to share a loss's name (``loss.margin.margin``: the margin loss's ``margin``)."""
+    return i == 1 and loc[0] == "loss" and loc[1] in LOSS_CONFIGS
+
+
 def _explain(errors: list[Any], raw: dict[str, Any], source: str) -> str:
     lines: list[str] = []
     for item in errors:
         loc = tuple(item["loc"])
-        # Drop discriminator tags from the printed key path.
-        shown = ".".join(str(p) for p in loc if not (isinstance(p, str) and p in LOSS_CONFIGS))
+        # Drop the discriminator tag from the printed key path.
+        shown = ".".join(str(p) for i, p in enumerate(loc) if not _is_loss_tag(loc, i))
         kind = item["type"]
         if kind in ("extra_forbidden", "unexpected_keyword_argument"):
             valid = sorted(_field_types(_owner_of(loc, raw)))

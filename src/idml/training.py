@@ -622,7 +622,7 @@ class Trainer:
             self.weakening.update(*found)
 
     def _metric_loss(self, emb: Embeddings, batch: AugmentedBatch) -> Tensor:
-        if not self.cfg.metric.introspective and self.cfg.loss.name != "pel":
+        if not self.cfg.metric.introspective and not self.cfg.loss.probabilistic:
             # The uncertainty head may exist (e.g. for logging) but the plain metric ignores it.
             emb = Embeddings(emb.semantic)
         return batch.loss(self.loss, emb)

@@ -9,11 +9,14 @@ relations, never datasets.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
+from idml.losses.registry import LossContext, LossParams
 from idml.metrics import EuclideanDistance, IntrospectiveMetric, Metric
 from idml.miners import (
     Miner,
@@ -35,13 +38,29 @@ class MetricLoss(nn.Module):
     :class:`LabelSets`.
     """
 
-    default_metric: type[Metric] = EuclideanDistance
+    params: ClassVar[type[LossParams]] = LossParams
+    """The loss's hyper-parameters (defaults and bounds); the constructor's defaults come from it."""
+    default_metric: ClassVar[Callable[[], Metric]] = EuclideanDistance
+    """The natural metric, used when none is given (and by a run's ``build``, which wraps it in ISM)."""
+    probabilistic: ClassVar[bool] = False
+    """The loss models each image as a distribution itself (PEL): its input's uncertainty is the
+    PEL head's log-variance, and ISM does not apply."""
     miner: Miner | None = None
     """The loss's miner; ``None`` sums over every pair or triplet of the batch."""
 
     def __init__(self, metric: Metric | None = None) -> None:
         super().__init__()
-        self.metric = metric if metric is not None else self.default_metric()
+        self.metric = metric if metric is not None else type(self).default_metric()
+
+    @classmethod
+    def from_params(cls, params: Any, context: LossContext) -> MetricLoss:
+        """The loss with hyper-parameters ``params`` (a ``cls.params``) in ``context``.
+
+        The default passes the metric and every field of ``params`` to the constructor; a loss
+        whose constructor takes other arguments (a miner built from some fields, ``num_classes``)
+        overrides it.
+        """
+        return cls(context.metric, **params.model_dump())
 
     def forward(self, embeddings: Tensor | Embeddings, labels: Tensor | LabelSets) -> Tensor:
         emb = Embeddings.coerce(embeddings)
@@ -137,6 +156,17 @@ class ProxyLoss(MetricLoss):
         self.proxy_uncertainty: nn.Parameter | None = None
         if proxy_uncertainty_dim is not None:
             self.proxy_uncertainty = nn.Parameter(torch.zeros(num_classes, proxy_uncertainty_dim))
+
+    @classmethod
+    def from_params(cls, params: Any, context: LossContext) -> MetricLoss:
+        """The proxy loss sized by ``context`` (classes, dimension, proxy uncertainty)."""
+        return cls(
+            context.num_classes,
+            context.embedding_dim,
+            context.metric,
+            proxy_uncertainty_dim=context.proxy_uncertainty_dim,
+            **params.model_dump(),
+        )
 
     def reset_proxies(self) -> None:
         nn.init.kaiming_normal_(self.proxies, mode="fan_out")

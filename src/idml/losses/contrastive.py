@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss
+from idml.losses.registry import LossParams
 from idml.metrics import Metric
 from idml.miners import Miner, resolve_miner
 from idml.relations import LabelSets
@@ -27,6 +29,17 @@ DISTANCE_MARGINS = (0.0, 0.5)
 SIMILARITY_MARGINS = (1.0, 1.0 - 0.5**2 / 2)
 """Default ``(m_pos, m_neg)`` for a similarity metric: the distance defaults mapped to cosine
 similarity on the unit sphere, ``S = 1 − D²/2``, i.e. ``(1.0, 0.875)``."""
+
+
+class ContrastiveParams(LossParams):
+    """Contrastive margins (``None``: the metric's defaults, :data:`DISTANCE_MARGINS` or
+    :data:`SIMILARITY_MARGINS`)."""
+
+    pos_margin: float | None = Field(None, allow_inf_nan=False, description="m_pos")
+    neg_margin: float | None = Field(None, allow_inf_nan=False, description="m_neg")
+
+
+_DEFAULT = ContrastiveParams()
 
 
 class ContrastiveLoss(MetricLoss):
@@ -53,11 +66,13 @@ class ContrastiveLoss(MetricLoss):
         miner: optional pair miner; the means then run over the mined pairs (``None``: all pairs).
     """
 
+    params = ContrastiveParams
+
     def __init__(
         self,
         metric: Metric | None = None,
-        pos_margin: float | None = None,
-        neg_margin: float | None = None,
+        pos_margin: float | None = _DEFAULT.pos_margin,
+        neg_margin: float | None = _DEFAULT.neg_margin,
         miner: Miner | None = None,
     ) -> None:
         super().__init__(metric)

@@ -30,16 +30,29 @@ Example:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss
+from idml.losses.registry import LossParams
 from idml.metrics import EuclideanDistance, Metric
 from idml.relations import LabelSets
 
 MAX_SQUARED_DISTANCE = 4.0
 """Largest squared distance between unit vectors: the upper end of the histogram."""
+
+
+class FastAPParams(LossParams):
+    """The number of histogram bins."""
+
+    num_bins: int = Field(10, ge=1, description="histogram bins L (L + 1 centres)")
+
+
+_DEFAULT = FastAPParams()
 
 
 class FastAPLoss(MetricLoss):
@@ -55,8 +68,11 @@ class FastAPLoss(MetricLoss):
             the histogram range ``[0, 4]`` and silently stop contributing).
     """
 
-    def __init__(self, metric: Metric | None = None, num_bins: int = 10) -> None:
-        super().__init__(metric if metric is not None else EuclideanDistance(power=2))
+    params = FastAPParams
+    default_metric = partial(EuclideanDistance, power=2)
+
+    def __init__(self, metric: Metric | None = None, num_bins: int = _DEFAULT.num_bins) -> None:
+        super().__init__(metric)
         if isinstance(num_bins, bool) or int(num_bins) != num_bins or num_bins < 1:
             raise ValueError(f"num_bins must be an integer >= 1, got {num_bins}")
         if not self.metric.normalize:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss
+from idml.losses.registry import LossContext, LossParams
 from idml.metrics import Metric
 from idml.miners import (
     DistanceWeightedMiner,
@@ -27,6 +29,30 @@ from idml.miners import (
     resolve_miner,
 )
 from idml.relations import LabelSets
+
+
+class MarginParams(LossParams):
+    """Margin loss hyper-parameters and its distance-weighted sampling's cut-offs."""
+
+    margin: float = Field(0.2, ge=0, allow_inf_nan=False, description="ξ, the band's half-width")
+    boundary: float = Field(1.2, gt=0, allow_inf_nan=False, description="initial boundary ω")
+    learn_boundary: bool = Field(False, description="learn one ω per class")
+    cutoff: float = Field(0.5, gt=0, description="sampling: lower clamp of the distance")
+    nonzero_loss_cutoff: float = Field(
+        1.4, description="sampling: negatives at or beyond this distance are never drawn"
+    )
+
+    @model_validator(mode="after")
+    def _cutoffs(self) -> MarginParams:
+        if not self.cutoff < self.nonzero_loss_cutoff:
+            raise ValueError(
+                f"need cutoff < nonzero_loss_cutoff, got cutoff={self.cutoff} and "
+                f"nonzero_loss_cutoff={self.nonzero_loss_cutoff}"
+            )
+        return self
+
+
+_DEFAULT = MarginParams()
 
 
 class MarginLoss(MetricLoss):
@@ -60,13 +86,14 @@ class MarginLoss(MetricLoss):
     """
 
     boundary: Tensor
+    params = MarginParams
 
     def __init__(
         self,
         metric: Metric | None = None,
-        margin: float = 0.2,
-        boundary: float = 1.2,
-        learn_boundary: bool = False,
+        margin: float = _DEFAULT.margin,
+        boundary: float = _DEFAULT.boundary,
+        learn_boundary: bool = _DEFAULT.learn_boundary,
         num_classes: int | None = None,
         miner: MinerArg = "default",
     ) -> None:
@@ -87,7 +114,21 @@ class MarginLoss(MetricLoss):
             self.register_buffer(
                 "boundary", torch.full(shape, float(boundary), dtype=torch.float64)
             )
-        self.miner = resolve_miner(miner, DistanceWeightedMiner())
+        self.miner = resolve_miner(
+            miner, DistanceWeightedMiner(_DEFAULT.cutoff, _DEFAULT.nonzero_loss_cutoff)
+        )
+
+    @classmethod
+    def from_params(cls, params: MarginParams, context: LossContext) -> MarginLoss:
+        """The sampler from the cut-offs; one boundary per class when it is learned."""
+        return cls(
+            context.metric,
+            margin=params.margin,
+            boundary=params.boundary,
+            learn_boundary=params.learn_boundary,
+            num_classes=context.num_classes if params.learn_boundary else None,
+            miner=DistanceWeightedMiner(params.cutoff, params.nonzero_loss_cutoff),
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -15,13 +15,27 @@ from __future__ import annotations
 
 import math
 
+from pydantic import Field
 from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss, masked_logsumexp
+from idml.losses.registry import LossContext, LossParams
 from idml.metrics import CosineSimilarity, Metric
 from idml.miners import MinerArg, MultiSimilarityMiner, resolve_miner
 from idml.relations import LabelSets
+
+
+class MultiSimilarityParams(LossParams):
+    """Multi-similarity scales and base, and the pair miner's margin."""
+
+    alpha: float = Field(2.0, gt=0, allow_inf_nan=False, description="α, positive-pair scale")
+    beta: float = Field(50.0, gt=0, allow_inf_nan=False, description="β, negative-pair scale")
+    base: float = Field(0.5, allow_inf_nan=False, description="λ")
+    epsilon: float = Field(0.1, ge=0, description="ε, the mining margin")
+
+
+_DEFAULT = MultiSimilarityParams()
 
 
 class MultiSimilarityLoss(MetricLoss):
@@ -43,14 +57,15 @@ class MultiSimilarityLoss(MetricLoss):
             miner, or ``None`` (every pair).
     """
 
+    params = MultiSimilarityParams
     default_metric = CosineSimilarity
 
     def __init__(
         self,
         metric: Metric | None = None,
-        alpha: float = 2.0,
-        beta: float = 50.0,
-        base: float = 0.5,
+        alpha: float = _DEFAULT.alpha,
+        beta: float = _DEFAULT.beta,
+        base: float = _DEFAULT.base,
         miner: MinerArg = "default",
     ) -> None:
         super().__init__(metric)
@@ -60,7 +75,20 @@ class MultiSimilarityLoss(MetricLoss):
         if not math.isfinite(base):
             raise ValueError(f"base (λ) must be a finite number, got {base}")
         self.alpha, self.beta, self.base = float(alpha), float(beta), float(base)
-        self.miner = resolve_miner(miner, MultiSimilarityMiner(0.1))
+        self.miner = resolve_miner(miner, MultiSimilarityMiner(_DEFAULT.epsilon))
+
+    @classmethod
+    def from_params(
+        cls, params: MultiSimilarityParams, context: LossContext
+    ) -> MultiSimilarityLoss:
+        """The miner from ``epsilon``, the loss from the rest."""
+        return cls(
+            context.metric,
+            alpha=params.alpha,
+            beta=params.beta,
+            base=params.base,
+            miner=MultiSimilarityMiner(epsilon=params.epsilon),
+        )
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, beta={self.beta}, base={self.base}, miner={self.miner}"

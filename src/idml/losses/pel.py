@@ -35,14 +35,17 @@ Example:
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss, check_positive
+from idml.losses.registry import LossContext, LossParams
 from idml.metrics import EuclideanDistance, pairwise_squared_distance, safe_norm_from_squares
 from idml.relations import LabelSets
 
@@ -135,6 +138,16 @@ def gaussian_kl_to_standard(mean: Tensor, log_variance: Tensor) -> Tensor:
     return 0.5 * (log_variance.exp() + mean.pow(2) - 1.0 - log_variance).sum(dim=1)
 
 
+class PELParams(LossParams):
+    """PEL's Monte-Carlo samples and KL weight."""
+
+    num_samples: int = Field(8, ge=1, description="samples K per image")
+    kl_weight: float = Field(1e-4, ge=0, allow_inf_nan=False, description="weight w of the KL term")
+
+
+_DEFAULT = PELParams()
+
+
 class PELLoss(MetricLoss):
     """Probabilistic embedding loss of HIB (Oh et al. 2019): balanced BCE on ``p_ij`` + ``w``·KL.
 
@@ -152,18 +165,22 @@ class PELLoss(MetricLoss):
     give them to the optimiser with the model.
     """
 
+    params = PELParams
+    # HIB's comparison: the Euclidean distance of raw, unnormalised samples (computed for all K·B
+    # samples at once by _sample_distances; the metric records it).
+    default_metric = partial(EuclideanDistance, normalize=False)
+    probabilistic = True
+
     def __init__(
         self,
-        num_samples: int = 8,
-        kl_weight: float = 1e-4,
+        num_samples: int = _DEFAULT.num_samples,
+        kl_weight: float = _DEFAULT.kl_weight,
         init_scale: float = 1.0,
         init_bias: float = 0.0,
         sample_pairing: SamplePairing = "all",
         generator: torch.Generator | None = None,
     ) -> None:
-        # The metric records HIB's comparison (Euclidean distance of raw, unnormalised samples); the
-        # distances are computed for all K·B samples at once by _sample_distances.
-        super().__init__(EuclideanDistance(normalize=False))
+        super().__init__()
         if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 1:
             raise ValueError(f"num_samples must be an integer >= 1, got {num_samples}")
         if not (kl_weight >= 0 and math.isfinite(kl_weight)):
@@ -183,6 +200,11 @@ class PELLoss(MetricLoss):
         self.generator = generator
         self.log_scale = nn.Parameter(torch.tensor(math.log(init_scale)))
         self.bias = nn.Parameter(torch.tensor(float(init_bias)))
+
+    @classmethod
+    def from_params(cls, params: PELParams, context: LossContext) -> PELLoss:
+        """PEL brings its own comparison of samples: the context's metric is not used."""
+        return cls(**params.model_dump())
 
     def extra_repr(self) -> str:
         return (

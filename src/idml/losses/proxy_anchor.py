@@ -27,12 +27,24 @@ from __future__ import annotations
 
 import math
 
+from pydantic import Field
 from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import ProxyLoss, check_positive, masked_logsumexp
+from idml.losses.registry import LossParams
 from idml.metrics import CosineSimilarity, Metric
 from idml.relations import LabelSets
+
+
+class ProxyAnchorParams(LossParams):
+    """ProxyAnchor's scale and margin."""
+
+    alpha: float = Field(32.0, gt=0, allow_inf_nan=False, description="α, the scale")
+    margin: float = Field(0.1, allow_inf_nan=False, description="δ, the margin")
+
+
+_DEFAULT = ProxyAnchorParams()
 
 
 class ProxyAnchorLoss(ProxyLoss):
@@ -52,6 +64,7 @@ class ProxyAnchorLoss(ProxyLoss):
     learning rate (×100 the backbone's in the ProxyAnchor recipe the IDML presets follow).
     """
 
+    params = ProxyAnchorParams
     default_metric = CosineSimilarity
 
     def __init__(
@@ -59,8 +72,8 @@ class ProxyAnchorLoss(ProxyLoss):
         num_classes: int,
         embedding_dim: int,
         metric: Metric | None = None,
-        alpha: float = 32.0,
-        margin: float = 0.1,
+        alpha: float = _DEFAULT.alpha,
+        margin: float = _DEFAULT.margin,
         proxy_uncertainty_dim: int | None = None,
     ) -> None:
         super().__init__(num_classes, embedding_dim, metric, proxy_uncertainty_dim)

@@ -29,13 +29,26 @@ Example:
 
 from __future__ import annotations
 
+from functools import partial
+
+from pydantic import Field
 from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import ProxyLoss, check_positive
+from idml.losses.registry import LossParams
 from idml.losses.softmax import SetTarget, check_set_target, set_label_cross_entropy
 from idml.metrics import EuclideanDistance, Metric
 from idml.relations import LabelSets
+
+
+class ProxyNCAParams(LossParams):
+    """The scale of ProxyNCA's squared distances."""
+
+    scale: float = Field(9.0, gt=0, allow_inf_nan=False, description="softmax scale")
+
+
+_DEFAULT = ProxyNCAParams()
 
 
 class ProxyNCALoss(ProxyLoss):
@@ -58,21 +71,19 @@ class ProxyNCALoss(ProxyLoss):
     log-softmax is computed stably), not dropped from the mean.
     """
 
+    params = ProxyNCAParams
+    default_metric = partial(EuclideanDistance, power=2)
+
     def __init__(
         self,
         num_classes: int,
         embedding_dim: int,
         metric: Metric | None = None,
-        scale: float = 9.0,
+        scale: float = _DEFAULT.scale,
         proxy_uncertainty_dim: int | None = None,
         set_target: SetTarget = "uniform",
     ) -> None:
-        super().__init__(
-            num_classes,
-            embedding_dim,
-            metric if metric is not None else EuclideanDistance(power=2),
-            proxy_uncertainty_dim,
-        )
+        super().__init__(num_classes, embedding_dim, metric, proxy_uncertainty_dim)
         check_positive("scale", scale)
         check_set_target(set_target)
         self.scale = float(scale)

@@ -29,10 +29,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import ProxyLoss, check_positive
+from idml.losses.registry import LossParams
 from idml.metrics import CosineSimilarity, Metric
 from idml.relations import LabelSets
 
@@ -82,6 +84,15 @@ def set_label_cross_entropy(
     return -(log_probs * target).sum(dim=1)
 
 
+class NormalizedSoftmaxParams(LossParams):
+    """The softmax temperature."""
+
+    temperature: float = Field(0.05, gt=0, allow_inf_nan=False, description="T; logits S / T")
+
+
+_DEFAULT = NormalizedSoftmaxParams()
+
+
 class NormalizedSoftmaxLoss(ProxyLoss):
     """Normalised softmax (Zhai & Wu 2019): ``mean_i CE(S(s_i, p_·)/T, S_i)``.
 
@@ -100,6 +111,7 @@ class NormalizedSoftmaxLoss(ProxyLoss):
     own parameter group. The metric L2-normalises them, as the paper's weight normalisation does.
     """
 
+    params = NormalizedSoftmaxParams
     default_metric = CosineSimilarity
 
     def __init__(
@@ -107,7 +119,7 @@ class NormalizedSoftmaxLoss(ProxyLoss):
         num_classes: int,
         embedding_dim: int,
         metric: Metric | None = None,
-        temperature: float = 0.05,
+        temperature: float = _DEFAULT.temperature,
         proxy_uncertainty_dim: int | None = None,
         set_target: SetTarget = "uniform",
     ) -> None:

@@ -16,13 +16,24 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from idml.embeddings import Embeddings
 from idml.losses.base import MetricLoss
+from idml.losses.registry import LossParams
 from idml.metrics import Metric
 from idml.miners import MinerArg, SemiHardMiner, resolve_miner
 from idml.relations import LabelSets
+
+
+class TripletParams(LossParams):
+    """The triplet margin (also the semi-hard mining window)."""
+
+    margin: float = Field(0.1, ge=0, allow_inf_nan=False, description="δ")
+
+
+_DEFAULT = TripletParams()
 
 
 class TripletLoss(MetricLoss):
@@ -45,8 +56,13 @@ class TripletLoss(MetricLoss):
     (memory ``O(P·B)`` for ``P`` positive pairs); ``miner=None`` enumerates all valid triplets.
     """
 
+    params = TripletParams
+
     def __init__(
-        self, metric: Metric | None = None, margin: float = 0.1, miner: MinerArg = "default"
+        self,
+        metric: Metric | None = None,
+        margin: float = _DEFAULT.margin,
+        miner: MinerArg = "default",
     ) -> None:
         super().__init__(metric)
         if not (margin >= 0 and math.isfinite(margin)):
