@@ -22,7 +22,16 @@ from idml.augment import (
     UncertaintyAugmentation,
 )
 from idml.config import Config
-from idml.data import DMLSplit, ImageDataset, build_batch_sampler, build_transforms, load_split
+from idml.data import (
+    DATASETS,
+    DatasetName,
+    DMLSplit,
+    ImageDataset,
+    build_batch_sampler,
+    build_transforms,
+    dataset_options,
+    load_split,
+)
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.losses import LossContext, MetricLoss
@@ -31,9 +40,6 @@ from idml.models import EmbeddingModel, UncertaintyKind
 from idml.models import build_model as _build_model
 from idml.progress import Progress
 from idml.ranking import SelfSupervisedRanking
-
-_OFFLINE = {"digits", "fashion_mnist", "omniglot"}
-"""Datasets decoded into memory at load time (they take ``channels``, ``seed``, ``per_class``)."""
 
 
 # --------------------------------------------------------------------------- data
@@ -53,31 +59,33 @@ def data_transforms(cfg: Config) -> tuple[Any, Any]:
 def build_data(cfg: Config) -> DMLSplit:
     """The class-disjoint split with the train and test pixel pipelines attached."""
     d = cfg.data
+    spec = DATASETS[DatasetName(d.dataset)]
     train_tf, test_tf = data_transforms(cfg)
     options: dict[str, Any] = {}
-    if d.dataset in _OFFLINE:
+    if spec.in_memory:
         options["channels"] = 3
         options["seed"] = cfg.seed
         if d.samples_per_class is not None:
             options["per_class"] = d.samples_per_class
     if d.num_train_classes is not None:
-        if d.dataset not in ("digits", "fashion_mnist"):
+        if "num_train_classes" not in dataset_options(d.dataset):
+            takes = [n.value for n in DATASETS if "num_train_classes" in dataset_options(n)]
             raise ValueError(
-                f"data.num_train_classes applies to digits and fashion_mnist, not to {d.dataset!r} "
+                f"data.num_train_classes applies to {' and '.join(takes)}, not to {d.dataset!r} "
                 "(whose class split is part of the dataset); remove it"
             )
         options["num_train_classes"] = d.num_train_classes
-    if d.dataset not in _OFFLINE and d.samples_per_class is not None:
+    if not spec.in_memory and d.samples_per_class is not None:
+        offline = sorted(n.value for n, s in DATASETS.items() if s.in_memory)
         raise ValueError(
-            f"data.samples_per_class applies to the offline datasets ({sorted(_OFFLINE)}), "
+            f"data.samples_per_class applies to the offline datasets ({offline}), "
             f"not to {d.dataset!r}"
         )
-    if d.dataset == "omniglot":
-        # 105 px originals: resizing once at load time instead of in every sample's transform.
+    if spec.resize_on_load:
         options["image_size"] = d.resize_size or d.image_size
-    if d.dataset not in {"digits", "fashion_mnist"} and d.root is None:
+    if spec.root is not None and d.root is None:
         raise ValueError(f"data.root must point at the {d.dataset!r} dataset folder")
-    root = d.root if d.dataset != "digits" else None
+    root = d.root if spec.takes_root else None
     split = load_split(
         d.dataset,
         root,

@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import copy
 import difflib
+import enum
 import re
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -54,8 +56,25 @@ from pydantic import (
     model_validator,
 )
 
+from idml.augment import MixupMode
+from idml.data.registry import DatasetName as Dataset
+from idml.data.registry import VerifyMode
+from idml.evaluation.clustering import KMeansBackend
 from idml.losses import LOSSES, LossParams, LossSpec
+from idml.metrics import ISMPower, ISMVariant
+from idml.models.backbones import BackboneSpec
+from idml.models.model import POOLING_NAMES, UncertaintyActivation, UncertaintyForm
 from idml.ranking import SSRConfig as RankingConfig
+
+
+def choices(values: Iterable[Any]) -> Any:
+    """The ``Literal`` of a library's list of choices (an enum's values, a mapping's keys), so a
+    config key accepts exactly what the library knows and says so when it does not.
+
+    >>> choices(MixupMode)
+    typing.Literal['set', 'interpolate']
+    """
+    return Literal[tuple(v.value if isinstance(v, enum.Enum) else v for v in values)]
 
 
 class ConfigError(ValueError):
@@ -69,7 +88,7 @@ class Section(BaseModel):
 
 
 # --------------------------------------------------------------------------- data
-DatasetName = Literal["digits", "fashion_mnist", "omniglot", "cub", "cars", "sop", "folder", "csv"]
+DatasetName = choices(Dataset)
 
 
 class DataConfig(Section):
@@ -107,7 +126,7 @@ class DataConfig(Section):
     validation_classes: float = Field(
         0.25, gt=0, lt=1, description="share of the train classes held out by protocol=validation"
     )
-    verify: Literal["none", "raise", "skip"] = Field(
+    verify: VerifyMode = Field(
         "none",
         description="decode every image before training: raise listing the unreadable files, or "
         "skip them (counted and logged)",
@@ -133,8 +152,14 @@ class SamplerConfig(Section):
 
 
 # --------------------------------------------------------------------------- model
-BackboneName = str
-"""``resnet18|resnet50|resnet101|googlenet|efficientnet_lite0|small_cnn`` or ``timm:<name>``."""
+def _known_backbone(name: str) -> str:
+    BackboneSpec.parse(name)  # an unknown name raises, listing the registered ones
+    return name
+
+
+BackboneName = Annotated[str, AfterValidator(_known_backbone)]
+"""A registered backbone (:class:`idml.models.BackboneName`: ``resnet50``, ``small_cnn``, …) or
+``timm:<name>``."""
 
 
 class UncertaintyHeadConfig(Section):
@@ -148,7 +173,7 @@ class UncertaintyHeadConfig(Section):
 
     enabled: bool = False
     dim: int | None = Field(None, gt=0, description="d_u (None: same as embedding_dim)")
-    form: Literal["bounded", "linear"] = Field(
+    form: choices(UncertaintyForm) = Field(
         "bounded", description="bounded level × direction (default) or the paper's linear layer"
     )
     max_norm: float = Field(
@@ -160,7 +185,7 @@ class UncertaintyHeadConfig(Section):
     normalize: bool = Field(
         False, description="L2-normalise u as the official code does (starves the head)"
     )
-    activation: Literal["none", "relu", "softplus"] = "none"
+    activation: choices(UncertaintyActivation) = "none"
     init_std: float | None = Field(
         None,
         ge=0,
@@ -195,7 +220,7 @@ class ModelConfig(Section):
         True, description="ImageNet weights: true (cache), false, or a local weights file"
     )
     embedding_dim: int = Field(512, gt=0)
-    pooling: Literal["avg", "max", "sum"] = "sum"
+    pooling: choices(POOLING_NAMES) = "sum"
     freeze_bn: bool | None = Field(
         None, description="freeze BatchNorm statistics (None: when the backbone is pretrained)"
     )
@@ -210,8 +235,8 @@ class MetricConfig(Section):
     introspective: bool = False
     gamma: float = Field(0.0, ge=0, description="introspective bias γ")
     tau: float = Field(5.0, gt=0, description="weakening degree τ")
-    power: Literal[1, 2] = 1
-    variant: Literal["soft", "strict", "dissimilar"] = "soft"
+    power: ISMPower = 1
+    variant: choices(ISMVariant) = "soft"
     delta_normalized: bool = Field(
         True, description="similarity form: δ between normalised vectors (False: official code)"
     )
@@ -308,7 +333,7 @@ class MixupConfig(Section):
     fraction: float = Field(
         1.0, gt=0, le=1, description="mixed images added, as a fraction of the batch"
     )
-    mode: Literal["set", "interpolate"] = "set"
+    mode: choices(MixupMode) = "set"
 
 
 class DegradationConfig(Section):
@@ -387,7 +412,7 @@ class EvalConfig(Section):
     every: int = Field(1, gt=0, description="evaluate every N epochs (and after the last)")
     ks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
     nmi: bool = True
-    nmi_backend: Literal["auto", "faiss", "sklearn", "knn"] = Field(
+    nmi_backend: KMeansBackend = Field(
         "auto",
         description="k-means for NMI: auto (k-NN-graph k-means when test points x classes > 5e7, "
         "e.g. SOP; else full k-means: faiss if installed, else scikit-learn), faiss, sklearn, or "
@@ -951,7 +976,8 @@ def _explain(errors: list[Any], raw: dict[str, Any], source: str) -> str:
             lines.append(str(item["msg"]).removeprefix("Value error, "))
         else:
             given = item.get("input")
-            lines.append(f"{shown}: {item['msg']} (got {given!r})")
+            message = str(item["msg"]).removeprefix("Value error, ")
+            lines.append(f"{shown}: {message} (got {given!r})")
     lines.append(f"  in {source}")
     return "\n".join(lines)
 

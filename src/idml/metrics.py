@@ -37,7 +37,9 @@ Example:
 from __future__ import annotations
 
 import enum
+import typing
 from abc import ABC, abstractmethod
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,10 @@ from torch import Tensor, nn
 
 _EPS = 1e-12
 """Squared norms at or below this count as 0 (a square root's gradient is infinite at 0)."""
+
+
+ISMPower = Literal[1, 2]
+"""ISM's exponent ``p`` of ``α`` and ``β`` (1: the paper's norms, 2: the official code's squares)."""
 
 
 class ISMVariant(str, enum.Enum):
@@ -317,7 +323,7 @@ class IntrospectiveMetric(Metric):
             raise ValueError(f"gamma (introspective bias) must be >= 0, got {gamma}")
         if tau <= 0:
             raise ValueError(f"tau (weakening degree) must be > 0, got {tau}")
-        if power not in (1, 2):
+        if power not in typing.get_args(ISMPower):
             raise ValueError(f"power must be 1 or 2, got {power}")
         if isinstance(base, EuclideanDistance) and base.power != 1:
             raise ValueError("ISM wraps the Euclidean distance itself; use power=1 for the base")

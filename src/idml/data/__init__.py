@@ -1,6 +1,7 @@
 """Data for deep metric learning: class-disjoint splits, datasets, samplers and transforms.
 
-- :func:`load_split` (dispatch on :class:`DatasetName`) returns a :class:`DMLSplit` of two
+- :func:`load_split` (dispatch on :class:`DatasetName` through :data:`DATASETS`, the one list of
+  datasets) returns a :class:`DMLSplit` of two
   :class:`ImageDataset` s yielding ``(image float C×H×W in [0, 1], label, index)``, train and test
   classes disjoint (README, "Data layouts").
 - :class:`ClassBalancedBatchSampler` (P classes × K images) and :class:`RandomBatchSampler`,
@@ -23,7 +24,14 @@ from idml.data.datasets import (
 from idml.data.loaders import load_cars, load_csv, load_cub, load_folder, load_sop
 from idml.data.offline import FASHION_MNIST_ROOT, load_digits, load_fashion_mnist, read_idx
 from idml.data.records import IMAGE_EXTENSIONS, ImageRecords
-from idml.data.registry import LOADERS, DatasetName, dataset_options, load_split
+from idml.data.registry import (
+    DATASETS,
+    LOADERS,
+    DatasetName,
+    DatasetSpec,
+    dataset_options,
+    load_split,
+)
 from idml.data.samplers import (
     ClassBalancedBatchSampler,
     EpochBatchSampler,
@@ -40,6 +48,7 @@ from idml.data.transforms import (
 )
 
 __all__ = [
+    "DATASETS",
     "FASHION_MNIST_ROOT",
     "IMAGE_EXTENSIONS",
     "LOADERS",
@@ -48,6 +57,7 @@ __all__ = [
     "CorruptImageError",
     "DMLSplit",
     "DatasetName",
+    "DatasetSpec",
     "EpochBatchSampler",
     "FileImageDataset",
     "ImageDataset",

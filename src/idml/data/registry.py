@@ -11,7 +11,9 @@ Example:
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
@@ -61,31 +63,63 @@ _ALIASES: dict[str, str] = {
     "fashionmnist": "fashion_mnist",
 }
 
+VerifyMode = Literal["none", "raise", "skip"]
+"""What :func:`load_split` does with unreadable images: nothing, fail listing them, or drop them."""
+_VERIFY_MODES: tuple[str, ...] = typing.get_args(VerifyMode)
+
 Loader = Callable[..., DMLSplit]
 
-LOADERS: Mapping[DatasetName, Loader] = MappingProxyType(
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A registered dataset: its loader and what a run must know about it."""
+
+    loader: Loader
+    """Takes ``root`` first and its options as keywords (:func:`dataset_options`)."""
+    root: str | None = None
+    """What ``root`` must point at; ``None``: the dataset needs no root (it ships with a package or
+    has a default location)."""
+    in_memory: bool = False
+    """Decoded into memory at load time; takes ``channels``, ``seed`` and ``per_class``."""
+    resize_on_load: bool = False
+    """Resized once at load time (``image_size``) instead of in every sample's transform."""
+    takes_root: bool = True
+    """``False``: ``root`` must stay ``None`` (the data ships with a package)."""
+
+
+DATASETS: Mapping[DatasetName, DatasetSpec] = MappingProxyType(
     {
-        DatasetName.CUB: load_cub,
-        DatasetName.CARS: load_cars,
-        DatasetName.SOP: load_sop,
-        DatasetName.FOLDER: load_folder,
-        DatasetName.CSV: load_csv,
-        DatasetName.DIGITS: load_digits,
-        DatasetName.FASHION_MNIST: load_fashion_mnist,
-        DatasetName.OMNIGLOT: load_omniglot,
+        DatasetName.CUB: DatasetSpec(load_cub, "the CUB_200_2011 folder (with images.txt)"),
+        DatasetName.CARS: DatasetSpec(
+            load_cars,
+            "the folder with cars_annos.mat + car_ims/ (or cars_train/, cars_test/, devkit/)",
+        ),
+        DatasetName.SOP: DatasetSpec(
+            load_sop, "the Stanford_Online_Products folder (with Ebay_train.txt)"
+        ),
+        DatasetName.FOLDER: DatasetSpec(
+            load_folder, "a folder with one sub-folder of images per class"
+        ),
+        DatasetName.CSV: DatasetSpec(load_csv, "a CSV file of path,label[,split] rows"),
+        DatasetName.DIGITS: DatasetSpec(load_digits, in_memory=True, takes_root=False),
+        DatasetName.FASHION_MNIST: DatasetSpec(load_fashion_mnist, in_memory=True),
+        DatasetName.OMNIGLOT: DatasetSpec(
+            load_omniglot,
+            "the folder with images_background_small1.zip and _small2.zip",
+            in_memory=True,
+            resize_on_load=True,  # 105 px originals
+        ),
     }
+)
+"""Every dataset :func:`load_split` knows, by name: the one list of datasets."""
+
+LOADERS: Mapping[DatasetName, Loader] = MappingProxyType(
+    {name: spec.loader for name, spec in DATASETS.items()}
 )
 """The loader of each dataset; each takes ``root`` first and its options as keywords."""
 
 _ROOT_HINTS: Mapping[DatasetName, str] = MappingProxyType(
-    {
-        DatasetName.CUB: "the CUB_200_2011 folder (with images.txt)",
-        DatasetName.CARS: "the folder with cars_annos.mat + car_ims/ (or cars_train/, cars_test/, devkit/)",
-        DatasetName.SOP: "the Stanford_Online_Products folder (with Ebay_train.txt)",
-        DatasetName.FOLDER: "a folder with one sub-folder of images per class",
-        DatasetName.CSV: "a CSV file of path,label[,split] rows",
-        DatasetName.OMNIGLOT: "the folder with images_background_small1.zip and _small2.zip",
-    }
+    {name: spec.root for name, spec in DATASETS.items() if spec.root is not None}
 )
 """Datasets that need ``root``, and what it must point at."""
 
@@ -103,7 +137,7 @@ def load_split(
     *,
     train_transform: Transform | None = None,
     test_transform: Transform | None = None,
-    verify: Literal["none", "raise", "skip"] = "none",
+    verify: VerifyMode = "none",
     verify_workers: int = 4,
     **options: Any,
 ) -> DMLSplit:
@@ -123,7 +157,7 @@ def load_split(
         )
     if root is None and dataset in _ROOT_HINTS:
         raise ValueError(f"dataset {dataset.value!r} needs root= {_ROOT_HINTS[dataset]}")
-    if verify not in ("none", "raise", "skip"):
+    if verify not in _VERIFY_MODES:
         raise ValueError(f"verify must be 'none', 'raise' or 'skip', got {verify!r}")
     split = loader(root, **options)
     if verify != "none":

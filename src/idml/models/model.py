@@ -73,8 +73,12 @@ class Pooling(ChoiceEnum):
     @classmethod
     def _missing_(cls, value: object) -> Pooling | None:
         # The run config spells the first two "avg" / "max"; accept exactly those aliases.
-        alias = {"avg": cls.GAP, "max": cls.GMP}.get(value) if isinstance(value, str) else None
+        alias = POOLING_NAMES.get(value) if isinstance(value, str) else None
         return alias if alias is not None else super()._missing_(value)  # type: ignore[return-value]
+
+
+POOLING_NAMES: dict[str, Pooling] = {"avg": Pooling.GAP, "max": Pooling.GMP, "sum": Pooling.SUM}
+"""The pooling names a run config uses (``model.pooling``), each with its :class:`Pooling`."""
 
 
 class UncertaintyKind(ChoiceEnum):
