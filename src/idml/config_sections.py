@@ -36,6 +36,7 @@ def choices(values: Iterable[Any]) -> Any:
     """The ``Literal`` of a library's list of choices (an enum's values, a mapping's keys), so a
     config key accepts exactly what the library knows and says so when it does not.
 
+    >>> from idml.augment import MixupMode
     >>> choices(MixupMode)
     typing.Literal['set', 'interpolate']
     """
