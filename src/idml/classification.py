@@ -47,8 +47,8 @@ from idml.augment import (
     CutMix,
     LowResolution,
     Mixup,
-    _rand,
 )
+from idml.augment.batch import _rand
 from idml.embeddings import Embeddings
 from idml.evaluation.classification import classification_metrics
 from idml.losses.base import check_positive

@@ -20,11 +20,12 @@ from __future__ import annotations
 import csv
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from idml.data.datasets import Channels, DMLSplit, FileImageDataset
+from idml.data.cars import CARS_LAST_TRAIN_CLASS, CARS_NUM_CLASSES, load_cars
+from idml.data.datasets import Channels, DMLSplit
+from idml.data.loading import build_split, check_class_range, check_unique, locate_root
 from idml.data.records import (
     IMAGE_EXTENSIONS,
     ImageRecords,
@@ -35,69 +36,22 @@ from idml.data.records import (
     read_table,
 )
 
+__all__ = [
+    "CARS_LAST_TRAIN_CLASS",
+    "CARS_NUM_CLASSES",
+    "CUB_LAST_TRAIN_CLASS",
+    "CUB_NUM_CLASSES",
+    "SOP_HEADER",
+    "load_cars",
+    "load_csv",
+    "load_cub",
+    "load_folder",
+    "load_sop",
+]
+
 CUB_NUM_CLASSES = 200
 CUB_LAST_TRAIN_CLASS = 100
-CARS_NUM_CLASSES = 196
-CARS_LAST_TRAIN_CLASS = 98
 SOP_HEADER = ("image_id", "class_id", "super_class_id", "path")
-
-
-def _build_split(
-    name: str,
-    train: ImageRecords,
-    test: ImageRecords,
-    source: str,
-    *,
-    channels: Channels,
-    check_files: bool,
-    min_images_per_class: int,
-    crop_to_box: bool = False,
-) -> DMLSplit:
-    """Validate both halves (files exist, classes big enough) and wrap them as datasets."""
-    if check_files:
-        ImageRecords.concat([train, test]).check_files_exist(source)
-    for side, records in (("train", train), ("test", test)):
-        records.check_min_images_per_class(min_images_per_class, f"{source} ({side} split)")
-    return DMLSplit(
-        FileImageDataset(train, channels=channels, crop_to_box=crop_to_box),
-        FileImageDataset(test, channels=channels, crop_to_box=crop_to_box),
-        name,
-    )
-
-
-def _locate(root: str | Path, marker: str, subfolders: Sequence[str], dataset: str) -> Path:
-    """The directory holding ``marker``: ``root`` itself or one of its usual ``subfolders``."""
-    base = Path(root).expanduser()
-    if not base.is_dir():
-        raise FileNotFoundError(
-            f"{dataset} root {base} is not a directory; pass the dataset folder"
-        )
-    for candidate in (base, *(base / sub for sub in subfolders)):
-        if (candidate / marker).exists():
-            return candidate
-    raise FileNotFoundError(
-        f"{dataset}: no {marker} in {base}"
-        + (f" or its subfolder(s) {', '.join(subfolders)}" if subfolders else "")
-        + "; pass root= the extracted dataset directory"
-    )
-
-
-def _check_unique(ids: np.ndarray, path: Path, what: str) -> None:
-    values, counts = np.unique(ids, return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(
-            f"{path}: {what} {format_examples(values[counts > 1].tolist())} appear more than once; "
-            "is the annotation file corrupted?"
-        )
-
-
-def _check_class_range(class_ids: np.ndarray, path: Path, num_classes: int, dataset: str) -> None:
-    bad = np.unique(class_ids[(class_ids < 1) | (class_ids > num_classes)])
-    if len(bad):
-        raise ValueError(
-            f"{path}: class ids must lie in 1..{num_classes} for {dataset}, found "
-            f"{format_examples(bad.tolist())}; is this the right label file?"
-        )
 
 
 # --------------------------------------------------------------------------- CUB-200-2011
@@ -115,15 +69,15 @@ def load_cub(
     is cross-checked against the images: every image id must have exactly one label, and the
     ``NNN`` prefix of an image's folder must equal its class id.
     """
-    base = _locate(root, "images.txt", ("CUB_200_2011",), "CUB-200-2011")
+    base = locate_root(root, "images.txt", ("CUB_200_2011",), "CUB-200-2011")
     images_file, labels_file = base / "images.txt", base / "image_class_labels.txt"
     image_rows = read_table(images_file, 2)
     label_rows = read_table(labels_file, 2)
     image_ids = parse_ints([row[0] for row in image_rows], images_file, "image_id")
     label_ids = parse_ints([row[0] for row in label_rows], labels_file, "image_id")
     labels = parse_ints([row[1] for row in label_rows], labels_file, "class_id")
-    _check_unique(image_ids, images_file, "image ids")
-    _check_unique(label_ids, labels_file, "image ids")
+    check_unique(image_ids, images_file, "image ids")
+    check_unique(label_ids, labels_file, "image ids")
     unlabelled = np.setdiff1d(image_ids, label_ids)
     unknown = np.setdiff1d(label_ids, image_ids)
     if len(unlabelled) or len(unknown):
@@ -135,7 +89,7 @@ def load_cub(
         )
     by_id = np.argsort(label_ids)
     class_ids = labels[by_id][np.searchsorted(label_ids[by_id], image_ids)]
-    _check_class_range(class_ids, labels_file, CUB_NUM_CLASSES, "CUB-200-2011")
+    check_class_range(class_ids, labels_file, CUB_NUM_CLASSES, "CUB-200-2011")
 
     relative = [row[1] for row in image_rows]
     folders = [path.split("/", 1)[0] for path in relative]
@@ -154,7 +108,7 @@ def load_cub(
         class_names=class_names,
     )
     train, test = records.split_by_class(np.arange(1, CUB_LAST_TRAIN_CLASS + 1))
-    return _build_split(
+    return build_split(
         "cub",
         train,
         test,
@@ -169,176 +123,6 @@ def _leading_int(folder: str) -> int:
     """The ``NNN`` of ``NNN.name``, or ``-1`` when the folder has no numeric prefix."""
     prefix = folder.split(".", 1)[0]
     return int(prefix) if prefix.isdigit() else -1
-
-
-# --------------------------------------------------------------------------- Cars196
-def _load_mat(path: Path) -> dict[str, Any]:
-    import scipy.io
-
-    if not path.is_file():
-        raise FileNotFoundError(f"annotation file {path} does not exist; check the dataset root")
-    try:
-        return scipy.io.loadmat(str(path), squeeze_me=True)
-    except Exception as err:  # scipy's parser fails on garbage with assorted exception types
-        raise ValueError(
-            f"{path} is not a readable MATLAB .mat file ({err}); re-download it"
-        ) from err
-
-
-def _struct_columns(
-    mat: dict[str, Any], key: str, fields: Sequence[str], path: Path
-) -> dict[str, np.ndarray]:
-    """The named fields of MATLAB struct ``key`` as flat columns.
-
-    Accepts both the ``1×N`` struct array of the official files and a ``1×1`` struct whose fields
-    are arrays.
-    """
-    if key not in mat:
-        found = sorted(k for k in mat if not k.startswith("__"))
-        raise ValueError(f"{path} has no variable {key!r} (found {found}); is this the right file?")
-    struct = np.atleast_1d(mat[key])
-    names = struct.dtype.names or ()
-    missing = [f for f in fields if f not in names]
-    if missing:
-        raise ValueError(
-            f"{path}: struct {key!r} lacks field(s) {missing} (has {list(names)}); "
-            "is this the right annotation file?"
-        )
-    columns = {
-        f: np.concatenate([np.atleast_1d(value).reshape(-1) for value in struct[f]]) for f in fields
-    }
-    lengths = {len(column) for column in columns.values()}
-    if len(lengths) != 1:
-        raise ValueError(f"{path}: fields of {key!r} have different lengths {sorted(lengths)}")
-    return columns
-
-
-def _int_column(column: np.ndarray, path: Path, field: str) -> np.ndarray:
-    try:
-        return column.astype(np.int64)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{path}: field {field!r} must hold integers; is this the right file?"
-        ) from None
-
-
-def _cars_class_names(mat: dict[str, Any]) -> dict[int, str]:
-    names = np.atleast_1d(mat.get("class_names", np.array([], dtype=object))).reshape(-1)
-    return {i + 1: str(name) for i, name in enumerate(names)}
-
-
-_BOX_FIELDS = ("bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2")
-
-
-def _cars_records(
-    columns: dict[str, np.ndarray], paths: np.ndarray, path: Path, names: dict[int, str]
-) -> ImageRecords:
-    class_ids = _int_column(columns["class"], path, "class")
-    _check_class_range(class_ids, path, CARS_NUM_CLASSES, "Cars196")
-    boxes = np.stack([_int_column(columns[f], path, f) for f in _BOX_FIELDS], axis=1)
-    return ImageRecords(paths=paths, class_ids=class_ids, class_names=names, boxes=boxes)
-
-
-def load_cars(
-    root: str | Path,
-    *,
-    channels: Channels = 3,
-    check_files: bool = True,
-    min_images_per_class: int = 2,
-    crop_to_box: bool = False,
-) -> DMLSplit:
-    """Cars196 as a DML split: classes 1–98 train (8,054 images), 99–196 test (8,131).
-
-    Two layouts are accepted (in ``root`` or ``root/stanford_cars``):
-
-    - original: ``cars_annos.mat`` (struct ``annotations`` with ``relative_im_path``,
-      ``bbox_x1..bbox_y2``, ``class``, ``test``) and ``car_ims/``;
-    - devkit: ``cars_train/``, ``cars_test/``, ``devkit/cars_train_annos.mat``,
-      ``cars_test_annos_withlabels.mat`` (in ``devkit/`` or the root; the devkit's own
-      ``cars_test_annos.mat`` has no labels) and optionally ``devkit/cars_meta.mat`` for names.
-      Both halves are merged, then split by class.
-
-    ``crop_to_box`` crops every image to its annotated box (off by default, as in the DML literature).
-    """
-    base = Path(root).expanduser()
-    candidates = [base, base / "stanford_cars"]
-    original = next((c for c in candidates if (c / "cars_annos.mat").is_file()), None)
-    devkit = next(
-        (
-            c
-            for c in candidates
-            if _first_file(c, "devkit/cars_train_annos.mat", "cars_train_annos.mat")
-        ),
-        None,
-    )
-    if original is not None:
-        annos = original / "cars_annos.mat"
-        mat = _load_mat(annos)
-        columns = _struct_columns(
-            mat, "annotations", ("relative_im_path", "class", *_BOX_FIELDS), annos
-        )
-        paths = np.array(
-            [str(original / str(p)) for p in columns["relative_im_path"]], dtype=object
-        )
-        records = _cars_records(columns, paths, annos, _cars_class_names(mat))
-        source = str(annos)
-    elif devkit is not None:
-        records, source = _cars_devkit_records(devkit)
-    else:
-        raise FileNotFoundError(
-            f"Cars196: found neither cars_annos.mat nor devkit/cars_train_annos.mat in {base}; "
-            "pass root= the folder with cars_annos.mat + car_ims/, or with cars_train/, "
-            "cars_test/ and devkit/"
-        )
-    train, test = records.split_by_class(np.arange(1, CARS_LAST_TRAIN_CLASS + 1))
-    return _build_split(
-        "cars",
-        train,
-        test,
-        source,
-        channels=channels,
-        check_files=check_files,
-        min_images_per_class=min_images_per_class,
-        crop_to_box=crop_to_box,
-    )
-
-
-def _first_file(base: Path, *relative: str) -> Path | None:
-    return next((base / r for r in relative if (base / r).is_file()), None)
-
-
-def _image_dir(base: Path, name: str) -> Path:
-    """``base/name``, or ``base/name/name`` as some archives nest it."""
-    nested = base / name / name
-    return nested if nested.is_dir() else base / name
-
-
-def _cars_devkit_records(base: Path) -> tuple[ImageRecords, str]:
-    train_annos = _first_file(base, "devkit/cars_train_annos.mat", "cars_train_annos.mat")
-    test_annos = _first_file(
-        base, "devkit/cars_test_annos_withlabels.mat", "cars_test_annos_withlabels.mat"
-    )
-    if train_annos is None:
-        raise FileNotFoundError(
-            f"Cars196 devkit layout: devkit/cars_train_annos.mat missing in {base}"
-        )
-    if test_annos is None:
-        raise FileNotFoundError(
-            f"Cars196 devkit layout: cars_test_annos_withlabels.mat missing in {base} and "
-            f"{base / 'devkit'}; the devkit's cars_test_annos.mat has no class labels — download "
-            "cars_test_annos_withlabels.mat, or use the cars_annos.mat + car_ims/ layout"
-        )
-    meta = _first_file(base, "devkit/cars_meta.mat", "cars_meta.mat")
-    names = _cars_class_names(_load_mat(meta)) if meta is not None else {}
-    halves = []
-    for annos, folder in ((train_annos, "cars_train"), (test_annos, "cars_test")):
-        columns = _struct_columns(
-            _load_mat(annos), "annotations", ("fname", "class", *_BOX_FIELDS), annos
-        )
-        image_dir = _image_dir(base, folder)
-        paths = np.array([str(image_dir / str(f)) for f in columns["fname"]], dtype=object)
-        halves.append(_cars_records(columns, paths, annos, names))
-    return ImageRecords.concat(halves), f"{train_annos} + {test_annos}"
 
 
 # --------------------------------------------------------------------------- Stanford Online Products
@@ -357,7 +141,7 @@ def load_sop(
     folder holding the files. Class ids are global, so the split must already be class-disjoint
     (checked).
     """
-    base = _locate(
+    base = locate_root(
         root, "Ebay_train.txt", ("Stanford_Online_Products",), "Stanford Online Products"
     )
     halves = []
@@ -375,7 +159,7 @@ def load_sop(
                 class_names=names,
             )
         )
-    return _build_split(
+    return build_split(
         "sop",
         halves[0],
         halves[1],
@@ -449,7 +233,7 @@ def load_folder(
     ids_by_name = {d.name: i for i, d in enumerate(class_dirs)}
     train_ids = _train_ids_from_names(train_classes, ids_by_name, records.class_ids, str(base))
     train, test = records.split_by_class(train_ids)
-    return _build_split(
+    return build_split(
         "folder",
         train,
         test,
@@ -538,7 +322,7 @@ def load_csv(
     else:
         train_ids = _train_ids_from_names(train_classes, ids_by_name, records.class_ids, str(path))
         train, test = records.split_by_class(train_ids)
-    return _build_split(
+    return build_split(
         "csv",
         train,
         test,

@@ -1,7 +1,8 @@
 """Embedding networks: backbones (typed registry), pooling, semantic / uncertainty / PEL heads.
 
 :func:`build_model` is the entry point; see :mod:`idml.models.backbones` for the backbone registry
-and weight files and :mod:`idml.models.model` for the heads and :class:`EmbeddingModel`.
+and :mod:`idml.models.weights` for weight files, :mod:`idml.models.heads` for the heads and
+:mod:`idml.models.model` for :class:`EmbeddingModel`.
 """
 
 from idml.models.backbones import (

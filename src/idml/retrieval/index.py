@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -53,6 +52,7 @@ from idml.evaluation.scoring import PairScorer, PreparedSide
 from idml.evaluation.search import neighbors_only
 from idml.inference import ModelInfo, file_sha256
 from idml.retrieval.confidence import confidence
+from idml.retrieval.faiss_backend import faiss_build, faiss_parameters
 
 FORMAT = "idml-index"
 VERSION = 1
@@ -153,8 +153,8 @@ class Index:
             emb, unc, *items, model, backend, faiss_factory, search_parameters, faiss_index=None
         )
         if backend == "faiss":
-            index._faiss = _faiss_build(emb, faiss_factory)
-            _faiss_parameters(index._faiss, search_parameters)
+            index._faiss = faiss_build(emb, faiss_factory)
+            faiss_parameters(index._faiss, search_parameters)
         return index
 
     def add(
@@ -198,7 +198,7 @@ class Index:
 
             faiss_index = faiss.clone_index(self._faiss)
             faiss_index.add(emb.numpy())
-            _faiss_parameters(faiss_index, self.search_parameters)
+            faiss_parameters(faiss_index, self.search_parameters)
         return Index(
             torch.cat([self.embeddings, emb]),
             torch.cat([self.uncertainty, unc]),
@@ -219,7 +219,7 @@ class Index:
             raise ValueError(
                 f"search parameters {parameters!r} apply to the faiss backend; this index is exact"
             )
-        _faiss_parameters(self._faiss, parameters)
+        faiss_parameters(self._faiss, parameters)
         self.search_parameters = parameters
 
     # ----------------------------------------------------------------- properties
@@ -379,7 +379,7 @@ class Index:
                     f"{folder} is a faiss index; install the faiss extra (`pip install idml[faiss]`)"
                 ) from err
             faiss_index = faiss.read_index(str(folder / FAISS_FILE))
-            _faiss_parameters(faiss_index, params)
+            faiss_parameters(faiss_index, params)
         emb, unc = tensors["embeddings"], tensors["uncertainty"]
         n = emb.shape[0]
         if any(len(items[key]) != n for key in ("ids", "paths", "labels")) or unc.shape != (n,):
@@ -466,44 +466,3 @@ def _check_items(
             raise ValueError(f"{len(column)} {name} for {n} embeddings; give one per item")
         columns.append(column)
     return emb, unc.contiguous(), (id_list, columns[0], columns[1])
-
-
-def _faiss_build(embeddings: Tensor, factory: str) -> Any:
-    try:
-        import faiss
-    except ImportError as err:
-        raise ValueError(
-            "backend 'faiss' needs the faiss package; `pip install idml[faiss]`"
-        ) from err
-    x = np.ascontiguousarray(embeddings.numpy(), dtype=np.float32)
-    try:
-        index = faiss.index_factory(x.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as err:
-        raise ValueError(
-            f"faiss cannot build index {factory!r} ({str(err).splitlines()[-1]}); use a factory "
-            "string such as Flat, HNSW32 or IVF1024,Flat"
-        ) from None
-    if not index.is_trained:
-        try:
-            index.train(x)
-        except RuntimeError as err:
-            raise ValueError(
-                f"faiss cannot train index {factory!r} on {len(x)} vectors "
-                f"({str(err).splitlines()[-1]}); use fewer IVF lists, or Flat / HNSW32"
-            ) from None
-    index.add(x)
-    return index
-
-
-def _faiss_parameters(index: Any, parameters: str | None) -> None:
-    if not parameters:
-        return
-    import faiss
-
-    try:
-        faiss.ParameterSpace().set_index_parameters(index, parameters)
-    except RuntimeError as err:
-        raise ValueError(
-            f"faiss search parameters {parameters!r} do not apply to this index "
-            f"({str(err).splitlines()[-1]}); e.g. efSearch=128 (HNSW) or nprobe=32 (IVF)"
-        ) from None

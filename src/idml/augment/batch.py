@@ -1,0 +1,233 @@
+"""The batch types of :mod:`idml.augment` and what every augmentation shares: the image check,
+the seeded random draws, :class:`AugmentedBatch` and its composition."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from idml.embeddings import Embeddings
+from idml.relations import LabelSets
+
+RANGE_TOLERANCE = 1e-4
+"""Slack on the ``[0, 1]`` check: ``λ·x + (1 − λ)·y`` may exceed 1 by a rounding error."""
+
+
+def check_images(name: str, images: Tensor) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``images`` is a float ``(B, C, H, W)`` batch in ``[0, 1]``.
+
+    NaN fails the range test too. Costs one min/max reduction.
+    """
+    if not isinstance(images, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(images).__name__}")
+    if images.dim() != 4:
+        raise ValueError(
+            f"{name} must have shape (batch, channels, height, width), got {tuple(images.shape)}"
+        )
+    if not images.dtype.is_floating_point:
+        raise ValueError(
+            f"{name} must be floating point in [0, 1], got dtype {images.dtype}; convert with "
+            "images.float() / 255"
+        )
+    if images.numel() == 0:
+        return
+    low, high = (float(v) for v in torch.aminmax(images.detach()))
+    if not (low >= -RANGE_TOLERANCE and high <= 1 + RANGE_TOLERANCE):
+        raise ValueError(
+            f"{name} must be un-normalised floats in [0, 1], got values in [{low:.4g}, {high:.4g}]; "
+            "remove Normalize from the transform (the model normalises internally) and check for NaN"
+        )
+
+
+def _generator_device(generator: torch.Generator | None) -> torch.device:
+    return generator.device if generator is not None else torch.device("cpu")
+
+
+def _randperm(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    return torch.randperm(n, generator=generator, device=_generator_device(generator)).to(device)
+
+
+def _rand(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> Tensor:
+    return torch.rand(shape, generator=generator, device=_generator_device(generator)).to(device)
+
+
+def sample_beta(alpha: float, n: int, generator: torch.Generator | None = None) -> Tensor:
+    """``n`` draws of ``Beta(alpha, alpha)`` as a float64 CPU tensor, reproducible from ``generator``.
+
+    torch's Beta sampler cannot take a generator, so a seed drawn from ``generator`` drives NumPy's.
+    """
+    if not (alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(f"alpha (Mixup Beta parameter) must be a positive number, got {alpha}")
+    seed = torch.randint(
+        0, 2**62, (1,), generator=generator, device=_generator_device(generator)
+    ).item()
+    return torch.from_numpy(np.random.default_rng(int(seed)).beta(alpha, alpha, size=n))
+
+
+def _count(fraction: float, batch_size: int) -> int:
+    """``round(fraction·B)``, halves rounded up (Python's ``round`` would round half to even)."""
+    return math.floor(fraction * batch_size + 0.5)
+
+
+def _check_fraction(name: str, fraction: float) -> None:
+    if not (0.0 <= fraction <= 1.0):
+        raise ValueError(f"{name} must lie in [0, 1], got {fraction}")
+
+
+def _coerce_labels(labels: Tensor | LabelSets, images: Tensor) -> LabelSets:
+    sets = LabelSets.coerce(labels).to(images.device)
+    if len(sets) != images.shape[0]:
+        raise ValueError(
+            f"labels has {len(sets)} entries but images has {images.shape[0]}; pass one label per image"
+        )
+    return sets
+
+
+class MixupMode(str, enum.Enum):
+    """How mixed images enter the loss: extra rows with set labels (default), or interpolation."""
+
+    SET = "set"
+    """Set labels ``{l_a, l_b}`` in one batch with the originals (the paper; default)."""
+    INTERPOLATE = "interpolate"
+    """Official code: ``L(orig) + λ·L(mixed, l_a) + (1 − λ)·L(mixed, l_b)`` with one shared ``λ``."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> MixupMode | None:
+        raise ValueError(f"Mixup mode {value!r} is not known; choose 'set' or 'interpolate'")
+
+
+@dataclass(frozen=True)
+class MixupInfo:
+    """What :class:`Mixup` did; row ``k`` describes the ``k``-th mixed row of the batch.
+
+    ``x_mixed[k] = lam[k]·x[index_a[k]] + (1 − lam[k])·x[index_b[k]]`` where ``x`` is the batch that
+    went in; ``labels_a``/``labels_b`` are the source labels (equal for a same-class pair).
+    """
+
+    lam: Tensor
+    index_a: Tensor
+    index_b: Tensor
+    labels_a: Tensor
+    labels_b: Tensor
+    mode: MixupMode
+
+
+LossFn = Callable[[Embeddings, LabelSets], Tensor]
+
+
+@dataclass(frozen=True)
+class AugmentedBatch:
+    """Images and label sets after augmentation, with masks of the rows that were changed.
+
+    Attributes:
+        images: ``(N, C, H, W)`` in ``[0, 1]``; mixed images (if any) follow the originals.
+        labels: ``(N, K)`` label sets (mixed rows carry ``{l_a, l_b}``).
+        mixed: ``(N,)`` bool, rows that are Mixup images.
+        degraded: ``(N,)`` bool, rows changed by a degradation (low resolution, blur, occlusion).
+        mixup: details of the Mixup step, if one ran.
+    """
+
+    images: Tensor
+    labels: LabelSets
+    mixed: Tensor
+    degraded: Tensor
+    mixup: MixupInfo | None = field(default=None)
+
+    @classmethod
+    def unchanged(cls, images: Tensor, labels: Tensor | LabelSets) -> AugmentedBatch:
+        """A batch no augmentation has touched."""
+        none = torch.zeros(images.shape[0], dtype=torch.bool, device=images.device)
+        return cls(images, _coerce_labels(labels, images), none, none.clone())
+
+    @property
+    def altered(self) -> Tensor:
+        """``(N,)`` bool: mixed or degraded rows (the images expected to be more uncertain)."""
+        return self.mixed | self.degraded
+
+    @property
+    def interpolate(self) -> MixupInfo | None:
+        """The Mixup details when the loss must be interpolated, else ``None``."""
+        if self.mixup is not None and self.mixup.mode is MixupMode.INTERPOLATE:
+            return self.mixup
+        return None
+
+    def loss(self, loss_fn: LossFn, embeddings: Embeddings) -> Tensor:
+        """The metric loss of this batch according to the Mixup mode.
+
+        ``set`` (or no Mixup): ``L(all rows, label sets)``. ``interpolate``:
+        ``L(originals) + λ·L(mixed, l_a) + (1 − λ)·L(mixed, l_b)`` (official IDML code).
+        """
+        info = self.interpolate
+        if info is None or not bool(self.mixed.any()):
+            return loss_fn(embeddings, self.labels)
+        lam = float(info.lam[0])
+        originals = loss_fn(embeddings[~self.mixed], self.labels[~self.mixed])
+        mixed = embeddings[self.mixed]
+        as_a = loss_fn(mixed, LabelSets.from_labels(info.labels_a))
+        as_b = loss_fn(mixed, LabelSets.from_labels(info.labels_b))
+        return originals + lam * as_a + (1 - lam) * as_b
+
+
+@runtime_checkable
+class UncertaintyAugmentation(Protocol):
+    """A batch transform: ``(images, labels, generator) -> AugmentedBatch``."""
+
+    def __call__(
+        self,
+        images: Tensor,
+        labels: Tensor | LabelSets,
+        generator: torch.Generator | None = None,
+    ) -> AugmentedBatch: ...
+
+
+def apply_augmentations(
+    images: Tensor,
+    labels: Tensor | LabelSets,
+    augmentations: Sequence[UncertaintyAugmentation],
+    generator: torch.Generator | None = None,
+) -> AugmentedBatch:
+    """Apply ``augmentations`` in order, accumulating the ``mixed``/``degraded`` masks.
+
+    At most one :class:`Mixup` may appear (its row indices refer to the batch it received, which
+    later degradations keep in place). An empty sequence returns the batch unchanged.
+    """
+    batch = AugmentedBatch.unchanged(images, labels)
+    for augmentation in augmentations:
+        out = augmentation(batch.images, batch.labels, generator)
+        if out.mixup is not None and batch.mixup is not None:
+            raise ValueError("augmentations: apply Mixup at most once per batch")
+        added = out.images.shape[0] - batch.images.shape[0]
+        pad = torch.zeros(added, dtype=torch.bool, device=batch.mixed.device)
+        batch = AugmentedBatch(
+            images=out.images,
+            labels=out.labels,
+            mixed=torch.cat([batch.mixed, pad]) | out.mixed,
+            degraded=torch.cat([batch.degraded, pad]) | out.degraded,
+            mixup=out.mixup if out.mixup is not None else batch.mixup,
+        )
+    return batch
+
+
+@dataclass(frozen=True)
+class AugmentationPipeline:
+    """A fixed sequence of augmentations, itself an :class:`UncertaintyAugmentation`."""
+
+    augmentations: tuple[UncertaintyAugmentation, ...] = ()
+
+    def __call__(
+        self,
+        images: Tensor,
+        labels: Tensor | LabelSets,
+        generator: torch.Generator | None = None,
+    ) -> AugmentedBatch:
+        """See :func:`apply_augmentations`."""
+        return apply_augmentations(images, labels, self.augmentations, generator)

@@ -1,0 +1,50 @@
+"""The faiss backend of :class:`~idml.retrieval.index.Index`: building a faiss index from a factory
+string and setting its search parameters (faiss is imported only when a faiss index is built)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+
+def faiss_build(embeddings: Tensor, factory: str) -> Any:
+    try:
+        import faiss
+    except ImportError as err:
+        raise ValueError(
+            "backend 'faiss' needs the faiss package; `pip install idml[faiss]`"
+        ) from err
+    x = np.ascontiguousarray(embeddings.numpy(), dtype=np.float32)
+    try:
+        index = faiss.index_factory(x.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as err:
+        raise ValueError(
+            f"faiss cannot build index {factory!r} ({str(err).splitlines()[-1]}); use a factory "
+            "string such as Flat, HNSW32 or IVF1024,Flat"
+        ) from None
+    if not index.is_trained:
+        try:
+            index.train(x)
+        except RuntimeError as err:
+            raise ValueError(
+                f"faiss cannot train index {factory!r} on {len(x)} vectors "
+                f"({str(err).splitlines()[-1]}); use fewer IVF lists, or Flat / HNSW32"
+            ) from None
+    index.add(x)
+    return index
+
+
+def faiss_parameters(index: Any, parameters: str | None) -> None:
+    if not parameters:
+        return
+    import faiss
+
+    try:
+        faiss.ParameterSpace().set_index_parameters(index, parameters)
+    except RuntimeError as err:
+        raise ValueError(
+            f"faiss search parameters {parameters!r} do not apply to this index "
+            f"({str(err).splitlines()[-1]}); e.g. efSearch=128 (HNSW) or nprobe=32 (IVF)"
+        ) from None
