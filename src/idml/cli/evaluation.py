@@ -101,7 +101,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 
     if args.checkpoint is not None:
-        from idml.export import evaluate_checkpoint
+        from idml.trained_run import evaluate_checkpoint
 
         if args.embeddings is not None:
             raise ValueError("give either --checkpoint RUN or --embeddings FILE, not both")

@@ -27,7 +27,7 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
 
 def _run_embed(args: argparse.Namespace) -> int:
     from idml.classification_task import load_classification_run, run_task
-    from idml.export import embed_images, load_trained_model
+    from idml.trained_run import embed_images, load_trained_model
 
     classifier, logit_classes = None, None
     if run_task(args.checkpoint, args.which) == "classification":
