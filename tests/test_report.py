@@ -26,8 +26,8 @@ from PIL import Image
 from idml import build
 from idml.cli import main
 from idml.config import dump_config, load_config
-from idml.export import load_trained_model
 from idml.reports import AnalysisOptions, analyse_run, read_run, write_report
+from idml.trained_run import load_trained_model
 from idml.training import Trainer
 from tiny_run import IDML, TINY
 

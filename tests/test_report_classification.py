@@ -195,7 +195,7 @@ def test_cli_report_and_embed_of_a_classification_run(
     from idml.cli import main
     from idml.data import FileImageDataset, ImageRecords, build_transforms
     from idml.evaluation.io import read_entries, read_text_entries
-    from idml.export import list_images
+    from idml.trained_run import list_images
     from tiny_run import write_images
 
     out = tmp_path / "rep"

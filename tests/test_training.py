@@ -14,7 +14,7 @@ import torch
 from idml.checkpoint import CheckpointError
 from idml.cli import main
 from idml.config import ConfigError, load_config
-from idml.export import load_trained_model
+from idml.trained_run import load_trained_model
 from idml.training import Trainer
 from tiny_run import IDML, TINY
 
@@ -333,7 +333,7 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_embed_refuses_an_unknown_output_format_before_any_work(tmp_path: Path) -> None:
-    from idml.export import embed_images
+    from idml.trained_run import embed_images
 
     cfg = load_config(None, TINY)
     # No model and no images are needed to know that .txt cannot be written.

@@ -45,7 +45,7 @@ from idml.classification import (
 from idml.config import ClassificationConfig, Config
 from idml.data.classification import ClassificationSplit, load_classification_split
 from idml.embeddings import Embeddings
-from idml.export import TrainedRun, load_trained_run
+from idml.trained_run import TrainedRun, load_trained_run
 from idml.training import Trainer
 
 

@@ -191,8 +191,8 @@ class Encoder:
     @classmethod
     def from_run(cls, path: str | Path, which: str = "best", device: str | None = None) -> Encoder:
         """The retrieval model of a run folder's ``which`` checkpoint (see
-        :func:`idml.export.load_trained_run`), in eval mode on ``device`` (default CPU)."""
-        from idml.export import load_trained_run
+        :func:`idml.trained_run.load_trained_run`), in eval mode on ``device`` (default CPU)."""
+        from idml.trained_run import load_trained_run
 
         run = load_trained_run(Path(path), which)
         resize = run.config.data.resize_size

@@ -16,13 +16,11 @@ depend on the number of processes, so a run may resume with another one.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,21 +29,9 @@ from torch import Tensor, nn
 
 from idml import build
 from idml.augment import AugmentedBatch
-from idml.checkpoint import (
-    load_model_weights,
-    load_training_state,
-    mark_best,
-    read_state,
-    resolve_checkpoint,
-    save_checkpoint,
-)
 from idml.config import (
-    RUNTIME_KEYS,
     Config,
-    config_difference,
-    config_to_dict,
     dump_config,
-    stored_config_dict,
 )
 from idml.distributed import (
     DistributedContext,
@@ -58,59 +44,30 @@ from idml.distributed import (
     wrap_ddp,
 )
 from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
-from idml.loggers import MLflowLogger, RunLogger, TensorBoardLogger, tensorboard_available
+from idml.loggers import RunLogger
 from idml.metrics import IntrospectiveMetric
-from idml.monitoring import SATURATED, WeakeningMonitor, is_saturated
+from idml.monitoring import WeakeningMonitor
 from idml.preflight import check_model_input, check_run_config
 from idml.progress import Progress
 from idml.ranking import RankingOutput, draw_images
 from idml.run_folder import claim_run_folder
+from idml.training_checkpoints import RESUMABLE_CHANGES, Checkpointing
+from idml.training_checks import LearningChecks
+from idml.training_optim import build_optimizers, build_scheduler
+from idml.training_records import EpochLogging, EpochRecord, NonFiniteError, TrainResult
+
+__all__ = [
+    "RESUMABLE_CHANGES",
+    "EpochRecord",
+    "NonFiniteError",
+    "TrainResult",
+    "Trainer",
+]
 
 _T = TypeVar("_T")
 
 
-@dataclass
-class EpochRecord:
-    """What one epoch logs (one line of ``metrics.jsonl``)."""
-
-    epoch: int
-    losses: dict[str, float]
-    lr: dict[str, float]
-    uncertainty: dict[str, float]
-    metrics: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    steps: int = 0
-    ism: dict[str, float] = field(default_factory=dict)
-    """ISM's weakening factors over the epoch (:class:`~idml.monitoring.WeakeningMonitor`), the
-    warm-up strength at the epoch's end, and the mean gradient norm of the model."""
-    notes: dict[str, str] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "steps": self.steps,
-            "seconds": round(self.seconds, 3),
-            **{f"loss/{k}": v for k, v in self.losses.items()},
-            **{f"lr/{k}": v for k, v in self.lr.items()},
-            **{f"uncertainty/{k}": v for k, v in self.uncertainty.items()},
-            **{f"ism/{k}": v for k, v in self.ism.items()},
-            **{f"test/{k}": v for k, v in self.metrics.items()},
-            **{f"eval/{k}": v for k, v in self.notes.items()},
-        }
-
-
-@dataclass
-class TrainResult:
-    """Outcome of :meth:`Trainer.fit`."""
-
-    run_dir: Path
-    final_metrics: dict[str, float]
-    best_metrics: dict[str, float]
-    best_epoch: int
-    history: list[dict[str, Any]]
-
-
-class Trainer:
+class Trainer(LearningChecks, Checkpointing, EpochLogging):
     """Train and evaluate one configured run.
 
     Args:
@@ -202,78 +159,10 @@ class Trainer:
         return build.build_augmentations(self.cfg)
 
     def _optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
-        o = self.cfg.optim
-        # The uncertainty head gets its own group only when asked to: the default layout (and so
-        # the optimizer state of existing checkpoints) stays two model groups.
-        uncertainty_mult = o.uncertainty_lr_mult
-        own_uncertainty_group = uncertainty_mult is not None
-        uncertainty = {id(p) for p in self.model.uncertainty_head_parameters()}
-        groups = [
-            {
-                "params": list(self.model.backbone_parameters()),
-                "lr": o.lr * o.backbone_lr_mult,
-                "name": "backbone",
-            },
-            {
-                "params": [
-                    p
-                    for p in self.model.head_parameters()
-                    if not (own_uncertainty_group and id(p) in uncertainty)
-                ],
-                "lr": o.lr * o.head_lr_mult,
-                "name": "heads",
-            },
-        ]
-        if uncertainty_mult is not None:
-            groups.append(
-                {
-                    "params": list(self.model.uncertainty_head_parameters()),
-                    "lr": o.lr * uncertainty_mult,
-                    "name": "uncertainty",
-                }
-            )
-        proxies: list[nn.Parameter] = []
-        others: list[nn.Parameter] = []
-        for n, p in self.loss.named_parameters():
-            (proxies if n.startswith(("proxies", "proxy_")) else others).append(p)
-        if proxies:
-            groups.append({"params": proxies, "lr": o.lr * o.proxy_lr_mult, "name": "proxies"})
-        if others:
-            groups.append({"params": others, "lr": o.lr * o.head_lr_mult, "name": "loss"})
-        ranking_opt = None
-        if self.ssr is not None:
-            ranking = {
-                "params": list(self.ssr.parameters()),
-                "lr": o.lr * o.head_lr_mult,
-                "name": "ranking",
-            }
-            if self.cfg.ssr.task.update == "alternating":
-                ranking_opt = torch.optim.AdamW([ranking], lr=o.lr, weight_decay=o.weight_decay)
-            else:
-                groups.append(ranking)
-        groups = [g for g in groups if g["params"]]
-        if o.optimizer == "sgd":
-            sgd = torch.optim.SGD(
-                groups,
-                lr=o.lr,
-                momentum=o.momentum,
-                nesterov=o.nesterov,
-                weight_decay=o.weight_decay,
-            )
-            return sgd, ranking_opt
-        return torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay), ranking_opt
+        return build_optimizers(self.cfg, self.model, self.loss, self.ssr)
 
     def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
-        o = self.cfg.optim
-        if o.scheduler == "step":
-            return torch.optim.lr_scheduler.StepLR(opt, step_size=o.step_size, gamma=o.step_gamma)
-        if o.scheduler == "cosine":
-            return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=o.epochs)
-        if o.scheduler == "multistep":
-            return torch.optim.lr_scheduler.MultiStepLR(
-                opt, milestones=list(o.milestones), gamma=o.step_gamma
-            )
-        return None
+        return build_scheduler(self.cfg, opt)
 
     def _training_modules(self) -> dict[str, nn.Module]:
         modules: dict[str, nn.Module] = {"loss": self.loss}
@@ -287,57 +176,7 @@ class Trainer:
             opts["optim_ranking"] = self.ranking_optimizer
         return opts
 
-    # ------------------------------------------------------------------ resume
-    def resume(self) -> None:
-        """Continue from the run folder's latest checkpoint (exactly, for a fixed seed on CPU)."""
-        ckpt = resolve_checkpoint(self.run_dir)
-        saved = read_state(ckpt)
-        changes = config_difference(
-            stored_config_dict(saved.get("config", {})), config_to_dict(self.cfg), RESUMABLE_CHANGES
-        )
-        diff = "; ".join(changes[:5])
-        if diff:
-            raise ValueError(
-                f"cannot resume {self.run_dir}: its config differs from the one given ({diff}); "
-                "resume with the run's own config.yaml or start a new --out folder"
-            )
-        load_model_weights(ckpt, self.model)
-        state = load_training_state(ckpt, self._training_modules(), self._optimizer_map())
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            if saved.get("config", {}).get("optim", {}).get("epochs") == self.cfg.optim.epochs:
-                self.scheduler.load_state_dict(state["scheduler"])
-            else:  # more (or fewer) epochs: the schedule of a fresh run of the new length
-                self._replay_schedule(int(state["epoch"]) + 1)
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.start_epoch = int(state["epoch"]) + 1
-        self.best_value = float(state.get("best_value", -math.inf))
-        self.best_epoch = int(state.get("best_epoch", -1))
-        self.best_metrics = dict(state.get("best_metrics", {}))
-        self.history = _read_log(self._log_path, self.start_epoch)
-        self.dist.barrier()  # every rank has read the log before rank 0 truncates it
-        if self.dist.is_main:
-            self._log_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
-
-    def _replay_schedule(self, epochs_done: int) -> None:
-        """Rebuild the learning-rate schedule for ``optim.epochs`` and advance it by
-        ``epochs_done`` steps from the base rates, as an uninterrupted run of that length steps it
-        (cosine's ``T_max`` is the run length, so the saved schedule cannot be reused)."""
-        assert self.scheduler is not None
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = group["initial_lr"] = base
-        self.scheduler = self._scheduler(self.optimizer)
-        # Stepping the schedule without optimizer steps is the point: silence torch's warning.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(epochs_done):
-                self.scheduler.step()  # type: ignore[union-attr]
-
     # ------------------------------------------------------------------ main loop
-    @property
-    def _log_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
-
     def fit(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
         """Train (or, with ``resume``, continue) the run; returns its metrics and history.
 
@@ -448,63 +287,6 @@ class Trainer:
             epoch, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps, ism=ism
         )
 
-    # ------------------------------------------------------------------ is ISM working?
-    def _set_ism_strength(self, progress_epochs: float) -> None:
-        """ISM warm-up: scale the relative uncertainty by ``min(1, t / metric.warmup_epochs)``,
-        ``t`` the epochs done after this step (a function of the step alone, so resume replays
-        it)."""
-        if self.ism_metric is None:
-            return
-        warmup = self.cfg.metric.warmup_epochs
-        self.ism_metric.strength = 1.0 if warmup <= 0 else min(1.0, progress_epochs / warmup)
-
-    def _ism_summary(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        if self.ism_metric is not None:
-            out.update(self.weakening.summary())
-            out["strength"] = self.ism_metric.strength
-        if self._grad_norms:
-            norms = torch.stack(self._grad_norms).double()
-            out["grad_norm"] = float(norms.mean())
-            out["grad_norm_max"] = float(norms.max())
-        return out
-
-    def _check_learning(self, epoch: int, ism: dict[str, float]) -> None:
-        """Warn once when ISM saturates most relations, or when no gradient reaches the model."""
-        if not self.dist.is_main:
-            return
-        if self.ism_metric is not None and "saturated" not in self._warned and is_saturated(ism):
-            self._warned.add("saturated")
-            shares = ", ".join(
-                f"{k} {ism[f'{k}_saturated']:.0%}"
-                for k in ("pos", "neg")
-                if f"{k}_saturated" in ism
-            )
-            warnings.warn(
-                f"epoch {epoch + 1}: ISM saturates most relations (weakening e^(-y) < {SATURATED:g} "
-                f"for {shares} of the pairs): similarities are pinned and almost no gradient "
-                "reaches the model. Use the bounded uncertainty head "
-                "(model.uncertainty.form=bounded), lower model.uncertainty.max_norm or "
-                "model.uncertainty.init_level, raise metric.tau, lower metric.gamma, or set "
-                "metric.warmup_epochs",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        if ism.get("grad_norm_max", 1.0) == 0.0 and "no_gradient" not in self._warned:
-            self._warned.add("no_gradient")
-            hint = (
-                " With ISM, a strict variant (metric.variant=strict) or ISM-Dis under a large "
-                "||u|| makes every pair constant: see the ism/* keys of metrics.jsonl."
-                if self.ism_metric is not None
-                else ""
-            )
-            warnings.warn(
-                f"epoch {epoch + 1}: the model received exactly zero gradient at every step, so "
-                f"training changes nothing but weight decay.{hint}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
     def train_step(
         self,
         images: Tensor,
@@ -575,36 +357,6 @@ class Trainer:
             self._check_finite_weights()
         return {k: v for k, v in parts.items() if not (isinstance(v, float) and math.isnan(v))}
 
-    def _check_finite_weights(self) -> None:
-        """Stop at the step that made a weight NaN or infinite (e.g. a learning rate far too
-        high): a checkpoint of such weights would be useless, and training on is wasted time."""
-        named = [
-            (f"{prefix}.{name}", p)
-            for prefix, module in {"model": self.model, **self._training_modules()}.items()
-            for name, p in module.named_parameters()
-        ]
-        finite = torch.stack([torch.isfinite(p).all() for _, p in named])
-        if not bool(finite.all()):  # one device sync per step, not one per tensor
-            bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
-            raise self._non_finite(f"non-finite weights in {', '.join(bad[:3])}")
-
-    def _non_finite(self, what: str, after_epoch: bool = False) -> NonFiniteError:
-        epoch, step = getattr(self, "_position", (self.start_epoch, 0))
-        where = (
-            f"after epoch {epoch + 1}" if after_epoch else f"at epoch {epoch + 1}, step {step + 1}"
-        )
-        latest = self.run_dir / "checkpoints" / "latest"
-        kept = (
-            f"the last good checkpoint ({latest.read_text().strip()}) stays latest"
-            if latest.is_file()
-            else "no checkpoint was written"
-        )
-        return NonFiniteError(
-            f"{what} {where}; training stopped and {kept}. Lower "
-            f"optim.lr (now {self.cfg.optim.lr:g}), set optim.grad_clip, or check the data, then "
-            f"start again in a new --out (or with --overwrite)"
-        )
-
     def _forward(self, compute: Callable[[], _T]) -> _T:
         """Run a loss computation, through DDP when there are several processes.
 
@@ -612,14 +364,6 @@ class Trainer:
         averages them over ranks (:class:`idml.distributed.ParallelModules`).
         """
         return self._ddp(compute) if self._ddp is not None else compute()
-
-    def _monitor_weakening(self, emb: Embeddings, batch: AugmentedBatch) -> None:
-        """Record the ISM weakening factors of this step's relations (no gradient)."""
-        if self.ism_metric is None or not hasattr(self.loss, "weakening"):
-            return
-        found = self.loss.weakening(emb.detach(), batch.labels)
-        if found is not None:
-            self.weakening.update(*found)
 
     def _metric_loss(self, emb: Embeddings, batch: AugmentedBatch) -> Tensor:
         if not self.cfg.metric.introspective and not self.cfg.loss.probabilistic:
@@ -704,129 +448,7 @@ class Trainer:
         metrics, self.eval_notes = self.dist.broadcast_object(report)
         return metrics
 
-    def _track_best(self, epoch: int, metrics: dict[str, float]) -> None:
-        key = self.cfg.eval.select
-        if key not in metrics:
-            raise ValueError(f"eval.select={key!r} is not among the metrics {sorted(metrics)}")
-        if metrics[key] > self.best_value:
-            self.best_value = metrics[key]
-            self.best_epoch = epoch
-            self.best_metrics = dict(metrics)
-
-    # ------------------------------------------------------------------ logging and checkpoints
-    def _log(self, record: EpochRecord) -> None:
-        line = record.to_json()
-        self.history.append(line)
-        if self.epoch_log is not None and self.dist.is_main:
-            self.epoch_log(_epoch_summary(record, self.cfg.optim.epochs))
-        if not self.dist.is_main:
-            return
-        with open(self._log_path, "a") as fh:
-            fh.write(json.dumps(line) + "\n")
-        for logger in self._loggers:
-            logger.log(line, record.epoch)
-
-    def _open_loggers(self, resume: bool) -> None:
-        """TensorBoard when installed and ``tensorboard``; MLflow when ``mlflow.enabled``."""
-        if not self.dist.is_main:
-            return
-        if self.cfg.tensorboard and tensorboard_available():  # tensorboard is optional
-            self._loggers.append(TensorBoardLogger(self.run_dir / "tensorboard"))
-        m = self.cfg.mlflow
-        if m.enabled:
-            self._loggers.append(
-                MLflowLogger(
-                    self.run_dir,
-                    self.cfg.name,
-                    config_to_dict(self.cfg),
-                    tracking_uri=m.tracking_uri,
-                    experiment=m.experiment,
-                    resume=resume,
-                )
-            )
-
-    def _checkpoint_extras(self) -> dict[str, Any]:
-        """Task-specific entries of a checkpoint's ``state.json`` (none for metric learning)."""
-        return {}
-
-    def _checkpoint(self, epoch: int) -> None:
-        if not self.dist.is_main:
-            return
-        name = f"epoch_{epoch:04d}"
-        state = {
-            "epoch": epoch,
-            "config": config_to_dict(self.cfg),
-            "num_train_classes": self.data.num_train_classes,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.amp else None,
-            "best_value": self.best_value,
-            "best_epoch": self.best_epoch,
-            "best_metrics": self.best_metrics,
-            "metrics": self.history[-1] if self.history else {},
-            **self._checkpoint_extras(),
-        }
-        save_checkpoint(
-            self.run_dir, name, self.model, self._training_modules(), self._optimizer_map(), state
-        )
-        if self.best_epoch == epoch:
-            mark_best(self.run_dir, name)
-        _prune(self.run_dir / "checkpoints", keep={name, f"epoch_{self.best_epoch:04d}"})
-
-
-def _read_log(path: Path, epochs: int) -> list[dict[str, Any]]:
-    """The first ``epochs`` lines of ``metrics.jsonl``. Lines after them belong to epochs whose
-    checkpoint was never written (a line cut by a crash among them) and are dropped."""
-    try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        raise ValueError(
-            f"cannot resume: {path} is missing; the run folder is incomplete"
-        ) from None
-    if len(lines) < epochs:
-        raise ValueError(
-            f"cannot resume: {path} has {len(lines)} epoch lines but the checkpoint is of epoch "
-            f"{epochs}; the log was truncated or replaced"
-        )
-    history = []
-    for number, line in enumerate(lines[:epochs], start=1):
-        try:
-            history.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"cannot resume: line {number} of {path} is not JSON ({err.msg}); restore the "
-                "line or start again with --overwrite"
-            ) from None
-    return history
-
-
-def _epoch_summary(record: EpochRecord, epochs: int) -> str:
-    """``epoch 3/60: loss 0.4312, recall@1 0.5120 (41.2 s)``: the loss and the first metric."""
-    parts = [f"epoch {record.epoch + 1}/{epochs}:"]
-    if "total" in record.losses:
-        parts.append(f"loss {record.losses['total']:.4f},")
-    for key, value in list(record.metrics.items())[:1]:
-        parts.append(f"{key} {value:.4f},")
-    parts.append(f"{record.steps} steps, {record.seconds:.1f} s")
-    return " ".join(parts)
-
-
-class NonFiniteError(FloatingPointError):
-    """Training produced a NaN or infinite loss or weight; the message names the epoch and step."""
-
 
 def _upcast(tensor: Tensor) -> Tensor:
     """Half-precision autocast outputs in float32 for the loss; float32/float64 stay as they are."""
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
-
-
-def _prune(root: Path, keep: set[str]) -> None:
-    """Keep the latest and the best epoch; older epochs would only fill the disk."""
-    import shutil
-
-    for path in root.glob("epoch_*"):
-        if path.is_dir() and path.name not in keep:
-            shutil.rmtree(path)
-
-
-RESUMABLE_CHANGES = RUNTIME_KEYS | {"optim.epochs"}
-"""Config keys a resumed run may change (more epochs, another machine); any other change is refused."""

@@ -243,7 +243,7 @@ def analyse_run(
         idml.checkpoint.CheckpointError: the run folder holds no checkpoint.
     """
     from idml import build
-    from idml.export import load_trained_run
+    from idml.trained_run import load_trained_run
 
     options = options or AnalysisOptions()
     device = device or torch.device("cpu")

@@ -1,0 +1,72 @@
+"""What the report's figures share: colours, line styles, legends, panel grids, label wrapping and
+:func:`save_png`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+CORRECT = "#1a9641"
+WRONG = "#d7191c"
+
+
+def save_png(figure: Figure, path: Path, dpi: int = 100) -> Path:
+    """Write ``figure`` as PNG (the Agg canvas is attached by ``savefig``) and return the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=dpi, bbox_inches="tight")
+    figure.clear()
+    return path
+
+
+# Lines that coincide (the backbone and head learning rates differ by a constant factor, or equal
+# each other in warm-up) stay distinguishable by dash pattern and marker, not by colour alone.
+_LINE_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+PANEL_COLUMNS = 2
+"""Panels per row: more panels wrap onto further rows instead of shrinking the fonts."""
+
+
+def line_style(i: int) -> dict[str, object]:
+    return {
+        "linestyle": _LINE_STYLES[i % len(_LINE_STYLES)],
+        "marker": _MARKERS[i % len(_MARKERS)],
+        "markersize": 4,
+        "markerfacecolor": "none" if i % 2 else None,
+    }
+
+
+def legend_below(axes: Axes, columns: int = 3) -> None:
+    """A legend under the axes, outside the data, when anything is labelled."""
+    handles, labels = axes.get_legend_handles_labels()
+    if handles:
+        axes.legend(
+            handles,
+            [wrap_label(label, 28) for label in labels],
+            fontsize=8,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.2),
+            ncol=min(columns, len(handles)),
+            frameon=False,
+        )
+
+
+def wrap_label(text: str, width: int, lines: int = 2) -> str:
+    """``text`` in at most ``lines`` lines of ``width``; longer names lose their middle (…)."""
+    if len(text) > width * lines:
+        keep = width * lines - 1
+        text = text[: keep - keep // 2] + "…" + text[len(text) - keep // 2 :]
+    return "\n".join(text[i : i + width] for i in range(0, len(text), width))
+
+
+def panel_grid(count: int, width: float = 4.6, height: float = 3.6) -> tuple[Figure, list[Axes]]:
+    """``count`` panels of a fixed size, :data:`PANEL_COLUMNS` per row (spare cells hidden)."""
+    columns = min(PANEL_COLUMNS, count)
+    rows = math.ceil(count / columns)
+    figure = Figure(figsize=(width * columns, height * rows))
+    grid = figure.subplots(rows, columns, squeeze=False).ravel()
+    for spare in grid[count:]:
+        spare.set_visible(False)
+    return figure, list(grid[:count])
