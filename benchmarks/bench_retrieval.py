@@ -116,6 +116,9 @@ def main() -> None:
         default="128",
         help="HNSW efSearch values, comma-separated: one build, then every value is measured",
     )
+    p.add_argument(
+        "--ef-construction", type=int, default=None, help="HNSW efConstruction (faiss default 40)"
+    )
     p.add_argument("--no-hnsw", action="store_true")
     p.add_argument("--images", type=int, default=0, help="also time `idml index` on N JPEGs")
     p.add_argument("--json", type=Path, help="write the results here too")
@@ -213,8 +216,12 @@ def main() -> None:
 
         if not args.no_hnsw:
             start = time.perf_counter()
+            build = f"efConstruction={args.ef_construction}" if args.ef_construction else None
             hnsw = Index.create(
-                index.embeddings, backend="faiss", faiss_factory=f"HNSW{args.hnsw_m}"
+                index.embeddings,
+                backend="faiss",
+                faiss_factory=f"HNSW{args.hnsw_m}",
+                search_parameters=build,
             )
             build_hnsw = time.perf_counter() - start
             print(f"hnsw build {build_hnsw:.1f} s, rss {rss_mib() - base_rss:.0f} MiB", flush=True)
@@ -231,6 +238,7 @@ def main() -> None:
                 t_one = statistics.median(singles)
                 row = {
                     "factory": f"HNSW{args.hnsw_m}",
+                    "efConstruction": hnsw._faiss.hnsw.efConstruction,
                     "efSearch": ef,
                     "build_s": build_hnsw,
                     f"recall@{args.k}": recall_at_k(approx.indices.numpy(), ours.indices.numpy()),

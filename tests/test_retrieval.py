@@ -325,6 +325,11 @@ def test_faiss_backends_against_exact_search(tmp_path: Path) -> None:
     grown = Index.create(gallery[:200], backend="faiss", faiss_factory="Flat").add(gallery[200:])
     assert torch.equal(grown.search(queries, 5).indices, truth.indices)
 
+    # efConstruction given at creation shapes the graph as it is built.
+    built = Index.create(
+        gallery, backend="faiss", faiss_factory="HNSW8", search_parameters="efConstruction=80"
+    )
+    assert built._faiss.hnsw.efConstruction == 80
     with pytest.raises(ValueError, match=r"'nprobe=3' do not apply.*efSearch=128"):
         hnsw.set_search_parameters("nprobe=3")
     with pytest.raises(ValueError, match="apply to the faiss backend; this index is exact"):

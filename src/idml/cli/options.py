@@ -15,7 +15,11 @@ def add_overrides(p: argparse.ArgumentParser, help_text: str) -> None:
 
 def add_embedding_options(p: argparse.ArgumentParser) -> None:
     """Options of index and search: faiss search parameters and how images are embedded."""
-    p.add_argument("--search-parameters", help="faiss search parameters, e.g. efSearch=128")
+    p.add_argument(
+        "--search-parameters",
+        help="faiss parameters, e.g. efSearch=128; when an index is built also "
+        "efConstruction=200 (a better HNSW graph)",
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N")
     p.add_argument("--no-progress", action="store_true")

@@ -9,7 +9,10 @@ import numpy as np
 from torch import Tensor
 
 
-def faiss_build(embeddings: Tensor, factory: str) -> Any:
+def faiss_build(embeddings: Tensor, factory: str, parameters: str | None = None) -> Any:
+    """A trained faiss index of ``factory`` holding ``embeddings``. ``parameters`` are applied
+    before the vectors are added, so build-time ones take effect (``efConstruction``, the HNSW
+    graph's candidate list while it is built: the ceiling of the recall any ``efSearch`` reaches)."""
     try:
         import faiss
     except ImportError as err:
@@ -32,6 +35,7 @@ def faiss_build(embeddings: Tensor, factory: str) -> Any:
                 f"faiss cannot train index {factory!r} on {len(x)} vectors "
                 f"({str(err).splitlines()[-1]}); use fewer IVF lists, or Flat / HNSW32"
             ) from None
+    faiss_parameters(index, parameters)
     index.add(x)
     return index
 
@@ -46,5 +50,6 @@ def faiss_parameters(index: Any, parameters: str | None) -> None:
     except RuntimeError as err:
         raise ValueError(
             f"faiss search parameters {parameters!r} do not apply to this index "
-            f"({str(err).splitlines()[-1]}); e.g. efSearch=128 (HNSW) or nprobe=32 (IVF)"
+            f"({str(err).splitlines()[-1]}); e.g. efSearch=128 or efConstruction=200 (HNSW), "
+            "nprobe=32 (IVF)"
         ) from None

@@ -9,7 +9,8 @@ Search is by cosine similarity of L2-normalised semantic embeddings, ``sim(q, i)
 * ``backend="faiss"``: a faiss index on the same vectors (the optional ``faiss`` extra), any
   factory string with an inner-product metric (``"Flat"`` exact, ``"HNSW32"``, ``"IVF1024,Flat"``)
   for approximate search on large galleries; ``search_parameters`` such as ``"efSearch=128"`` or
-  ``"nprobe=32"`` trade speed for recall.
+  ``"nprobe=32"`` trade speed for recall (given at creation, ``"efConstruction=200"`` also builds a
+  better HNSW graph, raising the recall every ``efSearch`` reaches).
 
 On disk an index is a folder (no pickle anywhere)::
 
@@ -153,8 +154,7 @@ class Index:
             emb, unc, *items, model, backend, faiss_factory, search_parameters, faiss_index=None
         )
         if backend == "faiss":
-            index._faiss = faiss_build(emb, faiss_factory)
-            faiss_parameters(index._faiss, search_parameters)
+            index._faiss = faiss_build(emb, faiss_factory, search_parameters)
         return index
 
     def add(
