@@ -314,7 +314,8 @@ def test_faiss_backends_against_exact_search(tmp_path: Path) -> None:
     hnsw = Index.create(
         gallery, backend="faiss", faiss_factory="HNSW8", search_parameters="efSearch=4"
     )
-    assert hnsw._faiss.hnsw.efSearch == 4
+    # faiss builds HNSW graphs with efConstruction 40 by default; idml with DEFAULT_EF_CONSTRUCTION.
+    assert hnsw._faiss.hnsw.efSearch == 4 and hnsw._faiss.hnsw.efConstruction == 200
     hnsw.set_search_parameters("efSearch=400")
     assert hnsw._faiss.hnsw.efSearch == 400
     assert torch.equal(hnsw.search(queries, 5).indices, truth.indices)
