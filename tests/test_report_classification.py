@@ -151,6 +151,20 @@ def classification_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+def test_a_classification_run_mixes_images_through_its_own_settings(tmp_path: Path) -> None:
+    from idml.config import load_config
+    from idml.reports.runs import RunLog
+
+    def mixes(*overrides: str) -> bool:
+        return RunLog(tmp_path, load_config(None, [*CLASSIFICATION, *overrides]), ()).mixup_enabled
+
+    # CutMix / Mixup of the classification task count as mixing; the retrieval Mixup section
+    # does not apply to that task at all.
+    assert mixes("classification.mix=cutmix") and mixes("classification.mix=mixup")
+    assert not mixes()
+    assert RunLog(tmp_path, load_config(None, ["mixup.enabled=true"]), ()).mixup_enabled
+
+
 def test_report_of_a_classification_run_has_its_section_and_figures(
     classification_run: Path, tmp_path: Path
 ) -> None:

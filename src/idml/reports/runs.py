@@ -79,7 +79,11 @@ class RunLog:
 
     @property
     def mixup_enabled(self) -> bool:
-        """The run added Mixup images with set labels."""
+        """The run trained on mixed images: Mixup with set labels, or for a classification run
+        its ``classification.mix`` (Mixup or CutMix)."""
+        mix = self.config.classification
+        if self.config.task == "classification" and mix is not None:
+            return mix.mix != "none"
         return self.config.mixup.enabled
 
     @property

@@ -170,7 +170,9 @@ def run_section(index: int, report: RunReport, page: PageFigures) -> str:
             )
         )
         if not run.mixup_enabled:
-            parts.append(note("Mixup was off in training, so only original images appear."))
+            parts.append(note("Mixing was off in training, so only original images appear."))
+        elif not run.keys("uncertainty/original"):
+            parts.append(note("Every training image was mixed, so only mixed images appear."))
     if run.keys("ism/pos_q50") or run.keys("ism/neg_q50"):
         parts.append("<h3>Is ISM working? Saturation of the weakening</h3>")
         parts.append(
