@@ -91,6 +91,9 @@ SETTINGS: dict[str, list[str]] = {
         *LITE0,
         "data.dataset=fashion_mnist",
         "data.samples_per_class=200",
+        # Five training classes: the same batch of 60 as P×K = 12×5 elsewhere, as 5×12.
+        "sampler.classes_per_batch=5",
+        "sampler.images_per_class=12",
         "data.image_size=32",
         "data.train_crop_scale=[0.7, 1.0]",
         "optim.epochs=4",
