@@ -53,7 +53,7 @@ from idml.embeddings import Embeddings
 from idml.evaluation.classification import classification_metrics
 from idml.losses.base import check_positive
 from idml.losses.softmax import NormalizedSoftmaxLoss
-from idml.metrics import CosineSimilarity, Metric
+from idml.metrics import Metric
 from idml.models import EmbeddingModel
 from idml.relations import LabelSets
 
@@ -73,8 +73,6 @@ class IntrospectiveClassifier(NormalizedSoftmaxLoss):
     ``forward(embeddings, labels)`` is the normalised-softmax loss on (set) labels; training with
     λ-weighted targets uses :meth:`soft_loss`. The weights are :attr:`proxies` ``(C, d)``.
     """
-
-    default_metric = CosineSimilarity
 
     def __init__(
         self,
