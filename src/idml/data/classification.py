@@ -34,6 +34,7 @@ from idml.data.datasets import (
     Channels,
     FileImageDataset,
     ImageDataset,
+    TrainTestPair,
     Transform,
 )
 from idml.data.offline import (
@@ -54,7 +55,7 @@ _TEST_FOLDERS = ("val", "test")
 
 
 @dataclass(frozen=True)
-class ClassificationSplit:
+class ClassificationSplit(TrainTestPair):
     """Train and test images of the same classes (labels ``0..C−1`` mean the same on both sides)."""
 
     train: ImageDataset
@@ -80,20 +81,6 @@ class ClassificationSplit:
     @property
     def num_classes(self) -> int:
         return self.train.num_classes
-
-    @property
-    def num_train_classes(self) -> int:
-        """The classifier's classes (the name the trainer's checkpoints use)."""
-        return self.train.num_classes
-
-    def with_transforms(
-        self, train_transform: Transform | None, test_transform: Transform | None
-    ) -> ClassificationSplit:
-        return ClassificationSplit(
-            self.train.with_transform(train_transform),
-            self.test.with_transform(test_transform),
-            self.name,
-        )
 
 
 def holdout_rows(class_ids: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal, Self, TypeVar
 
 import numpy as np
 import torch
@@ -332,8 +332,31 @@ class ArrayImageDataset(ImageDataset):
         return taken
 
 
+class TrainTestPair:
+    """What every train/test split shares: the two sides' images and re-attaching transforms.
+    Subclasses are frozen dataclasses with the fields ``train``, ``test`` and ``name``."""
+
+    train: ImageDataset
+    test: ImageDataset
+    name: str
+
+    @property
+    def num_train_classes(self) -> int:
+        return self.train.num_classes
+
+    def with_transforms(
+        self, train_transform: Transform | None, test_transform: Transform | None
+    ) -> Self:
+        """The same split with the given transforms (image data shared)."""
+        return type(self)(  # type: ignore[call-arg]
+            self.train.with_transform(train_transform),
+            self.test.with_transform(test_transform),
+            self.name,
+        )
+
+
 @dataclass(frozen=True)
-class DMLSplit:
+class DMLSplit(TrainTestPair):
     """A class-disjoint train/test pair: the zero-shot protocol of deep metric learning
     (test classes unseen in training; e.g. IDML and SSR, "Datasets": CUB's first 100 classes train).
 
@@ -361,22 +384,8 @@ class DMLSplit:
             )
 
     @property
-    def num_train_classes(self) -> int:
-        return self.train.num_classes
-
-    @property
     def num_test_classes(self) -> int:
         return self.test.num_classes
-
-    def with_transforms(
-        self, train_transform: Transform | None, test_transform: Transform | None
-    ) -> DMLSplit:
-        """The same split with the given transforms (image data shared)."""
-        return DMLSplit(
-            self.train.with_transform(train_transform),
-            self.test.with_transform(test_transform),
-            self.name,
-        )
 
     def verified(
         self,
