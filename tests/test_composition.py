@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from idml import ablation, demo
-from idml.config import (
+from idml.app import ablation, demo
+from idml.app.config import (
     FRAGMENTS,
     ConfigError,
     config_to_dict,
