@@ -2,7 +2,7 @@
 
 Each process runs the trainer's step on synthetic images already in memory (no data loading):
 Mixup per shard → forward → all-gather of embeddings, label sets and Mixup details
-(:func:`idml.distributed.gather_batch`) → ProxyAnchor + ISM on the global batch → backward (DDP
+(:func:`idml.app.distributed.gather_batch`) → ProxyAnchor + ISM on the global batch → backward (DDP
 all-reduces the gradients of model and proxies) → AdamW step. This mirrors
 ``Trainer.train_step``; it is written out here so the autocast dtype can be chosen (bf16 on GPUs).
 
@@ -69,8 +69,8 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: time the step, its no-sync variant, the gather and a gradient-sized all-reduce."""
     import torch.distributed as dist
 
+    from idml.app.distributed import ShardPlan, init_distributed, wrap_ddp
     from idml.augment import Mixup
-    from idml.distributed import ShardPlan, init_distributed, wrap_ddp
     from idml.embeddings import Embeddings
     from idml.losses import ProxyAnchorLoss
     from idml.metrics import CosineSimilarity, IntrospectiveMetric

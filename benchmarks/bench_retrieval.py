@@ -4,7 +4,7 @@ A synthetic clustered gallery (``--clusters`` centres on the unit sphere, points
 L2-normalised, float32) and held-out queries drawn the same way. For batches of 1 and of
 ``--batch`` queries, top-``k``:
 
-* *ours exact*: :meth:`idml.retrieval.Index.search` (the blocked exact engine of the evaluation);
+* *ours exact*: :meth:`idml.app.retrieval.Index.search` (the blocked exact engine of the evaluation);
 * *faiss flat*: ``faiss.IndexFlatIP`` on the same vectors;
 * *faiss HNSW*: ``IndexHNSWFlat(d, M, METRIC_INNER_PRODUCT)`` through an idml index
   (``backend="faiss"``), recall@k against the exact neighbours and its speed-up over ours.
@@ -80,7 +80,7 @@ def bench_images(count: int, root: Path) -> dict[str, float]:
     """End-to-end ``idml index`` on ``count`` 64×64 JPEGs with an untrained small-CNN run."""
     from PIL import Image
 
-    from idml.cli import main
+    from idml.app.cli import main
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_run import train_tiny
@@ -126,7 +126,7 @@ def main() -> None:
 
     import faiss
 
-    from idml.retrieval import Index
+    from idml.app.retrieval import Index
 
     info: dict[str, object] = {
         "n": args.n,

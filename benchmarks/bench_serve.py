@@ -36,10 +36,10 @@ def main() -> None:
     from PIL import Image
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from idml.cli import main as cli
-    from idml.inference import Encoder
-    from idml.retrieval import Index
-    from idml.retrieval.server import BackgroundServer, create_app
+    from idml.app.cli import main as cli
+    from idml.app.inference import Encoder
+    from idml.app.retrieval import Index
+    from idml.app.retrieval.server import BackgroundServer, create_app
     from tiny_run import IDML, train_tiny, write_images
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from idml.config import load_config
-from idml.training import Trainer
+from idml.app.config import load_config
+from idml.app.training import Trainer
 
 
 def overrides(args: argparse.Namespace, ssr: bool) -> list[str]:
@@ -53,7 +53,7 @@ def overrides(args: argparse.Namespace, ssr: bool) -> list[str]:
 def build(args: argparse.Namespace, ssr: bool, root: Path) -> tuple[Trainer, list]:
     cfg = load_config(None, overrides(args, ssr))
     trainer = Trainer(cfg, root / ("ssr" if ssr else "plain"), progress=False)
-    from idml import build as b
+    from idml.app import build as b
 
     loader = b.train_loader(cfg, trainer.data, 0, torch.Generator().manual_seed(0))
     batches = [next(iter(loader)) for _ in range(2)]

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from idml import build
-from idml.config import load_config
-from idml.demo import DEMO_BASE
+from idml.app import build
+from idml.app.config import load_config
+from idml.app.demo import DEMO_BASE
 from idml.embeddings import Embeddings
 
 IDML = ["model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true"]

@@ -8,7 +8,7 @@ paper's CIFAR recipe). Here on the standard Fashion-MNIST split (every class in 
 subsampled and shrunk to 32 px so the whole study fits a 2-core CPU machine: Lite0 from its shipped
 ImageNet weights (BatchNorm frozen), one torch thread per process (``--threads``; see
 ``benchmarks/RESULTS.md`` for why). Every (arm, seed) runs through
-:func:`idml.ablation.run_ablation` (finished runs are reused on a re-run); the table of top-1, top-5,
+:func:`idml.app.ablation.run_ablation` (finished runs are reused on a re-run); the table of top-1, top-5,
 ECE and the ``||u||`` probes (mean ± std over seeds) goes to ``benchmarks/study/classification.md``.
 
 Run: ``python benchmarks/study_classification.py [--seeds 5] [--quick]``.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from idml.ablation import parse_grid, run_ablation
+from idml.app.ablation import parse_grid, run_ablation
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ Settings (all zero-shot: train and test classes are disjoint):
 
 Each setting trains every cell of ``loss × metric=plain,ism × mixup=off,on`` for Multi-Similarity,
 ProxyAnchor and Contrastive, ``--seeds`` seeds each (5 by default), through
-:func:`idml.ablation.run_ablation` (finished runs are reused on a re-run). Every arm of a setting
+:func:`idml.app.ablation.run_ablation` (finished runs are reused on a re-run). Every arm of a setting
 has the same number of steps and epochs; the table reports the *last* epoch's test metrics (no
 best-epoch selection on test classes) as mean ± std over seeds (sample std), with Δ against the
 baseline of the same loss and whether it exceeds the larger of the two standard deviations.
@@ -37,7 +37,7 @@ import math
 import time
 from pathlib import Path
 
-from idml.ablation import AblationResult, CellResult, parse_grid, run_ablation
+from idml.app.ablation import AblationResult, CellResult, parse_grid, run_ablation
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot"

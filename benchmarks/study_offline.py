@@ -7,7 +7,7 @@ Two settings, both zero-shot (train on classes 0–4, test on the unseen classes
 
 For ProxyAnchor and Multi-Similarity: baseline, Mixup only, ISM only, IDML (ISM + Mixup), ISM-Dis
 (with and without Mixup), SSR and IDML + SSR; plus the PEL baseline. Every cell runs for ``--seeds``
-seeds through :func:`idml.ablation.run_ablation` (finished runs are reused on a re-run), and the
+seeds through :func:`idml.app.ablation.run_ablation` (finished runs are reused on a re-run), and the
 tables (mean ± std of Recall@1, MAP@R, NMI and the wall time of a run) are written to
 ``benchmarks/study/<setting>.md``.
 
@@ -21,7 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from idml.ablation import parse_grid, run_ablation
+from idml.app.ablation import parse_grid, run_ablation
 
 REPO = Path(__file__).resolve().parents[1]
 

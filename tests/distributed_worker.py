@@ -88,8 +88,8 @@ def state_of(trainer: Any) -> dict[str, torch.Tensor]:
 
 
 def run_case(name: str, context: Any, shards: int | None, run_dir: Path) -> dict[str, Any]:
-    from idml.classification_task import make_trainer
-    from idml.config import load_config
+    from idml.app.classification_task import make_trainer
+    from idml.app.config import load_config
 
     base = TINY
     if "task=classification" in CASES[name]:
@@ -113,7 +113,7 @@ def gather_checks(context: Any) -> dict[str, Any]:
     """all_gather_with_grad values and gradients, DDP's gradient average, uneven evaluation gathers."""
     from torch import nn
 
-    from idml.distributed import (
+    from idml.app.distributed import (
         ParallelModules,
         all_gather_with_grad,
         gather_embeddings,
@@ -170,10 +170,10 @@ def evaluation_check(context: Any, run_dir: Path) -> dict[str, Any]:
     """Sharded test-set embeddings versus one process embedding the whole test set."""
     from torch.utils.data import Subset
 
-    from idml import build
-    from idml.config import load_config
+    from idml.app import build
+    from idml.app.config import load_config
+    from idml.app.training import Trainer
     from idml.embeddings import Embeddings
-    from idml.training import Trainer
 
     cfg = load_config(None, [*TINY, "data.samples_per_class=39", "eval.batch_size=64"])
     trainer = Trainer(cfg, run_dir / "eval", progress=False, distributed=context)
@@ -227,7 +227,7 @@ def main() -> None:
         os.environ.update(
             RANK=str(args.rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(args.rank)
         )
-    from idml.distributed import destroy_distributed, init_distributed
+    from idml.app.distributed import destroy_distributed, init_distributed
 
     init = None if args.init_file is None else f"file://{args.init_file}"
     context = init_distributed(device="cpu", init_method=init)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from idml.ablation import (
+from idml.app.ablation import (
     PRESETS,
     AblationResult,
     Cell,
@@ -27,11 +27,11 @@ from idml.ablation import (
     run_ablation,
     split_values,
 )
-from idml.cli import main
-from idml.config import dump_config, load_config
-from idml.reports.seeds import expand_run_dirs
-from idml.run_folder import RunLockedError
-from idml.training import Trainer
+from idml.app.cli import main
+from idml.app.config import dump_config, load_config
+from idml.app.reports.seeds import expand_run_dirs
+from idml.app.run_folder import RunLockedError
+from idml.app.training import Trainer
 from tiny_run import TINY
 
 

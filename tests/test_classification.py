@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from idml.app.config import ConfigError, load_config
 from idml.augment import AugmentedBatch, CutMix, Mixup, cutmix_boxes
 from idml.classification import BatchMixing, IntrospectiveClassifier, mixed_targets
-from idml.config import ConfigError, load_config
 from idml.data.classification import load_classification_split
 from idml.embeddings import Embeddings
 from idml.evaluation.classification import (
@@ -240,7 +240,7 @@ def test_config_errors_name_the_key(overrides: list[str], message: str) -> None:
 
 
 def test_classification_defaults_round_trip() -> None:
-    from idml.config import config_to_dict, validate_config
+    from idml.app.config import config_to_dict, validate_config
 
     cfg = load_config(None, ["task=classification"])
     assert (cfg.eval.select, cfg.sampler.kind) == ("top1", "random")
@@ -264,7 +264,7 @@ TINY = [
 
 @pytest.mark.slow
 def test_tiny_run_beats_chance_on_digits(tmp_path: Path) -> None:
-    from idml.classification_task import make_trainer
+    from idml.app.classification_task import make_trainer
 
     cfg = load_config(None, [*TINY, "optim.epochs=3", "classification.mix=cutmix"])
     result = make_trainer(cfg, tmp_path / "run", progress=False).fit()
@@ -277,7 +277,7 @@ def test_tiny_run_beats_chance_on_digits(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from idml.classification_task import make_trainer
+    from idml.app.classification_task import make_trainer
 
     base = [
         *TINY,
@@ -312,7 +312,7 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFi
     # The CLI evaluates the run from its checkpoint alone: the same numbers as the trainer's.
     import json
 
-    from idml.cli import main
+    from idml.app.cli import main
 
     main(["evaluate", "--checkpoint", str(tmp_path / "b"), "--which", "latest", "--json"])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -334,7 +334,7 @@ def test_presets_validate_and_pick_sgd_with_milestones() -> None:
 
 
 def test_trainer_builds_sgd_and_multistep(tmp_path: Path) -> None:
-    from idml.classification_task import make_trainer
+    from idml.app.classification_task import make_trainer
 
     cfg = load_config(
         None,
@@ -382,8 +382,8 @@ def test_cifar_conversion_needs_the_pickle_opt_in(tmp_path: Path) -> None:
 def test_report_of_a_classification_run_with_and_without_the_test_analysis(
     tmp_path: Path, capsys
 ) -> None:
-    from idml.classification_task import make_trainer
-    from idml.cli import main
+    from idml.app.classification_task import make_trainer
+    from idml.app.cli import main
 
     cfg = load_config(
         None, [*TINY, "data.samples_per_class=8", "sampler.batch_size=16", "optim.epochs=1"]

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from idml import ablation, demo
-from idml.config import (
+import idml
+from idml.app import ablation, demo
+from idml.app.config import (
     FRAGMENTS,
     ConfigError,
     config_to_dict,
@@ -111,13 +112,15 @@ def test_a_run_stores_the_merged_config(tmp_path: Path) -> None:
 
 
 def test_every_fragment_is_packaged_and_valid() -> None:
+    # package-data patterns are relative to the idml package folder.
+    package = Path(idml.__file__).parent
     # pyproject's [tool.setuptools.package-data] line (tomllib is Python 3.11+).
     line = re.search(r"^idml = \[(.*)\]$", (REPO / "pyproject.toml").read_text(), re.M)
     assert line is not None
     patterns = re.findall(r'"([^"]+)"', line.group(1))
     for path in FRAGMENTS.rglob("*"):
         if path.is_file():
-            relative = path.relative_to(FRAGMENTS.parent).as_posix()
+            relative = path.relative_to(package).as_posix()
             assert any(fnmatch.fnmatch(relative, p) for p in patterns), f"not installed: {path}"
     assert {"method/idml", "method/baseline", "method/ssr", "dataset/digits_demo"} <= set(
         fragment_names()

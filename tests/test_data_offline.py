@@ -143,8 +143,8 @@ def test_fashion_mnist_installed_files() -> None:
 
 
 def test_config_num_train_classes_moves_the_class_split(tmp_path: Path) -> None:
-    from idml.build import build_data
-    from idml.config import load_config
+    from idml.app.build import build_data
+    from idml.app.config import load_config
 
     base = ["data.dataset=digits", "data.image_size=8", "data.resize_size=null"]
     split = build_data(load_config(None, [*base, "data.num_train_classes=3"]))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from idml.config import load_config
+from idml.app.config import load_config
 from idml.data.omniglot import load_omniglot
 from idml.data.registry import load_split
 
@@ -105,7 +105,7 @@ def test_only_shared_alphabets_leave_no_test_class(tmp_path: Path) -> None:
 
 
 def test_config_and_validation_protocol(root: Path) -> None:
-    from idml import build
+    from idml.app import build
 
     cfg = load_config(
         None,

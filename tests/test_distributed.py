@@ -16,11 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from idml import build
-from idml.augment import Mixup
-from idml.config import load_config
-from idml.data import build_batch_sampler
-from idml.distributed import (
+from idml.app import build
+from idml.app.config import load_config
+from idml.app.distributed import (
     DistributedContext,
     ShardPlan,
     contiguous_shard,
@@ -30,6 +28,8 @@ from idml.distributed import (
     rank_generator,
     rank_seed,
 )
+from idml.augment import Mixup
+from idml.data import build_batch_sampler
 from idml.relations import PAD
 from tiny_run import IDML, TINY
 

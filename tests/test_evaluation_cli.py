@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from idml.cli import main
+from idml.app.cli import main
 from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from idml import build
-from idml.config import LOSS_CONFIGS, ConfigError, load_config, validate_config
+from idml.app import build
+from idml.app.config import LOSS_CONFIGS, ConfigError, load_config, validate_config
 from idml.losses import LOSSES, LossParams, MetricLoss, ProxyAnchorLoss, register_loss
 from idml.losses import registry as loss_registry
 

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from idml import build
-from idml.config import ConfigError, load_config
+from idml.app import build
+from idml.app.config import ConfigError, load_config
+from idml.app.training import Trainer
+from idml.app.training.monitoring import WeakeningMonitor
 from idml.evaluation.uncertainty import aurc, confidence_quality, error_auroc, oracle_aurc
 from idml.losses import LOSSES as LOSS_SPECS
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 from idml.models.model import BoundedUncertaintyHead
-from idml.monitoring import WeakeningMonitor
 from idml.relations import LabelSets
-from idml.training import Trainer
 from tiny_run import IDML, TINY
 
 LOSSES = [
@@ -311,7 +311,7 @@ def test_mixup_images_get_the_larger_uncertainty(tmp_path: Path) -> None:
     error of about 0.02 under the null (AUROC 0.5); requiring > 0.65 is more than 7 standard errors
     above chance (this configuration measured 0.84–0.89 on two machines' worth of seeds).
     """
-    from idml.demo import DEMO_BASE, DEMO_IDML
+    from idml.app.demo import DEMO_BASE, DEMO_IDML
     from idml.diagnostics import uncertainty_probe
 
     # The standard 0–4 / 5–9 split (the demo itself trains on three classes only).

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from idml.config import load_config
-from idml.loggers import mlflow_key
-from idml.training import Trainer
+from idml.app.config import load_config
+from idml.app.loggers import mlflow_key
+from idml.app.training import Trainer
 from tiny_run import TINY
 
 RUN = [*TINY, "optim.epochs=2", "eval.ks=[1, 2]", "tensorboard=true"]

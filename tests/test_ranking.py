@@ -586,7 +586,7 @@ def test_ssr_config_errors_name_the_key(kwargs: dict[str, object], key: str) -> 
 
 
 def test_run_config_errors_name_the_ssr_key() -> None:
-    from idml.config import ConfigError, load_config
+    from idml.app.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"^ssr\.task\.num_images: .*greater than or equal to 1"):
         load_config(None, ["ssr.task.num_images=0"])

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from idml import build, checkpoint
-from idml.cli import main
-from idml.config import load_config
+from idml.app import build, checkpoint
+from idml.app.cli import main
+from idml.app.config import load_config
+from idml.app.run_folder import LOCK_FILE, claim_run_folder
+from idml.app.training import Trainer
 from idml.embeddings import Embeddings
-from idml.run_folder import LOCK_FILE, claim_run_folder
-from idml.training import Trainer
 from tiny_run import TINY
 
 

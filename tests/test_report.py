@@ -23,12 +23,12 @@ import torch
 import yaml
 from PIL import Image
 
-from idml import build
-from idml.cli import main
-from idml.config import dump_config, load_config
-from idml.reports import AnalysisOptions, analyse_run, read_run, write_report
-from idml.trained_run import load_trained_model
-from idml.training import Trainer
+from idml.app import build
+from idml.app.cli import main
+from idml.app.config import dump_config, load_config
+from idml.app.reports import AnalysisOptions, analyse_run, read_run, write_report
+from idml.app.trained_run import load_trained_model
+from idml.app.training import Trainer
 from tiny_run import IDML, TINY
 
 SSR = ["ssr.enabled=true", "ssr.task.p_task=1.0", "ssr.task.num_images=4"]
@@ -223,8 +223,8 @@ def test_analysis_agrees_with_the_log_and_independent_recomputation(
 @pytest.mark.slow
 def test_mixed_test_images_are_convex_mixtures_of_test_pairs(runs: dict[str, Path]) -> None:
     """Replays the analysis's Mixup draw: each mixed level is the model's ||u|| of λ·x_a+(1−λ)·x_b."""
+    from idml.app.reports.runs import _mixed_uncertainty
     from idml.augment import Mixup
-    from idml.reports.runs import _mixed_uncertainty
 
     cfg, model = load_trained_model(runs["idml"])
     test = build.build_data(cfg).test

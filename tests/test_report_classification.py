@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from idml.app.metric_display import format_delta, format_metric, metric_heading, metric_unit
+from idml.app.reports.classification import selective_classification
 from idml.evaluation.classification import calibration_bins, confusion_matrix
-from idml.metric_display import format_delta, format_metric, metric_heading, metric_unit
-from idml.reports.classification import selective_classification
 from tiny_run import CLASSIFICATION
 
 # Five images, three classes; each row's softmax is a ratio of small integers, so the max
@@ -142,8 +142,8 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def classification_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from idml.classification_task import make_trainer
-    from idml.config import load_config
+    from idml.app.classification_task import make_trainer
+    from idml.app.config import load_config
 
     run = tmp_path_factory.mktemp("cls") / "run"
     make_trainer(load_config(None, TINY), run, progress=False).fit()
@@ -152,8 +152,8 @@ def classification_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_a_classification_run_mixes_images_through_its_own_settings(tmp_path: Path) -> None:
-    from idml.config import load_config
-    from idml.reports.runs import RunLog
+    from idml.app.config import load_config
+    from idml.app.reports.runs import RunLog
 
     def mixes(*overrides: str) -> bool:
         return RunLog(tmp_path, load_config(None, [*CLASSIFICATION, *overrides]), ()).mixup_enabled
@@ -168,9 +168,9 @@ def test_a_classification_run_mixes_images_through_its_own_settings(tmp_path: Pa
 def test_report_of_a_classification_run_has_its_section_and_figures(
     classification_run: Path, tmp_path: Path
 ) -> None:
-    from idml.classification_task import evaluate_classification_run
-    from idml.reports import AnalysisOptions, read_run, write_report
-    from idml.reports.classification import analyse_classification_run
+    from idml.app.classification_task import evaluate_classification_run
+    from idml.app.reports import AnalysisOptions, read_run, write_report
+    from idml.app.reports.classification import analyse_classification_run
 
     expected = evaluate_classification_run(classification_run, "best")
     analysis = analyse_classification_run(read_run(classification_run), AnalysisOptions())
@@ -204,12 +204,12 @@ def test_report_of_a_classification_run_has_its_section_and_figures(
 def test_cli_report_and_embed_of_a_classification_run(
     classification_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from idml.app.classification_task import load_classification_run
+    from idml.app.cli import main
+    from idml.app.trained_run import list_images
     from idml.classification import classify_dataset
-    from idml.classification_task import load_classification_run
-    from idml.cli import main
     from idml.data import FileImageDataset, ImageRecords, build_transforms
     from idml.evaluation.io import read_entries, read_text_entries
-    from idml.trained_run import list_images
     from tiny_run import write_images
 
     out = tmp_path / "rep"

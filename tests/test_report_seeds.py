@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from idml.ablation import parse_grid, run_ablation
-from idml.cli import main
-from idml.config import dump_config, load_config
-from idml.reports import read_run
-from idml.reports.seeds import expand_run_dirs, seed_table
+from idml.app.ablation import parse_grid, run_ablation
+from idml.app.cli import main
+from idml.app.config import dump_config, load_config
+from idml.app.reports import read_run
+from idml.app.reports.seeds import expand_run_dirs, seed_table
 from tiny_run import TINY
 
 
@@ -119,7 +119,7 @@ def test_an_ablation_folder_without_runs_is_refused(tmp_path: Path) -> None:
 
 
 def test_recall_dots_zoom_to_the_data_and_panels_wrap() -> None:
-    from idml.reports import figures
+    from idml.app.reports import figures
 
     names = ["a" * 60, "b"]
     metrics = [{f"recall@{k}": 0.66 + 0.01 * k for k in (1, 2, 4, 8)}, {"recall@1": 0.683}]
@@ -137,7 +137,7 @@ def test_recall_dots_zoom_to_the_data_and_panels_wrap() -> None:
 
 
 def test_coinciding_lines_are_named_in_the_legend_below_the_axes(tmp_path: Path) -> None:
-    from idml.reports import figures
+    from idml.app.reports import figures
 
     run = _fake(tmp_path / "r", 0, 0.5)
     lines = [{"epoch": e, "loss/total": 1.0, "lr/backbone": 0.1, "lr/head": 0.1} for e in range(2)]

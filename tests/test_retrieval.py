@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from idml.cli import main
-from idml.inference import Encoder
+from idml.app.cli import main
+from idml.app.inference import Encoder
+from idml.app.retrieval import CONFIDENCE_KIND, Index, IndexFormatError
+from idml.app.retrieval.workflow import read_images, search_source
 from idml.models import build_model
-from idml.retrieval import CONFIDENCE_KIND, Index, IndexFormatError
-from idml.retrieval.workflow import read_images, search_source
 from tiny_run import IDML, train_tiny, write_images
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -142,7 +142,7 @@ def test_an_index_refuses_another_model_or_dimension(
     assert "dimension 8" in err and "16" in err and "Traceback" not in err
     # An exported model of another run is refused for image queries.
     other_run = tmp_path / "other-export"
-    from idml.deploy import export_model
+    from idml.app.deploy import export_model
 
     export_model(stranger, other_run, ["torchscript"])
     assert main(["search", str(index_dir), str(gallery), "--checkpoint", str(other_run)]) == 2

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from idml.cli import main
-from idml.inference import Encoder
-from idml.retrieval import Index
+from idml.app.cli import main
+from idml.app.inference import Encoder
+from idml.app.retrieval import Index
 from tiny_run import IDML, train_tiny, write_images
 
 httpx = pytest.importorskip("httpx")
@@ -20,7 +20,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
-from idml.retrieval.server import BackgroundServer, create_app  # noqa: E402
+from idml.app.retrieval.server import BackgroundServer, create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")

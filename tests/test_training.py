@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from idml.checkpoint import CheckpointError
-from idml.cli import main
-from idml.config import ConfigError, load_config
-from idml.trained_run import load_trained_model
-from idml.training import Trainer
+from idml.app.checkpoint import CheckpointError
+from idml.app.cli import main
+from idml.app.config import ConfigError, load_config
+from idml.app.trained_run import load_trained_model
+from idml.app.training import Trainer
 from tiny_run import IDML, TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,11 +158,11 @@ def test_resume_with_another_config_is_refused(tmp_path: Path) -> None:
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path: Path) -> None:
-    from idml.checkpoint import load_model_weights, resolve_checkpoint
+    from idml.app.checkpoint import load_model_weights, resolve_checkpoint
 
     _, result = run(tmp_path, name="a")
     other = load_config(None, [*TINY, "model.embedding_dim=8"])
-    from idml.build import build_model
+    from idml.app.build import build_model
 
     with pytest.raises(CheckpointError, match="does not fit this model"):
         load_model_weights(resolve_checkpoint(result.run_dir), build_model(other))
@@ -189,7 +189,7 @@ def test_unknown_key_lists_valid_keys() -> None:
 
 
 def test_uncertainty_init_std_reaches_the_head_and_is_validated() -> None:
-    from idml import build
+    from idml.app import build
 
     linear = [*TINY, *IDML, "model.uncertainty.form=linear"]
     cfg = load_config(None, [*linear, "model.uncertainty.init_std=0.0"])
@@ -228,7 +228,7 @@ def test_uncertainty_lr_mult_gives_the_uncertainty_head_its_own_group(tmp_path: 
 
 
 def test_eval_options_come_from_the_config() -> None:
-    from idml import build
+    from idml.app import build
 
     cfg = load_config(None, [*TINY, "eval.nmi=true", "eval.nmi_backend=knn", "eval.ks=[1, 3]"])
     options = build.evaluation_options(cfg)
@@ -333,7 +333,7 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_embed_refuses_an_unknown_output_format_before_any_work(tmp_path: Path) -> None:
-    from idml.trained_run import embed_images
+    from idml.app.trained_run import embed_images
 
     cfg = load_config(None, TINY)
     # No model and no images are needed to know that .txt cannot be written.
@@ -377,7 +377,7 @@ def test_training_beats_the_untrained_network_on_unseen_digits(tmp_path: Path) -
 @pytest.mark.parametrize("preset", ["official", "idml"])
 def test_uncertainty_head_gradient_official_preset_versus_default(preset: str) -> None:
     """The released code L2-normalises u, so its ISM-ProxyAnchor gives the u head no gradient."""
-    from idml import build
+    from idml.app import build
 
     path = (
         REPO

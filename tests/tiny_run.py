@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from idml.config import fragment_overrides
+from idml.app.config import fragment_overrides
 
 TINY = [
     "data.dataset=digits",
@@ -50,7 +50,7 @@ CLASSIFICATION = [
 
 def train_tiny(root: Path, overrides: list[str] | None = None) -> Path:
     """Train a ``TINY`` + ``overrides`` run into ``root/run`` through the CLI; returns the folder."""
-    from idml.cli import main
+    from idml.app.cli import main
 
     cfg = root / "tiny.yaml"
     cfg.write_text("# tiny digits run\n")

@@ -1,6 +1,6 @@
 """``python -m idml`` (and ``torchrun -m idml``) runs the command-line interface."""
 
-from idml.cli import main
+from idml.app.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -20,7 +20,7 @@ uncertain pairs pull less. With ``γ = 0`` and ``u ≡ 0`` ISM equals the plain 
 ``β`` must live on the scale of ``τ·α`` (``α ≤ 2`` on the unit sphere): an uncertainty embedding with
 ``||u||`` in the tens puts ``e^{−y}`` near ``10⁻¹⁰`` for every pair, and every gradient through ISM
 with it. The default uncertainty head keeps ``||u||`` bounded and starts it small
-(:class:`idml.models.model.BoundedUncertaintyHead`); :mod:`idml.monitoring` measures the weakening
+(:class:`idml.models.model.BoundedUncertaintyHead`); :mod:`idml.app.training.monitoring` measures the weakening
 during training, and :attr:`IntrospectiveMetric.strength` lets a trainer ramp ISM in (a warm-up).
 
 Example:

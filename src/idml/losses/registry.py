@@ -5,7 +5,7 @@ once, as a :class:`LossParams` model with defaults and bounds (the class's ``par
 constructor takes its defaults from there), its natural metric (``default_metric``), whether it
 models uncertainty itself (``probabilistic``) and, when its constructor's arguments are not just
 its hyper-parameters, how to build it from them (:meth:`~idml.losses.MetricLoss.from_params`).
-:func:`register_loss` adds it under a name; ``idml.config`` builds the ``loss:`` section of a run
+:func:`register_loss` adds it under a name; ``idml.app.config`` builds the ``loss:`` section of a run
 from :data:`LOSSES`, so a registered loss is a valid ``loss.name`` with its keys checked.
 
 Example:

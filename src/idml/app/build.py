@@ -1,0 +1,320 @@
+"""From a typed :class:`~idml.app.config.Config` to the objects a run needs.
+
+This is the one place that maps configuration onto library classes, so the library stays free of
+config types and the trainer and CLI stay free of construction details.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from idml.app.config import Config
+from idml.augment import (
+    AugmentationPipeline,
+    GaussianBlur,
+    LowResolution,
+    Mixup,
+    Occlusion,
+    UncertaintyAugmentation,
+)
+from idml.data import (
+    DATASETS,
+    DatasetName,
+    DMLSplit,
+    ImageDataset,
+    build_batch_sampler,
+    build_transforms,
+    dataset_options,
+    load_split,
+)
+from idml.embeddings import Embeddings
+from idml.evaluation import EvaluationReport
+from idml.losses import LossContext, MetricLoss
+from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
+from idml.models import EmbeddingModel, UncertaintyKind
+from idml.models import build_model as _build_model
+from idml.progress import Progress
+from idml.ranking import SelfSupervisedRanking
+
+
+# --------------------------------------------------------------------------- data
+def data_transforms(cfg: Config) -> tuple[Any, Any]:
+    """The train and test pixel pipelines of ``data.*`` (every task)."""
+    d = cfg.data
+    train_tf = build_transforms(
+        True,
+        d.image_size,
+        d.resize_size,
+        crop_scale=d.train_crop_scale,
+        flip_probability=0.5 if d.horizontal_flip else 0.0,
+    )
+    return train_tf, build_transforms(False, d.image_size, d.resize_size)
+
+
+def build_data(cfg: Config) -> DMLSplit:
+    """The class-disjoint split with the train and test pixel pipelines attached."""
+    d = cfg.data
+    spec = DATASETS[DatasetName(d.dataset)]
+    train_tf, test_tf = data_transforms(cfg)
+    options: dict[str, Any] = {}
+    if spec.in_memory:
+        options["channels"] = 3
+        options["seed"] = cfg.seed
+        if d.samples_per_class is not None:
+            options["per_class"] = d.samples_per_class
+    if d.num_train_classes is not None:
+        if "num_train_classes" not in dataset_options(d.dataset):
+            takes = [n.value for n in DATASETS if "num_train_classes" in dataset_options(n)]
+            raise ValueError(
+                f"data.num_train_classes applies to {' and '.join(takes)}, not to {d.dataset!r} "
+                "(whose class split is part of the dataset); remove it"
+            )
+        options["num_train_classes"] = d.num_train_classes
+    if not spec.in_memory and d.samples_per_class is not None:
+        offline = sorted(n.value for n, s in DATASETS.items() if s.in_memory)
+        raise ValueError(
+            f"data.samples_per_class applies to the offline datasets ({offline}), "
+            f"not to {d.dataset!r}"
+        )
+    if spec.resize_on_load:
+        options["image_size"] = d.resize_size or d.image_size
+    if spec.root is not None and d.root is None:
+        raise ValueError(f"data.root must point at the {d.dataset!r} dataset folder")
+    root = d.root if spec.takes_root else None
+    split = load_split(
+        d.dataset,
+        root,
+        train_transform=train_tf,
+        test_transform=test_tf,
+        verify=d.verify,
+        **options,
+    )
+    if d.protocol == "validation":
+        split = split.validation(d.validation_classes)
+    return split
+
+
+def train_loader(
+    cfg: Config,
+    data: DMLSplit,
+    epoch: int,
+    generator: torch.Generator,
+    num_replicas: int = 1,
+    rank: int = 0,
+) -> DataLoader:
+    """The epoch's loader: batches are a function of ``(seed, epoch)`` so resumed runs replay them.
+
+    With ``num_replicas`` processes, rank ``rank`` loads its share of every global batch (the global
+    batch, and so a resumed run's batches, do not depend on the number of processes).
+    """
+    s = cfg.sampler
+    kind = "class_balanced" if s.kind == "balanced" else "random"
+    sampler = build_batch_sampler(
+        kind,
+        data.train.labels,
+        s.effective_batch_size,
+        images_per_class=s.images_per_class,
+        replacement=s.replacement,
+        seed=cfg.seed,
+        num_replicas=num_replicas,
+        rank=rank,
+    )
+    sampler.set_epoch(epoch)
+    workers = cfg.data.num_workers
+    return DataLoader(
+        data.train,
+        batch_sampler=sampler,
+        num_workers=workers,
+        generator=generator,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=False,
+    )
+
+
+def sample_images(dataset: Dataset, count: int, generator: torch.Generator) -> Tensor:
+    """``count`` random training images (SSR's ``source=separate``)."""
+    idx = torch.randperm(len(dataset), generator=generator)[:count]  # type: ignore[arg-type]
+    return torch.stack([dataset[int(i)][0] for i in idx])
+
+
+@torch.no_grad()
+def embed_dataset(
+    model: EmbeddingModel,
+    dataset: ImageDataset | Dataset,
+    batch_size: int,
+    device: torch.device,
+    progress: bool = False,
+    num_workers: int = 0,
+) -> tuple[Embeddings, Tensor]:
+    """Semantic (and uncertainty) embeddings of a whole dataset, in dataset order."""
+    was_training = model.training
+    model.eval()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    semantic, uncertainty, labels = [], [], []
+    bar = Progress(len(loader), "embed", enabled=progress, unit="batch")
+    for images, batch_labels, _ in loader:
+        emb = model(images.to(device))
+        bar.update(1)
+        semantic.append(emb.semantic.float().cpu())
+        if emb.uncertainty is not None:
+            uncertainty.append(emb.uncertainty.float().cpu())
+        labels.append(torch.as_tensor(batch_labels))
+    bar.close()
+    model.train(was_training)
+    unc = torch.cat(uncertainty) if uncertainty else None
+    return Embeddings(torch.cat(semantic), unc), torch.cat(labels)
+
+
+# --------------------------------------------------------------------------- model
+def build_model(cfg: Config) -> EmbeddingModel:
+    m = cfg.model
+    # A probabilistic loss (PEL) reads the PEL head's (mean, log σ²), whatever model.uncertainty says.
+    uncertainty: bool | str = (
+        UncertaintyKind.PEL.value if cfg.loss.probabilistic else m.uncertainty.enabled
+    )
+    return _build_model(
+        backbone=m.backbone,
+        pretrained=m.pretrained,
+        embedding_dim=m.embedding_dim,
+        uncertainty=uncertainty,
+        uncertainty_dim=m.uncertainty.dim,
+        uncertainty_activation=m.uncertainty.activation,
+        uncertainty_normalize=m.uncertainty.normalize,
+        uncertainty_init_std=m.uncertainty.init_std,
+        uncertainty_form=m.uncertainty.form,
+        uncertainty_max_norm=m.uncertainty.max_norm,
+        uncertainty_init_level=m.uncertainty.init_level,
+        pooling=m.pooling,
+        freeze_bn=m.freeze_bn,
+        freeze_bn_affine=m.freeze_bn_affine,
+    )
+
+
+# --------------------------------------------------------------------------- metric and loss
+def build_metric(cfg: Config) -> Metric:
+    """The loss's natural metric (``default_metric`` of its class), wrapped in ISM when
+    ``metric.introspective`` is on: ISM's similarity form ``S_IN`` around cosine for a similarity,
+    its distance form around the plain Euclidean distance otherwise."""
+    natural = cfg.loss.spec.natural_metric()
+    if not cfg.metric.introspective:
+        return natural
+    mc = cfg.metric
+    return IntrospectiveMetric(
+        CosineSimilarity() if natural.is_similarity else EuclideanDistance(),
+        gamma=mc.gamma,
+        tau=mc.tau,
+        power=mc.power,
+        variant=mc.variant,
+        delta_normalized=mc.delta_normalized,
+    )
+
+
+def build_loss(cfg: Config, num_classes: int) -> MetricLoss:
+    """The configured loss on the configured metric (proxies sized to the training classes)."""
+    dim = cfg.model.embedding_dim
+    proxy_u = None
+    if cfg.metric.introspective and cfg.metric.proxy_uncertainty:
+        proxy_u = cfg.model.uncertainty.dim or dim
+    context = LossContext(num_classes, dim, build_metric(cfg), proxy_u)
+    return cfg.loss.spec.build(cfg.loss, context)
+
+
+# --------------------------------------------------------------------------- augmentations and SSR
+def build_augmentations(cfg: Config) -> AugmentationPipeline:
+    steps: list[UncertaintyAugmentation] = []
+    dg = cfg.degradations
+    if dg.low_resolution_fraction > 0:
+        steps.append(
+            LowResolution(fraction=dg.low_resolution_fraction, factor=dg.low_resolution_factor)
+        )
+    if dg.blur_fraction > 0:
+        steps.append(GaussianBlur(fraction=dg.blur_fraction, sigma=dg.blur_sigma))
+    if dg.occlusion_fraction > 0:
+        steps.append(Occlusion(fraction=dg.occlusion_fraction, area=dg.occlusion_area))
+    if cfg.mixup.enabled:
+        # Mixup last: degradations act on originals, and mixed rows are the appended ones.
+        steps.append(Mixup(alpha=cfg.mixup.alpha, fraction=cfg.mixup.fraction, mode=cfg.mixup.mode))
+    return AugmentationPipeline(tuple(steps))
+
+
+def build_ssr(cfg: Config, feature_dim: int) -> SelfSupervisedRanking | None:
+    if not cfg.ssr.enabled:
+        return None
+    return SelfSupervisedRanking(feature_dim, cfg.ssr.task)
+
+
+def needs_unused_parameter_search(cfg: Config) -> bool:
+    """Whether some trainable parameter can miss a gradient in a step (DDP must then look for it).
+
+    Warm-up epochs freeze the backbone; SSR's head is idle when the task is skipped (``p_task < 1``)
+    and, when alternating, each of the two backward passes leaves the other's parameters out; an
+    uncertainty head under the plain metric gets no gradient.
+    """
+    task = cfg.ssr.task
+    idle_ssr = cfg.ssr.enabled and (task.update == "alternating" or task.p_task < 1)
+    unused_head = (
+        cfg.model.uncertainty.enabled
+        and not cfg.metric.introspective
+        and not cfg.loss.probabilistic
+    )
+    return cfg.optim.warmup_epochs > 0 or idle_ssr or unused_head
+
+
+# --------------------------------------------------------------------------- evaluation
+def evaluate(
+    cfg: Config,
+    embeddings: Embeddings,
+    labels: Tensor,
+    device: torch.device,
+    progress: bool = False,
+    *,
+    ks: Sequence[int] | None = None,
+    introspective: bool | None = None,
+    nmi: bool | None = None,
+    nmi_backend: str | None = None,
+    **settings: Any,
+) -> EvaluationReport:
+    """Test-set evaluation (:func:`idml.evaluation.evaluate_embeddings`) with the run's ``eval.*``
+    settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM).
+
+    ``ks``, ``introspective``, ``nmi`` and ``nmi_backend`` override their ``eval.*`` keys when
+    given; ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) are further fields of the
+    :class:`~idml.evaluation.EvaluationSettings`.
+    """
+    from idml.evaluation import EvaluationSettings, evaluate_embeddings
+
+    options = evaluation_options(cfg, ks, introspective)
+    if nmi is not None:
+        options["nmi"] = nmi
+    if nmi_backend is not None:
+        options["nmi_backend"] = nmi_backend
+    ism = options.pop("introspective_metric")
+    return evaluate_embeddings(
+        embeddings.semantic,
+        labels,
+        EvaluationSettings(**options, **settings),
+        uncertainty=embeddings.uncertainty,
+        introspective_metric=ism,
+        device=device,
+        progress=progress,
+    )
+
+
+def evaluation_options(
+    cfg: Config, ks: Sequence[int] | None = None, introspective: bool | None = None
+) -> dict[str, Any]:
+    """The :func:`~idml.evaluation.evaluate_embeddings` options a config sets: ``eval.ks`` (or
+    ``ks``), ISM at test time (``eval.introspective``, or ``introspective``, and only for a run
+    trained with ISM), ``eval.nmi`` and ``eval.nmi_backend``."""
+    use_ism = cfg.eval.introspective if introspective is None else introspective
+    return {
+        "ks": tuple(ks or cfg.eval.ks),
+        "introspective_metric": build_metric(cfg) if use_ism and cfg.metric.introspective else None,
+        "nmi": cfg.eval.nmi,
+        "nmi_backend": cfg.eval.nmi_backend,
+    }

@@ -1,0 +1,238 @@
+"""``idml train``, ``idml demo``, ``idml ablate`` and ``idml report``: train runs and report on them."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+from idml.app.cli.options import add_overrides, format_metrics
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train (and evaluate) a model from a YAML config",
+        description="Train and evaluate a run. Several GPUs or nodes: start it with torchrun, e.g. "
+        "`torchrun --nproc_per_node=8 -m idml train CONFIG` (see the README).",
+    )
+    p.add_argument(
+        "config", type=Path, help="YAML config, e.g. configs/idml/cub_proxy_anchor_idml.yaml"
+    )
+    add_overrides(p, "override a config value, e.g. --set optim.epochs=10 (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a folder that holds a run; the old run is moved to "
+        "OUT.replaced-<time>, not deleted",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from idml.app.classification_task import make_trainer
+    from idml.app.config import load_config
+    from idml.app.distributed import destroy_distributed, init_distributed
+
+    cfg = load_config(args.config, args.overrides)
+    out = args.out or Path("runs") / cfg.name
+    # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
+    context = init_distributed(device=cfg.device)
+    try:
+        trainer = make_trainer(
+            cfg,
+            out,
+            progress=not args.no_progress,
+            distributed=context,
+            # Without bars a long run would print nothing until it ends: one line per epoch.
+            epoch_log=functools.partial(print, flush=True) if args.no_progress else None,
+        )
+        result = trainer.fit(resume=args.resume, overwrite=args.overwrite)
+    finally:
+        destroy_distributed(context)
+    if not context.is_main:
+        return 0
+    print(format_metrics(f"{cfg.name}: final", result.final_metrics))
+    if result.best_epoch >= 0:
+        print(format_metrics(f"best epoch {result.best_epoch + 1}", result.best_metrics))
+    if cfg.published is not None and result.final_metrics:
+        from idml.app.paper import compare_with_paper, format_paper_table
+
+        rows = compare_with_paper(cfg.published.metrics, result.final_metrics)
+        print(format_paper_table(cfg.published.source, rows, "paper vs this run (final epoch)"))
+    print(f"run folder: {result.run_dir}")
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="baseline vs IDML on the bundled digits (no download)")
+    p.add_argument("--epochs", type=int, default=8, help="training epochs of each run")
+    p.add_argument("--seed", type=int, default=0, help="first seed")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per arm (mean ± std)")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"))
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-report", action="store_true", help="skip the HTML report of both runs")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from idml.app.demo import DEMO_SETTING, run_demo
+
+    result = run_demo(
+        args.out,
+        epochs=args.epochs,
+        seed=args.seed,
+        progress=not args.no_progress,
+        seeds=args.seeds,
+    )
+    print(DEMO_SETTING)
+    print(result.table())
+    print(f"runs: {args.out}/baseline, {args.out}/idml")
+    if not args.no_report:
+        from idml.app.reports import write_report
+
+        page = write_report([args.out / "baseline", args.out / "idml"], args.out / "report")
+        print(f"report: {page} (open it in a browser)")
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="HTML report (figures, metrics, comparison) of one or more runs",
+        description="Write an offline HTML page with PNG figures: training curves, Recall@K, "
+        "precision-recall, uncertainty trend and test histogram, retrieval grid, t-SNE, and a "
+        "comparison table of all runs given. Classification runs get their test metrics, "
+        "reliability diagram, confusion matrix, risk-coverage curves and most confident "
+        "mistakes instead of the retrieval figures.",
+    )
+    p.add_argument(
+        "runs",
+        type=Path,
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run folders, or `idml ablate` folders (their cells' seeds are grouped)",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="GROUP",
+        help="group the seed table's Δ is taken against: an ablation cell (e.g. "
+        "'metric=plain, mixup=off') or a run name (default: the baseline)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="report folder (default: RUN_DIR/report for one run, ./report for several)",
+    )
+    p.add_argument("--no-test", action="store_true", help="logs only: no test-set analysis")
+    p.add_argument("--inline", action="store_true", help="also embed figures in the HTML")
+    test = p.add_argument_group("test-set analysis (not with --no-test)")
+    # None = not given: the defaults come from AnalysisOptions, and --no-test can refuse them.
+    test.add_argument("--which", choices=["best", "latest"], help="checkpoint (default best)")
+    test.add_argument("--queries", type=int, help="queries in the retrieval grid (default 6)")
+    test.add_argument("--tsne-points", type=int, help="points in the t-SNE (default 1000)")
+    test.add_argument("--batch-size", type=int, help="embedding batch size (default 128)")
+    test.add_argument("--seed", type=int, help="seed of all sampling in the report (default 0)")
+    test.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from idml.app.distributed import resolve_device
+    from idml.app.reports import AnalysisOptions, write_report
+    from idml.app.run_folder import make_folder
+
+    out = args.out or (args.runs[0] / "report" if len(args.runs) == 1 else Path("report"))
+    analysis = [  # (flag, AnalysisOptions field or None, value given)
+        ("--which", "which", args.which),
+        ("--queries", "num_queries", args.queries),
+        ("--tsne-points", "tsne_points", args.tsne_points),
+        ("--batch-size", "batch_size", args.batch_size),
+        ("--seed", "seed", args.seed),
+        ("--device", None, args.device),
+    ]
+    given = [(flag, field, value) for flag, field, value in analysis if value is not None]
+    if args.no_test and given:
+        raise ValueError(
+            f"{', '.join(flag for flag, _, _ in given)} only apply to the test-set analysis, "
+            "which --no-test skips; drop them or --no-test"
+        )
+    options = AnalysisOptions(**{field: value for _, field, value in given if field})
+    make_folder(out, "report folder")  # a file in the way is named before any figure is drawn
+    page = write_report(
+        args.runs,
+        out,
+        options,
+        analyse=not args.no_test,
+        inline=args.inline,
+        device=resolve_device(args.device or "auto"),
+        progress=not args.no_progress,
+        log=print,
+        reference=args.reference,
+    )
+    print(f"report: {page}")
+    return 0
+
+
+def _add_ablate(sub: argparse._SubParsersAction) -> None:
+    from idml.app.ablation import describe_presets
+
+    p = sub.add_parser(
+        "ablate",
+        help="train a grid of configs over seeds and tabulate mean ± std",
+        description="Run every cell of a grid for N seeds (finished cells are reused) and write "
+        "OUT/ablation.md and OUT/ablation.csv.",
+        epilog="grid keys are raw config keys (metric.gamma=0,2,4) or presets:\n"
+        + describe_presets(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", type=Path, help="YAML config of the base run")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        required=True,
+        metavar="KEY=V1,V2",
+        help="one axis of the grid (repeatable), e.g. --grid metric=plain,ism --grid mixup=on,off",
+    )
+    p.add_argument("--seeds", type=int, default=1, help="seeds per cell (config seed, +1, ...)")
+    add_overrides(p, "override a base config value for every cell (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="folder (default: runs/ablation-<name>)")
+    p.add_argument("--select", choices=["final", "best"], default="final", help="which epoch")
+    p.add_argument(
+        "--metrics", default=None, help="comma-separated metric columns (default: all reported)"
+    )
+    p.add_argument(
+        "--progress", action="store_true", help="progress is shown by default (kept for scripts)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no per-epoch progress")
+    p.set_defaults(run=_run_ablate)
+
+
+def _run_ablate(args: argparse.Namespace) -> int:
+    from idml.app.ablation import parse_grid, run_ablation
+    from idml.app.config import load_config
+
+    axes = parse_grid(args.grid)
+    out = args.out or Path("runs") / f"ablation-{load_config(args.config, args.overrides).name}"
+    metrics = [m.strip() for m in args.metrics.split(",")] if args.metrics else None
+    result = run_ablation(
+        args.config,
+        axes,
+        args.seeds,
+        out,
+        overrides=args.overrides,
+        select=args.select,
+        metrics=metrics,
+        progress=not args.no_progress,
+        log=print,
+    )
+    print(result.markdown(), end="")
+    print(f"tables: {out / 'ablation.md'}, {out / 'ablation.csv'}")
+    return 0

@@ -1,0 +1,102 @@
+"""Checks of a run's config that would otherwise fail, or silently mislead, only after training.
+
+:func:`check_run_config` runs before the first optimisation step. It refuses settings that cannot
+work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
+the crop, nothing left to train) and returns warnings for settings that make a run meaningless
+without breaking it (a warm-up that never ends, a test centre crop that sees a small part of each
+image). Every message names the keys involved and what to change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from idml.app.config import Config, ConfigError
+from idml.data.transforms import eval_resize_size
+
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_CROP_AREA = 0.25
+"""Below this share of the resized image's area a test centre crop is reported: the DML recipe
+(Resize 256, CenterCrop 224) keeps 77 %."""
+
+
+def training_metric_names(cfg: Config) -> list[str]:
+    """The test metrics a training run logs and ``eval.select`` may name, in report order.
+
+    Training evaluates with the exact search, so the full-ranking ``map`` and ``mrr`` are always
+    there; ``nmi`` only with ``eval.nmi``.
+    """
+    if cfg.task == "classification" and cfg.classification is not None:
+        # Larger is better for eval.select: the top-k accuracies (not ECE or NLL).
+        return [f"top{k}" for k in cfg.classification.ks]
+    names = [f"recall@{k}" for k in cfg.eval.ks] + ["r_precision", "map@r", "map", "mrr"]
+    if cfg.eval.nmi:
+        names.append("nmi")
+    return names
+
+
+def check_run_config(cfg: Config) -> list[str]:
+    """Raise :class:`~idml.app.config.ConfigError` for a run that cannot work; return warnings."""
+    names = training_metric_names(cfg)
+    if cfg.eval.select not in names:
+        raise ConfigError(
+            f"eval.select={cfg.eval.select!r} is not a metric this run reports; choose one of "
+            f"{', '.join(names)} (recall@K for K in eval.ks, nmi only with eval.nmi=true)"
+        )
+    d, o = cfg.data, cfg.optim
+    resize = eval_resize_size(d.image_size) if d.resize_size is None else d.resize_size
+    if resize < d.image_size:
+        raise ConfigError(
+            f"data.resize_size={resize} is smaller than data.image_size={d.image_size}: the test "
+            "centre crop would not fit; set data.resize_size >= data.image_size (or null for the "
+            f"recipe's {eval_resize_size(d.image_size)})"
+        )
+    warnings: list[str] = []
+    area = (d.image_size / resize) ** 2
+    if area < MIN_CROP_AREA:
+        warnings.append(
+            f"data.resize_size={resize} with data.image_size={d.image_size}: the test centre crop "
+            f"sees only the central {area:.0%} of each image; set data.resize_size="
+            f"{eval_resize_size(d.image_size)} (the recipe's 256/224 ratio) or null"
+        )
+    mults = [o.backbone_lr_mult, o.head_lr_mult, o.proxy_lr_mult, o.uncertainty_lr_mult or 0]
+    if o.lr * max(mults) >= FLOAT32_MAX:
+        raise ConfigError(
+            f"optim.lr={o.lr:g} times its multipliers overflows float32 weights; use a learning "
+            "rate below 1 (the presets use 1e-4)"
+        )
+    trains_heads = o.head_lr_mult > 0 or (o.uncertainty_lr_mult or 0) > 0
+    trains_backbone = o.backbone_lr_mult > 0 and o.warmup_epochs < o.epochs
+    if not trains_heads and not trains_backbone:
+        raise ConfigError(
+            f"nothing would train: optim.head_lr_mult={o.head_lr_mult} and the backbone is "
+            f"frozen (optim.backbone_lr_mult={o.backbone_lr_mult}, optim.warmup_epochs="
+            f"{o.warmup_epochs}, optim.epochs={o.epochs}); raise a learning-rate multiplier"
+        )
+    if o.warmup_epochs >= o.epochs and o.backbone_lr_mult > 0:
+        warnings.append(
+            f"optim.warmup_epochs={o.warmup_epochs} >= optim.epochs={o.epochs}: the backbone stays "
+            "frozen for the whole run; lower optim.warmup_epochs (or raise optim.epochs), or set "
+            "optim.backbone_lr_mult=0 to freeze it on purpose"
+        )
+    return warnings
+
+
+def check_model_input(model: nn.Module, cfg: Config, channels: int = 3) -> None:
+    """One forward of a blank ``data.image_size`` batch, so that a crop too small for the
+    backbone's downsampling fails here, naming the keys, and not inside torch mid-epoch."""
+    size = cfg.data.image_size
+    was_training = model.training
+    device = next(model.parameters()).device
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, channels, size, size, device=device))
+    except RuntimeError as err:
+        raise ConfigError(
+            f"data.image_size={size} is too small for model.backbone={cfg.model.backbone} "
+            f"({str(err).splitlines()[0]}); raise data.image_size"
+        ) from None
+    finally:
+        model.train(was_training)

@@ -1,0 +1,375 @@
+"""The pieces of the report page (:mod:`idml.app.reports.page`): the figure writer, and one section per
+run — training curves, uncertainty, retrieval and t-SNE figures of a metric-learning run, or the
+test-set analysis of a classification run — saying in words what a run cannot show."""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from idml.app.metric_display import format_metric, metric_heading, metric_sort_key
+from idml.app.reports import figures
+from idml.app.reports.classification import (
+    CONFIDENCE_SCORES as CLASSIFICATION_SCORES,
+)
+from idml.app.reports.classification import (
+    ClassificationAnalysis,
+)
+from idml.app.reports.runs import RunLog, TestAnalysis
+from idml.diagnostics import UncertaintyProbe
+
+
+@dataclass
+class RunReport:
+    """One run's log, its test analysis (``None`` when skipped) and why things are missing."""
+
+    log: RunLog
+    label: str
+    analysis: TestAnalysis | ClassificationAnalysis | None
+    """:class:`TestAnalysis` of a metric-learning run, :class:`ClassificationAnalysis` of a
+    classification run (``config.task``)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Test metrics of the analysed checkpoint, else of the last logged evaluation."""
+        return self.analysis.metrics if self.analysis is not None else self.log.last_metrics
+
+
+class PageFigures:
+    """Writes figures into ``figures/`` and returns the ``<figure>`` markup that shows them."""
+
+    def __init__(self, out_dir: Path, inline: bool) -> None:
+        self.out_dir = out_dir
+        self.inline = inline
+
+    def figure(self, figure: Figure, name: str, caption: str) -> str:
+        """Save ``figure`` as ``figures/<name>.png`` and return its escaped ``<figure>`` markup."""
+        path = figures.save_png(figure, self.out_dir / "figures" / f"{name}.png")
+        if self.inline:
+            source = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+        else:
+            source = f"figures/{path.name}"
+        text = html.escape(caption)
+        return (
+            f'<figure><img src="{html.escape(source)}" alt="{text}">'
+            f"<figcaption>{text}</figcaption></figure>"
+        )
+
+
+def note(text: str) -> str:
+    return f'<p class="note">{html.escape(text)}</p>'
+
+
+def section_slug(index: int, label: str) -> str:
+    return f"{index + 1:02d}-" + re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")[:60]
+
+
+_CONFIDENCE_SCORES = {
+    "top1_cos": "top-1 cosine similarity",
+    "norm_u": "−||u|| of the query",
+    "combined": "mean rank of both",
+}
+
+
+def _confidence_table(
+    qualities: dict[str, tuple[float, float]],
+    oracle: float | None,
+    answers: str,
+    error: str,
+    wrong_answers: str,
+) -> str:
+    """AUROC (detecting ``error``) and AURC (risk–coverage) of each confidence score.
+
+    ``qualities`` maps a score's description to its ``(auroc, aurc)``; ``answers`` names what is
+    answered ("queries", "test images") and ``wrong_answers`` the wrong ones.
+    """
+    rows = [
+        f"<tr><td>{html.escape(name)}</td><td>{format_metric('auroc', auroc)}</td>"
+        f"<td>{format_metric('aurc', aurc)}</td></tr>"
+        for name, (auroc, aurc) in qualities.items()
+    ]
+    if not rows:
+        return ""
+    floor = (
+        ""
+        if oracle is None
+        else f" The best any score could reach: AURC {format_metric('aurc', oracle)}."
+    )
+    return (
+        f"<table><tr><th>confidence score</th><th>AUROC ({html.escape(error)})</th>"
+        f"<th>{metric_heading('aurc')}</th></tr>"
+        + "".join(rows)
+        + "</table>"
+        + note(
+            f"AUROC: how well the score ranks {wrong_answers} below right ones (0.5 = chance). "
+            f"AURC: mean error rate when only the most confident {answers} are answered, over all "
+            f"coverage levels (lower is better).{floor}"
+        )
+    )
+
+
+def _retrieval_confidence(metrics: dict[str, float]) -> str:
+    """The confidence table of a metric-learning run, from its ``auroc_*``/``aurc_*`` metrics."""
+    qualities = {}
+    for key, name in _CONFIDENCE_SCORES.items():
+        auroc, aurc = metrics.get(f"auroc_{key}"), metrics.get(f"aurc_{key}")
+        if auroc is not None and aurc is not None:
+            qualities[name] = (auroc, aurc)
+    return _confidence_table(
+        qualities, metrics.get("aurc_oracle"), "queries", "wrong top-1", "wrong top-1 answers"
+    )
+
+
+def _conditions_figure(probe: UncertaintyProbe, slug: str, page: PageFigures) -> str:
+    """||u|| of the same test images clean and altered, with each alteration's AUROC."""
+    return page.figure(
+        figures.uncertainty_by_condition(
+            {k: v.numpy() for k, v in probe.levels.items()}, probe.auroc
+        ),
+        f"{slug}-uncertainty-conditions",
+        f"||u|| of {probe.levels['clean'].numel()} test images, clean and altered (Mixup with a "
+        "random partner, low resolution ÷4, blur σ 2, a quarter occluded); AUROC: how often the "
+        "altered image gets the larger ||u||.",
+    )
+
+
+def run_section(index: int, report: RunReport, page: PageFigures) -> str:
+    run, analysis = report.log, report.analysis
+    cfg = run.config
+    slug = section_slug(index, report.label)
+    batch = cfg.sampler.effective_batch_size
+    parts = [
+        f"<h2>Run {html.escape(report.label)}</h2>",
+        f'<p class="meta">Folder {html.escape(str(run.run_dir))}; name {html.escape(cfg.name)}; '
+        f"{html.escape(run.method)}; batch {batch}; seed {cfg.seed}.</p>",
+        *(note(text) for text in report.notes),
+        "<h3>Training curves</h3>",
+        page.figure(
+            figures.training_curves(run),
+            f"{slug}-curves",
+            "Mean training losses, test metrics (evaluated epochs) and learning rates per epoch.",
+        ),
+    ]
+    if not run.ssr_enabled:
+        parts.append(note("SSR was off in this run, so there is no ranking-loss curve."))
+
+    parts.append("<h3>Uncertainty during training</h3>")
+    if run.has_uncertainty:
+        parts.append(
+            page.figure(
+                figures.uncertainty_trend(run),
+                f"{slug}-uncertainty-trend",
+                "Mean uncertainty level ||u|| of original and mixed training images per epoch "
+                "(IDML paper, Fig. 7).",
+            )
+        )
+        if not run.mixup_enabled:
+            parts.append(note("Mixing was off in training, so only original images appear."))
+        elif not run.keys("uncertainty/original"):
+            parts.append(note("Every training image was mixed, so only mixed images appear."))
+    if run.keys("ism/pos_q50") or run.keys("ism/neg_q50"):
+        parts.append("<h3>Is ISM working? Saturation of the weakening</h3>")
+        parts.append(
+            page.figure(
+                figures.ism_saturation(run),
+                f"{slug}-ism-saturation",
+                "ISM's weakening factor e^(-y) of positive and negative relations over each "
+                "training epoch (1: the plain metric; near 0: the pair is saturated, its "
+                "similarity pinned and its gradient gone) and the share of saturated relations.",
+            )
+        )
+    else:
+        parts.append(
+            note(
+                "This run has no uncertainty head (plain metric), so there is no uncertainty "
+                "level to follow during training."
+            )
+        )
+
+    if analysis is None:
+        return "\n".join(parts)
+    if isinstance(analysis, ClassificationAnalysis):
+        parts.append(_classification_section(analysis, slug, page))
+        return "\n".join(parts)
+    parts.append("<h3>Test-set uncertainty</h3>")
+    if analysis.uncertainty is not None:
+        parts.append(
+            page.figure(
+                figures.uncertainty_histogram(analysis.uncertainty, analysis.mixed_uncertainty),
+                f"{slug}-uncertainty-test",
+                "Uncertainty levels ||u|| of the original test images and of Mixup images of "
+                f"random test pairs, {analysis.checkpoint} checkpoint (IDML paper, Fig. 9).",
+            )
+        )
+        if analysis.probe is not None:
+            parts.append(_conditions_figure(analysis.probe, slug, page))
+    else:
+        parts.append(
+            note("This run has no uncertainty head (plain metric): no test uncertainty levels.")
+        )
+    confidence = _retrieval_confidence(analysis.metrics)
+    if confidence:
+        parts.append("<h3>Can the answer's confidence be trusted?</h3>")
+        parts.append(confidence)
+        if analysis.risk_coverage:
+            parts.append(
+                page.figure(
+                    figures.risk_coverage_curves(
+                        analysis.risk_coverage, analysis.metrics.get("aurc_oracle")
+                    ),
+                    f"{slug}-risk-coverage",
+                    "Error rate of the top-1 answers kept when only the most confident share of "
+                    "the test queries is answered, for each confidence score.",
+                )
+            )
+
+    parts.append("<h3>Retrieval examples</h3>")
+    if len(analysis.queries):
+        parts.append(
+            page.figure(
+                figures.retrieval_grid(analysis),
+                f"{slug}-retrieval",
+                f"Random test queries (left) and their top-{analysis.neighbors.shape[1]} "
+                "neighbours; green: same class, red: another class (SSR paper, Fig. 5).",
+            )
+        )
+    else:
+        parts.append(note("No query has another image of its class, so there is no grid."))
+
+    parts.append("<h3>Embedding t-SNE</h3>")
+    if analysis.tsne is not None:
+        parts.append(
+            page.figure(
+                figures.tsne_scatter(analysis.tsne, analysis.tsne_labels, analysis.class_names),
+                f"{slug}-tsne",
+                "t-SNE of L2-normalised semantic test embeddings, coloured by class.",
+            )
+        )
+    parts.extend(note(text) for text in analysis.notes)
+    return "\n".join(parts)
+
+
+_CLASSIFICATION_METRICS = {
+    "ece": "expected calibration error: mean |accuracy − confidence| over the bins, weighted by "
+    "their share of images (Guo et al. 2017)",
+    "nll": "mean −log p(true class)",
+}
+
+
+def _classification_section(analysis: ClassificationAnalysis, slug: str, page: PageFigures) -> str:
+    """Metrics, reliability diagram, confusion matrix, risk–coverage, ``||u||`` by condition and
+    the most confident mistakes of a classification run's checkpoint."""
+    names = analysis.class_names
+    metrics = analysis.metrics
+    rows = "".join(
+        f'<tr><td class="text">{html.escape(metric_heading(key))}</td>'
+        f"<td>{format_metric(key, value)}</td>"
+        f'<td class="text">{html.escape(_describe_metric(key))}</td></tr>'
+        for key, value in sorted(metrics.items(), key=lambda item: metric_sort_key(item[0]))
+    )
+    parts = [
+        "<h3>Test metrics</h3>",
+        f'<p class="meta">{analysis.checkpoint} checkpoint, epoch {analysis.epoch}; '
+        f"{len(analysis.labels)} test images, {len(names)} classes.</p>",
+        '<table><tr><th class="text">metric</th><th>value</th><th class="text">meaning</th></tr>'
+        f"{rows}</table>",
+        "<h3>Calibration</h3>",
+        page.figure(
+            figures.reliability_diagram(analysis.calibration, metrics.get("ece")),
+            f"{slug}-reliability",
+            f"Reliability diagram: test images in {len(analysis.calibration.counts)} equal-width "
+            "bins of their max softmax probability; bars: accuracy of each bin, shaded: its gap to "
+            "the bin's mean confidence (the ECE's terms), dashed: perfect calibration (Guo et al. "
+            "2017, Fig. 1).",
+        ),
+        "<h3>Confusion matrix</h3>",
+        page.figure(
+            figures.confusion_matrix_figure(analysis.normalized_confusion, names),
+            f"{slug}-confusion",
+            "Share of each true class (row) predicted as each class (column); the diagonal is "
+            "each class's accuracy.",
+        ),
+    ]
+    confused = analysis.most_confused(10)
+    if confused:
+        counts = analysis.confusion.sum(axis=1)
+        cells = "".join(
+            f'<tr><td class="text">{html.escape(names[t])}</td>'
+            f'<td class="text">{html.escape(names[p])}</td><td>{n}</td>'
+            f"<td>{100 * n / counts[t]:.1f}</td></tr>"
+            for t, p, n in confused
+        )
+        parts.append(
+            f'<p class="meta">The {len(confused)} most frequent confusions, by name:</p>'
+            '<table><tr><th class="text">true class</th><th class="text">predicted as</th>'
+            f"<th>images</th><th>% of the true class</th></tr>{cells}</table>"
+        )
+    selective = analysis.selective
+    qualities = {
+        CLASSIFICATION_SCORES[key]: (q.auroc, q.aurc) for key, q in selective.quality.items()
+    }
+    parts.append("<h3>Can the prediction's confidence be trusted?</h3>")
+    parts.append(
+        _confidence_table(
+            qualities, selective.oracle_aurc, "test images", "wrong prediction", "wrong predictions"
+        )
+    )
+    curves = {CLASSIFICATION_SCORES[k]: c for k, c in selective.curves.items()}
+    parts.append(
+        page.figure(
+            figures.risk_coverage_curves(
+                curves,
+                selective.oracle_aurc,
+                answers="test images",
+                error="misclassified",
+                legend="best",
+            ),
+            f"{slug}-risk-coverage",
+            "Error rate of the predictions kept when only the most confident share of the test "
+            "images is classified, for each confidence score (Geifman & El-Yaniv 2017).",
+        )
+    )
+    if "norm_u" not in selective.quality:
+        parts.append(note("This run has no uncertainty head, so −||u|| is not a score here."))
+
+    parts.append("<h3>Test-set uncertainty</h3>")
+    if analysis.probe is not None:
+        parts.append(_conditions_figure(analysis.probe, slug, page))
+    else:
+        parts.append(note("This run has no uncertainty head: no test uncertainty levels."))
+
+    parts.append("<h3>Most confident mistakes</h3>")
+    if len(analysis.mistakes):
+        ids = analysis.mistakes
+        parts.append(
+            page.figure(
+                figures.mistakes_grid(
+                    analysis.mistake_images,
+                    [names[int(analysis.labels[i])] for i in ids],
+                    [names[int(analysis.predicted[i])] for i in ids],
+                    [float(analysis.confidence[i]) for i in ids],
+                ),
+                f"{slug}-mistakes",
+                f"The {len(ids)} misclassified test images with the highest max softmax "
+                "probability: true class, predicted class and its probability p.",
+            )
+        )
+    parts.extend(note(text) for text in analysis.notes)
+    return "\n".join(parts)
+
+
+def _describe_metric(key: str) -> str:
+    """One line on what a classification metric is."""
+    if key in _CLASSIFICATION_METRICS:
+        return _CLASSIFICATION_METRICS[key]
+    if key.startswith("top") and key[3:].isdigit():
+        return f"share of test images whose class is among the {key[3:]} largest logits"
+    if key.startswith("u_"):
+        return f"mean ||u|| of the {key[2:]} test images (probe of the run's evaluation)"
+    return ""

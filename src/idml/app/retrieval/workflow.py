@@ -1,0 +1,237 @@
+"""What ``idml index``, ``idml search`` and ``idml serve`` do: read galleries and queries, embed
+them with the index's model, and build, extend or search an :class:`~idml.app.retrieval.Index`.
+
+Galleries and queries are read from
+
+* an image file, an image folder (recursively; label = parent folder name; id = the path relative to
+  the folder) or a CSV of ``path[,label]`` (id = the path as written), or
+* an embeddings file of ``idml embed`` (``.npz``, ``.pt``, ``.safetensors``; ids = its recorded
+  paths, else the row numbers).
+
+Images are embedded with the model the index was built with: the run (or export) folder recorded
+in its manifest, or one given explicitly, whose weights must hash to the manifest's
+``weights_sha256``. Embeddings of another model are refused, as their similarities to the gallery
+would be meaningless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import Tensor
+
+from idml.app.inference import Encoder, ModelInfo
+from idml.app.retrieval.index import Index, IndexFormatError
+from idml.app.retrieval.output import result_records
+from idml.data import IMAGE_EXTENSIONS
+
+
+@dataclass
+class ItemSource:
+    """Items to index or to query: ids, paths and labels, and either image files or embeddings."""
+
+    ids: list[str]
+    paths: list[str | None]
+    labels: list[str | None]
+    images: list[Path] | None = None
+    embeddings: Tensor | None = None
+    uncertainty: Tensor | None = None  # ||u|| per item, when read from a file
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def read_images(source: str | Path) -> ItemSource:
+    """An image file, a folder of images or a CSV of ``path[,label]`` (see the module docstring)."""
+    from idml.app.trained_run import list_images
+
+    source = Path(source)
+    if source.is_file() and source.suffix.lower() in IMAGE_EXTENSIONS:
+        return ItemSource([source.name], [str(source.resolve())], [None], [source])
+    files, labels = list_images(source)
+    root = source if source.is_dir() else source.parent
+    ids = []
+    for f in files:
+        try:
+            ids.append(f.relative_to(root).as_posix())
+        except ValueError:  # an absolute CSV path outside the CSV's folder
+            ids.append(str(f))
+    return ItemSource(
+        ids,
+        [str(f.resolve()) for f in files],
+        list(labels) if labels is not None else [None] * len(files),
+        list(files),
+    )
+
+
+def read_embeddings(path: str | Path) -> ItemSource:
+    """An ``idml embed`` file (or any file :func:`~idml.evaluation.io.load_embedding_file` reads)."""
+    from idml.evaluation.io import load_embedding_file
+
+    f = load_embedding_file(path)
+    n = f.semantic.shape[0]
+    unc = f.uncertainty
+    if unc is not None and unc.dim() == 2:
+        unc = unc.float().norm(dim=1)  # uncertainty vectors: their norm is the level
+    labels: list[str | None] = [None] * n
+    if f.labels is not None:
+        ids = f.labels.reshape(-1).tolist()
+        names = f.classes
+        labels = [names[i] if names and 0 <= i < len(names) else str(i) for i in ids]
+    paths: list[str | None] = list(f.paths) if f.paths is not None else [None] * n
+    item_ids = list(f.paths) if f.paths is not None else [str(i) for i in range(n)]
+    return ItemSource(item_ids, paths, labels, embeddings=f.semantic.float(), uncertainty=unc)
+
+
+def read_source(path: str | Path) -> ItemSource:
+    """:func:`read_embeddings` for ``.npz/.npy/.pt/.safetensors`` files, else :func:`read_images`."""
+    suffix = Path(path).suffix.lower()
+    if Path(path).is_file() and suffix in (".npz", ".npy", ".pt", ".pth", ".safetensors"):
+        return read_embeddings(path)
+    return read_images(path)
+
+
+def encode(
+    source: ItemSource, encoder: Encoder | None, batch_size: int = 64, progress: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """The source's embeddings and ``||u||``: read from its file, or computed by ``encoder``."""
+    if source.embeddings is not None:
+        return source.embeddings, source.uncertainty
+    if encoder is None:
+        raise ValueError("embedding images needs a model; give --checkpoint RUN")
+    assert source.images is not None
+    out = encoder.embed(source.images, batch_size=batch_size, progress=progress)
+    return out.embeddings, out.uncertainty
+
+
+def encoder_for_index(
+    index: Index,
+    checkpoint: str | Path | None = None,
+    which: str = "best",
+    device: str | None = None,
+) -> Encoder:
+    """The index's model (``checkpoint`` if given, else the folder in its manifest), verified."""
+    if checkpoint is None:
+        if index.model is None:
+            raise IndexFormatError(
+                "this index was built from embeddings without a model; give --checkpoint RUN to "
+                "embed query images, or query with --embeddings FILE"
+            )
+        checkpoint = index.model.source
+        if not Path(checkpoint).exists():
+            raise FileNotFoundError(
+                f"the index's model {checkpoint} no longer exists; give --checkpoint RUN (the same "
+                "weights, e.g. an `idml export` folder of it)"
+            )
+    encoder = Encoder.load(checkpoint, which=which, device=device)
+    check_model(index, encoder.info)
+    return encoder
+
+
+def check_model(index: Index, info: ModelInfo) -> None:
+    """Refuse a model whose weights or dimension differ from the index's."""
+    if info.embedding_dim != index.dim:
+        raise IndexFormatError(
+            f"model {info.source} embeds in {info.embedding_dim} dimensions but the index has "
+            f"{index.dim}; use the model the index was built with"
+        )
+    if index.model is not None and not info.same_model(index.model):
+        raise IndexFormatError(
+            f"model {info.source} (weights {info.weights_sha256[:12]}) is not the index's model "
+            f"{index.model.source} (weights {index.model.weights_sha256[:12]}); embeddings of "
+            "different models are not comparable. Use the index's run, or rebuild the index"
+        )
+
+
+def build_index(
+    gallery: str | Path,
+    out: str | Path,
+    checkpoint: str | Path | None = None,
+    *,
+    which: str = "best",
+    add: bool = False,
+    backend: str = "exact",
+    faiss_factory: str = "HNSW32",
+    search_parameters: str | None = None,
+    batch_size: int = 64,
+    device: str | None = None,
+    progress: bool = False,
+    log: Callable[[str], object] = lambda _: None,
+) -> Index:
+    """Embed ``gallery`` with ``checkpoint`` and write an index to ``out`` (or extend it: ``add``)."""
+    out = Path(out)
+    existing = Index.load(out) if add else None
+    if not add and out.exists():
+        raise FileExistsError(f"{out} already exists; pass --add to extend it, or remove it first")
+    source = read_source(gallery)
+    encoder = None
+    if checkpoint is not None:
+        encoder = Encoder.load(checkpoint, which=which, device=device)
+        if existing is not None:
+            check_model(existing, encoder.info)
+    elif existing is not None and source.embeddings is None:
+        encoder = encoder_for_index(existing, device=device)
+    if (
+        source.embeddings is not None
+        and encoder is not None
+        and source.embeddings.shape[1] != encoder.info.embedding_dim
+    ):
+        raise ValueError(
+            f"{gallery}: embeddings of dimension {source.embeddings.shape[1]}, but model "
+            f"{encoder.info.source} has {encoder.info.embedding_dim}; they are not its embeddings"
+        )
+    log(f"embedding {len(source)} items from {gallery}")
+    emb, unc = encode(source, encoder, batch_size, progress)
+    model = encoder.info if encoder is not None else None
+    if existing is not None:
+        index = existing.add(emb, unc, source.ids, source.paths, source.labels, model=model)
+    else:
+        index = Index.create(
+            emb,
+            unc,
+            source.ids,
+            source.paths,
+            source.labels,
+            model,
+            backend=backend,
+            faiss_factory=faiss_factory,
+            search_parameters=search_parameters,
+        )
+    index.save(out, overwrite=add)
+    return index
+
+
+def search_source(
+    index: Index,
+    queries: ItemSource,
+    k: int = 10,
+    encoder: Encoder | None = None,
+    *,
+    batch_size: int = 64,
+    progress: bool = False,
+    device: str | None = None,
+) -> list[dict]:
+    """Search ``index`` with ``queries`` (images need ``encoder``) → one record per query."""
+    emb, unc = encode(queries, encoder, batch_size, progress)
+    if emb.shape[1] != index.dim:
+        raise ValueError(
+            f"query embeddings have dimension {emb.shape[1]} but the index has {index.dim}; "
+            "they come from another model"
+        )
+    result = index.search(emb, k, unc, device=device)
+    return result_records(result, index, queries.ids, queries.paths)
+
+
+__all__ = [
+    "ItemSource",
+    "build_index",
+    "check_model",
+    "encode",
+    "encoder_for_index",
+    "read_embeddings",
+    "read_images",
+    "read_source",
+    "search_source",
+]
