@@ -20,7 +20,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -68,12 +68,12 @@ def claim_run_folder(
     *,
     resume: bool,
     overwrite: bool,
-    log: Callable[[str], None] = print,
 ) -> Iterator[Path | None]:
     """Lock ``run_dir`` for this process and apply the resume/overwrite decision.
 
     Yields the folder the old run was moved to (``overwrite`` of a folder that held a run), else
-    ``None``. The lock is released on exit, also when training fails.
+    ``None``; the caller says so in its own words (the trainer names ``--overwrite``, an ablation
+    the changed config). The lock is released on exit, also when training fails.
     """
     if resume and overwrite:
         raise RunFolderError("give either --resume or --overwrite, not both")
@@ -89,7 +89,6 @@ def claim_run_folder(
                     "deleted), or choose another --out"
                 )
             moved = move_run_aside(run_dir)
-            log(f"--overwrite: moved the previous run in {run_dir} to {moved}")
         yield moved
     finally:
         _release(lock)

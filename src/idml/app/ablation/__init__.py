@@ -255,7 +255,7 @@ def _run_one(
         # one: its checkpoints must not be resumed nor mixed with the new run's. It is moved aside
         # as `--overwrite` does (never deleted: it may be the only copy of hours of training), and
         # the claim refuses a folder that another live process is still writing.
-        with claim_run_folder(plan.run_dir, resume=False, overwrite=True, log=_quiet) as moved:
+        with claim_run_folder(plan.run_dir, resume=False, overwrite=True) as moved:
             if moved is None and any(plan.run_dir.iterdir()):
                 moved = move_run_aside(plan.run_dir)  # debris without a log or checkpoints
         if moved is not None:
@@ -288,10 +288,6 @@ def _run_one(
     }
     atomic_write_text(result_path, json.dumps(record, indent=2))
     return _seed_result(plan, record, "resumed" if resume else "retrained" if stale else "trained")
-
-
-def _quiet(_: str) -> None:
-    """The claim's own "--overwrite: moved ..." line would name an option ablate has not got."""
 
 
 def _resumable(plan: _Plan) -> bool:

@@ -193,7 +193,9 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
             if self.dist.is_main
             else contextlib.nullcontext()
         )
-        with claim:
+        with claim as moved:
+            if moved is not None:
+                print(f"--overwrite: moved the previous run in {self.run_dir} to {moved}")
             return self._fit(resume)
 
     def _fit(self, resume: bool) -> TrainResult:
