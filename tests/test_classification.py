@@ -176,6 +176,32 @@ def test_topk_and_ece_hand_cases() -> None:
         topk_accuracy(logits, torch.tensor([0, 1, 2, 3]))
 
 
+def test_evaluate_classifier_measures_what_its_settings_ask() -> None:
+    from torch.utils.data import TensorDataset
+
+    from idml.classification import ClassifierEvaluationSettings, evaluate_classifier
+    from idml.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=True)
+    classifier = IntrospectiveClassifier(3, 8, CosineSimilarity())
+    n = 6
+    data = TensorDataset(torch.rand(n, 3, 8, 8), torch.arange(n) % 3, torch.arange(n))
+
+    def metrics(settings: ClassifierEvaluationSettings | None) -> dict[str, float]:
+        return evaluate_classifier(
+            model, classifier, data, 4, torch.device("cpu"), introspective=True, settings=settings
+        )
+
+    probes = {"u_clean", "u_mixup", "u_cutmix", "u_lowres"}
+    assert set(metrics(None)) == {"top1", "ece", "nll"} | probes  # top5 needs 5 classes
+    plain = ClassifierEvaluationSettings(ks=[1, 2], ece_bins=5, uncertainty_probes=False)
+    assert plain.ks == (1, 2)
+    assert set(metrics(plain)) == {"top1", "top2", "ece", "nll"}
+    seeded = ClassifierEvaluationSettings(seed=3)
+    assert metrics(seeded) == metrics(seeded)  # the probes repeat for one seed
+
+
 # --------------------------------------------------------------------------- data
 def _write_images(folder: Path, count: int, value: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,13 @@ import torch
 
 import idml.evaluation.search.candidates as candidates_module
 import idml.evaluation.search.ranks as ranks_module
-from idml.evaluation import EvaluationSettings, RankAccumulator, evaluate_embeddings, exact_search
+from idml.evaluation import (
+    EvaluationSettings,
+    RankAccumulator,
+    SearchExecution,
+    evaluate_embeddings,
+    exact_search,
+)
 from idml.evaluation.retrieval_metrics import default_cutoffs
 from idml.evaluation.search import reference_search
 from synthetic import clustered
@@ -116,8 +122,7 @@ def ours(
         None if r_labels is None else torch.from_numpy(r_labels),
         metric=metric,
         normalize=normalize,
-        block_size=block_size,
-        max_rank_entries=max_rank_entries,
+        execution=SearchExecution(block_size=block_size, max_rank_entries=max_rank_entries),
     )
     acc = RankAccumulator(len(q), ks, cutoffs)
     for chunk in out.rank_chunks:
@@ -236,7 +241,9 @@ def test_tie_rules_on_a_hand_made_example() -> None:
     # Query 0 at the origin; references 1..4 all at distance 1 (a four-way tie).
     x = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
     labels = torch.tensor([0, 1, 0, 1, 2])
-    out = exact_search(x, labels, 3, metric="euclidean", normalize=False, block_size=2)
+    out = exact_search(
+        x, labels, 3, metric="euclidean", normalize=False, execution=SearchExecution(block_size=2)
+    )
     # Neighbour lists: equal scores in index order.
     assert out.neighbors.indices[0].tolist() == [1, 2, 3]
     # Ranks: query 0's only relevant item (2) is tied with 1, 3, 4 -> ranked after all of them.
@@ -262,13 +269,15 @@ def test_collapsed_embeddings_score_worst_not_best() -> None:
 def test_duplicate_of_the_query_is_a_neighbour_self_is_excluded_by_index() -> None:
     x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
     labels = torch.tensor([0, 1, 0, 1])
-    out = exact_search(x, labels, 3, block_size=1)
+    out = exact_search(x, labels, 3, execution=SearchExecution(block_size=1))
     assert out.neighbors.indices.tolist() == [[1, 2, 3], [0, 2, 3], [3, 0, 1], [2, 0, 1]]
 
 
 def test_k_larger_than_class_and_gallery() -> None:
     x, y = clustered(9, 3, 3, 0.5, seed=2)
-    out = exact_search(torch.from_numpy(x), torch.from_numpy(y), 50, block_size=4)
+    out = exact_search(
+        torch.from_numpy(x), torch.from_numpy(y), 50, execution=SearchExecution(block_size=4)
+    )
     assert out.neighbors.k == 8  # capped at the other 8 items
     assert sorted(out.neighbors.indices[0].tolist()) == list(range(1, 9))
     report = evaluate_embeddings(x, y, EvaluationSettings(ks=(1, 5, 100), nmi=False))
@@ -306,7 +315,9 @@ def test_introspective_ranking_matches_a_dense_ism_matrix() -> None:
     x, u = torch.randn(25, 6), torch.randn(25, 4)
     labels = torch.randint(0, 4, (25,))
     ism = IntrospectiveMetric(CosineSimilarity(), gamma=0.5, tau=2.0)
-    out = exact_search(x, labels, 24, metric=ism, query_uncertainty=u, block_size=4)
+    out = exact_search(
+        x, labels, 24, metric=ism, query_uncertainty=u, execution=SearchExecution(block_size=4)
+    )
     dense = ism(x, ux=u).double()
     dense.fill_diagonal_(-math.inf)
     expected = torch.sort(dense, dim=1, descending=True, stable=True).indices[:, :24]
@@ -348,18 +359,28 @@ def test_asymmetric_user_metric_takes_the_one_sided_path() -> None:
     torch.manual_seed(1)
     x, labels = torch.randn(30, 4), torch.randint(0, 4, (30,))
     metric = Bilinear(torch.randn(4, 4))
-    out = exact_search(x, labels, 5, metric=metric, block_size=7)
+    out = exact_search(x, labels, 5, metric=metric, execution=SearchExecution(block_size=7))
     assert not out.symmetric
     dense = metric(x).double().fill_diagonal_(-math.inf)
     expected = torch.sort(dense, dim=1, descending=True, stable=True).indices[:, :5]
     assert out.neighbors.indices.tolist() == expected.tolist()
 
 
+def test_search_execution_is_checked_when_made() -> None:
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        SearchExecution(block_size=0)
+    assert SearchExecution().block_size_on(torch.device("cpu")) == 2048
+    assert SearchExecution().device_for(torch.device("cpu")) == torch.device("cpu")
+
+
 def test_progress_callback_counts_every_tile() -> None:
     seen: list[int] = []
     x, y = clustered(50, 5, 4, 1.0, seed=0)
     out = exact_search(
-        torch.from_numpy(x), torch.from_numpy(y), 3, block_size=16, progress=seen.append
+        torch.from_numpy(x),
+        torch.from_numpy(y),
+        3,
+        execution=SearchExecution(block_size=16, progress=seen.append),
     )
     assert (
         sum(seen) == out.num_tiles == 10
@@ -425,7 +446,7 @@ def test_blocked_engine_equals_the_dense_reference_on_random_data(
     args = (torch.from_numpy(q), q_labels, 7) + (
         () if same_set else (torch.from_numpy(r), r_labels)
     )
-    ours = exact_search(*args, block_size=block_size)
+    ours = exact_search(*args, execution=SearchExecution(block_size=block_size))
     spec = reference_search(*args)
     clear = gaps_in_float64(q, r, same_set) > 1e-5
     assert clear.sum() > len(q) // 2
@@ -451,7 +472,9 @@ def test_blocked_engine_equals_the_dense_reference_with_ties(
     if n_r is not None:
         r = torch.cat([q[:4], torch.randint(0, 3, (n_r - 4, 3), generator=gen).float()])
         args += (r, torch.randint(0, 4, (n_r,), generator=gen))
-    ours = exact_search(*args, metric="euclidean", normalize=False, block_size=block_size)
+    ours = exact_search(
+        *args, metric="euclidean", normalize=False, execution=SearchExecution(block_size=block_size)
+    )
     spec = reference_search(*args, metric="euclidean", normalize=False)
     assert torch.equal(ours.neighbors.indices, spec.neighbors.indices)
     assert torch.equal(ours.neighbors.scores, spec.neighbors.scores)

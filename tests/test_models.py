@@ -3,7 +3,9 @@ an error that names the file to provide)."""
 
 from __future__ import annotations
 
+import json
 import math
+import pickle
 import warnings
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from idml.models import (
     BackboneSpec,
     MissingWeightsError,
     Pooling,
+    UncertaintyHeadSpec,
+    UncertaintyHeadSpecError,
     UncertaintyKind,
     build_backbone,
     build_model,
@@ -29,6 +33,7 @@ from idml.models import (
     timm_available,
     torch_cache_weights_path,
     uncertainty_level,
+    upgrade_build_config,
     weights_file_name,
 )
 from idml.models.backbones import IMAGENET_MEAN, IMAGENET_STD, LITE0_WEIGHTS_FILE
@@ -420,7 +425,10 @@ def test_default_uncertainty_head_is_bounded_and_learns() -> None:
 def test_linear_uncertainty_head_is_the_papers_layer_and_learns() -> None:
     torch.manual_seed(0)
     model = build_model(
-        "small_cnn", pretrained=False, embedding_dim=8, uncertainty=True, uncertainty_form="linear"
+        "small_cnn",
+        pretrained=False,
+        embedding_dim=8,
+        uncertainty=UncertaintyHeadSpec(form="linear"),
     )
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
@@ -444,9 +452,7 @@ def test_normalised_uncertainty_head_has_unit_norm_and_no_gradient() -> None:
         "small_cnn",
         pretrained=False,
         embedding_dim=8,
-        uncertainty=True,
-        uncertainty_normalize=True,
-        uncertainty_form="linear",
+        uncertainty=UncertaintyHeadSpec(form="linear", normalize=True),
     )
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
@@ -471,10 +477,7 @@ def test_uncertainty_activations_are_non_negative(activation: str) -> None:
         "small_cnn",
         pretrained=False,
         embedding_dim=8,
-        uncertainty=True,
-        uncertainty_dim=5,
-        uncertainty_activation=activation,
-        uncertainty_form="linear",
+        uncertainty=UncertaintyHeadSpec(dim=5, form="linear", activation=activation),
     )
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None and emb.uncertainty.shape == (4, 5)
@@ -488,26 +491,18 @@ def test_uncertainty_activations_are_non_negative(activation: str) -> None:
 
 def test_uncertainty_init_std_sets_the_starting_level() -> None:
     torch.manual_seed(0)
-    model = build_model(
-        "small_cnn",
-        pretrained=False,
-        embedding_dim=8,
-        uncertainty=True,
-        uncertainty_init_std=0.0,
-        uncertainty_form="linear",
-    )
+    linear = UncertaintyHeadSpec(form="linear", init_std=0.0)
+    model = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=linear)
     emb = model(_images(2, 3, 8))
     assert emb.uncertainty is not None and not bool(emb.uncertainty.any())
-    with pytest.raises(ValueError, match="uncertainty_init_std"):
+    with pytest.raises(ValueError, match="init_std must be a finite number"):
         build_model(
             "small_cnn",
             pretrained=False,
-            uncertainty=True,
-            uncertainty_init_std=-1.0,
-            uncertainty_form="linear",
+            uncertainty=UncertaintyHeadSpec(form="linear", init_std=-1.0),
         )
-    with pytest.raises(ValueError, match="only apply to uncertainty_form='linear'"):
-        build_model("small_cnn", pretrained=False, uncertainty=True, uncertainty_init_std=0.1)
+    with pytest.raises(UncertaintyHeadSpecError, match=r"\(init_std=0.1\): only form='linear'"):
+        UncertaintyHeadSpec(init_std=0.1)
 
 
 def test_pel_head_outputs_mean_and_log_variance() -> None:
@@ -526,12 +521,113 @@ def test_pel_head_outputs_mean_and_log_variance() -> None:
     torch.testing.assert_close(
         model.uncertainty_level(emb), torch.full((3,), 0.1), rtol=2e-6, atol=0
     )
-    with pytest.raises(ValueError, match="uncertainty_dim"):
+    with pytest.raises(ValueError, match=r"\(dim=8\): .* must equal embedding_dim=16"):
         build_model(
-            "small_cnn", pretrained=False, embedding_dim=16, uncertainty="pel", uncertainty_dim=8
+            "small_cnn",
+            pretrained=False,
+            embedding_dim=16,
+            uncertainty=UncertaintyHeadSpec("pel", dim=8),
         )
-    with pytest.raises(ValueError, match="PEL"):
-        build_model("small_cnn", pretrained=False, uncertainty="pel", uncertainty_normalize=True)
+    with pytest.raises(ValueError, match=r"\(normalize=True\): the PEL head takes no"):
+        UncertaintyHeadSpec("pel", form="linear", normalize=True)
+
+
+def test_uncertainty_head_spec_parses_the_shorthands_and_round_trips() -> None:
+    assert (
+        UncertaintyHeadSpec.parse(True) == UncertaintyHeadSpec.parse("ism") == UncertaintyHeadSpec()
+    )
+    assert UncertaintyHeadSpec.parse("pel") == UncertaintyHeadSpec(UncertaintyKind.PEL)
+    for none in (False, None, "none", UncertaintyKind.NONE):
+        assert UncertaintyHeadSpec.parse(none) is None
+    spec = UncertaintyHeadSpec(dim=5, form="linear", activation="softplus", init_std=0.01)
+    stored = json.loads(json.dumps(spec.to_dict()))
+    assert stored == {
+        "kind": "ism",
+        "dim": 5,
+        "form": "linear",
+        "max_norm": 1.0,
+        "init_level": 0.02,
+        "activation": "softplus",
+        "normalize": False,
+        "init_std": 0.01,
+    }
+    assert UncertaintyHeadSpec.parse(stored) == spec
+    with pytest.raises(UncertaintyHeadSpecError, match="uncertainty=None"):
+        UncertaintyHeadSpec("none")
+    with pytest.raises(UncertaintyHeadSpecError, match=r"\(dim=0\)"):
+        UncertaintyHeadSpec(dim=0)
+    # A worker process re-raises the error it received: it must survive pickling.
+    err = pickle.loads(pickle.dumps(UncertaintyHeadSpecError({"dim": 3}, "why")))
+    assert (err.fields, err.reason, str(err)) == (
+        {"dim": 3},
+        "why",
+        "UncertaintyHeadSpec(dim=3): why",
+    )
+
+
+def _rebuilt_equal(model: nn.Module, config: dict) -> nn.Module:
+    """``build_model(**upgrade_build_config(config))`` with ``model``'s weights, checked to give
+    ``model``'s outputs."""
+    rebuilt = build_model(**upgrade_build_config(config))
+    rebuilt.load_state_dict(model.state_dict())  # strict: the same modules, the same shapes
+    x = _images(3, 3, 8)
+    with torch.no_grad():
+        ours, theirs = model.eval()(x), rebuilt.eval()(x)
+    # The same float32 operations on the same weights and inputs (equal in practice).
+    torch.testing.assert_close(theirs.semantic, ours.semantic)
+    torch.testing.assert_close(theirs.uncertainty, ours.uncertainty)
+    return rebuilt
+
+
+def test_build_config_rebuilds_the_model_in_its_old_and_new_form() -> None:
+    """``build_config`` is stored with a model (JSON) and rebuilds it. Before UncertaintyHeadSpec
+    it spelled the head as flat ``uncertainty_*`` keys; those configs rebuild the same model."""
+    torch.manual_seed(0)
+    head = UncertaintyHeadSpec(dim=5, form="linear", activation="relu")
+    model = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=head)
+    new = json.loads(json.dumps(model.build_config))
+    assert new["uncertainty"] == head.to_dict()
+    assert not any(key.startswith("uncertainty_") for key in new)
+    # As build_model wrote it before UncertaintyHeadSpec (written out by hand, in its key order).
+    old = {
+        "backbone": "small_cnn",
+        "pretrained": False,
+        "embedding_dim": 8,
+        "uncertainty": "ism",
+        "uncertainty_dim": 5,
+        "uncertainty_activation": "relu",
+        "uncertainty_normalize": False,
+        "uncertainty_init_std": None,
+        "pooling": "sum",
+        "freeze_bn": False,
+        "freeze_bn_affine": False,
+        "in_channels": 3,
+        "uncertainty_form": "linear",
+        "uncertainty_max_norm": 1.0,
+        "uncertainty_init_level": 0.02,
+    }
+    assert upgrade_build_config(old) == new
+    assert upgrade_build_config(new) == new
+    for config in (old, new):
+        assert _rebuilt_equal(model, config).build_config == new
+    # The oldest configs have no uncertainty_form: their head was the paper's linear layer.
+    bounded_keys = ("uncertainty_form", "uncertainty_max_norm", "uncertainty_init_level")
+    oldest = {k: v for k, v in old.items() if k not in bounded_keys}
+    assert upgrade_build_config(oldest) == new
+
+    # The default bounded head, and a model without a head, the same way.
+    bounded = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=True)
+    old_bounded = {**old, "uncertainty_dim": None, "uncertainty_activation": "none"}
+    old_bounded["uncertainty_form"] = "bounded"
+    assert upgrade_build_config(old_bounded) == bounded.build_config
+    _rebuilt_equal(bounded, old_bounded)
+    plain = build_model("small_cnn", pretrained=False, embedding_dim=8)
+    assert plain.build_config["uncertainty"] is None
+    old_plain = {**old_bounded, "uncertainty": "none"}
+    assert upgrade_build_config(old_plain) == plain.build_config
+    rebuilt = build_model(**upgrade_build_config(old_plain))
+    assert rebuilt.uncertainty_head is None
+    rebuilt.load_state_dict(plain.state_dict())
 
 
 def test_uncertainty_level_is_the_norm_of_u() -> None:

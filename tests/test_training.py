@@ -204,6 +204,24 @@ def test_uncertainty_init_std_reaches_the_head_and_is_validated() -> None:
             load_config(None, [*linear, f"model.uncertainty.init_std={bad}"])
 
 
+def test_uncertainty_head_errors_name_the_config_keys() -> None:
+    from idml.app import build
+
+    pel = [*TINY, "loss.name=pel", "model.embedding_dim=16"]
+    model = build.build_model(load_config(None, pel))
+    assert model.uncertainty_kind.value == "pel" and model.uncertainty_dim == 16
+    with pytest.raises(ConfigError, match=r"^model\.uncertainty\.dim=8: .*embedding_dim=16.*PEL"):
+        build.build_model(load_config(None, [*pel, "model.uncertainty.dim=8"]))
+    linear = [*pel, "model.uncertainty.form=linear", "model.uncertainty.normalize=true"]
+    with pytest.raises(ConfigError, match=r"^model\.uncertainty\.normalize=true: the PEL head"):
+        build.build_model(load_config(None, linear))
+    without = [*TINY, "model.uncertainty.enabled=false", "model.uncertainty.dim=8"]
+    with pytest.raises(
+        ConfigError, match=r"model\.uncertainty\.dim=8 is set but .* no uncertainty"
+    ):
+        build.build_model(load_config(None, without))
+
+
 def test_uncertainty_lr_mult_gives_the_uncertainty_head_its_own_group(tmp_path: Path) -> None:
     common = [*TINY, *IDML, "optim.lr=0.01", "optim.head_lr_mult=10"]
     cfg = load_config(None, [*common, "optim.uncertainty_lr_mult=0.5"])

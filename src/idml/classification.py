@@ -285,6 +285,25 @@ def classify_dataset(
     )
 
 
+@dataclass(frozen=True)
+class ClassifierEvaluationSettings:
+    """What :func:`evaluate_classifier` measures (a run's ``classification.{ks, ece_bins,
+    uncertainty_probes}`` and its ``seed``)."""
+
+    ks: Sequence[int] = (1, 5)
+    """The top-k accuracies reported (``top1``, ``top5``)."""
+    ece_bins: int = 15
+    """Equal-width confidence bins of the ECE."""
+    uncertainty_probes: bool = True
+    """With an uncertainty head, also the mean ``||u||`` of Mixup, CutMix and low-resolution (×4)
+    versions of the test images (see :func:`classify_dataset`)."""
+    seed: int = 0
+    """Seeds the probes' partners and ``λ``, which then repeat for the same batch size."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ks", tuple(self.ks))  # immutable, compared by value
+
+
 def evaluate_classifier(
     model: EmbeddingModel,
     classifier: IntrospectiveClassifier,
@@ -293,17 +312,16 @@ def evaluate_classifier(
     device: torch.device,
     *,
     introspective: bool,
-    ks: Sequence[int] = (1, 5),
-    ece_bins: int = 15,
-    uncertainty_probes: bool = True,
-    seed: int = 0,
+    settings: ClassifierEvaluationSettings | None = None,
     progress: bool = False,
 ) -> dict[str, float]:
     """Test metrics of a classifier: ``top1``/``top5``, ``ece``, ``nll`` (clean images), and with an
     uncertainty head the mean ``||u||`` of clean, Mixup, CutMix and low-resolution (×4) versions of
-    the test images (``u_clean``, ``u_mixup``, ``u_cutmix``, ``u_lowres``); see
-    :func:`classify_dataset` and :meth:`ClassifierOutputs.metrics`.
+    the test images (``u_clean``, ``u_mixup``, ``u_cutmix``, ``u_lowres``), as ``settings``
+    [``ClassifierEvaluationSettings()``] asks; see :func:`classify_dataset` and
+    :meth:`ClassifierOutputs.metrics`.
     """
+    s = settings if settings is not None else ClassifierEvaluationSettings()
     outputs = classify_dataset(
         model,
         classifier,
@@ -311,8 +329,8 @@ def evaluate_classifier(
         batch_size,
         device,
         introspective=introspective,
-        uncertainty_probes=uncertainty_probes,
-        seed=seed,
+        uncertainty_probes=s.uncertainty_probes,
+        seed=s.seed,
         progress=progress,
     )
-    return outputs.metrics(ks, ece_bins)
+    return outputs.metrics(s.ks, s.ece_bins)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from idml.app.config import Config
+from idml.app.config import Config, ConfigError
 from idml.augment import (
     AugmentationPipeline,
     GaussianBlur,
@@ -36,7 +36,12 @@ from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.losses import LossContext, MetricLoss
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
-from idml.models import EmbeddingModel, UncertaintyKind
+from idml.models import (
+    EmbeddingModel,
+    UncertaintyHeadSpec,
+    UncertaintyHeadSpecError,
+    UncertaintyKind,
+)
 from idml.models import build_model as _build_model
 from idml.progress import Progress
 from idml.ranking import SelfSupervisedRanking
@@ -171,28 +176,59 @@ def embed_dataset(
 
 
 # --------------------------------------------------------------------------- model
+def uncertainty_head(cfg: Config) -> UncertaintyHeadSpec | None:
+    """The model's uncertainty head from ``model.uncertainty.*``: IDML's with ``enabled``, PEL's for
+    a probabilistic loss (which reads the PEL head's ``(μ, log σ²)``, whatever ``enabled`` says),
+    none otherwise."""
+    u = cfg.model.uncertainty
+    if cfg.loss.probabilistic:
+        kind = UncertaintyKind.PEL
+    elif u.enabled:
+        kind = UncertaintyKind.ISM
+    elif u.dim is not None:
+        raise ConfigError(
+            f"model.uncertainty.dim={u.dim} is set but the model has no uncertainty head; set "
+            "model.uncertainty.enabled=true or drop model.uncertainty.dim"
+        )
+    else:
+        return None
+    return UncertaintyHeadSpec(
+        kind,
+        dim=u.dim,
+        form=u.form,
+        max_norm=u.max_norm,
+        init_level=u.init_level,
+        activation=u.activation,
+        normalize=u.normalize,
+        init_std=u.init_std,
+    )
+
+
 def build_model(cfg: Config) -> EmbeddingModel:
+    """The configured embedding model (:func:`idml.models.build_model` on the ``model.*`` keys)."""
     m = cfg.model
-    # A probabilistic loss (PEL) reads the PEL head's (mean, log σ²), whatever model.uncertainty says.
-    uncertainty: bool | str = (
-        UncertaintyKind.PEL.value if cfg.loss.probabilistic else m.uncertainty.enabled
-    )
-    return _build_model(
-        backbone=m.backbone,
-        pretrained=m.pretrained,
-        embedding_dim=m.embedding_dim,
-        uncertainty=uncertainty,
-        uncertainty_dim=m.uncertainty.dim,
-        uncertainty_activation=m.uncertainty.activation,
-        uncertainty_normalize=m.uncertainty.normalize,
-        uncertainty_init_std=m.uncertainty.init_std,
-        uncertainty_form=m.uncertainty.form,
-        uncertainty_max_norm=m.uncertainty.max_norm,
-        uncertainty_init_level=m.uncertainty.init_level,
-        pooling=m.pooling,
-        freeze_bn=m.freeze_bn,
-        freeze_bn_affine=m.freeze_bn_affine,
-    )
+    try:
+        return _build_model(
+            backbone=m.backbone,
+            pretrained=m.pretrained,
+            embedding_dim=m.embedding_dim,
+            uncertainty=uncertainty_head(cfg),
+            pooling=m.pooling,
+            freeze_bn=m.freeze_bn,
+            freeze_bn_affine=m.freeze_bn_affine,
+        )
+    except UncertaintyHeadSpecError as err:
+        # The spec names its fields; the config spells them model.uncertainty.<field>.
+        keys = ", ".join(f"model.uncertainty.{k}={_config_value(v)}" for k, v in err.fields.items())
+        head = f" (loss.name={cfg.loss.name} uses the PEL head)" if cfg.loss.probabilistic else ""
+        raise ConfigError(f"{keys}: {err.reason}{head}") from None
+
+
+def _config_value(value: object) -> str:
+    """A value as a config file writes it (``true``, not ``True``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
 
 
 # --------------------------------------------------------------------------- metric and loss

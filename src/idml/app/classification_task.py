@@ -39,6 +39,7 @@ from idml.augment import AugmentedBatch, CutMix, Mixup
 from idml.classification import (
     BatchMixing,
     ClassificationAugmentation,
+    ClassifierEvaluationSettings,
     ClassifierOutputs,
     IntrospectiveClassifier,
     classify_dataset,
@@ -53,6 +54,13 @@ def _settings(cfg: Config) -> ClassificationConfig:
     if cfg.classification is None:  # the config validator fills it for task: classification
         raise ValueError("task: classification needs the classification section")
     return cfg.classification
+
+
+def evaluation_settings(cfg: Config) -> ClassifierEvaluationSettings:
+    """What a classification run's evaluation measures: ``classification.{ks, ece_bins,
+    uncertainty_probes}``, the probes seeded with the run's ``seed``."""
+    c = _settings(cfg)
+    return ClassifierEvaluationSettings(c.ks, c.ece_bins, c.uncertainty_probes, cfg.seed)
 
 
 def build_classification_data(cfg: Config) -> ClassificationSplit:
@@ -122,7 +130,6 @@ class ClassificationTrainer(Trainer):
         """Top-k accuracy, ECE, NLL and ``||u||`` probes on the test side (computed on rank 0)."""
         report = None
         if self.dist.is_main:
-            c = _settings(self.cfg)
             report = evaluate_classifier(
                 self.model,
                 self.loss,
@@ -130,10 +137,7 @@ class ClassificationTrainer(Trainer):
                 self.cfg.eval.batch_size,
                 self.device,
                 introspective=self.cfg.metric.introspective,
-                ks=c.ks,
-                ece_bins=c.ece_bins,
-                uncertainty_probes=c.uncertainty_probes,
-                seed=self.cfg.seed,
+                settings=evaluation_settings(self.cfg),
                 progress=self.progress,
             )
         return self.dist.broadcast_object(report)
@@ -169,6 +173,7 @@ class TrainedClassifier:
         (``eval.batch_size``, ``classification.uncertainty_probes``, ``seed``), so the numbers are
         those the trainer logged for this checkpoint."""
         cfg = self.config
+        settings = evaluation_settings(cfg)
         target = torch.device(device) if device is not None else torch.device("cpu")
         return classify_dataset(
             self.run.model.to(target),
@@ -177,8 +182,8 @@ class TrainedClassifier:
             cfg.eval.batch_size,
             target,
             introspective=cfg.metric.introspective,
-            uncertainty_probes=_settings(cfg).uncertainty_probes,
-            seed=cfg.seed,
+            uncertainty_probes=settings.uncertainty_probes,
+            seed=settings.seed,
             progress=progress,
         )
 
@@ -233,9 +238,9 @@ def evaluate_classification_run(
     """A trained classification run's test metrics (:func:`~idml.classification.evaluate_classifier`),
     from its ``which`` checkpoint (:func:`load_classification_run`)."""
     loaded = load_classification_run(path, which)
-    c = _settings(loaded.config)
+    settings = evaluation_settings(loaded.config)
     test = build_classification_data(loaded.config).test
-    return loaded.outputs(test, device, progress).metrics(c.ks, c.ece_bins)
+    return loaded.outputs(test, device, progress).metrics(settings.ks, settings.ece_bins)
 
 
 def run_task(path: Path, which: str = "best") -> str:

@@ -21,7 +21,13 @@ from idml.evaluation.evaluate import (
 from idml.evaluation.io import EmbeddingFile, load_embedding_file, load_labels
 from idml.evaluation.retrieval_metrics import PRCurve, RankAccumulator, per_query_metrics
 from idml.evaluation.scoring import PairScorer
-from idml.evaluation.search import NeighborLists, SearchOutput, exact_search, faiss_search
+from idml.evaluation.search import (
+    NeighborLists,
+    SearchExecution,
+    SearchOutput,
+    exact_search,
+    faiss_search,
+)
 from idml.evaluation.uncertainty import UncertaintySummary, summarize_uncertainty
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "PairScorer",
     "RankAccumulator",
     "RetrievalResult",
+    "SearchExecution",
     "SearchOutput",
     "UncertaintySummary",
     "evaluate_embeddings",

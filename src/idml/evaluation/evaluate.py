@@ -51,7 +51,13 @@ from idml.evaluation.retrieval_metrics import (
     ranks_from_neighbors,
 )
 from idml.evaluation.scoring import PairScorer
-from idml.evaluation.search import NeighborLists, exact_search, faiss_search, neighbors_only
+from idml.evaluation.search import (
+    NeighborLists,
+    SearchExecution,
+    exact_search,
+    faiss_search,
+    neighbors_only,
+)
 from idml.evaluation.settings import EvaluationSettings, KnnBackend
 from idml.evaluation.uncertainty import (
     ConfidenceQuality,
@@ -304,9 +310,7 @@ def _retrieve(
             metric=scorer,
             query_uncertainty=sets.q_unc if scorer.uses_uncertainty else None,
             reference_uncertainty=None if same_set or not scorer.uses_uncertainty else sets.ref_unc,
-            block_size=s.block_size,
-            device=device,
-            progress=progress,
+            execution=SearchExecution(block_size=s.block_size, device=device, progress=progress),
         )
         acc = RankAccumulator(n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels))
         for query_ids, ranks, num_rel in out.rank_chunks:

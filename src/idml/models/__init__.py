@@ -1,6 +1,7 @@
 """Embedding networks: backbones (typed registry), pooling, semantic / uncertainty / PEL heads.
 
-:func:`build_model` is the entry point; see :mod:`idml.models.backbones` for the backbone registry
+:func:`build_model` is the entry point (:class:`UncertaintyHeadSpec` describes an uncertainty
+head); see :mod:`idml.models.backbones` for the backbone registry
 and :mod:`idml.models.weights` for weight files, :mod:`idml.models.heads` for the heads and
 :mod:`idml.models.model` for :class:`EmbeddingModel`.
 """
@@ -23,10 +24,13 @@ from idml.models.model import (
     SemanticHead,
     UncertaintyActivation,
     UncertaintyHead,
+    UncertaintyHeadSpec,
+    UncertaintyHeadSpecError,
     UncertaintyKind,
     build_model,
     global_pool,
     uncertainty_level,
+    upgrade_build_config,
 )
 
 __all__ = [
@@ -40,6 +44,8 @@ __all__ = [
     "SemanticHead",
     "UncertaintyActivation",
     "UncertaintyHead",
+    "UncertaintyHeadSpec",
+    "UncertaintyHeadSpecError",
     "UncertaintyKind",
     "build_backbone",
     "build_model",
@@ -48,5 +54,6 @@ __all__ = [
     "timm_available",
     "torch_cache_weights_path",
     "uncertainty_level",
+    "upgrade_build_config",
     "weights_file_name",
 ]

@@ -1,10 +1,15 @@
 """The heads of :class:`~idml.models.model.EmbeddingModel` and what they are built from: global
 pooling of the backbone's feature map, the semantic head, the uncertainty heads (plain linear,
-bounded, PEL's ``log σ²``) and the uncertainty level ``||u||``."""
+bounded, PEL's ``log σ²``) with :class:`UncertaintyHeadSpec`, the description that builds one, and
+the uncertainty level ``||u||``."""
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +113,7 @@ class UncertaintyHead(nn.Module):
         if init_std is not None:
             if not (init_std >= 0 and math.isfinite(init_std)):
                 raise ValueError(
-                    f"uncertainty_init_std must be a finite number >= 0, got {init_std}"
+                    f"uncertainty init_std must be a finite number >= 0, got {init_std}"
                 )
             nn.init.normal_(self.linear.weight, std=init_std)
             nn.init.zeros_(self.linear.bias)
@@ -234,6 +239,156 @@ class LogVarianceHead(nn.Module):
 
     def forward(self, features: Tensor) -> Tensor:
         return self.linear(features)
+
+
+class UncertaintyHeadSpecError(ValueError):
+    """Fields of an :class:`UncertaintyHeadSpec` that do not go together.
+
+    ``fields`` holds the offending fields with their values and ``reason`` says what is wrong, so
+    that a front end can name the fields as its users write them (a run config, for one, writes
+    ``model.uncertainty.<field>``).
+    """
+
+    def __init__(self, fields: dict[str, Any], reason: str) -> None:
+        self.fields = fields
+        self.reason = reason
+        given = ", ".join(f"{name}={value!r}" for name, value in fields.items())
+        super().__init__(f"UncertaintyHeadSpec({given}): {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.fields, self.reason)
+
+
+@dataclass(frozen=True)
+class UncertaintyHeadSpec:
+    """The uncertainty head of an :class:`~idml.models.model.EmbeddingModel`: which one, and how
+    it is built (:meth:`build`). A model without an uncertainty head has no spec (``None``).
+
+    Fields that do not go together are refused on construction (:class:`UncertaintyHeadSpecError`):
+    the linear-only options with the bounded form, an activation or normalisation with PEL. Strings
+    are accepted for the enums. :meth:`to_dict` is the JSON form that
+    :attr:`EmbeddingModel.build_config <idml.models.model.EmbeddingModel.build_config>` stores;
+    :meth:`parse` reads it back, and :func:`~idml.models.model.build_model`'s shorthands.
+
+    Example:
+        >>> head = UncertaintyHeadSpec(dim=8).build(feature_dim=32, embedding_dim=16)
+        >>> type(head).__name__, head.linear.out_features
+        ('BoundedUncertaintyHead', 8)
+        >>> UncertaintyHeadSpec.parse("pel") == UncertaintyHeadSpec(UncertaintyKind.PEL)
+        True
+        >>> UncertaintyHeadSpec(init_std=0.1)
+        Traceback (most recent call last):
+        ...
+        idml.models.heads.UncertaintyHeadSpecError: UncertaintyHeadSpec(init_std=0.1): only form='linear' (the paper's linear layer) takes activation, normalize and init_std; the bounded head sets its scale with max_norm and init_level
+    """
+
+    kind: UncertaintyKind = UncertaintyKind.ISM
+    """``ism``: IDML's uncertainty embedding ``u``; ``pel``: PEL's ``log σ²`` (see
+    :class:`UncertaintyKind`)."""
+    dim: int | None = None
+    """``d_u`` [``None``: the embedding's ``d``]; PEL needs ``d_u = d``."""
+    form: UncertaintyForm = UncertaintyForm.BOUNDED
+    """ISM: ``bounded`` (default, :class:`BoundedUncertaintyHead`) or ``linear`` (the paper's plain
+    layer, :class:`UncertaintyHead`; ``activation``, ``normalize`` and ``init_std`` apply to it
+    only)."""
+    max_norm: float = DEFAULT_UNCERTAINTY_MAX_NORM
+    """The bounded head's ``u_max``, the bound of ``||u||``."""
+    init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL
+    """The bounded head's starting ``||u||/u_max``, in ``(0, 1)``."""
+    activation: UncertaintyActivation = UncertaintyActivation.NONE
+    """The linear head's output non-linearity: ``none`` (paper) | ``relu`` | ``softplus``."""
+    normalize: bool = False
+    """The linear head: L2-normalise ``u`` like the official code (no gradient reaches the head in
+    proxy losses, see :class:`UncertaintyHead`)."""
+    init_std: float | None = None
+    """The linear head: ``None`` = PyTorch's default Linear init, else ``N(0, std²)`` weights."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", UncertaintyKind(self.kind))
+        object.__setattr__(self, "form", UncertaintyForm(self.form))
+        object.__setattr__(self, "activation", UncertaintyActivation(self.activation))
+        if self.kind is UncertaintyKind.NONE:
+            raise UncertaintyHeadSpecError(
+                {"kind": self.kind.value},
+                "a spec describes an uncertainty head; a model without one takes uncertainty=None",
+            )
+        if self.dim is not None and self.dim < 1:
+            raise UncertaintyHeadSpecError(
+                {"dim": self.dim}, "d_u must be >= 1 (None: the embedding's size)"
+            )
+        if self.kind is UncertaintyKind.PEL:
+            shaping = self._set_fields("activation", "normalize")
+            if shaping:
+                raise UncertaintyHeadSpecError(
+                    shaping,
+                    "the PEL head takes no activation and no normalize (it outputs log σ², which "
+                    "must stay unconstrained)",
+                )
+        elif self.form is UncertaintyForm.BOUNDED:
+            linear_only = self._set_fields("activation", "normalize", "init_std")
+            if linear_only:
+                raise UncertaintyHeadSpecError(
+                    linear_only,
+                    "only form='linear' (the paper's linear layer) takes activation, normalize and "
+                    "init_std; the bounded head sets its scale with max_norm and init_level",
+                )
+
+    def _set_fields(self, *names: str) -> dict[str, Any]:
+        """Those of ``names`` that differ from their defaults, with their values."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return {
+            name: _plain(getattr(self, name))
+            for name in names
+            if getattr(self, name) != defaults[name]
+        }
+
+    @classmethod
+    def parse(
+        cls,
+        value: bool | str | UncertaintyKind | Mapping[str, Any] | UncertaintyHeadSpec | None,
+    ) -> UncertaintyHeadSpec | None:
+        """The head that :func:`~idml.models.model.build_model`'s ``uncertainty`` names: none for
+        ``None``, ``False`` or ``"none"``; the default head of a kind for ``True`` (ISM), ``"ism"``
+        or ``"pel"``; a spec as it is, or from its :meth:`to_dict`."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, bool):
+            return cls() if value else None
+        if isinstance(value, Mapping):
+            return cls(**value)
+        kind = UncertaintyKind(value)
+        return None if kind is UncertaintyKind.NONE else cls(kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, enums as their strings: JSON and YAML as they are."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    def output_dim(self, embedding_dim: int) -> int:
+        """``d_u`` on a model whose semantic embedding has ``embedding_dim``: ``dim``, or
+        ``embedding_dim`` when unset; the PEL head gives one variance per embedding dimension, so
+        it refuses any other."""
+        if self.kind is UncertaintyKind.PEL and self.dim not in (None, embedding_dim):
+            raise UncertaintyHeadSpecError(
+                {"dim": self.dim},
+                "the PEL head gives one variance per embedding dimension, so dim must equal "
+                f"embedding_dim={embedding_dim} (or be None)",
+            )
+        return embedding_dim if self.dim is None else self.dim
+
+    def build(self, feature_dim: int, embedding_dim: int) -> nn.Module:
+        """The head on ``feature_dim`` pooled features of a model with an ``embedding_dim``
+        semantic embedding, freshly initialised."""
+        dim = self.output_dim(embedding_dim)
+        if self.kind is UncertaintyKind.PEL:
+            return LogVarianceHead(feature_dim, dim)
+        if self.form is UncertaintyForm.BOUNDED:
+            return BoundedUncertaintyHead(feature_dim, dim, self.max_norm, self.init_level)
+        return UncertaintyHead(feature_dim, dim, self.activation, self.normalize, self.init_std)
+
+
+def _plain(value: Any) -> Any:
+    """An enum member as its value; anything else as it is."""
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def uncertainty_level(

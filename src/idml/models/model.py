@@ -1,6 +1,7 @@
 """The embedding network: backbone → global pooling → semantic head (+ uncertainty head).
 
-The heads live in :mod:`idml.models.heads` (re-exported here).
+The heads live in :mod:`idml.models.heads` (re-exported here); :class:`UncertaintyHeadSpec` says
+which uncertainty head a model carries and builds it.
 
 For an image ``x`` with pooled backbone features ``f = pool(F(x))`` (IDML and SSR both put their
 heads on the pooled features of one backbone):
@@ -9,8 +10,8 @@ heads on the pooled features of one backbone):
 - uncertainty embedding ``u`` from the *same* pooled features. By default a bounded level times a
   learned direction, ``u = u_max·σ(w·f̂ + c)·normalize(W_u f + b_u)`` (:class:`BoundedUncertaintyHead`,
   whose docstring gives the reasons: the paper's unbounded layer saturates ISM from the first step).
-  The paper's form, ``u = act(W_u f + b_u)``, is ``uncertainty_form='linear'`` (IDML paper §III-C:
-  "two randomly initialised fully connected layers"; Wang et al. 2022, Sec. III-C writes
+  The paper's form, ``u = act(W_u f + b_u)``, is ``UncertaintyHeadSpec(form='linear')`` (IDML
+  paper §III-C: "two randomly initialised fully connected layers"; Wang et al. 2022, Sec. III-C writes
   ``y_IN = f(x) = {s, u}``). The paper's default is a plain linear head — ``u`` not normalised, no
   activation — so that ``||u||`` is learned. Options: a ReLU/softplus activation, or L2-normalising
   ``u`` as the authors' released code does. **Normalising starves the head:** the released code only
@@ -40,8 +41,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,8 @@ from idml.models.heads import (
     UncertaintyActivation,
     UncertaintyForm,
     UncertaintyHead,
+    UncertaintyHeadSpec,
+    UncertaintyHeadSpecError,
     UncertaintyKind,
     global_pool,
     uncertainty_level,
@@ -87,10 +91,13 @@ __all__ = [
     "UncertaintyActivation",
     "UncertaintyForm",
     "UncertaintyHead",
+    "UncertaintyHeadSpec",
+    "UncertaintyHeadSpecError",
     "UncertaintyKind",
     "build_model",
     "global_pool",
     "uncertainty_level",
+    "upgrade_build_config",
 ]
 
 
@@ -100,10 +107,7 @@ class EmbeddingModel(nn.Module):
     Args:
         backbone: a :class:`~idml.models.backbones.Backbone` (its normalisation becomes buffers here).
         embedding_dim: ``d`` of the semantic embedding [512].
-        uncertainty: which second head, see :class:`UncertaintyKind` [none].
-        uncertainty_dim: ``d_u`` of the ISM head [``d``]; PEL needs ``d_u = d``.
-        uncertainty_activation, uncertainty_normalize, uncertainty_init_std: see
-            :class:`UncertaintyHead` (ISM only).
+        uncertainty: the second head, see :class:`UncertaintyHeadSpec` [none].
         pooling: :class:`Pooling` [sum].
         freeze_bn: keep every backbone BatchNorm in eval mode (running statistics never update).
         freeze_bn_affine: also freeze BatchNorm's ``γ, β`` (``requires_grad=False``; they are then
@@ -115,16 +119,9 @@ class EmbeddingModel(nn.Module):
         self,
         backbone: Backbone,
         embedding_dim: int = 512,
-        uncertainty: UncertaintyKind | str = UncertaintyKind.NONE,
-        uncertainty_dim: int | None = None,
-        uncertainty_activation: UncertaintyActivation | str = UncertaintyActivation.NONE,
-        uncertainty_normalize: bool = False,
-        uncertainty_init_std: float | None = None,
+        uncertainty: UncertaintyHeadSpec | None = None,
         pooling: Pooling | str = Pooling.SUM,
         freeze_bn: bool = True,
-        uncertainty_form: UncertaintyForm | str = UncertaintyForm.BOUNDED,
-        uncertainty_max_norm: float = DEFAULT_UNCERTAINTY_MAX_NORM,
-        uncertainty_init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL,
         freeze_bn_affine: bool = False,
         validate_inputs: bool = True,
     ) -> None:
@@ -136,8 +133,12 @@ class EmbeddingModel(nn.Module):
                 "freeze_bn_affine=True needs freeze_bn=True (affine parameters are frozen on top of "
                 "the running statistics)"
             )
-        self.uncertainty_kind = UncertaintyKind(uncertainty)
-        activation = UncertaintyActivation(uncertainty_activation)
+        if uncertainty is not None and not isinstance(uncertainty, UncertaintyHeadSpec):
+            raise TypeError(
+                f"uncertainty must be an UncertaintyHeadSpec or None, got {uncertainty!r} "
+                "(UncertaintyHeadSpec.parse reads build_model's True, 'ism' and 'pel')"
+            )
+        self.uncertainty_kind = UncertaintyKind.NONE if uncertainty is None else uncertainty.kind
         self.pooling = Pooling(pooling)
         self.backbone = backbone
         self.freeze_bn = freeze_bn
@@ -148,49 +149,8 @@ class EmbeddingModel(nn.Module):
         self.register_buffer("input_std", torch.tensor(backbone.std).view(1, channels, 1, 1))
         self.semantic_head = SemanticHead(backbone.feature_dim, embedding_dim)
         self.uncertainty_head: nn.Module | None = None
-        form = UncertaintyForm(uncertainty_form)
-        if self.uncertainty_kind is UncertaintyKind.ISM and form is UncertaintyForm.BOUNDED:
-            linear_only = {
-                "uncertainty_activation": activation is not UncertaintyActivation.NONE,
-                "uncertainty_normalize": uncertainty_normalize,
-                "uncertainty_init_std": uncertainty_init_std is not None,
-            }
-            if any(linear_only.values()):
-                names = ", ".join(k for k, v in linear_only.items() if v)
-                raise ValueError(
-                    f"{names} only apply to uncertainty_form='linear'; the bounded head sets its "
-                    "scale with uncertainty_max_norm and uncertainty_init_level"
-                )
-            self.uncertainty_head = BoundedUncertaintyHead(
-                backbone.feature_dim,
-                uncertainty_dim or embedding_dim,
-                uncertainty_max_norm,
-                uncertainty_init_level,
-            )
-        elif self.uncertainty_kind is UncertaintyKind.ISM:
-            self.uncertainty_head = UncertaintyHead(
-                backbone.feature_dim,
-                uncertainty_dim or embedding_dim,
-                activation,
-                uncertainty_normalize,
-                uncertainty_init_std,
-            )
-        elif self.uncertainty_kind is UncertaintyKind.PEL:
-            if uncertainty_dim not in (None, embedding_dim):
-                raise ValueError(
-                    f"uncertainty_dim={uncertainty_dim}: the PEL head gives one variance per "
-                    f"embedding dimension, so it must equal embedding_dim={embedding_dim} (or be None)"
-                )
-            if activation is not UncertaintyActivation.NONE or uncertainty_normalize:
-                raise ValueError(
-                    "uncertainty_activation / uncertainty_normalize do not apply to the PEL head "
-                    "(it outputs log σ², which must stay unconstrained)"
-                )
-            self.uncertainty_head = LogVarianceHead(backbone.feature_dim, embedding_dim)
-        elif uncertainty_dim is not None:
-            raise ValueError(
-                "uncertainty_dim is set but uncertainty='none'; enable the head or drop it"
-            )
+        if uncertainty is not None:
+            self.uncertainty_head = uncertainty.build(backbone.feature_dim, embedding_dim)
         if freeze_bn_affine:
             for bn in self._batchnorms():
                 for p in bn.parameters(recurse=False):
@@ -292,19 +252,17 @@ def build_model(
     backbone: str | BackboneName | BackboneSpec = BackboneName.RESNET50,
     pretrained: bool | str | Path = True,
     embedding_dim: int = 512,
-    uncertainty: bool | UncertaintyKind | str = False,
-    uncertainty_dim: int | None = None,
-    uncertainty_activation: UncertaintyActivation | str = UncertaintyActivation.NONE,
-    uncertainty_normalize: bool = False,
-    uncertainty_init_std: float | None = None,
+    uncertainty: bool
+    | str
+    | UncertaintyKind
+    | UncertaintyHeadSpec
+    | Mapping[str, Any]
+    | None = False,
     pooling: Pooling | str = Pooling.SUM,
     freeze_bn: bool | None = None,
     freeze_bn_affine: bool = False,
     in_channels: int = 3,
     download: bool = False,
-    uncertainty_form: UncertaintyForm | str = UncertaintyForm.BOUNDED,
-    uncertainty_max_norm: float = DEFAULT_UNCERTAINTY_MAX_NORM,
-    uncertainty_init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL,
 ) -> EmbeddingModel:
     """Build an :class:`EmbeddingModel` from config-like keyword arguments (the ``model.*`` keys).
 
@@ -314,25 +272,21 @@ def build_model(
         pretrained: ``True`` (ImageNet weights from the framework cache; never downloaded unless
             ``download``), ``False``, or a weights file path.
         embedding_dim: ``d`` [512].
-        uncertainty: ``False``/``"none"``, ``True``/``"ism"`` (IDML's ``u``) or ``"pel"``.
-        uncertainty_dim: ``d_u`` [``d``].
-        uncertainty_activation: ``none`` (paper) | ``relu`` | ``softplus``.
-        uncertainty_normalize: L2-normalise ``u`` like the official code (no gradient reaches the head
-            in proxy losses, see :class:`UncertaintyHead`).
-        uncertainty_init_std: ``None`` = PyTorch's default Linear init, else ``N(0, std²)`` weights.
-        uncertainty_form: ``bounded`` (default, :class:`BoundedUncertaintyHead`) or ``linear``
-            (the paper's plain layer, :class:`UncertaintyHead`; activation, normalisation and
-            ``init_std`` apply to it only).
-        uncertainty_max_norm, uncertainty_init_level: the bounded head's ``u_max`` and starting
-            ``||u||/u_max``.
+        uncertainty: the uncertainty head: ``False``/``"none"``/``None`` (none), ``True``/``"ism"``
+            (IDML's ``u``, the default bounded head) or ``"pel"``, or any other as an
+            :class:`UncertaintyHeadSpec` (or its :meth:`~UncertaintyHeadSpec.to_dict`), e.g.
+            ``UncertaintyHeadSpec(dim=128, form="linear")``.
         pooling: ``gap`` | ``gmp`` | ``sum`` (``avg``/``max`` accepted as aliases) [sum].
         freeze_bn: freeze BatchNorm running statistics; ``None`` = freeze iff pretrained.
         freeze_bn_affine: also freeze BatchNorm ``γ, β``.
         in_channels: 3, or 1 for ``small_cnn``/timm on grayscale data (RGB backbones repeat 1 → 3).
         download: allow downloading missing pretrained weights.
+
+    The model's :attr:`~EmbeddingModel.build_config` holds these arguments in JSON form (the head
+    as its :meth:`~UncertaintyHeadSpec.to_dict`), so that ``build_model(**config)`` builds the same
+    model again; one stored by an older version goes through :func:`upgrade_build_config` first.
     """
-    if isinstance(uncertainty, bool):
-        uncertainty = UncertaintyKind.ISM if uncertainty else UncertaintyKind.NONE
+    head = UncertaintyHeadSpec.parse(uncertainty)
     spec = BackboneSpec.parse(backbone)
     module = build_backbone(spec, pretrained=pretrained, download=download, in_channels=in_channels)
     is_pretrained = pretrained is not False
@@ -347,33 +301,61 @@ def build_model(
     model = EmbeddingModel(
         module,
         embedding_dim=embedding_dim,
-        uncertainty=uncertainty,
-        uncertainty_dim=uncertainty_dim,
-        uncertainty_activation=uncertainty_activation,
-        uncertainty_normalize=uncertainty_normalize,
-        uncertainty_init_std=uncertainty_init_std,
+        uncertainty=head,
         pooling=pooling,
         freeze_bn=freeze_bn,
         freeze_bn_affine=freeze_bn_affine,
-        uncertainty_form=uncertainty_form,
-        uncertainty_max_norm=uncertainty_max_norm,
-        uncertainty_init_level=uncertainty_init_level,
     )
     model.build_config = {
         "backbone": str(spec),
         "pretrained": pretrained if isinstance(pretrained, bool) else str(pretrained),
         "embedding_dim": embedding_dim,
-        "uncertainty": UncertaintyKind(uncertainty).value,
-        "uncertainty_dim": uncertainty_dim,
-        "uncertainty_activation": UncertaintyActivation(uncertainty_activation).value,
-        "uncertainty_normalize": uncertainty_normalize,
-        "uncertainty_init_std": uncertainty_init_std,
+        "uncertainty": None if head is None else head.to_dict(),
         "pooling": Pooling(pooling).value,
         "freeze_bn": freeze_bn,
         "freeze_bn_affine": freeze_bn_affine,
         "in_channels": in_channels,
-        "uncertainty_form": UncertaintyForm(uncertainty_form).value,
-        "uncertainty_max_norm": uncertainty_max_norm,
-        "uncertainty_init_level": uncertainty_init_level,
     }
     return model
+
+
+_FLAT_HEAD_KEYS = {
+    "uncertainty_dim": "dim",
+    "uncertainty_form": "form",
+    "uncertainty_max_norm": "max_norm",
+    "uncertainty_init_level": "init_level",
+    "uncertainty_activation": "activation",
+    "uncertainty_normalize": "normalize",
+    "uncertainty_init_std": "init_std",
+}
+"""The ``build_config`` keys of the uncertainty head before :class:`UncertaintyHeadSpec`, each with
+the spec field it became."""
+
+
+def upgrade_build_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored :attr:`EmbeddingModel.build_config` as :func:`build_model` takes it today.
+
+    Models built before :class:`UncertaintyHeadSpec` stored their head as flat ``uncertainty_*``
+    keys beside ``uncertainty`` (the kind); they become one ``uncertainty`` spec dict (``None``
+    without a head, whatever the flat keys said). The oldest have no ``uncertainty_form``: their
+    head was the paper's linear layer, from before the bounded head became the default, so they
+    keep it. A config of today's form comes back as it is.
+
+    Example:
+        >>> old = {"backbone": "small_cnn", "embedding_dim": 8, "uncertainty": "ism",
+        ...        "uncertainty_dim": 4, "uncertainty_form": "bounded", "uncertainty_max_norm": 2.0}
+        >>> new = upgrade_build_config(old)
+        >>> new["uncertainty"]["dim"], new["uncertainty"]["max_norm"], sorted(new)
+        (4, 2.0, ['backbone', 'embedding_dim', 'uncertainty'])
+        >>> upgrade_build_config(new) == new
+        True
+    """
+    flat = {field: config[key] for key, field in _FLAT_HEAD_KEYS.items() if key in config}
+    if not flat:
+        return dict(config)
+    upgraded = {key: value for key, value in config.items() if key not in _FLAT_HEAD_KEYS}
+    head = UncertaintyHeadSpec.parse(config.get("uncertainty", False))
+    if head is not None:
+        head = dataclasses.replace(head, **{"form": UncertaintyForm.LINEAR, **flat})
+    upgraded["uncertainty"] = None if head is None else head.to_dict()
+    return upgraded

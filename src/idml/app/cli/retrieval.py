@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from idml.app.cli.options import add_embedding_options, add_index_model
+
+if TYPE_CHECKING:
+    from idml.app.retrieval.workflow import Runtime
 
 
 def _add_embed(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +75,14 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_index)
 
 
+def _runtime(args: argparse.Namespace) -> Runtime:
+    """The :class:`~idml.app.retrieval.workflow.Runtime` of the ``--batch-size``, ``--device`` and
+    ``--no-progress`` flags (:func:`~idml.app.cli.options.add_embedding_options`)."""
+    from idml.app.retrieval.workflow import Runtime
+
+    return Runtime(args.batch_size, args.device, progress=not args.no_progress)
+
+
 def _run_index(args: argparse.Namespace) -> int:
     from idml.app.retrieval.workflow import build_index
 
@@ -83,9 +95,7 @@ def _run_index(args: argparse.Namespace) -> int:
         backend=args.backend,
         faiss_factory=args.faiss_index,
         search_parameters=args.search_parameters,
-        batch_size=args.batch_size,
-        device=args.device,
-        progress=not args.no_progress,
+        runtime=_runtime(args),
     )
     print(f"index {args.out}: {len(index)} items, dimension {index.dim}, backend {index.backend}")
     return 0
@@ -123,9 +133,7 @@ def _run_search(args: argparse.Namespace) -> int:
         queries,
         args.k,
         encoder,
-        batch_size=args.batch_size,
-        progress=not args.no_progress,
-        device=args.device,
+        runtime=_runtime(args),
     )
     if args.out is not None and args.out.suffix.lower() == ".csv":
         write_csv(records, args.out)

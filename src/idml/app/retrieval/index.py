@@ -53,7 +53,7 @@ from idml.app.inference import ModelInfo, file_sha256
 from idml.app.retrieval.confidence import confidence
 from idml.app.retrieval.faiss_backend import faiss_build, faiss_parameters
 from idml.evaluation.scoring import PairScorer, PreparedSide
-from idml.evaluation.search import neighbors_only
+from idml.evaluation.search import SearchExecution, neighbors_only
 
 FORMAT = "idml-index"
 VERSION = 1
@@ -291,8 +291,7 @@ class Index:
                 k_eff,
                 self.embeddings,
                 metric=_UnitCosine(),
-                block_size=block_size,
-                device=device,
+                execution=SearchExecution(block_size=block_size, device=device),
             )
             ids, sims = found.indices.cpu().long(), found.scores.cpu().float()
         if ids.shape[1] < k:  # fewer items than k: pad as "no neighbour"

@@ -11,7 +11,8 @@ Galleries and queries are read from
 Images are embedded with the model the index was built with: the run (or export) folder recorded
 in its manifest, or one given explicitly, whose weights must hash to the manifest's
 ``weights_sha256``. Embeddings of another model are refused, as their similarities to the gallery
-would be meaningless.
+would be meaningless. Where and how fast that goes (device, batch size, progress) is a
+:class:`Runtime`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ from idml.app.inference import Encoder, ModelInfo
 from idml.app.retrieval.index import Index, IndexFormatError
 from idml.app.retrieval.output import result_records
 from idml.data import IMAGE_EXTENSIONS
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how fast :func:`build_index` and :func:`search_source` go; none of it changes the
+    index they write or the neighbours they find (the ``--batch-size``, ``--device`` and
+    ``--no-progress`` of ``idml index`` and ``idml search``)."""
+
+    batch_size: int = 64
+    """Images per forward pass of the model."""
+    device: str | None = None
+    """Where the model runs when one is loaded, and the index is searched: ``cpu`` (default),
+    ``cuda``, ``cuda:N``."""
+    progress: bool = False
+    """Report progress while images are embedded (on stderr)."""
 
 
 @dataclass
@@ -155,12 +171,16 @@ def build_index(
     backend: str = "exact",
     faiss_factory: str = "HNSW32",
     search_parameters: str | None = None,
-    batch_size: int = 64,
-    device: str | None = None,
-    progress: bool = False,
+    runtime: Runtime | None = None,
     log: Callable[[str], object] = lambda _: None,
 ) -> Index:
-    """Embed ``gallery`` with ``checkpoint`` and write an index to ``out`` (or extend it: ``add``)."""
+    """Embed ``gallery`` with ``checkpoint`` and write an index to ``out`` (or extend it: ``add``).
+
+    ``backend``, ``faiss_factory`` and ``search_parameters`` are those of
+    :meth:`Index.create <idml.app.retrieval.index.Index.create>` (an extended index keeps its
+    own); ``runtime`` [``Runtime()``] says on which device the model runs, in which batches.
+    """
+    runtime = runtime if runtime is not None else Runtime()
     out = Path(out)
     existing = Index.load(out) if add else None
     if not add and out.exists():
@@ -168,11 +188,11 @@ def build_index(
     source = read_source(gallery)
     encoder = None
     if checkpoint is not None:
-        encoder = Encoder.load(checkpoint, which=which, device=device)
+        encoder = Encoder.load(checkpoint, which=which, device=runtime.device)
         if existing is not None:
             check_model(existing, encoder.info)
     elif existing is not None and source.embeddings is None:
-        encoder = encoder_for_index(existing, device=device)
+        encoder = encoder_for_index(existing, device=runtime.device)
     if (
         source.embeddings is not None
         and encoder is not None
@@ -183,7 +203,7 @@ def build_index(
             f"{encoder.info.source} has {encoder.info.embedding_dim}; they are not its embeddings"
         )
     log(f"embedding {len(source)} items from {gallery}")
-    emb, unc = encode(source, encoder, batch_size, progress)
+    emb, unc = encode(source, encoder, runtime.batch_size, runtime.progress)
     model = encoder.info if encoder is not None else None
     if existing is not None:
         index = existing.add(emb, unc, source.ids, source.paths, source.labels, model=model)
@@ -209,23 +229,24 @@ def search_source(
     k: int = 10,
     encoder: Encoder | None = None,
     *,
-    batch_size: int = 64,
-    progress: bool = False,
-    device: str | None = None,
+    runtime: Runtime | None = None,
 ) -> list[dict]:
-    """Search ``index`` with ``queries`` (images need ``encoder``) → one record per query."""
-    emb, unc = encode(queries, encoder, batch_size, progress)
+    """Search ``index`` with ``queries`` (images need ``encoder``) → one record per query;
+    ``runtime`` [``Runtime()``] gives the batches images are embedded in and the search's device."""
+    runtime = runtime if runtime is not None else Runtime()
+    emb, unc = encode(queries, encoder, runtime.batch_size, runtime.progress)
     if emb.shape[1] != index.dim:
         raise ValueError(
             f"query embeddings have dimension {emb.shape[1]} but the index has {index.dim}; "
             "they come from another model"
         )
-    result = index.search(emb, k, unc, device=device)
+    result = index.search(emb, k, unc, device=runtime.device)
     return result_records(result, index, queries.ids, queries.paths)
 
 
 __all__ = [
     "ItemSource",
+    "Runtime",
     "build_index",
     "check_model",
     "encode",

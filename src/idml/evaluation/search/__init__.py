@@ -16,7 +16,8 @@ The package, one idea per module:
 * :mod:`~idml.evaluation.search.candidates` — sparse lists of the scores that can change a query;
 * :mod:`~idml.evaluation.search.topk` — the running top-k merge;
 * :mod:`~idml.evaluation.search.ranks` — relevant scores and the three rank-counting regimes;
-* :mod:`~idml.evaluation.search.execution` — thread pool, per-block locks, progress;
+* :mod:`~idml.evaluation.search.execution` — thread pool, per-block locks, progress, and
+  :class:`SearchExecution`, the knobs of all that (block size, device, chunking, progress);
 * :mod:`~idml.evaluation.search.faiss_backend` — :func:`faiss_search`, approximate;
 * :mod:`~idml.evaluation.search.reference` — :func:`reference_search`, the dense specification.
 
@@ -32,13 +33,14 @@ Conventions (those of the DML literature; Musgrave et al. 2020, "A Metric Learni
   them ("pessimistic" ranking) — identical or collapsed embeddings can never inflate a metric, and
   the result does not depend on the order of the data;
 * memory is ``O(block² + N·(k + R_max))``; with very large classes (``N·R_max`` above
-  ``max_rank_entries``) queries are processed in chunks and only the rows of each chunk are
+  :attr:`SearchExecution.max_rank_entries`) queries are processed in chunks and only the rows of each chunk are
   scored against all references (no symmetry saving).
 
 Example:
     >>> import torch
     >>> x = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
-    >>> out = exact_search(x, torch.tensor([0, 0, 1, 1]), k=2, block_size=3)
+    >>> labels = torch.tensor([0, 0, 1, 1])
+    >>> out = exact_search(x, labels, k=2, execution=SearchExecution(block_size=3))
     >>> out.neighbors.indices.tolist()
     [[1, 3], [0, 3], [3, 1], [2, 1]]
     >>> [ranks.tolist() for _, ranks, _ in out.rank_chunks]
@@ -46,6 +48,7 @@ Example:
 """
 
 from idml.evaluation.search.exact import exact_search, neighbors_only
+from idml.evaluation.search.execution import SearchExecution
 from idml.evaluation.search.faiss_backend import faiss_search
 from idml.evaluation.search.reference import reference_search
 from idml.evaluation.search.results import NeighborLists, RankChunk, SearchOutput
@@ -53,6 +56,7 @@ from idml.evaluation.search.results import NeighborLists, RankChunk, SearchOutpu
 __all__ = [
     "NeighborLists",
     "RankChunk",
+    "SearchExecution",
     "SearchOutput",
     "exact_search",
     "faiss_search",

@@ -12,13 +12,12 @@ Per chunk of label-sorted queries:
    (:mod:`~idml.evaluation.search.execution`);
 3. **finish** — ranks ``pos_t = t + count(v_t)`` and the lists in original query order.
 
-Queries are chunked only when ``queries × max relevant`` exceeds ``max_rank_entries``; then each
-chunk's rows are scored against all references (no symmetric saving).
+Queries are chunked only when ``queries × max relevant`` exceeds
+:attr:`SearchExecution.max_rank_entries`; then each chunk's rows are scored against all references
+(no symmetric saving).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -26,13 +25,17 @@ from torch import Tensor
 from idml.evaluation.scoring import MetricSpec, PairScorer, PreparedSide
 from idml.evaluation.search import ranks, topk
 from idml.evaluation.search.candidates import candidates
-from idml.evaluation.search.execution import BlockLocks, Progress, run_tiles, search_workers
+from idml.evaluation.search.execution import (
+    BlockLocks,
+    Progress,
+    SearchExecution,
+    run_tiles,
+    search_workers,
+)
 from idml.evaluation.search.layout import Layout, TileSide, exclude_self, make_layout, num_tiles
 from idml.evaluation.search.layout import tiles as tile_order
 from idml.evaluation.search.results import NeighborLists, SearchOutput
 from idml.evaluation.search.state import INF, QueryState
-
-DEFAULT_MAX_RANK_ENTRIES = 1 << 24
 
 
 def exact_search(
@@ -46,10 +49,7 @@ def exact_search(
     normalize: bool = True,
     query_uncertainty: Tensor | None = None,
     reference_uncertainty: Tensor | None = None,
-    block_size: int | None = None,
-    device: torch.device | str | None = None,
-    max_rank_entries: int = DEFAULT_MAX_RANK_ENTRIES,
-    progress: bool | Callable[[int], object] = False,
+    execution: SearchExecution | None = None,
 ) -> SearchOutput:
     """Exact k-nearest neighbours and relevant ranks of ``query`` against ``reference``.
 
@@ -63,12 +63,8 @@ def exact_search(
             ready :class:`~idml.evaluation.scoring.PairScorer`.
         normalize: L2-normalise embeddings first (plain metrics).
         query_uncertainty, reference_uncertainty: uncertainty embeddings for ISM.
-        block_size: tile side (default 2048 on CPU, 8192 on CUDA); memory is ``O(block²)``.
-        device: where to compute (default: the device of ``query``).
-        max_rank_entries: bound on ``queries × max relevant`` held at once; above it queries are
-            chunked (and the symmetric saving is lost).
-        progress: ``True`` for progress over tiles (:mod:`idml.progress`), or a callback
-            receiving the tile count.
+        execution: how the search runs (block size, device, chunking, progress; ``None``: the
+            defaults); it changes nothing in the result, see :class:`SearchExecution`.
 
     Returns:
         :class:`SearchOutput` with neighbour lists in original index order and rank chunks.
@@ -76,13 +72,9 @@ def exact_search(
     if k < 0:
         raise ValueError(f"k (number of neighbours) must be >= 0, got {k}")
     scorer = metric if isinstance(metric, PairScorer) else PairScorer.from_spec(metric, normalize)
-    dev = torch.device(device) if device is not None else query.device
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(dev)!r} requested but CUDA is not available; use 'cpu'")
-    if block_size is None:
-        block_size = 8192 if dev.type == "cuda" else 2048
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    execution = execution if execution is not None else SearchExecution()
+    dev = execution.device_for(query.device)
+    block_size = execution.block_size_on(dev)
     same_set = reference is None
     q_labels = torch.as_tensor(query_labels).to(dev).long()
     r_labels = None if same_set else torch.as_tensor(reference_labels).to(dev).long()
@@ -93,8 +85,10 @@ def exact_search(
     queries, refs = _prepare(
         scorer, layout, dev, (query, query_uncertainty), (reference, reference_uncertainty)
     )
-    chunk_len, symmetric = _chunking(layout, block_size, max_rank_entries, scorer.symmetric)
-    bar = Progress(progress, num_tiles(n_q, n_r, block_size, symmetric))
+    chunk_len, symmetric = _chunking(
+        layout, block_size, execution.max_rank_entries, scorer.symmetric
+    )
+    bar = Progress(execution.progress, num_tiles(n_q, n_r, block_size, symmetric))
 
     out_scores = torch.full((n_q, k), -INF, device=dev)
     out_indices = torch.full((n_q, k), -1, dtype=torch.long, device=dev)

@@ -1,4 +1,5 @@
-"""Execution: which tiles run where, one at a time or on a thread pool, and progress.
+"""Execution: which tiles run where, one at a time or on a thread pool, and progress; the knobs
+of all that are a :class:`SearchExecution`.
 
 On CPU each worker thread takes whole tiles, single-threaded: its own matrix product, then the
 candidate work. That has a higher throughput than one multi-threaded product followed by the
@@ -15,11 +16,54 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed, wait
+from dataclasses import dataclass
 
 import torch
 
 Tile = tuple[slice, slice, bool]
 """``(rows, cols, serves_columns_too)``, as :func:`idml.evaluation.search.layout.tiles` yields."""
+
+DEFAULT_MAX_RANK_ENTRIES = 1 << 24
+
+
+@dataclass(frozen=True)
+class SearchExecution:
+    """How :func:`~idml.evaluation.search.exact_search` runs: where, in which pieces, and what it
+    reports while it does. None of these changes what it finds (neighbours, ranks, metrics), only
+    its memory, speed and, for the score of a neighbour, the last bit of float rounding.
+
+    Example:
+        >>> SearchExecution(block_size=512).block_size_on(torch.device("cpu"))
+        512
+    """
+
+    block_size: int | None = None
+    """Tile side (default 2048 on CPU, 8192 on CUDA); memory is ``O(block²)``."""
+    device: torch.device | str | None = None
+    """Where to compute (default: the device of the query embeddings)."""
+    max_rank_entries: int = DEFAULT_MAX_RANK_ENTRIES
+    """Bound on ``queries × max relevant`` held at once; above it queries are chunked (and the
+    symmetric saving is lost)."""
+    progress: bool | Callable[[int], object] = False
+    """``True`` for progress over tiles (:mod:`idml.progress`), or a callback receiving the tile
+    count."""
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def device_for(self, data: torch.device) -> torch.device:
+        """The device to compute on, for query embeddings on ``data``."""
+        dev = torch.device(self.device) if self.device is not None else data
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {str(dev)!r} requested but CUDA is not available; use 'cpu'")
+        return dev
+
+    def block_size_on(self, device: torch.device) -> int:
+        """The tile side on ``device``."""
+        if self.block_size is not None:
+            return self.block_size
+        return 8192 if device.type == "cuda" else 2048
 
 
 def search_workers(device: torch.device) -> int:

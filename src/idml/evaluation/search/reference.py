@@ -36,8 +36,10 @@ def reference_search(
     metric: MetricSpec | PairScorer = "cosine",
     normalize: bool = True,
 ) -> SearchOutput:
-    """Neighbours and relevant ranks from the full score matrix (same arguments and output as
-    :func:`~idml.evaluation.search.exact_search`; one rank chunk holding every query)."""
+    """Neighbours and relevant ranks from the full score matrix: the arguments and the output of
+    :func:`~idml.evaluation.search.exact_search` (one rank chunk holding every query), less its
+    uncertainty embeddings and its :class:`~idml.evaluation.search.SearchExecution`, which changes
+    nothing in the result."""
     scorer = metric if isinstance(metric, PairScorer) else PairScorer.from_spec(metric, normalize)
     same_set = reference is None
     q_labels = torch.as_tensor(query_labels).long()
