@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import enum
 import typing
-from abc import ABC, abstractmethod
 from typing import Literal
 
 import torch
@@ -144,9 +143,12 @@ def to_distance(values: Tensor, similarity: bool) -> Tensor:
     return safe_norm_from_squares(2.0 - 2.0 * values) if similarity else values
 
 
-class Metric(nn.Module, ABC):
+class Metric(nn.Module):
     """A pairwise comparison of embeddings; ``is_similarity`` gives its direction, and the methods
-    below state every direction-dependent rule once for losses and miners."""
+    below state every direction-dependent rule once for losses and miners.
+
+    A plain metric implements :meth:`matrix` on prepared rows; one that uses the uncertainty
+    embeddings (ISM) overrides :meth:`forward` instead."""
 
     is_similarity: bool = False
     uses_uncertainty: bool = False
@@ -158,7 +160,6 @@ class Metric(nn.Module, ABC):
     def prepare(self, x: Tensor) -> Tensor:
         return F.normalize(x, dim=1) if self.normalize else x
 
-    @abstractmethod
     def forward(
         self,
         x: Tensor,
@@ -166,7 +167,17 @@ class Metric(nn.Module, ABC):
         ux: Tensor | None = None,
         uy: Tensor | None = None,
     ) -> Tensor:
-        """``(B, B')`` matrix between rows of ``x`` and rows of ``y`` (``y = x`` when omitted)."""
+        """``(B, B')`` matrix between rows of ``x`` and rows of ``y`` (``y = x`` when omitted).
+
+        Both sides go through :meth:`prepare` (the batch once when ``y`` is omitted) and
+        :meth:`matrix` compares them; a plain metric ignores the uncertainties ``ux`` and ``uy``."""
+        x = self.prepare(x)
+        return self.matrix(x, x if y is None else self.prepare(y))
+
+    def matrix(self, x: Tensor, y: Tensor) -> Tensor:
+        """``(B, B')`` values between the prepared rows ``x`` and ``y``: what a plain metric
+        implements (a metric that overrides :meth:`forward` need not)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither matrix nor forward")
 
     def paired(
         self, x: Tensor, y: Tensor, ux: Tensor | None = None, uy: Tensor | None = None
@@ -213,15 +224,7 @@ class EuclideanDistance(Metric):
             raise ValueError(f"power must be 1 or 2, got {power}")
         self.power = power
 
-    def forward(
-        self,
-        x: Tensor,
-        y: Tensor | None = None,
-        ux: Tensor | None = None,
-        uy: Tensor | None = None,
-    ) -> Tensor:
-        x = self.prepare(x)
-        y = x if y is None else self.prepare(y)
+    def matrix(self, x: Tensor, y: Tensor) -> Tensor:
         if self.normalize:
             # ||x̂||² is 1 (0 for a zero row) and has zero gradient through the normalisation, so the
             # squared norms are taken detached: the same values and gradients, a cheaper backward.
@@ -253,15 +256,7 @@ class CosineSimilarity(Metric):
     def __init__(self) -> None:
         super().__init__(normalize=True)
 
-    def forward(
-        self,
-        x: Tensor,
-        y: Tensor | None = None,
-        ux: Tensor | None = None,
-        uy: Tensor | None = None,
-    ) -> Tensor:
-        x = self.prepare(x)
-        y = x if y is None else self.prepare(y)
+    def matrix(self, x: Tensor, y: Tensor) -> Tensor:
         return x @ y.T
 
     def paired(

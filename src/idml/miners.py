@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -161,6 +161,13 @@ class Miner(ABC):
     :class:`DistanceWeightedMiner`). Subclasses implement :meth:`mine`, which runs without gradient.
     """
 
+    repr_fields: ClassVar[tuple[str, ...]] = ()
+    """The settings ``repr`` shows as ``name=value``."""
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.repr_fields)
+        return f"{type(self).__name__}({settings})"
+
     def __call__(
         self,
         matrix: Tensor,
@@ -234,13 +241,12 @@ class SemiHardMiner(Miner):
     [(0, 1, 2), (1, 0, 3), (2, 3, 0), (3, 2, 1)]
     """
 
+    repr_fields = ("margin",)
+
     def __init__(self, margin: float = 0.1) -> None:
         if not margin > 0:
             raise ValueError(f"margin (semi-hard window δ) must be > 0, got {margin}")
         self.margin = float(margin)
-
-    def __repr__(self) -> str:
-        return f"SemiHardMiner(margin={self.margin})"
 
     def mine(
         self, matrix: Tensor, labels: LabelSets, similarity: bool, dim: int | None
@@ -287,13 +293,12 @@ class MultiSimilarityMiner(Miner):
     ([1], [0], [1], [2])
     """
 
+    repr_fields = ("epsilon",)
+
     def __init__(self, epsilon: float = 0.1) -> None:
         if not epsilon >= 0:
             raise ValueError(f"epsilon (mining margin) must be >= 0, got {epsilon}")
         self.epsilon = float(epsilon)
-
-    def __repr__(self) -> str:
-        return f"MultiSimilarityMiner(epsilon={self.epsilon})"
 
     def mine(
         self, matrix: Tensor, labels: LabelSets, similarity: bool, dim: int | None
@@ -343,6 +348,8 @@ class DistanceWeightedMiner(Miner):
     ([0, 1, 2, 3], [1, 0, 3, 2], 2)
     """
 
+    repr_fields = ("cutoff", "nonzero_loss_cutoff")
+
     def __init__(
         self,
         cutoff: float = 0.5,
@@ -357,12 +364,6 @@ class DistanceWeightedMiner(Miner):
         self.cutoff = float(cutoff)
         self.nonzero_loss_cutoff = float(nonzero_loss_cutoff)
         self.generator = generator
-
-    def __repr__(self) -> str:
-        return (
-            f"DistanceWeightedMiner(cutoff={self.cutoff}, "
-            f"nonzero_loss_cutoff={self.nonzero_loss_cutoff})"
-        )
 
     def probabilities(
         self, distance: Tensor, labels: LabelSets, dim: int | None, similarity: bool = False

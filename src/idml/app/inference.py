@@ -64,6 +64,22 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def read_json_file(
+    path: Path, *, missing: Exception, redo: str, error: type[ValueError] = ValueError
+) -> Any:
+    """The JSON value stored in ``path`` (an export's or an index's description of itself).
+
+    A missing file raises ``missing``, an error that says what the folder is not and how to make
+    one; text that is not JSON raises ``error("{path}: not valid JSON (...); {redo}")``.
+    """
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise missing from None
+    except ValueError as err:
+        raise error(f"{path}: not valid JSON ({err}); {redo}") from err
+
+
 def weights_sha256(model: nn.Module) -> str:
     """SHA-256 over a module's ``state_dict`` (names, dtypes, shapes and bytes), in key order."""
     digest = hashlib.sha256()
@@ -230,14 +246,13 @@ class Encoder:
         ``export.json``; needs neither the run nor its config."""
         folder = Path(folder)
         meta_path = folder / EXPORT_INFO
-        try:
-            meta = json.loads(meta_path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(
+        meta = read_json_file(
+            meta_path,
+            missing=FileNotFoundError(
                 f"{meta_path}: not an export folder (no {EXPORT_INFO}); run `idml export` first"
-            ) from None
-        except ValueError as err:
-            raise ValueError(f"{meta_path}: not valid JSON ({err}); export again") from err
+            ),
+            redo="export again",
+        )
         info = ModelInfo.from_dict(meta.get("model", {}), str(meta_path))
         # The export is now where these weights live (the run it came from may be elsewhere).
         info = replace(info, source=str(folder.resolve()), checkpoint=None)

@@ -1,10 +1,12 @@
 """The batch types of :mod:`idml.augment` and what every augmentation shares: the image check,
-the seeded random draws, :class:`AugmentedBatch` and its composition."""
+the seeded random draws, :class:`AugmentedBatch`, the checked :class:`BatchAugmentation` and their
+composition."""
 
 from __future__ import annotations
 
 import enum
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -187,6 +189,32 @@ class UncertaintyAugmentation(Protocol):
         labels: Tensor | LabelSets,
         generator: torch.Generator | None = None,
     ) -> AugmentedBatch: ...
+
+
+class BatchAugmentation(ABC):
+    """An augmentation that changes the batch itself (:class:`~idml.augment.Degradation`,
+    :class:`~idml.augment.Mixup`, :class:`~idml.augment.CutMix`), after checking it: the images
+    must pass :func:`check_images` and the labels give one label (set) per image.
+
+    Subclasses implement :meth:`augment` on the checked batch.
+    """
+
+    def __call__(
+        self,
+        images: Tensor,
+        labels: Tensor | LabelSets,
+        generator: torch.Generator | None = None,
+    ) -> AugmentedBatch:
+        """Check the batch, then :meth:`augment` it."""
+        check_images("images", images)
+        return self.augment(images, _coerce_labels(labels, images), generator)
+
+    @abstractmethod
+    def augment(
+        self, images: Tensor, labels: LabelSets, generator: torch.Generator | None
+    ) -> AugmentedBatch:
+        """The augmented batch of checked ``images`` and their label sets ``labels`` (on the images'
+        device)."""
 
 
 def apply_augmentations(

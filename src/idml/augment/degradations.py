@@ -14,18 +14,17 @@ from torch import Tensor
 
 from idml.augment.batch import (
     AugmentedBatch,
+    BatchAugmentation,
     _check_fraction,
-    _coerce_labels,
     _count,
     _rand,
     _randperm,
-    check_images,
 )
 from idml.relations import LabelSets
 
 
 @dataclass(frozen=True)
-class Degradation(ABC):
+class Degradation(BatchAugmentation, ABC):
     """Degrade a random ``round(fraction·B)`` rows of a batch in place of the originals; labels kept.
 
     The degraded rows are clamped to ``[0, 1]``; the others are returned bit-for-bit unchanged.
@@ -40,15 +39,10 @@ class Degradation(ABC):
     def degrade(self, images: Tensor, generator: torch.Generator | None) -> Tensor:
         """Degrade every image of ``images`` (the selected rows)."""
 
-    def __call__(
-        self,
-        images: Tensor,
-        labels: Tensor | LabelSets,
-        generator: torch.Generator | None = None,
+    def augment(
+        self, images: Tensor, labels: LabelSets, generator: torch.Generator | None
     ) -> AugmentedBatch:
         """Pick the rows, degrade them, report them in ``degraded``."""
-        check_images("images", images)
-        sets = _coerce_labels(labels, images)
         batch = images.shape[0]
         rows = _randperm(batch, generator, images.device)[: _count(self.fraction, batch)]
         out = images.clone()
@@ -56,7 +50,7 @@ class Degradation(ABC):
             out[rows] = self.degrade(images[rows], generator).clamp(0, 1).to(images.dtype)
         degraded = torch.zeros(batch, dtype=torch.bool, device=images.device)
         degraded[rows] = True
-        return AugmentedBatch(out, sets, torch.zeros_like(degraded), degraded)
+        return AugmentedBatch(out, labels, torch.zeros_like(degraded), degraded)
 
 
 @dataclass(frozen=True)

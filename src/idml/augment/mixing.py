@@ -12,21 +12,20 @@ from torch import Tensor
 
 from idml.augment.batch import (
     AugmentedBatch,
+    BatchAugmentation,
     MixupInfo,
     MixupMode,
     _check_fraction,
-    _coerce_labels,
     _count,
     _rand,
     _randperm,
-    check_images,
     sample_beta,
 )
 from idml.relations import LabelSets
 
 
 @dataclass(frozen=True)
-class _PairMixing:
+class _PairMixing(BatchAugmentation):
     """What :class:`Mixup` and :class:`CutMix` share: the settings of how many images to mix, the
     draw of the source pairs ``(a, b = π(a))`` and the batch with the mixed images appended.
 
@@ -51,18 +50,15 @@ class _PairMixing:
         its ``a`` source (in the images' dtype and device)."""
         raise NotImplementedError
 
-    def __call__(
-        self,
-        images: Tensor,
-        labels: Tensor | LabelSets,
-        generator: torch.Generator | None = None,
+    def augment(
+        self, images: Tensor, labels: LabelSets, generator: torch.Generator | None
     ) -> AugmentedBatch:
         """Append the mixed images; see the class docstring."""
-        sets, index_a, index_b = _draw_pairs(
+        index_a, index_b = _draw_pairs(
             self.name, images, labels, self.fraction, self.num_mixed, generator
         )
         mixed_images, lam = self.mix(images, index_a, index_b, generator)
-        return _append_mixed(images, sets, mixed_images, index_a, index_b, lam, self.mode)
+        return _append_mixed(images, labels, mixed_images, index_a, index_b, lam, self.mode)
 
 
 @dataclass(frozen=True)
@@ -121,16 +117,15 @@ def _check_mixing(name: str, alpha: float, fraction: float, num_mixed: int | Non
 def _draw_pairs(
     name: str,
     images: Tensor,
-    labels: Tensor | LabelSets,
+    labels: LabelSets,
     fraction: float,
     num_mixed: int | None,
     generator: torch.Generator | None,
-) -> tuple[LabelSets, Tensor, Tensor]:
-    """Validate a batch for mixing and draw ``M`` sorted distinct sources ``a`` and their partners
-    ``b = π(a)`` (:class:`Mixup`, :class:`CutMix`)."""
-    check_images("images", images)
-    sets = _coerce_labels(labels, images)
-    if not sets.is_single:
+) -> tuple[Tensor, Tensor]:
+    """Check that a checked batch can be mixed (one label per image, at most one mixed image per
+    source) and draw ``M`` sorted distinct sources ``a`` and their partners ``b = π(a)``
+    (:class:`Mixup`, :class:`CutMix`)."""
+    if not labels.is_single:
         raise ValueError(
             f"{name} needs one label per image, but labels already hold label sets; apply {name} "
             "once per batch"
@@ -144,7 +139,7 @@ def _draw_pairs(
         )
     index_a = _randperm(batch, generator, images.device)[:count].sort().values
     index_b = _randperm(batch, generator, images.device)[index_a]
-    return sets, index_a, index_b
+    return index_a, index_b
 
 
 def _append_mixed(

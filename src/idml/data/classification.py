@@ -33,7 +33,6 @@ from idml.data.datasets import (
     ArrayImageDataset,
     Channels,
     FileImageDataset,
-    ImageDataset,
     TrainTestPair,
     Transform,
 )
@@ -58,14 +57,8 @@ _TEST_FOLDERS = ("val", "test")
 class ClassificationSplit(TrainTestPair):
     """Train and test images of the same classes (labels ``0..C−1`` mean the same on both sides)."""
 
-    train: ImageDataset
-    test: ImageDataset
-    name: str
-
     def __post_init__(self) -> None:
-        for side, dataset in (("train", self.train), ("test", self.test)):
-            if len(dataset) == 0:
-                raise ValueError(f"{self.name}: the {side} split has no images")
+        self._check_sides_have_images()
         if self.train.classes != self.test.classes:
             only_train = sorted(set(self.train.classes) - set(self.test.classes))
             only_test = sorted(set(self.test.classes) - set(self.train.classes))

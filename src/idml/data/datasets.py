@@ -28,7 +28,7 @@ import copy
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Self, TypeVar
 
 import numpy as np
@@ -332,13 +332,26 @@ class ArrayImageDataset(ImageDataset):
         return taken
 
 
+@dataclass(frozen=True)
 class TrainTestPair:
-    """What every train/test split shares: the two sides' images and re-attaching transforms.
-    Subclasses are frozen dataclasses with the fields ``train``, ``test`` and ``name``."""
+    """What every train/test split shares: the two sides' images, the check that neither side is
+    empty, and re-attaching transforms. Subclasses are frozen dataclasses that add the checks of
+    their protocol in ``__post_init__``."""
 
     train: ImageDataset
     test: ImageDataset
     name: str
+
+    @property
+    def sides(self) -> tuple[tuple[str, ImageDataset], tuple[str, ImageDataset]]:
+        """``(("train", train), ("test", test))``: the sides with the names messages give them."""
+        return (("train", self.train), ("test", self.test))
+
+    def _check_sides_have_images(self, advice: str = "") -> None:
+        """Raise a ``ValueError`` naming the first side that has no images, followed by ``advice``."""
+        for side, dataset in self.sides:
+            if len(dataset) == 0:
+                raise ValueError(f"{self.name}: the {side} split has no images{advice}")
 
     @property
     def num_train_classes(self) -> int:
@@ -348,10 +361,10 @@ class TrainTestPair:
         self, train_transform: Transform | None, test_transform: Transform | None
     ) -> Self:
         """The same split with the given transforms (image data shared)."""
-        return type(self)(  # type: ignore[call-arg]
-            self.train.with_transform(train_transform),
-            self.test.with_transform(test_transform),
-            self.name,
+        return replace(
+            self,
+            train=self.train.with_transform(train_transform),
+            test=self.test.with_transform(test_transform),
         )
 
 
@@ -364,17 +377,11 @@ class DMLSplit(TrainTestPair):
     sides; labels are remapped to ``0..C−1`` independently within each side.
     """
 
-    train: ImageDataset
-    test: ImageDataset
-    name: str
-
     def __post_init__(self) -> None:
-        for side, dataset in (("train", self.train), ("test", self.test)):
-            if len(dataset) == 0:
-                raise ValueError(
-                    f"{self.name}: the {side} split has no images; check the dataset root and the "
-                    "class split options (train_classes / num_train_classes)"
-                )
+        self._check_sides_have_images(
+            "; check the dataset root and the class split options (train_classes / "
+            "num_train_classes)"
+        )
         shared = sorted(set(self.train.classes) & set(self.test.classes))
         if shared:
             raise ValueError(
@@ -401,7 +408,7 @@ class DMLSplit(TrainTestPair):
         if on_failure not in ("raise", "skip"):
             raise ValueError(f"on_failure must be 'raise' or 'skip', got {on_failure!r}")
         sides: dict[str, ImageDataset] = {}
-        for side, dataset in (("train", self.train), ("test", self.test)):
+        for side, dataset in self.sides:
             report = dataset.verify(workers=workers)
             if on_failure == "raise" or report.ok:
                 report.raise_if_failed()

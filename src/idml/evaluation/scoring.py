@@ -49,24 +49,20 @@ class PreparedSide:
     uncertainty: Tensor | None
 
 
+@dataclass(eq=False)
 class PairScorer:
     """Turns a metric into tile scores ``score(Q_block, R_block)`` with "larger = closer".
 
     Use :meth:`from_spec`. ``kind`` is ``"cosine"``, ``"euclidean"`` (fast paths, one matrix product
-    per tile) or ``"metric"`` (a general :class:`~idml.metrics.Metric`, e.g. ISM, called per tile).
+    per tile) or ``"metric"`` (a general :class:`~idml.metrics.Metric`, e.g. ISM, called per tile);
+    ``normalize`` L2-normalises the semantic rows first; ``squared`` reports squared Euclidean
+    distances as :meth:`values`.
     """
 
-    def __init__(
-        self,
-        kind: Literal["cosine", "euclidean", "metric"],
-        normalize: bool,
-        metric: Metric | None = None,
-        squared: bool = False,
-    ) -> None:
-        self.kind = kind
-        self.normalize = normalize
-        self.metric = metric
-        self.squared = squared
+    kind: Literal["cosine", "euclidean", "metric"]
+    normalize: bool
+    metric: Metric | None = None
+    squared: bool = False
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -47,10 +47,15 @@ class MetricLoss(nn.Module):
     PEL head's log-variance, and ISM does not apply."""
     miner: Miner | None = None
     """The loss's miner; ``None`` sums over every pair or triplet of the batch."""
+    repr_fields: ClassVar[tuple[str, ...]] = ()
+    """The attributes :meth:`extra_repr` shows as ``name=value`` (its hyper-parameters)."""
 
     def __init__(self, metric: Metric | None = None) -> None:
         super().__init__()
         self.metric = metric if metric is not None else type(self).default_metric()
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in self.repr_fields)
 
     @classmethod
     def from_params(cls, params: Any, context: LossContext) -> MetricLoss:
@@ -136,6 +141,8 @@ class ProxyLoss(MetricLoss):
         proxy_uncertainty_dim: when set, each proxy gets a learnable uncertainty vector of this size
             (initialised at zero); by default proxies have zero uncertainty, as in the official code.
     """
+
+    repr_fields = ("num_classes", "embedding_dim")
 
     def __init__(
         self,

@@ -67,6 +67,7 @@ class ContrastiveLoss(MetricLoss):
     """
 
     params = ContrastiveParams
+    repr_fields = ("pos_margin", "neg_margin", "miner")
 
     def __init__(
         self,
@@ -83,9 +84,6 @@ class ContrastiveLoss(MetricLoss):
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
         self.miner = resolve_miner(miner, None)
-
-    def extra_repr(self) -> str:
-        return f"pos_margin={self.pos_margin}, neg_margin={self.neg_margin}, miner={self.miner}"
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         matrix = self.pairwise(embeddings)

@@ -70,6 +70,7 @@ class FastAPLoss(MetricLoss):
 
     params = FastAPParams
     default_metric = partial(EuclideanDistance, power=2)
+    repr_fields = ("num_bins",)
 
     def __init__(self, metric: Metric | None = None, num_bins: int = _DEFAULT.num_bins) -> None:
         super().__init__(metric)
@@ -81,9 +82,6 @@ class FastAPLoss(MetricLoss):
                 "its inputs; build the metric with normalize=True"
             )
         self.num_bins = int(num_bins)
-
-    def extra_repr(self) -> str:
-        return f"num_bins={self.num_bins}"
 
     def histograms(
         self, squared: Tensor, positive: Tensor, negative: Tensor

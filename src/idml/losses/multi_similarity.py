@@ -59,6 +59,7 @@ class MultiSimilarityLoss(MetricLoss):
 
     params = MultiSimilarityParams
     default_metric = CosineSimilarity
+    repr_fields = ("alpha", "beta", "base", "miner")
 
     def __init__(
         self,
@@ -89,9 +90,6 @@ class MultiSimilarityLoss(MetricLoss):
             base=params.base,
             miner=MultiSimilarityMiner(epsilon=params.epsilon),
         )
-
-    def extra_repr(self) -> str:
-        return f"alpha={self.alpha}, beta={self.beta}, base={self.base}, miner={self.miner}"
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         matrix = self.pairwise(embeddings)

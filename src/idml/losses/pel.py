@@ -170,6 +170,7 @@ class PELLoss(MetricLoss):
     # samples at once by _sample_distances; the metric records it).
     default_metric = partial(EuclideanDistance, normalize=False)
     probabilistic = True
+    repr_fields = ("num_samples", "kl_weight", "sample_pairing")
 
     def __init__(
         self,
@@ -205,12 +206,6 @@ class PELLoss(MetricLoss):
     def from_params(cls, params: PELParams, context: LossContext) -> PELLoss:
         """PEL brings its own comparison of samples: the context's metric is not used."""
         return cls(**params.model_dump())
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_samples={self.num_samples}, kl_weight={self.kl_weight}, "
-            f"sample_pairing={self.sample_pairing!r}"
-        )
 
     @property
     def scale(self) -> Tensor:

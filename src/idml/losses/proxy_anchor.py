@@ -66,6 +66,7 @@ class ProxyAnchorLoss(ProxyLoss):
 
     params = ProxyAnchorParams
     default_metric = CosineSimilarity
+    repr_fields = (*ProxyLoss.repr_fields, "alpha", "margin")
 
     def __init__(
         self,
@@ -82,12 +83,6 @@ class ProxyAnchorLoss(ProxyLoss):
             raise ValueError(f"margin must be a finite number, got {margin}")
         self.alpha = float(alpha)
         self.margin = float(margin)
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
-            f"alpha={self.alpha}, margin={self.margin}"
-        )
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         similarity = self.metric.oriented(self.proxy_matrix(embeddings))

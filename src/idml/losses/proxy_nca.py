@@ -73,6 +73,7 @@ class ProxyNCALoss(ProxyLoss):
 
     params = ProxyNCAParams
     default_metric = partial(EuclideanDistance, power=2)
+    repr_fields = (*ProxyLoss.repr_fields, "scale", "set_target")
 
     def __init__(
         self,
@@ -88,12 +89,6 @@ class ProxyNCALoss(ProxyLoss):
         check_set_target(set_target)
         self.scale = float(scale)
         self.set_target: SetTarget = set_target
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
-            f"scale={self.scale}, set_target={self.set_target!r}"
-        )
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         squared = self.metric.to_squared_distance(self.proxy_matrix(embeddings))

@@ -113,6 +113,7 @@ class NormalizedSoftmaxLoss(ProxyLoss):
 
     params = NormalizedSoftmaxParams
     default_metric = CosineSimilarity
+    repr_fields = (*ProxyLoss.repr_fields, "temperature", "set_target")
 
     def __init__(
         self,
@@ -128,12 +129,6 @@ class NormalizedSoftmaxLoss(ProxyLoss):
         check_set_target(set_target)
         self.temperature = float(temperature)
         self.set_target: SetTarget = set_target
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
-            f"temperature={self.temperature}, set_target={self.set_target!r}"
-        )
 
     def logits(self, embeddings: Embeddings) -> Tensor:
         """``(B, C)`` logits ``z_ic = S(s_i, p_c) / T`` (``−D/T`` for a distance metric)."""

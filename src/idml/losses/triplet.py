@@ -57,6 +57,7 @@ class TripletLoss(MetricLoss):
     """
 
     params = TripletParams
+    repr_fields = ("margin", "miner")
 
     def __init__(
         self,
@@ -74,9 +75,6 @@ class TripletLoss(MetricLoss):
                 "use margin > 0, or pass miner=None (all triplets) or another miner"
             )
         self.miner = resolve_miner(miner, SemiHardMiner(self.margin) if self.margin > 0 else None)
-
-    def extra_repr(self) -> str:
-        return f"margin={self.margin}, miner={self.miner}"
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
         matrix = self.pairwise(embeddings)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from itertools import pairwise
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,17 @@ PerLevel = tuple[FiniteNumber, ...] | None
 """One value per level ``n = 1..N`` (a YAML list becomes a tuple, so the config stays hashable)."""
 
 
+def _step(default: float, magnitude: str) -> Any:
+    """The field of a component's step: how much ``magnitude`` grows per unit of strength (``>= 0``;
+    0 removes the component)."""
+    return Field(default, ge=0, description=f"{magnitude} per unit of strength")
+
+
+def _per_level(values: str) -> Any:
+    """The field of explicit per-level ``values`` that replace their formula (``None``: the formula)."""
+    return Field(None, description=f"explicit {values}")
+
+
 class GradedTransformConfig(BaseModel):
     """Magnitudes and schedule of the graded transforms (Fu et al. 2021, eq. 5–10).
 
@@ -109,38 +120,22 @@ class GradedTransformConfig(BaseModel):
     strength: FiniteNumber = Field(
         1.0, gt=0, description="multiplier of every step (a global strength schedule knob)"
     )
-    level_strengths: PerLevel = Field(
-        None, description="explicit t_1..t_N (strictly increasing, positive) instead of 1..N"
+    level_strengths: PerLevel = _per_level(
+        "t_1..t_N (strictly increasing, positive) instead of 1..N"
     )
-    crop_area_step: FiniteNumber = Field(
-        0.15, ge=0, description="kept-area decrease per unit of strength"
+    crop_area_step: FiniteNumber = _step(0.15, "kept-area decrease")
+    perspective_step: FiniteNumber = _step(0.1, "corner-displacement increase")
+    brightness_step: FiniteNumber = _step(0.1, "brightness factor magnitude")
+    contrast_step: FiniteNumber = _step(0.1, "contrast factor magnitude")
+    saturation_step: FiniteNumber = _step(0.1, "saturation factor magnitude")
+    crop_areas: PerLevel = _per_level("kept areas a_1..a_N (non-increasing, in (0, 1])")
+    perspective_scales: PerLevel = _per_level("p_1..p_N (non-decreasing, in [0, 0.5])")
+    brightness_magnitudes: PerLevel = _per_level(
+        "brightness magnitudes (non-decreasing, in [0, 1))"
     )
-    perspective_step: FiniteNumber = Field(
-        0.1, ge=0, description="corner-displacement increase per unit of strength"
-    )
-    brightness_step: FiniteNumber = Field(
-        0.1, ge=0, description="brightness factor magnitude per unit of strength"
-    )
-    contrast_step: FiniteNumber = Field(
-        0.1, ge=0, description="contrast factor magnitude per unit of strength"
-    )
-    saturation_step: FiniteNumber = Field(
-        0.1, ge=0, description="saturation factor magnitude per unit of strength"
-    )
-    crop_areas: PerLevel = Field(
-        None, description="explicit kept areas a_1..a_N (non-increasing, in (0, 1])"
-    )
-    perspective_scales: PerLevel = Field(
-        None, description="explicit p_1..p_N (non-decreasing, in [0, 0.5])"
-    )
-    brightness_magnitudes: PerLevel = Field(
-        None, description="explicit brightness magnitudes (non-decreasing, in [0, 1))"
-    )
-    contrast_magnitudes: PerLevel = Field(
-        None, description="explicit contrast magnitudes (non-decreasing, in [0, 1))"
-    )
-    saturation_magnitudes: PerLevel = Field(
-        None, description="explicit saturation magnitudes (non-decreasing, in [0, 1))"
+    contrast_magnitudes: PerLevel = _per_level("contrast magnitudes (non-decreasing, in [0, 1))")
+    saturation_magnitudes: PerLevel = _per_level(
+        "saturation magnitudes (non-decreasing, in [0, 1))"
     )
     nested_crops: bool = Field(
         False, description="all crops of an image share one centre: crop n contains crop n + 1"

@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from idml.app.inference import ModelInfo, file_sha256
+from idml.app.inference import ModelInfo, file_sha256, read_json_file
 from idml.app.retrieval.confidence import confidence
 from idml.app.retrieval.faiss_backend import faiss_build, faiss_parameters
 from idml.evaluation.scoring import PairScorer, PreparedSide
@@ -402,14 +402,14 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such index folder; build one with `idml index`")
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise IndexFormatError(
+    manifest = read_json_file(
+        path,
+        missing=IndexFormatError(
             f"{folder}: not an index (no {MANIFEST}); build one with `idml index`"
-        ) from None
-    except ValueError as err:
-        raise IndexFormatError(f"{path}: not valid JSON ({err}); rebuild the index") from err
+        ),
+        redo="rebuild the index",
+        error=IndexFormatError,
+    )
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise IndexFormatError(f"{path}: not an idml index manifest (format != {FORMAT!r})")
     if manifest.get("version") != VERSION:
