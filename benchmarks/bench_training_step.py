@@ -1,4 +1,4 @@
-"""Where a training step's time goes: data loading, forward, loss, backward, optimizer.
+"""Where a training step's time goes: data loading, forward, loss, backward, optimizer, monitor.
 
 Two settings, each with IDML off and on:
 - ``demo``: the ``idml demo`` network (small CNN on 16 px digits, batch 60);
@@ -7,6 +7,9 @@ Two settings, each with IDML off and on:
 
 "loading" is the time the training loop waits for the next batch (workers prefetch in parallel);
 the data pipeline keeps up when that wait is a small share of the step (target ≤ 10%).
+"monitor" is the ISM saturation monitor's extra no-gradient pass the trainer makes every step with
+an introspective metric (``loss.weakening`` on the detached embeddings, then
+:meth:`~idml.app.training.monitoring.WeakeningMonitor.update`); 0 without ISM.
 
 Run: ``python benchmarks/bench_training_step.py [--steps 6] [--only demo|resnet50] [--set KEY=VALUE]``
 (``--set``, repeatable, adds a config override to every setting, e.g. ``--set loss.name=proxy_anchor``;
@@ -30,6 +33,7 @@ from PIL import Image
 from idml.app import build
 from idml.app.config import load_config
 from idml.app.demo import DEMO_BASE
+from idml.app.training.monitoring import WeakeningMonitor
 from idml.embeddings import Embeddings
 
 IDML = ["model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true"]
@@ -66,8 +70,9 @@ def profile(
     loader = build.train_loader(cfg, data, 0, torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {
-        k: [] for k in ("loading", "forward", "loss", "backward", "optimizer")
+        k: [] for k in ("loading", "forward", "loss", "backward", "optimizer", "monitor")
     }
+    monitor = WeakeningMonitor()
     it = iter(loader)
     model.train()
     for step in range(steps + 1):  # the first step warms up (worker start, allocator)
@@ -95,9 +100,15 @@ def profile(
         opt.step()
         sync(device)
         t5 = now()
+        if cfg.metric.introspective:  # what the trainer's _monitor_weakening does each step
+            found = loss_fn.weakening(emb.detach(), batch.labels)
+            if found is not None:
+                monitor.update(*found)
+        sync(device)
+        t6 = now()
         if step:
             for key, value in zip(
-                times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
+                times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True
             ):
                 value_ms = value * 1000
                 times[key].append(value_ms)
@@ -152,15 +163,18 @@ def main() -> None:
             )
     print()
     print(
-        "| setting | IDML | loading | forward | loss | backward | optimizer | step | loading share |"
+        "| setting | IDML | loading | forward | loss | backward | optimizer | monitor | step "
+        "| loading share | monitor share |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, variant, med, total in rows:
         cells = " | ".join(
-            f"{med[k]:.1f}" for k in ("loading", "forward", "loss", "backward", "optimizer")
+            f"{med[k]:.1f}"
+            for k in ("loading", "forward", "loss", "backward", "optimizer", "monitor")
         )
         print(
-            f"| {name} | {variant} | {cells} | {total:.1f} | {100 * med['loading'] / total:.1f}% |"
+            f"| {name} | {variant} | {cells} | {total:.1f} | {100 * med['loading'] / total:.1f}% "
+            f"| {100 * med['monitor'] / total:.1f}% |"
         )
     tmp.cleanup()
 
