@@ -21,14 +21,14 @@ from idml.app.config import ConfigError, load_config
 from idml.app.training import Trainer
 from idml.app.training.monitoring import WeakeningMonitor
 from idml.evaluation.uncertainty import aurc, confidence_quality, error_auroc, oracle_aurc
-from idml.losses import LOSSES as LOSS_SPECS
+from idml.losses import LOSSES as REGISTERED_LOSSES
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 from idml.models.model import BoundedUncertaintyHead
 from idml.relations import LabelSets
 from tiny_run import IDML, TINY
 
 LOSSES = [
-    name for name, spec in LOSS_SPECS.items() if not spec.probabilistic
+    name for name, spec in REGISTERED_LOSSES.items() if not spec.probabilistic
 ]  # PEL models uncertainty itself
 BACKBONES = {
     "small_cnn": ["model.backbone=small_cnn", "model.pretrained=false"],
