@@ -61,14 +61,13 @@ class Command:
     the epilog are printed as written (their line breaks kept)."""
 
     def add_to(self, sub: argparse._SubParsersAction) -> None:
+        raw = self.epilog is not None
         parser = sub.add_parser(
             self.name,
             help=self.help,
             description=self.description,
-            epilog=None if self.epilog is None else self.epilog(),
-            formatter_class=argparse.HelpFormatter
-            if self.epilog is None
-            else argparse.RawDescriptionHelpFormatter,
+            epilog=self.epilog() if self.epilog is not None else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter,
         )
         for argument in self.arguments:
             argument.add_to(parser)
