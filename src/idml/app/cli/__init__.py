@@ -19,7 +19,7 @@ from idml.app.cli.options import format_metrics
 from idml.app.cli.retrieval import EMBED, EXPORT, INDEX, SEARCH, SERVE
 from idml.app.cli.training import ABLATE, DEMO, REPORT, TRAIN
 
-__all__ = ["USER_ERRORS", "build_parser", "format_metrics", "main"]
+__all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "format_metrics", "main"]
 
 
 COMMANDS = (TRAIN, EVALUATE, EMBED, DEMO, REPORT, ABLATE, INDEX, SEARCH, EXPORT, SERVE)
