@@ -1,9 +1,10 @@
 """Command-line interface: parses arguments and calls the library. No logic lives here.
 
-Each sub-command has one ``_add_<name>`` function that registers its parser and one ``_run_<name>``
-function that calls into the library: :mod:`idml.app.cli.training` (train, demo, ablate, report),
-:mod:`idml.app.cli.evaluation` (evaluate) and :mod:`idml.app.cli.retrieval` (embed, index, search, export,
-serve).
+Each sub-command is one :class:`~idml.app.cli.command.Command`: its options, declared next to the
+``_run_<name>`` function that calls into the library with them, in :mod:`idml.app.cli.training`
+(train, demo, ablate, report), :mod:`idml.app.cli.evaluation` (evaluate) and
+:mod:`idml.app.cli.retrieval` (embed, index, search, export, serve). Options that several
+sub-commands take are declared once in :mod:`idml.app.cli.options`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from idml.app.cli.evaluation import _add_evaluate
+from idml.app.cli.evaluation import EVALUATE
 from idml.app.cli.options import format_metrics
-from idml.app.cli.retrieval import _add_embed, _add_export, _add_index, _add_search, _add_serve
-from idml.app.cli.training import _add_ablate, _add_demo, _add_report, _add_train
+from idml.app.cli.retrieval import EMBED, EXPORT, INDEX, SEARCH, SERVE
+from idml.app.cli.training import ABLATE, DEMO, REPORT, TRAIN
 
-__all__ = ["USER_ERRORS", "build_parser", "format_metrics", "main"]
+__all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "format_metrics", "main"]
+
+
+COMMANDS = (TRAIN, EVALUATE, EMBED, DEMO, REPORT, ABLATE, INDEX, SEARCH, EXPORT, SERVE)
+"""The sub-commands, in the order ``idml --help`` lists them: those of the paper's workflow, then
+retrieval for applications (index, search, export, serve)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,10 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="idml", description="Deep metric learning with IDML and SSR."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_evaluate, _add_embed, _add_demo, _add_report, _add_ablate):
-        add(sub)
-    for add in (_add_index, _add_search, _add_export, _add_serve):  # retrieval for applications
-        add(sub)
+    for command in COMMANDS:
+        command.add_to(sub)
     return parser
 
 

@@ -6,94 +6,19 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from idml.app.cli.options import format_metrics
+from idml.app.cli.command import Command, Group, Option
+from idml.app.cli.options import JSON, NO_PROGRESS, OLD_PROGRESS, format_metrics
 
 if TYPE_CHECKING:
     from idml.evaluation import EvaluationReport
 
 
-def _add_evaluate(sub: argparse._SubParsersAction) -> None:
-    def int_list(text: str) -> tuple[int, ...]:
-        try:
-            return tuple(int(part) for part in text.split(",") if part.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected integers like 1,2,4,8, got {text!r}"
-            ) from None
-
-    p = sub.add_parser(
-        "evaluate",
-        help="retrieval metrics of embeddings or of a trained run",
-        description="Recall@K, R-Precision, MAP@R, MAP, MRR, NMI and ||u|| of saved embeddings "
-        "(.npy/.npz/.pt/.safetensors), exact and blocked, with the conventions of the DML literature "
-        "(Musgrave et al. 2020).",
-    )
-    src = p.add_argument_group("input")
-    src.add_argument(
-        "--embeddings", type=Path, help="embeddings file (the gallery; also the queries)"
-    )
-    src.add_argument("--labels", type=Path, help="labels file (default: the 'labels' entry)")
-    src.add_argument(
-        "--checkpoint",
-        type=Path,
-        help="a run folder of `idml train`: embed and score its test split",
-    )
-    src.add_argument(
-        "--which", choices=("best", "latest"), default="best", help="with --checkpoint"
-    )
-    src.add_argument("--query-embeddings", type=Path, help="separate query embeddings file")
-    src.add_argument("--query-labels", type=Path, help="labels of the separate queries")
-    src.add_argument(
-        "--embeddings-key", help="entry name of the embeddings (default embeddings|semantic)"
-    )
-    src.add_argument(
-        "--uncertainty-key", help="entry name of the uncertainty (default uncertainty)"
-    )
-    src.add_argument("--labels-key", help="entry name of the labels (default labels)")
-    opt = p.add_argument_group("evaluation")
-    opt.add_argument(
-        "--ks",
-        type=int_list,
-        default=None,
-        help="K of Recall@K, e.g. 1,10,100,1000 (default 1,2,4,8, or the run's eval.ks)",
-    )
-    opt.add_argument("--metric", choices=("cosine", "euclidean"), default="cosine")
-    opt.add_argument("--no-normalize", action="store_true", help="do not L2-normalise embeddings")
-    opt.add_argument(
-        "--introspective",
-        action="store_true",
-        help="rank with ISM on semantic + uncertainty (ablation)",
-    )
-    opt.add_argument("--gamma", type=float, default=0.0, help="ISM introspective bias γ")
-    opt.add_argument("--tau", type=float, default=5.0, help="ISM weakening degree τ")
-    opt.add_argument("--no-nmi", action="store_true", help="skip NMI (k-means)")
-    opt.add_argument(
-        "--nmi-backend",
-        choices=("auto", "faiss", "sklearn", "knn"),
-        default=None,
-        help="k-means for NMI: auto (the default, or the run's eval.nmi_backend: k-NN-graph "
-        "k-means when points x classes > 5e7, e.g. SOP, else full k-means with faiss if "
-        "installed, else sklearn), faiss, sklearn or knn (fast, many classes)",
-    )
-    opt.add_argument("--seed", type=int, default=1234, help="k-means seed")
-    opt.add_argument("--knn-backend", choices=("exact", "faiss"), default="exact")
-    opt.add_argument("--faiss-index", default="HNSW32", help="faiss index factory string")
-    opt.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cpu)")
-    opt.add_argument("--block-size", type=int, default=None, help="tile side of the blocked search")
-    out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    out.add_argument(
-        "--per-class",
-        type=int,
-        default=0,
-        metavar="N",
-        help="table: the N worst classes; JSON: include every class when N > 0",
-    )
-    out.add_argument(
-        "--progress", action="store_true", help="progress is shown by default (kept for scripts)"
-    )
-    out.add_argument("--no-progress", action="store_true", help="no progress (on stderr)")
-    p.set_defaults(run=_run_evaluate)
+def _int_list(text: str) -> tuple[int, ...]:
+    """``--ks 1,2,4,8``: comma-separated integers."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4,8, got {text!r}") from None
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
@@ -207,6 +132,84 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     )
     _print_report(report, args)
     return 0
+
+
+EVALUATE = Command(
+    "evaluate",
+    _run_evaluate,
+    help="retrieval metrics of embeddings or of a trained run",
+    description="Recall@K, R-Precision, MAP@R, MAP, MRR, NMI and ||u|| of saved embeddings "
+    "(.npy/.npz/.pt/.safetensors), exact and blocked, with the conventions of the DML literature "
+    "(Musgrave et al. 2020).",
+    arguments=(
+        Group(
+            "input",
+            Option(
+                "--embeddings", type=Path, help="embeddings file (the gallery; also the queries)"
+            ),
+            Option("--labels", type=Path, help="labels file (default: the 'labels' entry)"),
+            Option(
+                "--checkpoint",
+                type=Path,
+                help="a run folder of `idml train`: embed and score its test split",
+            ),
+            Option("--which", choices=("best", "latest"), default="best", help="with --checkpoint"),
+            Option("--query-embeddings", type=Path, help="separate query embeddings file"),
+            Option("--query-labels", type=Path, help="labels of the separate queries"),
+            Option(
+                "--embeddings-key",
+                help="entry name of the embeddings (default embeddings|semantic)",
+            ),
+            Option("--uncertainty-key", help="entry name of the uncertainty (default uncertainty)"),
+            Option("--labels-key", help="entry name of the labels (default labels)"),
+        ),
+        Group(
+            "evaluation",
+            Option(
+                "--ks",
+                type=_int_list,
+                default=None,
+                help="K of Recall@K, e.g. 1,10,100,1000 (default 1,2,4,8, or the run's eval.ks)",
+            ),
+            Option("--metric", choices=("cosine", "euclidean"), default="cosine"),
+            Option("--no-normalize", action="store_true", help="do not L2-normalise embeddings"),
+            Option(
+                "--introspective",
+                action="store_true",
+                help="rank with ISM on semantic + uncertainty (ablation)",
+            ),
+            Option("--gamma", type=float, default=0.0, help="ISM introspective bias γ"),
+            Option("--tau", type=float, default=5.0, help="ISM weakening degree τ"),
+            Option("--no-nmi", action="store_true", help="skip NMI (k-means)"),
+            Option(
+                "--nmi-backend",
+                choices=("auto", "faiss", "sklearn", "knn"),
+                default=None,
+                help="k-means for NMI: auto (the default, or the run's eval.nmi_backend: "
+                "k-NN-graph k-means when points x classes > 5e7, e.g. SOP, else full k-means with "
+                "faiss if installed, else sklearn), faiss, sklearn or knn (fast, many classes)",
+            ),
+            Option("--seed", type=int, default=1234, help="k-means seed"),
+            Option("--knn-backend", choices=("exact", "faiss"), default="exact"),
+            Option("--faiss-index", default="HNSW32", help="faiss index factory string"),
+            Option("--device", default=None, help="cpu, cuda, cuda:N (default: cpu)"),
+            Option("--block-size", type=int, default=None, help="tile side of the blocked search"),
+        ),
+        Group(
+            "output",
+            JSON,
+            Option(
+                "--per-class",
+                type=int,
+                default=0,
+                metavar="N",
+                help="table: the N worst classes; JSON: include every class when N > 0",
+            ),
+            OLD_PROGRESS,
+            NO_PROGRESS.but(help="no progress (on stderr)"),
+        ),
+    ),
+)
 
 
 def _print_report(report: EvaluationReport, args: argparse.Namespace) -> None:

@@ -5,28 +5,19 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from idml.app.cli.options import add_embedding_options, add_index_model
-
-if TYPE_CHECKING:
-    from idml.app.retrieval.workflow import Runtime
-
-
-def _add_embed(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "embed",
-        help="export semantic embeddings and uncertainty levels of images (a classification "
-        "run: also its logits and class probabilities)",
-    )
-    p.add_argument("--checkpoint", type=Path, required=True, help="run folder or checkpoint folder")
-    p.add_argument("--images", type=Path, required=True, help="image folder or CSV (path[,label])")
-    p.add_argument("--out", type=Path, required=True, help=".npz, .pt or .safetensors file")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--which", choices=["best", "latest"], default="best")
-    p.add_argument("--split", default=None, help="CSV only: embed the rows of this split column")
-    p.add_argument("--no-progress", action="store_true", help="no progress (on stderr)")
-    p.set_defaults(run=_run_embed)
+from idml.app.cli.command import Command, Option
+from idml.app.cli.options import (
+    BATCH_SIZE,
+    DEVICE,
+    INDEX_MODEL,
+    JSON,
+    NO_PROGRESS,
+    RUNTIME,
+    SEARCH_PARAMETERS,
+    WHICH,
+    runtime,
+)
 
 
 def _run_embed(args: argparse.Namespace) -> int:
@@ -56,31 +47,21 @@ def _run_embed(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_index(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "index",
-        help="embed a gallery with a trained run and save a searchable index",
-        description="Embed GALLERY (an image folder, a CSV of path[,label], or an `idml embed` "
-        "file) and write an index folder: embeddings, ||u||, ids/paths/labels, the model, and a "
-        "manifest with checksums. --add extends an existing index with the same model.",
-    )
-    p.add_argument("gallery", type=Path, help="image folder, CSV or embeddings file")
-    p.add_argument("--out", type=Path, required=True, help="index folder to write (or extend)")
-    p.add_argument("--checkpoint", type=Path, help="run, checkpoint or `idml export` folder")
-    p.add_argument("--which", choices=["best", "latest"], default="best")
-    p.add_argument("--add", action="store_true", help="add the items to the existing index OUT")
-    p.add_argument("--backend", choices=["exact", "faiss"], default="exact")
-    p.add_argument("--faiss-index", default="HNSW32", help="faiss factory string (Flat, HNSW32…)")
-    add_embedding_options(p)
-    p.set_defaults(run=_run_index)
-
-
-def _runtime(args: argparse.Namespace) -> Runtime:
-    """The :class:`~idml.app.retrieval.workflow.Runtime` of the ``--batch-size``, ``--device`` and
-    ``--no-progress`` flags (:func:`~idml.app.cli.options.add_embedding_options`)."""
-    from idml.app.retrieval.workflow import Runtime
-
-    return Runtime(args.batch_size, args.device, progress=not args.no_progress)
+EMBED = Command(
+    "embed",
+    _run_embed,
+    help="export semantic embeddings and uncertainty levels of images (a classification "
+    "run: also its logits and class probabilities)",
+    arguments=(
+        Option("--checkpoint", type=Path, required=True, help="run folder or checkpoint folder"),
+        Option("--images", type=Path, required=True, help="image folder or CSV (path[,label])"),
+        Option("--out", type=Path, required=True, help=".npz, .pt or .safetensors file"),
+        BATCH_SIZE,
+        WHICH,
+        Option("--split", default=None, help="CSV only: embed the rows of this split column"),
+        NO_PROGRESS.but(help="no progress (on stderr)"),
+    ),
+)
 
 
 def _run_index(args: argparse.Namespace) -> int:
@@ -95,25 +76,31 @@ def _run_index(args: argparse.Namespace) -> int:
         backend=args.backend,
         faiss_factory=args.faiss_index,
         search_parameters=args.search_parameters,
-        runtime=_runtime(args),
+        runtime=runtime(args),
     )
     print(f"index {args.out}: {len(index)} items, dimension {index.dim}, backend {index.backend}")
     return 0
 
 
-def _add_search(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "search",
-        help="query an index with images or embeddings: neighbours, similarity, ||u||, confidence",
-    )
-    add_index_model(p)
-    p.add_argument("queries", type=Path, help="image file, image folder, CSV or embeddings file")
-    p.add_argument("-k", type=int, default=10, help="neighbours per query")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--out", type=Path, help="write the results to a .json or .csv file")
-    p.add_argument("--html", type=Path, help="also write an HTML page of queries and neighbours")
-    add_embedding_options(p)
-    p.set_defaults(run=_run_search)
+INDEX = Command(
+    "index",
+    _run_index,
+    help="embed a gallery with a trained run and save a searchable index",
+    description="Embed GALLERY (an image folder, a CSV of path[,label], or an `idml embed` "
+    "file) and write an index folder: embeddings, ||u||, ids/paths/labels, the model, and a "
+    "manifest with checksums. --add extends an existing index with the same model.",
+    arguments=(
+        Option("gallery", type=Path, help="image folder, CSV or embeddings file"),
+        Option("--out", type=Path, required=True, help="index folder to write (or extend)"),
+        Option("--checkpoint", type=Path, help="run, checkpoint or `idml export` folder"),
+        WHICH,
+        Option("--add", action="store_true", help="add the items to the existing index OUT"),
+        Option("--backend", choices=["exact", "faiss"], default="exact"),
+        Option("--faiss-index", default="HNSW32", help="faiss factory string (Flat, HNSW32…)"),
+        SEARCH_PARAMETERS,
+        *RUNTIME,
+    ),
+)
 
 
 def _run_search(args: argparse.Namespace) -> int:
@@ -133,7 +120,7 @@ def _run_search(args: argparse.Namespace) -> int:
         queries,
         args.k,
         encoder,
-        runtime=_runtime(args),
+        runtime=runtime(args),
     )
     if args.out is not None and args.out.suffix.lower() == ".csv":
         write_csv(records, args.out)
@@ -145,20 +132,21 @@ def _run_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export",
-        help="export the retrieval model to TorchScript and ONNX (embedding + ||u||)",
-    )
-    p.add_argument("--checkpoint", type=Path, required=True, help="run or checkpoint folder")
-    p.add_argument("--out", type=Path, required=True, help="export folder")
-    p.add_argument("--which", choices=["best", "latest"], default="best")
-    p.add_argument(
-        "--format",
-        default="torchscript,onnx",
-        help="comma-separated: torchscript, onnx (default both)",
-    )
-    p.set_defaults(run=_run_export)
+SEARCH = Command(
+    "search",
+    _run_search,
+    help="query an index with images or embeddings: neighbours, similarity, ||u||, confidence",
+    arguments=(
+        *INDEX_MODEL,
+        Option("queries", type=Path, help="image file, image folder, CSV or embeddings file"),
+        Option("-k", type=int, default=10, help="neighbours per query"),
+        JSON,
+        Option("--out", type=Path, help="write the results to a .json or .csv file"),
+        Option("--html", type=Path, help="also write an HTML page of queries and neighbours"),
+        SEARCH_PARAMETERS,
+        *RUNTIME,
+    ),
+)
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -172,21 +160,21 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="HTTP JSON search service over an index (POST /search, GET /health, GET /info)",
-    )
-    add_index_model(p)
-    p.add_argument(
-        "--embeddings-only", action="store_true", help="no model: embedding queries only"
-    )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-bytes", type=int, default=10 * 1024 * 1024, help="request size limit")
-    p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask")
-    p.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N")
-    p.set_defaults(run=_run_serve)
+EXPORT = Command(
+    "export",
+    _run_export,
+    help="export the retrieval model to TorchScript and ONNX (embedding + ||u||)",
+    arguments=(
+        Option("--checkpoint", type=Path, required=True, help="run or checkpoint folder"),
+        Option("--out", type=Path, required=True, help="export folder"),
+        WHICH,
+        Option(
+            "--format",
+            default="torchscript,onnx",
+            help="comma-separated: torchscript, onnx (default both)",
+        ),
+    ),
+)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -202,3 +190,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     print(f"serving {args.index} ({len(index)} items) on http://{args.host}:{args.port}")
     serve(app, args.host, args.port)
     return 0
+
+
+SERVE = Command(
+    "serve",
+    _run_serve,
+    help="HTTP JSON search service over an index (POST /search, GET /health, GET /info)",
+    arguments=(
+        *INDEX_MODEL,
+        Option("--embeddings-only", action="store_true", help="no model: embedding queries only"),
+        Option("--host", default="127.0.0.1", help="bind address (default loopback only)"),
+        Option("--port", type=int, default=8000),
+        Option("--max-bytes", type=int, default=10 * 1024 * 1024, help="request size limit"),
+        Option("--max-k", type=int, default=100, help="largest k a request may ask"),
+        DEVICE,
+    ),
+)

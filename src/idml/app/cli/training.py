@@ -6,30 +6,8 @@ import argparse
 import functools
 from pathlib import Path
 
-from idml.app.cli.options import add_overrides, format_metrics
-
-
-def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="train (and evaluate) a model from a YAML config",
-        description="Train and evaluate a run. Several GPUs or nodes: start it with torchrun, e.g. "
-        "`torchrun --nproc_per_node=8 -m idml train CONFIG` (see the README).",
-    )
-    p.add_argument(
-        "config", type=Path, help="YAML config, e.g. configs/idml/cub_proxy_anchor_idml.yaml"
-    )
-    add_overrides(p, "override a config value, e.g. --set optim.epochs=10 (repeatable)")
-    p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start afresh in a folder that holds a run; the old run is moved to "
-        "OUT.replaced-<time>, not deleted",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(run=_run_train)
+from idml.app.cli.command import Command, Group, Option
+from idml.app.cli.options import NO_PROGRESS, OLD_PROGRESS, OVERRIDES, format_metrics
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -67,15 +45,28 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="baseline vs IDML on the bundled digits (no download)")
-    p.add_argument("--epochs", type=int, default=8, help="training epochs of each run")
-    p.add_argument("--seed", type=int, default=0, help="first seed")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per arm (mean ± std)")
-    p.add_argument("--out", type=Path, default=Path("runs/demo"))
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-report", action="store_true", help="skip the HTML report of both runs")
-    p.set_defaults(run=_run_demo)
+TRAIN = Command(
+    "train",
+    _run_train,
+    help="train (and evaluate) a model from a YAML config",
+    description="Train and evaluate a run. Several GPUs or nodes: start it with torchrun, e.g. "
+    "`torchrun --nproc_per_node=8 -m idml train CONFIG` (see the README).",
+    arguments=(
+        Option(
+            "config", type=Path, help="YAML config, e.g. configs/idml/cub_proxy_anchor_idml.yaml"
+        ),
+        OVERRIDES.but(help="override a config value, e.g. --set optim.epochs=10 (repeatable)"),
+        Option("--out", type=Path, default=None, help="run folder (default: runs/<name>)"),
+        Option("--resume", action="store_true", help="continue from the run's last checkpoint"),
+        Option(
+            "--overwrite",
+            action="store_true",
+            help="start afresh in a folder that holds a run; the old run is moved to "
+            "OUT.replaced-<time>, not deleted",
+        ),
+        NO_PROGRESS.but(help="no progress bars"),
+    ),
+)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -99,48 +90,19 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "report",
-        help="HTML report (figures, metrics, comparison) of one or more runs",
-        description="Write an offline HTML page with PNG figures: training curves, Recall@K, "
-        "precision-recall, uncertainty trend and test histogram, retrieval grid, t-SNE, and a "
-        "comparison table of all runs given. Classification runs get their test metrics, "
-        "reliability diagram, confusion matrix, risk-coverage curves and most confident "
-        "mistakes instead of the retrieval figures.",
-    )
-    p.add_argument(
-        "runs",
-        type=Path,
-        nargs="+",
-        metavar="RUN_DIR",
-        help="run folders, or `idml ablate` folders (their cells' seeds are grouped)",
-    )
-    p.add_argument(
-        "--reference",
-        default=None,
-        metavar="GROUP",
-        help="group the seed table's Δ is taken against: an ablation cell (e.g. "
-        "'metric=plain, mixup=off') or a run name (default: the baseline)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="report folder (default: RUN_DIR/report for one run, ./report for several)",
-    )
-    p.add_argument("--no-test", action="store_true", help="logs only: no test-set analysis")
-    p.add_argument("--inline", action="store_true", help="also embed figures in the HTML")
-    test = p.add_argument_group("test-set analysis (not with --no-test)")
-    # None = not given: the defaults come from AnalysisOptions, and --no-test can refuse them.
-    test.add_argument("--which", choices=["best", "latest"], help="checkpoint (default best)")
-    test.add_argument("--queries", type=int, help="queries in the retrieval grid (default 6)")
-    test.add_argument("--tsne-points", type=int, help="points in the t-SNE (default 1000)")
-    test.add_argument("--batch-size", type=int, help="embedding batch size (default 128)")
-    test.add_argument("--seed", type=int, help="seed of all sampling in the report (default 0)")
-    test.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=_run_report)
+DEMO = Command(
+    "demo",
+    _run_demo,
+    help="baseline vs IDML on the bundled digits (no download)",
+    arguments=(
+        Option("--epochs", type=int, default=8, help="training epochs of each run"),
+        Option("--seed", type=int, default=0, help="first seed"),
+        Option("--seeds", type=int, default=3, help="seeds per arm (mean ± std)"),
+        Option("--out", type=Path, default=Path("runs/demo")),
+        NO_PROGRESS,
+        Option("--no-report", action="store_true", help="skip the HTML report of both runs"),
+    ),
+)
 
 
 def _run_report(args: argparse.Namespace) -> int:
@@ -180,39 +142,51 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_ablate(sub: argparse._SubParsersAction) -> None:
-    from idml.app.ablation import describe_presets
-
-    p = sub.add_parser(
-        "ablate",
-        help="train a grid of configs over seeds and tabulate mean ± std",
-        description="Run every cell of a grid for N seeds (finished cells are reused) and write "
-        "OUT/ablation.md and OUT/ablation.csv.",
-        epilog="grid keys are raw config keys (metric.gamma=0,2,4) or presets:\n"
-        + describe_presets(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("config", type=Path, help="YAML config of the base run")
-    p.add_argument(
-        "--grid",
-        action="append",
-        default=[],
-        required=True,
-        metavar="KEY=V1,V2",
-        help="one axis of the grid (repeatable), e.g. --grid metric=plain,ism --grid mixup=on,off",
-    )
-    p.add_argument("--seeds", type=int, default=1, help="seeds per cell (config seed, +1, ...)")
-    add_overrides(p, "override a base config value for every cell (repeatable)")
-    p.add_argument("--out", type=Path, default=None, help="folder (default: runs/ablation-<name>)")
-    p.add_argument("--select", choices=["final", "best"], default="final", help="which epoch")
-    p.add_argument(
-        "--metrics", default=None, help="comma-separated metric columns (default: all reported)"
-    )
-    p.add_argument(
-        "--progress", action="store_true", help="progress is shown by default (kept for scripts)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no per-epoch progress")
-    p.set_defaults(run=_run_ablate)
+REPORT = Command(
+    "report",
+    _run_report,
+    help="HTML report (figures, metrics, comparison) of one or more runs",
+    description="Write an offline HTML page with PNG figures: training curves, Recall@K, "
+    "precision-recall, uncertainty trend and test histogram, retrieval grid, t-SNE, and a "
+    "comparison table of all runs given. Classification runs get their test metrics, "
+    "reliability diagram, confusion matrix, risk-coverage curves and most confident "
+    "mistakes instead of the retrieval figures.",
+    arguments=(
+        Option(
+            "runs",
+            type=Path,
+            nargs="+",
+            metavar="RUN_DIR",
+            help="run folders, or `idml ablate` folders (their cells' seeds are grouped)",
+        ),
+        Option(
+            "--reference",
+            default=None,
+            metavar="GROUP",
+            help="group the seed table's Δ is taken against: an ablation cell (e.g. "
+            "'metric=plain, mixup=off') or a run name (default: the baseline)",
+        ),
+        Option(
+            "--out",
+            type=Path,
+            default=None,
+            help="report folder (default: RUN_DIR/report for one run, ./report for several)",
+        ),
+        Option("--no-test", action="store_true", help="logs only: no test-set analysis"),
+        Option("--inline", action="store_true", help="also embed figures in the HTML"),
+        # None = not given: the defaults come from AnalysisOptions, and --no-test can refuse them.
+        Group(
+            "test-set analysis (not with --no-test)",
+            Option("--which", choices=["best", "latest"], help="checkpoint (default best)"),
+            Option("--queries", type=int, help="queries in the retrieval grid (default 6)"),
+            Option("--tsne-points", type=int, help="points in the t-SNE (default 1000)"),
+            Option("--batch-size", type=int, help="embedding batch size (default 128)"),
+            Option("--seed", type=int, help="seed of all sampling in the report (default 0)"),
+            Option("--device", help="auto (default), cpu, cuda, cuda:N"),
+        ),
+        NO_PROGRESS,
+    ),
+)
 
 
 def _run_ablate(args: argparse.Namespace) -> int:
@@ -236,3 +210,41 @@ def _run_ablate(args: argparse.Namespace) -> int:
     print(result.markdown(), end="")
     print(f"tables: {out / 'ablation.md'}, {out / 'ablation.csv'}")
     return 0
+
+
+def _ablate_epilog() -> str:
+    """The grid keys ``idml ablate`` takes, presets included."""
+    from idml.app.ablation import describe_presets
+
+    return "grid keys are raw config keys (metric.gamma=0,2,4) or presets:\n" + describe_presets()
+
+
+ABLATE = Command(
+    "ablate",
+    _run_ablate,
+    help="train a grid of configs over seeds and tabulate mean ± std",
+    description="Run every cell of a grid for N seeds (finished cells are reused) and write "
+    "OUT/ablation.md and OUT/ablation.csv.",
+    epilog=_ablate_epilog,
+    arguments=(
+        Option("config", type=Path, help="YAML config of the base run"),
+        Option(
+            "--grid",
+            action="append",
+            default=[],
+            required=True,
+            metavar="KEY=V1,V2",
+            help="one axis of the grid (repeatable), e.g. --grid metric=plain,ism "
+            "--grid mixup=on,off",
+        ),
+        Option("--seeds", type=int, default=1, help="seeds per cell (config seed, +1, ...)"),
+        OVERRIDES.but(help="override a base config value for every cell (repeatable)"),
+        Option("--out", type=Path, default=None, help="folder (default: runs/ablation-<name>)"),
+        Option("--select", choices=["final", "best"], default="final", help="which epoch"),
+        Option(
+            "--metrics", default=None, help="comma-separated metric columns (default: all reported)"
+        ),
+        OLD_PROGRESS,
+        NO_PROGRESS.but(help="no per-epoch progress"),
+    ),
+)
