@@ -77,7 +77,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
                     "classification run (its classification.* settings decide)"
                 )
             metrics = evaluate_classification_run(
-                args.checkpoint, args.which, device=args.device, progress=args.progress
+                args.checkpoint, args.which, device=args.device, progress=not args.no_progress
             )
             print(
                 json.dumps(metrics) if args.json else format_metrics(str(args.checkpoint), metrics)
