@@ -18,7 +18,7 @@ from idml.evaluation.evaluate import (
     evaluate_embeddings,
     evaluate_files,
 )
-from idml.evaluation.io import EmbeddingFile, load_embedding_file, load_labels
+from idml.evaluation.io import EmbeddingFile, EntryNames, load_embedding_file, load_labels
 from idml.evaluation.retrieval_metrics import PRCurve, RankAccumulator, per_query_metrics
 from idml.evaluation.scoring import PairScorer
 from idml.evaluation.search import (
@@ -32,6 +32,7 @@ from idml.evaluation.uncertainty import UncertaintySummary, summarize_uncertaint
 
 __all__ = [
     "EmbeddingFile",
+    "EntryNames",
     "EvaluationReport",
     "EvaluationSettings",
     "NeighborLists",

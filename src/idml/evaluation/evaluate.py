@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,14 @@ from idml.evaluation.clustering import (
     nmi_score,
     resolve_backend,
 )
-from idml.evaluation.io import EmbeddingFile, check_labels, load_embedding_file, load_labels
+from idml.evaluation.io import (
+    USUAL_ENTRIES,
+    EmbeddingFile,
+    EntryNames,
+    check_labels,
+    load_embedding_file,
+    load_labels,
+)
 from idml.evaluation.report import EvaluationReport, RetrievalResult
 from idml.evaluation.retrieval_metrics import (
     RankAccumulator,
@@ -396,42 +403,35 @@ def evaluate_files(
     *,
     query_embeddings_path: str | Path | None = None,
     query_labels_path: str | Path | None = None,
-    embeddings_key: str | None = None,
-    uncertainty_key: str | None = None,
-    labels_key: str | None = None,
+    entry_names: EntryNames = USUAL_ENTRIES,
     settings: EvaluationSettings | None = None,
     **options: Any,
 ) -> EvaluationReport:
     """:func:`evaluate_embeddings` on files (``.npy``, ``.npz``, ``.pt``, ``.safetensors``).
 
     Labels come from ``labels_path`` or, if it is omitted, from the ``labels`` entry of the
-    embeddings file; uncertainty from the file's ``uncertainty`` entry. ``query_*`` name a separate
-    query set the same way. ``settings`` and ``options`` (``introspective_metric``, ``device``,
-    ``progress``) are passed on to :func:`evaluate_embeddings`.
+    embeddings file; uncertainty from the file's ``uncertainty`` entry (``entry_names`` names
+    other entries, for the query file too). ``query_*`` name a separate query set the same way.
+    ``settings`` and ``options`` (``introspective_metric``, ``device``, ``progress``) are passed on
+    to :func:`evaluate_embeddings`.
 
     An ``uncertainty`` entry of shape ``(N,)`` holds uncertainty *levels* ``||u||`` (what ``idml
     embed`` writes): they are summarised as they are (as ``(N, 1)`` vectors, whose norm is the level),
     but cannot drive ISM, which needs the uncertainty vectors.
     """
     ism = options.get("introspective_metric") is not None
-    ref = load_embedding_file(
-        embeddings_path,
-        embeddings_key=embeddings_key,
-        uncertainty_key=uncertainty_key,
-        labels_key=labels_key if labels_path is None else None,
-    )
-    labels = _file_labels(ref, labels_path, labels_key)
+    # With a separate labels file the labels entry name is that file's, not the embeddings file's.
+    unlabelled = replace(entry_names, labels=None)
+    ref = load_embedding_file(embeddings_path, entry_names if labels_path is None else unlabelled)
+    labels = _file_labels(ref, labels_path, entry_names.labels)
     query = None
     if query_embeddings_path is not None:
         q = load_embedding_file(
-            query_embeddings_path,
-            embeddings_key=embeddings_key,
-            uncertainty_key=uncertainty_key,
-            labels_key=labels_key if query_labels_path is None else None,
+            query_embeddings_path, entry_names if query_labels_path is None else unlabelled
         )
         query = (
             Embeddings(q.semantic.float(), _file_uncertainty(q, ism)),
-            _file_labels(q, query_labels_path, labels_key),
+            _file_labels(q, query_labels_path, entry_names.labels),
         )
     elif query_labels_path is not None:
         raise ValueError("query labels were given without query embeddings")

@@ -195,23 +195,32 @@ def _key_list(entries: Mapping[str, Tensor]) -> str:
     return ", ".join(shown) if shown else "(a single unnamed array)"
 
 
-def load_embedding_file(
-    path: str | Path,
-    *,
-    embeddings_key: str | None = None,
-    uncertainty_key: str | None = None,
-    labels_key: str | None = None,
-) -> EmbeddingFile:
-    """Read semantic embeddings (required), uncertainty and labels (if present) from one file."""
+@dataclass(frozen=True)
+class EntryNames:
+    """Which entries of an embedding file hold what. ``None`` looks for the usual names, in order:
+    :data:`SEMANTIC_KEYS`, :data:`UNCERTAINTY_KEYS`, :data:`LABEL_KEYS` (the command line's
+    ``--embeddings-key``, ``--uncertainty-key`` and ``--labels-key``)."""
+
+    embeddings: str | None = None
+    uncertainty: str | None = None
+    labels: str | None = None
+
+
+def load_embedding_file(path: str | Path, entry_names: EntryNames = EntryNames()) -> EmbeddingFile:
+    """Read semantic embeddings (required), uncertainty and labels (if present) from one file,
+    from the entries ``entry_names`` names (or the usual names)."""
+    names = entry_names
     path = Path(path)
     entries, text = _read(path)
     if set(entries) == {""}:
         semantic: Tensor | None = entries[""]
         uncertainty = labels = None
     else:
-        semantic = _pick(entries, path, "embeddings", embeddings_key, SEMANTIC_KEYS, True)
-        uncertainty = _pick(entries, path, "uncertainty", uncertainty_key, UNCERTAINTY_KEYS, False)
-        labels = _pick(entries, path, "labels", labels_key, LABEL_KEYS, False)
+        semantic = _pick(entries, path, "embeddings", names.embeddings, SEMANTIC_KEYS, True)
+        uncertainty = _pick(
+            entries, path, "uncertainty", names.uncertainty, UNCERTAINTY_KEYS, False
+        )
+        labels = _pick(entries, path, "labels", names.labels, LABEL_KEYS, False)
     assert semantic is not None
     if semantic.dim() != 2 or not semantic.dtype.is_floating_point:
         raise ValueError(

@@ -22,7 +22,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from idml.evaluation import EvaluationSettings, evaluate_files
+    from idml.evaluation import EntryNames, EvaluationSettings, evaluate_files
     from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 
     if args.checkpoint is not None:
@@ -112,9 +112,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         args.labels,
         query_embeddings_path=args.query_embeddings,
         query_labels_path=args.query_labels,
-        embeddings_key=args.embeddings_key,
-        uncertainty_key=args.uncertainty_key,
-        labels_key=args.labels_key,
+        entry_names=EntryNames(args.embeddings_key, args.uncertainty_key, args.labels_key),
         settings=EvaluationSettings(
             ks=args.ks or (1, 2, 4, 8),
             metric=args.metric,
