@@ -206,7 +206,11 @@ class EntryNames:
     labels: str | None = None
 
 
-def load_embedding_file(path: str | Path, entry_names: EntryNames = EntryNames()) -> EmbeddingFile:
+USUAL_ENTRIES = EntryNames()
+"""The usual entry names only (no entry named explicitly)."""
+
+
+def load_embedding_file(path: str | Path, entry_names: EntryNames = USUAL_ENTRIES) -> EmbeddingFile:
     """Read semantic embeddings (required), uncertainty and labels (if present) from one file,
     from the entries ``entry_names`` names (or the usual names)."""
     names = entry_names
