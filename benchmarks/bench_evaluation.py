@@ -224,11 +224,11 @@ def main() -> None:
         from pytorch_metric_learning.utils.inference import FaissKMeans
         from sklearn.metrics import normalized_mutual_info_score
 
-        from idml.evaluation import nmi_score
+        from idml.evaluation import KMeansSettings, nmi_score
 
         graph = report.retrieval.neighbor_indices
-        exact_nmi, exact_s, exact_mem = timed(lambda: nmi_score(x, y, backend="faiss"))
-        fast_nmi, fast_s, fast_mem = timed(lambda: nmi_score(x, y, backend="knn", neighbors=graph))
+        exact_nmi, exact_s, exact_mem = timed(lambda: nmi_score(x, y, KMeansSettings("faiss")))
+        fast_nmi, fast_s, fast_mem = timed(lambda: nmi_score(x, y, KMeansSettings("knn"), graph))
         clusters, pml_nmi_s, pml_nmi_mem = timed(
             lambda: FaissKMeans(niter=20, gpu=False)(x, int(counts.size))
         )

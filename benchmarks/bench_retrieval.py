@@ -238,7 +238,7 @@ def main() -> None:
                 t_one = statistics.median(singles)
                 row = {
                     "factory": f"HNSW{args.hnsw_m}",
-                    "efConstruction": hnsw._faiss.hnsw.efConstruction,
+                    "efConstruction": hnsw.faiss_index.hnsw.efConstruction,
                     "efSearch": ef,
                     "build_s": build_hnsw,
                     f"recall@{args.k}": recall_at_k(approx.indices.numpy(), ours.indices.numpy()),

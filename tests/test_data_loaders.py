@@ -15,9 +15,13 @@ import torch
 from PIL import Image
 
 from idml.data import (
+    CarsOptions,
     CorruptImageError,
+    CsvOptions,
     DatasetName,
     DMLSplit,
+    FileOptions,
+    FolderOptions,
     build_transforms,
     load_cars,
     load_csv,
@@ -154,7 +158,7 @@ def test_cub_class_with_one_image(tmp_path: Path) -> None:
         ValueError, match=r"train split.*Bird_2 \(1 image\).*min_images_per_class=1"
     ):
         load_cub(base)
-    split = load_cub(base, min_images_per_class=1)
+    split = load_cub(base, FileOptions(min_images_per_class=1))
     assert split.train.class_counts().tolist() == [2, 1]
 
 
@@ -240,7 +244,7 @@ def test_cars_original_layout(tmp_path: Path) -> None:
     assert split.test.labels.tolist() == [0, 0, 1, 1, 1, 2, 2]
     assert split.train.class_names[2] == "Car model 98"
     assert_labels_match_images(split)
-    cropped = load_cars(tmp_path, crop_to_box=True)
+    cropped = load_cars(tmp_path, CarsOptions(crop_to_box=True))
     image, _, _ = cropped.train[1]  # second image of class 1: box (2, 3, 13, 10)
     assert image.shape == (3, 7, 11)
 
@@ -365,11 +369,11 @@ def test_folder_first_half_of_sorted_classes(tmp_path: Path) -> None:
     assert (len(split.train), len(split.test)) == (7, 4)
     assert_labels_match_images(split)
 
-    chosen = load_folder(tmp_path / "data", train_classes=["eel", "ant"])
+    chosen = load_folder(tmp_path / "data", FolderOptions(train_classes=["eel", "ant"]))
     assert chosen.train.class_names == ("ant", "eel")
     assert chosen.test.class_names == ("bee", "cat", "dog")
     with pytest.raises(ValueError, match=r"not in .*: zebra"):
-        load_folder(tmp_path / "data", train_classes=["zebra"])
+        load_folder(tmp_path / "data", FolderOptions(train_classes=["zebra"]))
 
 
 def test_folder_empty_class_is_an_error(tmp_path: Path) -> None:
@@ -395,7 +399,7 @@ def test_csv_with_split_column(tmp_path: Path) -> None:
 
     (tmp_path / "bad.csv").write_text("path,label,split\nimg/3_0.jpg,3,train\nimg/3_1.jpg,3,test\n")
     with pytest.raises(ValueError, match=r"share 1 class.*class-disjoint"):
-        load_csv(tmp_path / "bad.csv", min_images_per_class=1)
+        load_csv(tmp_path / "bad.csv", CsvOptions(min_images_per_class=1))
     (tmp_path / "val.csv").write_text("img/3_0.jpg,3,val\n")
     with pytest.raises(ValueError, match=r"split must be 'train' or 'test' \(line\(s\) 1\)"):
         load_csv(tmp_path / "val.csv")
@@ -409,7 +413,7 @@ def test_csv_without_split_uses_class_names(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     text = "\n".join(f"{name}{k}.png,{name}" for name in names for k in range(2))
     (tmp_path / "sub" / "list.csv").write_text(text + "\n")
-    split = load_csv(tmp_path / "sub" / "list.csv", image_root=tmp_path / "images")
+    split = load_csv(tmp_path / "sub" / "list.csv", CsvOptions(image_root=tmp_path / "images"))
     assert split.train.class_names == ("ant", "cat") and split.test.class_names == ("fox", "owl")
     for dataset in (split.train, split.test):
         for index in range(len(dataset)):

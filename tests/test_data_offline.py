@@ -11,7 +11,14 @@ import pytest
 import torch
 from sklearn.datasets import load_digits as sklearn_digits
 
-from idml.data import FASHION_MNIST_ROOT, load_digits, load_fashion_mnist, load_split, read_idx
+from idml.data import (
+    FASHION_MNIST_ROOT,
+    ArraySplitOptions,
+    load_digits,
+    load_fashion_mnist,
+    load_split,
+    read_idx,
+)
 from idml.data.offline import subsample_per_class
 
 FASHION_FILES = [
@@ -46,23 +53,23 @@ def test_digits_zero_shot_split_matches_sklearn() -> None:
 
 
 def test_digits_options_subsample_resize_channels() -> None:
-    split = load_digits(per_class=10, image_size=32, channels=1, seed=3)
+    split = load_digits(options=ArraySplitOptions(per_class=10, image_size=32, seed=3, channels=1))
     assert split.train.class_counts().tolist() == [10] * 5
     assert split.test.class_counts().tolist() == [10] * 5
     image, _, _ = split.train[0]
     assert image.shape == (1, 32, 32)
     assert float(image.min()) >= 0.0 and float(image.max()) <= 1.0
-    again = load_digits(per_class=10, image_size=32, channels=1, seed=3)
+    again = load_digits(options=ArraySplitOptions(per_class=10, image_size=32, seed=3, channels=1))
     assert torch.equal(split.train.images, again.train.images)
-    other = load_digits(per_class=10, image_size=32, channels=1, seed=4)
+    other = load_digits(options=ArraySplitOptions(per_class=10, image_size=32, seed=4, channels=1))
     assert not torch.equal(split.train.images, other.train.images)
 
-    three_way = load_digits(num_train_classes=3)
+    three_way = load_digits(options=ArraySplitOptions(num_train_classes=3))
     assert three_way.train.classes == (0, 1, 2) and three_way.num_test_classes == 7
     with pytest.raises(ValueError, match=r"num_train_classes must be in 1\.\.9"):
-        load_digits(num_train_classes=10)
+        load_digits(options=ArraySplitOptions(num_train_classes=10))
     with pytest.raises(ValueError, match=r"per_class must be >= 2"):
-        load_digits(per_class=1)
+        load_digits(options=ArraySplitOptions(per_class=1))
     with pytest.raises(ValueError, match="do not pass root"):
         load_split("digits", "/somewhere")
 

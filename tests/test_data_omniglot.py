@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from idml.app.config import load_config
-from idml.data.omniglot import load_omniglot
+from idml.data.omniglot import OmniglotOptions, load_omniglot
 from idml.data.registry import load_split
 
 SMALL1 = {"Balinese": 3, "Greek": 2, "Latin": 2}
@@ -68,7 +68,7 @@ def test_split_by_alphabet_drops_shared_alphabets_from_test(root: Path) -> None:
 def test_unzipped_folders_and_resizing(tmp_path: Path) -> None:
     _archive(tmp_path, "images_background_small1", SMALL1, unzipped=True)
     _archive(tmp_path, "images_background_small2", SMALL2)
-    split = load_omniglot(tmp_path, image_size=8, channels=1)
+    split = load_omniglot(tmp_path, OmniglotOptions(image_size=8, channels=1))
     assert tuple(split.test[0][0].shape) == (1, 8, 8)
     assert split.num_test_classes == 5
 
@@ -87,8 +87,10 @@ def test_missing_or_broken_archives_are_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"images_background_small2\.zip"):
         load_omniglot(
             tmp_path,
-            train_archives=["images_background_small1"],
-            test_archives=["images_background_small2"],
+            OmniglotOptions(
+                train_archives=["images_background_small1"],
+                test_archives=["images_background_small2"],
+            ),
         )
     (tmp_path / "images_background_small2.zip").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match=r"images_background_small2\.zip is not a readable zip"):

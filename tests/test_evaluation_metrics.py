@@ -12,6 +12,7 @@ import torch
 from idml.embeddings import Embeddings
 from idml.evaluation import (
     EvaluationSettings,
+    KMeansSettings,
     evaluate_embeddings,
     faiss_search,
     nmi_score,
@@ -118,10 +119,10 @@ def test_nmi_is_reproducible_and_in_range() -> None:
     x, y = clustered(300, 8, 8, 0.8, seed=2)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     for backend in ("sklearn", *(("faiss",) if faiss_available() else ())):
-        a = nmi_score(xt, yt, backend=backend, seed=3)
-        assert a == nmi_score(xt, yt, backend=backend, seed=3)
+        a = nmi_score(xt, yt, KMeansSettings(backend, seed=3))
+        assert a == nmi_score(xt, yt, KMeansSettings(backend, seed=3))
         assert 0.5 < a <= 1.0  # well-separated clusters
-    noise = nmi_score(torch.randn(300, 8), yt, backend="sklearn", seed=0)
+    noise = nmi_score(torch.randn(300, 8), yt, KMeansSettings("sklearn", seed=0))
     assert 0.0 <= noise < 0.3
 
 
@@ -147,9 +148,9 @@ def test_knn_graph_kmeans_close_to_lloyd_and_reproducible() -> None:
     x, y = clustered(500, 25, 8, 0.9, seed=12)
     xt, yt = torch.nn.functional.normalize(torch.from_numpy(x), dim=1), torch.from_numpy(y)
     graph = exact_search(xt, yt, 10).neighbors.indices
-    fast = nmi_score(xt, yt, backend="knn", neighbors=graph, seed=5)
-    assert fast == nmi_score(xt, yt, backend="knn", neighbors=graph, seed=5)
-    lloyd = nmi_score(xt, yt, backend="sklearn", seed=5)
+    fast = nmi_score(xt, yt, KMeansSettings("knn", seed=5), graph)
+    assert fast == nmi_score(xt, yt, KMeansSettings("knn", seed=5), graph)
+    lloyd = nmi_score(xt, yt, KMeansSettings("sklearn", seed=5))
     assert abs(fast - lloyd) < 0.05
     report = evaluate_embeddings(x, y, EvaluationSettings(nmi_backend="knn", seed=5))
     assert report.nmi == pytest.approx(fast, abs=1e-12)  # same neighbours, same k-means
@@ -237,7 +238,7 @@ def test_knn_graph_kmeans_without_neighbours_is_nearest_seed() -> None:
 
 def test_knn_backend_requires_neighbours() -> None:
     with pytest.raises(ValueError, match="needs neighbour lists"):
-        nmi_score(torch.randn(10, 2), torch.arange(10) % 2, backend="knn")
+        nmi_score(torch.randn(10, 2), torch.arange(10) % 2, KMeansSettings("knn"))
 
 
 # ----------------------------------------------------------------------------- uncertainty

@@ -132,9 +132,9 @@ def test_an_index_refuses_another_model_or_dimension(
     stranger = Encoder.from_model(other, image_size=8)
     emb = stranger.embed(sorted(gallery.rglob("*.png"))[:2])
     with pytest.raises(IndexFormatError, match="not comparable"):
-        index.add(emb.embeddings, emb.uncertainty, ids=["x", "y"], model=stranger.info)
+        index.add(Index.create(emb.embeddings, emb.uncertainty, ["x", "y"], model=stranger.info))
     with pytest.raises(IndexFormatError, match="dimension 8 but the index has 16"):
-        index.add(torch.randn(2, 8), ids=["x", "y"])
+        index.add(Index.create(torch.randn(2, 8), ids=["x", "y"]))
     # Query embeddings of the wrong dimension, through the CLI: a one-line error, exit code 2.
     np.savez(tmp_path / "q.npz", embeddings=np.ones((2, 8), np.float32))
     assert main(["search", str(index_dir), str(tmp_path / "q.npz")]) == 2
@@ -315,22 +315,23 @@ def test_faiss_backends_against_exact_search(tmp_path: Path) -> None:
         gallery, backend="faiss", faiss_factory="HNSW8", search_parameters="efSearch=4"
     )
     # faiss builds HNSW graphs with efConstruction 40 by default; idml with DEFAULT_EF_CONSTRUCTION.
-    assert hnsw._faiss.hnsw.efSearch == 4 and hnsw._faiss.hnsw.efConstruction == 200
+    assert hnsw.faiss_index.hnsw.efSearch == 4 and hnsw.faiss_index.hnsw.efConstruction == 200
     hnsw.set_search_parameters("efSearch=400")
-    assert hnsw._faiss.hnsw.efSearch == 400
+    assert hnsw.faiss_index.hnsw.efSearch == 400
     assert torch.equal(hnsw.search(queries, 5).indices, truth.indices)
     hnsw.save(tmp_path / "hnsw")
-    assert Index.load(tmp_path / "hnsw")._faiss.hnsw.efSearch == 400
-    assert Index.load(tmp_path / "hnsw", "efSearch=16")._faiss.hnsw.efSearch == 16
+    assert Index.load(tmp_path / "hnsw").faiss_index.hnsw.efSearch == 400
+    assert Index.load(tmp_path / "hnsw", "efSearch=16").faiss_index.hnsw.efSearch == 16
     # Grown by add, a faiss index equals a fresh one of the union (Flat: exact either way).
-    grown = Index.create(gallery[:200], backend="faiss", faiss_factory="Flat").add(gallery[200:])
+    rest = Index.create(gallery[200:], ids=[str(i) for i in range(200, 300)])
+    grown = Index.create(gallery[:200], backend="faiss", faiss_factory="Flat").add(rest)
     assert torch.equal(grown.search(queries, 5).indices, truth.indices)
 
     # efConstruction given at creation shapes the graph as it is built.
     built = Index.create(
         gallery, backend="faiss", faiss_factory="HNSW8", search_parameters="efConstruction=80"
     )
-    assert built._faiss.hnsw.efConstruction == 80
+    assert built.faiss_index.hnsw.efConstruction == 80
     with pytest.raises(ValueError, match=r"'nprobe=3' do not apply.*efSearch=128"):
         hnsw.set_search_parameters("nprobe=3")
     with pytest.raises(ValueError, match="apply to the faiss backend; this index is exact"):

@@ -213,11 +213,27 @@ def resolve_miner(miner: MinerArg, default: Miner | None) -> Miner | None:
     return miner
 
 
+class _SimilarityMiner(Miner):
+    """A miner written in similarity orientation: it selects from ``S`` (a distance as ``−D``).
+
+    Subclasses implement :meth:`select`.
+    """
+
+    def mine(
+        self, matrix: Tensor, labels: LabelSets, similarity: bool, dim: int | None
+    ) -> PairIndices | TripletIndices:
+        return self.select(oriented(matrix, similarity), labels)
+
+    @abstractmethod
+    def select(self, s: Tensor, labels: LabelSets) -> PairIndices | TripletIndices:
+        """Select indices from ``s``, the validated, detached matrix with larger = more alike."""
+
+
 _CHUNK_ENTRIES = 1 << 24
 """Largest ``(positive pairs, B)`` block :class:`SemiHardMiner` compares at once (bounds memory)."""
 
 
-class SemiHardMiner(Miner):
+class SemiHardMiner(_SimilarityMiner):
     """Semi-hard triplets (Schroff et al. 2015, FaceNet, eq. 4 and §3.2).
 
     Keeps every triplet ``(a, p, n)`` whose negative is farther than the positive but inside the
@@ -248,10 +264,7 @@ class SemiHardMiner(Miner):
             raise ValueError(f"margin (semi-hard window δ) must be > 0, got {margin}")
         self.margin = float(margin)
 
-    def mine(
-        self, matrix: Tensor, labels: LabelSets, similarity: bool, dim: int | None
-    ) -> TripletIndices:
-        s = oriented(matrix, similarity)
+    def select(self, s: Tensor, labels: LabelSets) -> TripletIndices:
         anchor, positive = labels.positive_mask().nonzero(as_tuple=True)
         # A non-negative candidate gets +inf similarity, so its gap is −inf and fails "gap > 0".
         candidates = s.masked_fill(~labels.negative_mask(), float("inf"))
@@ -273,7 +286,7 @@ class SemiHardMiner(Miner):
         return TripletIndices(anchor[pair], positive[pair], torch.cat([f[1] for f in found]))
 
 
-class MultiSimilarityMiner(Miner):
+class MultiSimilarityMiner(_SimilarityMiner):
     """Multi-similarity pair mining (Wang et al. 2019, eq. 5 and 6).
 
     With ``S`` the similarity of a pair, a positive pair ``(a, p)`` is kept when it is less similar
@@ -300,10 +313,7 @@ class MultiSimilarityMiner(Miner):
             raise ValueError(f"epsilon (mining margin) must be >= 0, got {epsilon}")
         self.epsilon = float(epsilon)
 
-    def mine(
-        self, matrix: Tensor, labels: LabelSets, similarity: bool, dim: int | None
-    ) -> PairIndices:
-        s = oriented(matrix, similarity)
+    def select(self, s: Tensor, labels: LabelSets) -> PairIndices:
         pos, neg = labels.positive_mask(), labels.negative_mask()
         hardest_neg = s.masked_fill(~neg, float("-inf")).amax(dim=1, keepdim=True)
         easiest_pos = s.masked_fill(~pos, float("inf")).amin(dim=1, keepdim=True)

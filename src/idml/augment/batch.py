@@ -193,8 +193,9 @@ class UncertaintyAugmentation(Protocol):
 
 class BatchAugmentation(ABC):
     """An augmentation that changes the batch itself (:class:`~idml.augment.Degradation`,
-    :class:`~idml.augment.Mixup`, :class:`~idml.augment.CutMix`), after checking it: the images
-    must pass :func:`check_images` and the labels give one label (set) per image.
+    :class:`~idml.augment.Mixup`, :class:`~idml.augment.CutMix`) or composes others
+    (:class:`AugmentationPipeline`), after checking it: the images must pass :func:`check_images`
+    and the labels give one label (set) per image.
 
     Subclasses implement :meth:`augment` on the checked batch.
     """
@@ -246,16 +247,13 @@ def apply_augmentations(
 
 
 @dataclass(frozen=True)
-class AugmentationPipeline:
-    """A fixed sequence of augmentations, itself an :class:`UncertaintyAugmentation`."""
+class AugmentationPipeline(BatchAugmentation):
+    """A fixed sequence of augmentations, itself a (checked) :class:`UncertaintyAugmentation`."""
 
     augmentations: tuple[UncertaintyAugmentation, ...] = ()
 
-    def __call__(
-        self,
-        images: Tensor,
-        labels: Tensor | LabelSets,
-        generator: torch.Generator | None = None,
+    def augment(
+        self, images: Tensor, labels: LabelSets, generator: torch.Generator | None
     ) -> AugmentedBatch:
         """See :func:`apply_augmentations`."""
         return apply_augmentations(images, labels, self.augmentations, generator)

@@ -21,8 +21,25 @@ from idml.data.datasets import (
     decode_image_file,
     to_float_image,
 )
-from idml.data.loaders import load_cars, load_csv, load_cub, load_folder, load_sop
-from idml.data.offline import FASHION_MNIST_ROOT, load_digits, load_fashion_mnist, read_idx
+from idml.data.loaders import (
+    CarsOptions,
+    CsvOptions,
+    FileOptions,
+    FolderOptions,
+    load_cars,
+    load_csv,
+    load_cub,
+    load_folder,
+    load_sop,
+)
+from idml.data.offline import (
+    FASHION_MNIST_ROOT,
+    ArrayOptions,
+    ArraySplitOptions,
+    load_digits,
+    load_fashion_mnist,
+    read_idx,
+)
 from idml.data.records import IMAGE_EXTENSIONS, ImageRecords
 from idml.data.registry import (
     DATASETS,
@@ -53,13 +70,19 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "LOADERS",
     "ArrayImageDataset",
+    "ArrayOptions",
+    "ArraySplitOptions",
+    "CarsOptions",
     "ClassBalancedBatchSampler",
     "CorruptImageError",
+    "CsvOptions",
     "DMLSplit",
     "DatasetName",
     "DatasetSpec",
     "EpochBatchSampler",
     "FileImageDataset",
+    "FileOptions",
+    "FolderOptions",
     "ImageDataset",
     "ImageFailure",
     "ImageRecords",

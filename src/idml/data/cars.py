@@ -4,13 +4,14 @@ or from the devkit layout (see :mod:`idml.data.loaders`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from idml.data.datasets import Channels, DMLSplit
-from idml.data.loading import build_split, check_class_range
+from idml.data.datasets import DMLSplit
+from idml.data.loading import FileOptions, build_split, check_class_range
 from idml.data.records import ImageRecords
 
 CARS_NUM_CLASSES = 196
@@ -84,14 +85,15 @@ def _cars_records(
     return ImageRecords(paths=paths, class_ids=class_ids, class_names=names, boxes=boxes)
 
 
-def load_cars(
-    root: str | Path,
-    *,
-    channels: Channels = 3,
-    check_files: bool = True,
-    min_images_per_class: int = 2,
-    crop_to_box: bool = False,
-) -> DMLSplit:
+@dataclass(frozen=True)
+class CarsOptions(FileOptions):
+    """Options of :func:`load_cars`."""
+
+    crop_to_box: bool = False
+    """Crop every image to its annotated box (off by default, as in the DML literature)."""
+
+
+def load_cars(root: str | Path, options: CarsOptions | None = None) -> DMLSplit:
     """Cars196 as a DML split: classes 1–98 train (8,054 images), 99–196 test (8,131).
 
     Two layouts are accepted (in ``root`` or ``root/stanford_cars``):
@@ -103,8 +105,10 @@ def load_cars(
       ``cars_test_annos.mat`` has no labels) and optionally ``devkit/cars_meta.mat`` for names.
       Both halves are merged, then split by class.
 
-    ``crop_to_box`` crops every image to its annotated box (off by default, as in the DML literature).
+    ``options.crop_to_box`` crops every image to its annotated box (off by default, as in the DML
+    literature).
     """
+    options = options or CarsOptions()
     base = Path(root).expanduser()
     candidates = [base, base / "stanford_cars"]
     original = next((c for c in candidates if (c / "cars_annos.mat").is_file()), None)
@@ -136,16 +140,7 @@ def load_cars(
             "cars_test/ and devkit/"
         )
     train, test = records.split_by_class(np.arange(1, CARS_LAST_TRAIN_CLASS + 1))
-    return build_split(
-        "cars",
-        train,
-        test,
-        source,
-        channels=channels,
-        check_files=check_files,
-        min_images_per_class=min_images_per_class,
-        crop_to_box=crop_to_box,
-    )
+    return build_split("cars", train, test, source, options, crop_to_box=options.crop_to_box)
 
 
 def _first_file(base: Path, *relative: str) -> Path | None:

@@ -19,13 +19,20 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from idml.data.cars import CARS_LAST_TRAIN_CLASS, CARS_NUM_CLASSES, load_cars
-from idml.data.datasets import Channels, DMLSplit
-from idml.data.loading import build_split, check_class_range, check_unique, locate_root
+from idml.data.cars import CARS_LAST_TRAIN_CLASS, CARS_NUM_CLASSES, CarsOptions, load_cars
+from idml.data.datasets import DMLSplit
+from idml.data.loading import (
+    FileOptions,
+    build_split,
+    check_class_range,
+    check_unique,
+    locate_root,
+)
 from idml.data.records import (
     IMAGE_EXTENSIONS,
     ImageRecords,
@@ -42,6 +49,10 @@ __all__ = [
     "CUB_LAST_TRAIN_CLASS",
     "CUB_NUM_CLASSES",
     "SOP_HEADER",
+    "CarsOptions",
+    "CsvOptions",
+    "FileOptions",
+    "FolderOptions",
     "load_cars",
     "load_csv",
     "load_cub",
@@ -55,13 +66,7 @@ SOP_HEADER = ("image_id", "class_id", "super_class_id", "path")
 
 
 # --------------------------------------------------------------------------- CUB-200-2011
-def load_cub(
-    root: str | Path,
-    *,
-    channels: Channels = 3,
-    check_files: bool = True,
-    min_images_per_class: int = 2,
-) -> DMLSplit:
+def load_cub(root: str | Path, options: FileOptions | None = None) -> DMLSplit:
     """CUB-200-2011 as a DML split: classes 1–100 train (5,864 images), 101–200 test (5,924).
 
     Reads ``images.txt`` (``image_id path``) and ``image_class_labels.txt`` (``image_id class_id``)
@@ -108,15 +113,7 @@ def load_cub(
         class_names=class_names,
     )
     train, test = records.split_by_class(np.arange(1, CUB_LAST_TRAIN_CLASS + 1))
-    return build_split(
-        "cub",
-        train,
-        test,
-        str(images_file),
-        channels=channels,
-        check_files=check_files,
-        min_images_per_class=min_images_per_class,
-    )
+    return build_split("cub", train, test, str(images_file), options or FileOptions())
 
 
 def _leading_int(folder: str) -> int:
@@ -126,13 +123,7 @@ def _leading_int(folder: str) -> int:
 
 
 # --------------------------------------------------------------------------- Stanford Online Products
-def load_sop(
-    root: str | Path,
-    *,
-    channels: Channels = 3,
-    check_files: bool = True,
-    min_images_per_class: int = 2,
-) -> DMLSplit:
+def load_sop(root: str | Path, options: FileOptions | None = None) -> DMLSplit:
     """Stanford Online Products: ``Ebay_train.txt`` (59,551 images, 11,318 classes) and
     ``Ebay_test.txt`` (60,502 images, 11,316 classes), in ``root`` or
     ``root/Stanford_Online_Products``.
@@ -159,15 +150,8 @@ def load_sop(
                 class_names=names,
             )
         )
-    return build_split(
-        "sop",
-        halves[0],
-        halves[1],
-        str(base / "Ebay_{train,test}.txt"),
-        channels=channels,
-        check_files=check_files,
-        min_images_per_class=min_images_per_class,
-    )
+    source = str(base / "Ebay_{train,test}.txt")
+    return build_split("sop", halves[0], halves[1], source, options or FileOptions())
 
 
 # --------------------------------------------------------------------------- generic
@@ -190,21 +174,27 @@ def _train_ids_from_names(
     return np.array([ids_by_name[str(c)] for c in train_classes], dtype=np.int64)
 
 
-def load_folder(
-    root: str | Path,
-    *,
-    train_classes: Sequence[str] | None = None,
-    extensions: Sequence[str] = tuple(sorted(IMAGE_EXTENSIONS)),
-    channels: Channels = 3,
-    min_images_per_class: int = 2,
-) -> DMLSplit:
+@dataclass(frozen=True)
+class FolderOptions(FileOptions):
+    """Options of :func:`load_folder`."""
+
+    check_files: bool = False
+    """Off by default: the images were just listed."""
+    train_classes: Sequence[str] | None = None
+    """Folder names of the train classes (default: the first half of the sorted names)."""
+    extensions: Sequence[str] = tuple(sorted(IMAGE_EXTENSIONS))
+    """File suffixes that count as images."""
+
+
+def load_folder(root: str | Path, options: FolderOptions | None = None) -> DMLSplit:
     """A folder per class, ``root/<class name>/<image>``, split by class.
 
-    Train classes are ``train_classes`` (folder names) or the first ``ceil(C/2)`` of the sorted
-    folder names; the rest are test. Original class ids are the positions in that sorted list.
-    Only files directly in a class folder whose suffix is in ``extensions`` count as images; hidden
-    folders are ignored; an empty class folder is an error.
+    Train classes are ``options.train_classes`` (folder names) or the first ``ceil(C/2)`` of the
+    sorted folder names; the rest are test. Original class ids are the positions in that sorted
+    list. Only files directly in a class folder whose suffix is in ``options.extensions`` count as
+    images; hidden folders are ignored; an empty class folder is an error.
     """
+    options = options or FolderOptions()
     base = Path(root).expanduser()
     if not base.is_dir():
         raise FileNotFoundError(
@@ -213,7 +203,7 @@ def load_folder(
     class_dirs = sorted(d for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not class_dirs:
         raise ValueError(f"{base} has no class folders; expected {base}/<class name>/<image files>")
-    suffixes = {s.lower() if s.startswith(".") else f".{s.lower()}" for s in extensions}
+    suffixes = {s.lower() if s.startswith(".") else f".{s.lower()}" for s in options.extensions}
     files_per_class = [
         sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
         for d in class_dirs
@@ -231,39 +221,36 @@ def load_folder(
         class_names={i: d.name for i, d in enumerate(class_dirs)},
     )
     ids_by_name = {d.name: i for i, d in enumerate(class_dirs)}
-    train_ids = _train_ids_from_names(train_classes, ids_by_name, records.class_ids, str(base))
-    train, test = records.split_by_class(train_ids)
-    return build_split(
-        "folder",
-        train,
-        test,
-        str(base),
-        channels=channels,
-        check_files=False,
-        min_images_per_class=min_images_per_class,
+    train_ids = _train_ids_from_names(
+        options.train_classes, ids_by_name, records.class_ids, str(base)
     )
+    train, test = records.split_by_class(train_ids)
+    return build_split("folder", train, test, str(base), options)
 
 
-def load_csv(
-    root: str | Path,
-    *,
-    image_root: str | Path | None = None,
-    train_classes: Sequence[str] | None = None,
-    channels: Channels = 3,
-    check_files: bool = True,
-    min_images_per_class: int = 2,
-) -> DMLSplit:
+@dataclass(frozen=True)
+class CsvOptions(FileOptions):
+    """Options of :func:`load_csv`."""
+
+    image_root: str | Path | None = None
+    """The folder relative paths start from (default: the CSV's folder)."""
+    train_classes: Sequence[str] | None = None
+    """Names of the train classes when there is no split column (default: the first half)."""
+
+
+def load_csv(root: str | Path, options: CsvOptions | None = None) -> DMLSplit:
     """A CSV file of ``path,label[,split]`` rows (an optional header row names those columns).
 
-    Paths are relative to ``image_root`` (default: the CSV's folder) unless absolute. Absolute
-    paths and ``..`` are allowed on purpose: a CSV is a local dataset index its author controls.
-    Code that builds a CSV from untrusted requests (a service) must check the paths itself, e.g.
-    that ``Path(p).resolve()`` lies under the allowed folder. Labels are
-    class names; when all are integers they are the original class ids, otherwise the ids are the
-    positions in the sorted names. With a ``split`` column (``train``/``test``) the split is taken
-    from it and checked to be class-disjoint; without one, the train classes are
-    ``train_classes`` or the first half of the sorted classes.
+    Paths are relative to ``options.image_root`` (default: the CSV's folder) unless absolute.
+    Absolute paths and ``..`` are allowed on purpose: a CSV is a local dataset index its author
+    controls. Code that builds a CSV from untrusted requests (a service) must check the paths
+    itself, e.g. that ``Path(p).resolve()`` lies under the allowed folder. Labels are class names;
+    when all are integers they are the original class ids, otherwise the ids are the positions in
+    the sorted names. With a ``split`` column (``train``/``test``) the split is taken from it and
+    checked to be class-disjoint; without one, the train classes are ``options.train_classes`` or
+    the first half of the sorted classes.
     """
+    options = options or CsvOptions()
     path = Path(root).expanduser()
     if path.is_dir():
         raise FileNotFoundError(
@@ -299,6 +286,7 @@ def load_csv(
         )
     if not rows:
         raise ValueError(f"{path} has a header but no rows")
+    image_root = options.image_root
     image_base = Path(image_root).expanduser() if image_root is not None else path.parent
     labels = [row[1] for _, row in rows]
     numeric = all(is_int(label) for label in labels)
@@ -310,7 +298,7 @@ def load_csv(
         class_names={i: name for name, i in ids_by_name.items()},
     )
     if num_columns == 3:
-        if train_classes is not None:
+        if options.train_classes is not None:
             raise ValueError(f"{path} has a split column; do not also pass train_classes")
         split = np.array([row[2].lower() for _, row in rows])
         bad = [n for (n, _), s in zip(rows, split) if s not in ("train", "test")]
@@ -320,14 +308,8 @@ def load_csv(
             )
         train, test = records.take(split == "train"), records.take(split == "test")
     else:
-        train_ids = _train_ids_from_names(train_classes, ids_by_name, records.class_ids, str(path))
+        train_ids = _train_ids_from_names(
+            options.train_classes, ids_by_name, records.class_ids, str(path)
+        )
         train, test = records.split_by_class(train_ids)
-    return build_split(
-        "csv",
-        train,
-        test,
-        str(path),
-        channels=channels,
-        check_files=check_files,
-        min_images_per_class=min_images_per_class,
-    )
+    return build_split("csv", train, test, str(path), options)

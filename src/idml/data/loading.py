@@ -1,9 +1,11 @@
-"""What the dataset loaders of :mod:`idml.data.loaders` and :mod:`idml.data.cars` share: finding
-the dataset folder, checking annotation ids and wrapping the validated halves as a split."""
+"""What the dataset loaders of :mod:`idml.data.loaders` and :mod:`idml.data.cars` share: their
+options, finding the dataset folder, checking annotation ids and wrapping the validated halves as
+a split."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -12,22 +14,33 @@ from idml.data.datasets import Channels, DMLSplit, FileImageDataset
 from idml.data.records import ImageRecords, format_examples
 
 
+@dataclass(frozen=True)
+class FileOptions:
+    """Options of the file-based loaders (CUB-200-2011, Stanford Online Products; extended for
+    Cars196, CSV files and class folders): how the images are read and the split is checked."""
+
+    channels: Channels = 3
+    """3 (RGB) or 1 (grayscale)."""
+    check_files: bool = True
+    """Check that every listed image file exists before training starts."""
+    min_images_per_class: int = 2
+    """Fewest images a class may have on its side of the split."""
+
+
 def build_split(
     name: str,
     train: ImageRecords,
     test: ImageRecords,
     source: str,
-    *,
-    channels: Channels,
-    check_files: bool,
-    min_images_per_class: int,
+    options: FileOptions,
     crop_to_box: bool = False,
 ) -> DMLSplit:
     """Validate both halves (files exist, classes big enough) and wrap them as datasets."""
-    if check_files:
+    if options.check_files:
         ImageRecords.concat([train, test]).check_files_exist(source)
     for side, records in (("train", train), ("test", test)):
-        records.check_min_images_per_class(min_images_per_class, f"{source} ({side} split)")
+        records.check_min_images_per_class(options.min_images_per_class, f"{source} ({side} split)")
+    channels = options.channels
     return DMLSplit(
         FileImageDataset(train, channels=channels, crop_to_box=crop_to_box),
         FileImageDataset(test, channels=channels, crop_to_box=crop_to_box),

@@ -2,16 +2,11 @@
 
 Both follow the zero-shot DML protocol (train and test classes disjoint): the first half of the
 classes (by class id) train, the rest test. They are small enough to hold in memory as ``uint8`` arrays, so they are
-:class:`~idml.data.datasets.ArrayImageDataset` s. Options:
-
-- ``per_class``: keep at most this many images of each class, drawn at random with ``seed``
-  (a quick, still class-balanced subset);
-- ``image_size``: resize every image once at load time (bilinear with antialiasing) — cheaper
-  than resizing in the per-sample transform when the same size is used every epoch;
-- ``channels``: 3 (grayscale repeated, what ImageNet backbones expect) or 1.
+:class:`~idml.data.datasets.ArrayImageDataset` s. Their options are an :class:`ArraySplitOptions`
+(:class:`ArrayOptions`, which Omniglot takes too, and ``num_train_classes``).
 
 Example:
-    >>> split = load_digits(per_class=10, image_size=16)
+    >>> split = load_digits(options=ArraySplitOptions(per_class=10, image_size=16))
     >>> split.num_train_classes, split.num_test_classes, len(split.train), len(split.test)
     (5, 5, 50, 50)
     >>> image, label, index = split.test[0]
@@ -23,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -147,17 +143,37 @@ def resize_images(images: np.ndarray, size: int) -> np.ndarray:
     return resized.numpy()
 
 
+@dataclass(frozen=True)
+class ArrayOptions:
+    """Options of the in-memory datasets (digits, Fashion-MNIST, Omniglot)."""
+
+    per_class: int | None = None
+    """Keep at most this many images of each class, drawn at random with ``seed`` (a quick, still
+    class-balanced subset)."""
+    image_size: int | None = None
+    """Resize every image once at load time (bilinear with antialiasing): cheaper than resizing in
+    the per-sample transform when the same size is used every epoch."""
+    seed: int = 0
+    """Seed of the ``per_class`` draw."""
+    channels: Channels = 3
+    """3 (grayscale repeated, what ImageNet backbones expect) or 1."""
+
+
+@dataclass(frozen=True)
+class ArraySplitOptions(ArrayOptions):
+    """Options of the datasets split by class id (digits, Fashion-MNIST)."""
+
+    num_train_classes: int | None = None
+    """The first this many of the sorted class ids train (default ``ceil(C/2)``), the rest test."""
+
+
 def array_split(
     name: str,
     images: np.ndarray,
     class_ids: np.ndarray,
     class_names: Mapping[int, str],
-    *,
-    num_train_classes: int | None,
-    per_class: int | None,
-    image_size: int | None,
-    seed: int,
-    channels: Channels,
+    options: ArrayOptions,
+    num_train_classes: int | None = None,
 ) -> DMLSplit:
     """The zero-shot split of in-memory ``uint8`` images: the first ``num_train_classes`` of the
     sorted class ids train (default ``ceil(C/2)``), the rest test."""
@@ -168,40 +184,32 @@ def array_split(
             f"num_train_classes must be in 1..{len(classes) - 1} so both splits have classes, "
             f"got {num_train}"
         )
-    if per_class is not None:
-        keep = subsample_per_class(class_ids, per_class, seed)
+    if options.per_class is not None:
+        keep = subsample_per_class(class_ids, options.per_class, options.seed)
         images, class_ids = images[keep], class_ids[keep]
-    if image_size is not None:
-        images = resize_images(images, image_size)
+    if options.image_size is not None:
+        images = resize_images(images, options.image_size)
     in_train = np.isin(class_ids, classes[:num_train])
     return DMLSplit(
         ArrayImageDataset(
             images[in_train],
             class_ids[in_train],
             class_names,
-            channels=channels,
+            channels=options.channels,
             source=f"{name}/train",
         ),
         ArrayImageDataset(
             images[~in_train],
             class_ids[~in_train],
             class_names,
-            channels=channels,
+            channels=options.channels,
             source=f"{name}/test",
         ),
         name,
     )
 
 
-def load_digits(
-    root: None = None,
-    *,
-    num_train_classes: int | None = None,
-    per_class: int | None = None,
-    image_size: int | None = None,
-    seed: int = 0,
-    channels: Channels = 3,
-) -> DMLSplit:
+def load_digits(root: None = None, options: ArraySplitOptions | None = None) -> DMLSplit:
     """scikit-learn's bundled digits (1,797 images 8×8, classes 0–9): digits 0–4 train, 5–9 test.
 
     Pixel values 0–16 are rescaled to ``uint8`` 0–255. ``root`` is accepted for a uniform loader
@@ -214,27 +222,13 @@ def load_digits(
     bunch = sklearn_digits()
     images = np.rint(bunch.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
     class_ids = bunch.target.astype(np.int64)
-    return array_split(
-        "digits",
-        images,
-        class_ids,
-        {i: str(i) for i in range(10)},
-        num_train_classes=num_train_classes,
-        per_class=per_class,
-        image_size=image_size,
-        seed=seed,
-        channels=channels,
-    )
+    options = options or ArraySplitOptions()
+    names = {i: str(i) for i in range(10)}
+    return array_split("digits", images, class_ids, names, options, options.num_train_classes)
 
 
 def load_fashion_mnist(
-    root: str | Path | None = None,
-    *,
-    num_train_classes: int | None = None,
-    per_class: int | None = None,
-    image_size: int | None = None,
-    seed: int = 0,
-    channels: Channels = 3,
+    root: str | Path | None = None, options: ArraySplitOptions | None = None
 ) -> DMLSplit:
     """Fashion-MNIST (Xiao et al. 2017; 70,000 images 28×28, 10 classes) from idx files.
 
@@ -261,14 +255,12 @@ def load_fashion_mnist(
             raise ValueError(f"{label_file}: labels must be 0..9, found {int(labels.max())}")
         image_parts.append(images)
         label_parts.append(labels)
+    options = options or ArraySplitOptions()
     return array_split(
         "fashion_mnist",
         np.concatenate(image_parts),
         np.concatenate(label_parts).astype(np.int64),
         dict(enumerate(FASHION_MNIST_CLASSES)),
-        num_train_classes=num_train_classes,
-        per_class=per_class,
-        image_size=image_size,
-        seed=seed,
-        channels=channels,
+        options,
+        options.num_train_classes,
     )

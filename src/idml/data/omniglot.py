@@ -51,8 +51,8 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from PIL import Image
 
-from idml.data.datasets import Channels, DMLSplit
-from idml.data.offline import array_split
+from idml.data.datasets import DMLSplit
+from idml.data.offline import ArrayOptions, array_split
 
 MINIMAL_ARCHIVES: tuple[tuple[str, ...], tuple[str, ...]] = (
     ("images_background_small1",),
@@ -158,32 +158,31 @@ def _resolve_archives(
     return sources[0], sources[1]
 
 
-def load_omniglot(
-    root: str | Path,
-    *,
-    train_archives: Sequence[str] | None = None,
-    test_archives: Sequence[str] | None = None,
-    per_class: int | None = None,
-    image_size: int | None = None,
-    seed: int = 0,
-    channels: Channels = 3,
-) -> DMLSplit:
-    """Omniglot split by alphabet (see the module docstring for the protocol).
+@dataclass(frozen=True)
+class OmniglotOptions(ArrayOptions):
+    """Options of :func:`load_omniglot`: those of the other in-memory datasets
+    (:mod:`idml.data.offline`) and which archives train and test."""
 
-    Args:
-        root: folder holding the archives (zip files or their unzipped folders).
-        train_archives, test_archives: archive names without ``.zip``; default the minimal pair
-            when present, else the full pair.
-        per_class, image_size, seed, channels: as for the other in-memory datasets
-            (:mod:`idml.data.offline`).
-    """
+    train_archives: Sequence[str] | None = None
+    """Names (without ``.zip``) of the train archives; default: the minimal pair's when present,
+    else the full pair's."""
+    test_archives: Sequence[str] | None = None
+    """Names of the test archives, with the same default."""
+
+
+def load_omniglot(root: str | Path, options: OmniglotOptions | None = None) -> DMLSplit:
+    """Omniglot split by alphabet (see the module docstring for the protocol); ``root`` is the
+    folder holding the archives (zip files or their unzipped folders)."""
+    options = options or OmniglotOptions()
     base = Path(root).expanduser()
     if not base.is_dir():
         raise FileNotFoundError(
             f"Omniglot folder {base} does not exist; point data.root at the folder with the "
             "images_background_small1.zip / images_background_small2.zip files"
         )
-    train_sources, test_sources = _resolve_archives(base, train_archives, test_archives)
+    train_sources, test_sources = _resolve_archives(
+        base, options.train_archives, options.test_archives
+    )
     sides: list[dict[_Character, list[tuple[str, bytes]]]] = []
     for sources in (train_sources, test_sources):
         merged: dict[_Character, list[tuple[str, bytes]]] = {}
@@ -224,9 +223,6 @@ def load_omniglot(
         np.stack(images),
         np.asarray(class_ids, dtype=np.int64),
         names,
+        options,
         num_train_classes=len(train_chars),
-        per_class=per_class,
-        image_size=image_size,
-        seed=seed,
-        channels=channels,
     )

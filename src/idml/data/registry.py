@@ -10,19 +10,20 @@ Example:
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from idml.data import loaders, offline, omniglot
 from idml.data.datasets import DMLSplit, Transform
-from idml.data.loaders import load_cars, load_csv, load_cub, load_folder, load_sop
-from idml.data.offline import load_digits, load_fashion_mnist
-from idml.data.omniglot import load_omniglot
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 class DatasetName(str, Enum):
@@ -75,7 +76,10 @@ class DatasetSpec:
     """A registered dataset: its loader and what a run must know about it."""
 
     loader: Loader
-    """Takes ``root`` first and its options as keywords (:func:`dataset_options`)."""
+    """Takes ``root`` and an instance of :attr:`options`."""
+    options: type[DataclassInstance]
+    """The loader's options, a frozen dataclass: its fields are the keywords :func:`load_split`
+    takes for the dataset (:func:`dataset_options`)."""
     root: str | None = None
     """What ``root`` must point at; ``None``: the dataset needs no root (it ships with a package or
     has a default location)."""
@@ -89,22 +93,36 @@ class DatasetSpec:
 
 DATASETS: Mapping[DatasetName, DatasetSpec] = MappingProxyType(
     {
-        DatasetName.CUB: DatasetSpec(load_cub, "the CUB_200_2011 folder (with images.txt)"),
+        DatasetName.CUB: DatasetSpec(
+            loaders.load_cub, loaders.FileOptions, "the CUB_200_2011 folder (with images.txt)"
+        ),
         DatasetName.CARS: DatasetSpec(
-            load_cars,
+            loaders.load_cars,
+            loaders.CarsOptions,
             "the folder with cars_annos.mat + car_ims/ (or cars_train/, cars_test/, devkit/)",
         ),
         DatasetName.SOP: DatasetSpec(
-            load_sop, "the Stanford_Online_Products folder (with Ebay_train.txt)"
+            loaders.load_sop,
+            loaders.FileOptions,
+            "the Stanford_Online_Products folder (with Ebay_train.txt)",
         ),
         DatasetName.FOLDER: DatasetSpec(
-            load_folder, "a folder with one sub-folder of images per class"
+            loaders.load_folder,
+            loaders.FolderOptions,
+            "a folder with one sub-folder of images per class",
         ),
-        DatasetName.CSV: DatasetSpec(load_csv, "a CSV file of path,label[,split] rows"),
-        DatasetName.DIGITS: DatasetSpec(load_digits, in_memory=True, takes_root=False),
-        DatasetName.FASHION_MNIST: DatasetSpec(load_fashion_mnist, in_memory=True),
+        DatasetName.CSV: DatasetSpec(
+            loaders.load_csv, loaders.CsvOptions, "a CSV file of path,label[,split] rows"
+        ),
+        DatasetName.DIGITS: DatasetSpec(
+            offline.load_digits, offline.ArraySplitOptions, in_memory=True, takes_root=False
+        ),
+        DatasetName.FASHION_MNIST: DatasetSpec(
+            offline.load_fashion_mnist, offline.ArraySplitOptions, in_memory=True
+        ),
         DatasetName.OMNIGLOT: DatasetSpec(
-            load_omniglot,
+            omniglot.load_omniglot,
+            omniglot.OmniglotOptions,
             "the folder with images_background_small1.zip and _small2.zip",
             in_memory=True,
             resize_on_load=True,  # 105 px originals
@@ -116,7 +134,7 @@ DATASETS: Mapping[DatasetName, DatasetSpec] = MappingProxyType(
 LOADERS: Mapping[DatasetName, Loader] = MappingProxyType(
     {name: spec.loader for name, spec in DATASETS.items()}
 )
-"""The loader of each dataset; each takes ``root`` first and its options as keywords."""
+"""The loader of each dataset; each takes ``root`` and its options (:attr:`DatasetSpec.options`)."""
 
 _ROOT_HINTS: Mapping[DatasetName, str] = MappingProxyType(
     {name: spec.root for name, spec in DATASETS.items() if spec.root is not None}
@@ -125,10 +143,9 @@ _ROOT_HINTS: Mapping[DatasetName, str] = MappingProxyType(
 
 
 def dataset_options(name: DatasetName | str) -> tuple[str, ...]:
-    """The keyword options the loader of ``name`` accepts."""
-    loader = LOADERS[DatasetName.parse(name)]
-    parameters = inspect.signature(loader).parameters.values()
-    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    """The keyword options :func:`load_split` accepts for ``name`` (its options' fields)."""
+    options = DATASETS[DatasetName.parse(name)].options
+    return tuple(field.name for field in dataclasses.fields(options))
 
 
 def load_split(
@@ -143,12 +160,12 @@ def load_split(
 ) -> DMLSplit:
     """Load dataset ``name`` as a class-disjoint DML split, with transforms attached.
 
-    ``options`` go to the dataset's loader (see :func:`dataset_options`); unknown ones are an
-    error. ``verify`` decodes every image once after loading: ``"raise"`` fails listing the
+    ``options`` are the fields of the dataset's options (see :func:`dataset_options`); unknown
+    ones are an error. ``verify`` decodes every image once after loading: ``"raise"`` fails listing the
     unreadable files, ``"skip"`` drops them (counted in the log and in each side's ``skipped``).
     """
     dataset = DatasetName.parse(name)
-    loader = LOADERS[dataset]
+    spec = DATASETS[dataset]
     accepted = dataset_options(dataset)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
@@ -159,11 +176,12 @@ def load_split(
         raise ValueError(f"dataset {dataset.value!r} needs root= {_ROOT_HINTS[dataset]}")
     if verify not in _VERIFY_MODES:
         raise ValueError(f"verify must be 'none', 'raise' or 'skip', got {verify!r}")
-    split = loader(root, **options)
+    loader_options = spec.options(**options)
+    split = spec.loader(root, loader_options)
     if verify != "none":
         split = split.verified(
             verify,
             workers=verify_workers,
-            min_images_per_class=int(options.get("min_images_per_class", 2)),
+            min_images_per_class=getattr(loader_options, "min_images_per_class", 2),
         )
     return split.with_transforms(train_transform, test_transform)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -48,23 +49,30 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state))
 
 
+@dataclass(eq=False, kw_only=True)
 class EpochBatchSampler(Sampler[list[int]]):
     """Base of the batch samplers: batches are a function of ``(seed, epoch)``, sharded by rank.
 
     Subclasses implement :meth:`global_batches`. ``len()`` is the number of batches per epoch.
     """
 
-    def __init__(self, seed: int = 0, num_replicas: int = 1, rank: int = 0) -> None:
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
+    seed: int = 0
+    """Seed of every epoch's batches (hashed with the epoch, :func:`epoch_generator`)."""
+    num_replicas: int = 1
+    """Processes that share every global batch."""
+    rank: int = 0
+    """This process, ``0..num_replicas−1``: it yields the ``rank``-th share of each batch."""
+    epoch: int = field(default=0, init=False)
+    """The epoch the next iteration yields (:meth:`set_epoch`)."""
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
             raise ValueError(
-                f"need num_replicas >= 1 and 0 <= rank < num_replicas, got {num_replicas}, {rank}"
+                "need num_replicas >= 1 and 0 <= rank < num_replicas, got "
+                f"{self.num_replicas}, {self.rank}"
             )
-        self.seed = seed
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (call it with the same value on every rank)."""
@@ -86,6 +94,7 @@ class EpochBatchSampler(Sampler[list[int]]):
         raise NotImplementedError
 
 
+@dataclass(eq=False)
 class RandomBatchSampler(EpochBatchSampler):
     """Batches of a fresh uniform random permutation of ``0..num_samples−1`` every epoch.
 
@@ -93,33 +102,28 @@ class RandomBatchSampler(EpochBatchSampler):
     the remainder. ``batch_size`` is the global batch, divided evenly among replicas.
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        batch_size: int,
-        *,
-        drop_last: bool = True,
-        seed: int = 0,
-        num_replicas: int = 1,
-        rank: int = 0,
-    ) -> None:
-        super().__init__(seed, num_replicas, rank)
-        if num_samples < 1 or batch_size < 1:
+    num_samples: int
+    batch_size: int
+    _: KW_ONLY
+    drop_last: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_samples < 1 or self.batch_size < 1:
             raise ValueError(
-                f"num_samples and batch_size must be >= 1, got {num_samples}, {batch_size}"
+                "num_samples and batch_size must be >= 1, got "
+                f"{self.num_samples}, {self.batch_size}"
             )
-        if batch_size % num_replicas:
+        if self.batch_size % self.num_replicas:
             raise ValueError(
-                f"batch_size {batch_size} must be divisible by num_replicas {num_replicas}"
+                f"batch_size {self.batch_size} must be divisible by num_replicas "
+                f"{self.num_replicas}"
             )
-        if drop_last and batch_size > num_samples:
+        if self.drop_last and self.batch_size > self.num_samples:
             raise ValueError(
-                f"batch_size {batch_size} exceeds the {num_samples} samples, so drop_last leaves no "
-                "batch; lower batch_size or pass drop_last=False"
+                f"batch_size {self.batch_size} exceeds the {self.num_samples} samples, so "
+                "drop_last leaves no batch; lower batch_size or pass drop_last=False"
             )
-        self.num_samples = num_samples
-        self.batch_size = batch_size
-        self.drop_last = drop_last
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -131,6 +135,7 @@ class RandomBatchSampler(EpochBatchSampler):
         return list(order[: len(self) * self.batch_size].split(self.batch_size))
 
 
+@dataclass(eq=False)
 class ClassBalancedBatchSampler(EpochBatchSampler):
     """Batches of ``P`` distinct classes × ``K`` images each, laid out class by class.
 
@@ -150,29 +155,32 @@ class ClassBalancedBatchSampler(EpochBatchSampler):
     over the data's worth of batches.
     """
 
-    def __init__(
-        self,
-        labels: Tensor | np.ndarray | Sequence[int],
-        classes_per_batch: int,
-        images_per_class: int,
-        *,
-        num_batches: int | None = None,
-        replacement: bool = False,
-        seed: int = 0,
-        num_replicas: int = 1,
-        rank: int = 0,
-    ) -> None:
-        super().__init__(seed, num_replicas, rank)
+    labels: InitVar[Tensor | np.ndarray | Sequence[int]]
+    classes_per_batch: int
+    images_per_class: int
+    _: KW_ONLY
+    num_batches: int | None = None
+    """Batches per epoch; ``None`` gives ``max(1, N // (P·K))`` (an ``int`` once constructed)."""
+    replacement: bool = False
+    classes: Tensor = field(init=False, repr=False)
+    """The distinct labels, sorted; a batch's classes are positions in it."""
+    _class_index: Tensor = field(init=False, repr=False)
+    _counts: Tensor = field(init=False, repr=False)
+    _starts: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self, labels: Tensor | np.ndarray | Sequence[int]) -> None:
+        super().__post_init__()
+        classes_per_batch, images_per_class = self.classes_per_batch, self.images_per_class
         labels_tensor = torch.as_tensor(np.asarray(labels)).long().reshape(-1)
         if classes_per_batch < 1 or images_per_class < 1:
             raise ValueError(
                 f"classes_per_batch and images_per_class must be >= 1, got {classes_per_batch}, "
                 f"{images_per_class}"
             )
-        if classes_per_batch % num_replicas:
+        if classes_per_batch % self.num_replicas:
             raise ValueError(
                 f"classes_per_batch {classes_per_batch} must be divisible by num_replicas "
-                f"{num_replicas} so every rank gets whole classes"
+                f"{self.num_replicas} so every rank gets whole classes"
             )
         classes, class_index, counts = torch.unique(
             labels_tensor, return_inverse=True, return_counts=True
@@ -183,7 +191,7 @@ class ClassBalancedBatchSampler(EpochBatchSampler):
                 "classes; lower classes_per_batch (or the batch size)"
             )
         small = counts < images_per_class
-        if not replacement and bool(small.any()):
+        if not self.replacement and bool(small.any()):
             listed = [
                 f"label {int(c)} ({int(n)} images)" for c, n in zip(classes[small], counts[small])
             ]
@@ -192,15 +200,12 @@ class ClassBalancedBatchSampler(EpochBatchSampler):
                 f"images: {format_examples(listed)}; lower images_per_class or pass "
                 "replacement=True to repeat their images"
             )
-        self.classes_per_batch = classes_per_batch
-        self.images_per_class = images_per_class
-        self.replacement = replacement
         self.classes = classes
         self._class_index = class_index
         self._counts = counts
         self._starts = torch.cumsum(counts, 0) - counts
-        default = max(1, len(labels_tensor) // (classes_per_batch * images_per_class))
-        self.num_batches = default if num_batches is None else num_batches
+        if self.num_batches is None:
+            self.num_batches = max(1, len(labels_tensor) // (classes_per_batch * images_per_class))
         if self.num_batches < 1:
             raise ValueError(f"num_batches must be >= 1, got {self.num_batches}")
 

@@ -5,12 +5,12 @@ Entry point: :func:`evaluate_embeddings` (what to compute: :class:`EvaluationSet
 ``.format_table()``, ``.to_json()``). Building blocks: :func:`exact_search` (blocked exact k-NN
 plus the rank of every relevant item, never an N×N matrix), :func:`faiss_search` (approximate,
 optional ``faiss`` extra), :class:`RankAccumulator` (Recall@K, R-Precision, MAP@R, MAP, MRR,
-precision–recall from ranks), :func:`nmi_score`, :func:`summarize_uncertainty` and the file readers
+precision–recall from ranks), :func:`nmi_score` (with :class:`KMeansSettings`), :func:`summarize_uncertainty` and the file readers
 :func:`load_embedding_file` / :func:`load_labels`. Conventions: those of the DML
 literature (Musgrave et al. 2020, "A Metric Learning Reality Check"), listed in :mod:`idml.evaluation.search`.
 """
 
-from idml.evaluation.clustering import kmeans_assign, nmi_score
+from idml.evaluation.clustering import KMeansSettings, kmeans_assign, nmi_score
 from idml.evaluation.evaluate import (
     EvaluationReport,
     EvaluationSettings,
@@ -35,6 +35,7 @@ __all__ = [
     "EntryNames",
     "EvaluationReport",
     "EvaluationSettings",
+    "KMeansSettings",
     "NeighborLists",
     "PRCurve",
     "PairScorer",

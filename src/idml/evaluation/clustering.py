@@ -25,12 +25,13 @@ Example:
     >>> import torch
     >>> x = torch.cat([torch.zeros(5, 2), torch.ones(5, 2)]) + 0.01 * torch.randn(10, 2)
     >>> labels = torch.tensor([0] * 5 + [1] * 5)
-    >>> round(nmi_score(x, labels, backend="sklearn", seed=0), 6)
+    >>> round(nmi_score(x, labels, KMeansSettings("sklearn", seed=0)), 6)
     1.0
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -39,6 +40,20 @@ from sklearn.metrics import normalized_mutual_info_score
 from torch import Tensor
 
 KMeansBackend = Literal["auto", "faiss", "sklearn", "knn"]
+
+
+@dataclass(frozen=True)
+class KMeansSettings:
+    """How k-means runs (see the module docstring): its backend, the seed of its initial centroids
+    and its rounds; the defaults with faiss reproduce pytorch-metric-learning's NMI."""
+
+    backend: KMeansBackend = "auto"
+    seed: int = 1234
+    iterations: int = 20
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
 
 
 def faiss_available() -> bool:
@@ -106,36 +121,35 @@ def describe_backend(resolved: str | None, iterations: int = 20) -> str:
 def kmeans_assign(
     x: Tensor,
     num_clusters: int,
-    *,
-    backend: KMeansBackend = "auto",
-    seed: int = 1234,
-    iterations: int = 20,
+    kmeans: KMeansSettings | None = None,
     neighbors: Tensor | None = None,
 ) -> Tensor:
     """Cluster index ``(N,)`` of each row of ``x`` after k-means with ``num_clusters`` clusters.
 
-    ``neighbors`` ``(N, k)`` (indices into ``x``, ``-1`` for none) are required by the ``"knn"``
-    backend; :func:`idml.evaluation.evaluate_embeddings` passes the search's neighbour lists.
+    ``kmeans`` [``KMeansSettings()``]: backend, seed and rounds. ``neighbors`` ``(N, k)`` (indices
+    into ``x``, ``-1`` for none) are required by the ``"knn"`` backend;
+    :func:`idml.evaluation.evaluate_embeddings` passes the search's neighbour lists.
     """
+    kmeans = kmeans if kmeans is not None else KMeansSettings()
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"k-means needs a non-empty (N, d) matrix, got shape {tuple(x.shape)}")
     n = x.shape[0]
     if not 1 <= num_clusters <= n:
         raise ValueError(f"num_clusters must be between 1 and the {n} points, got {num_clusters}")
-    if iterations < 1:
-        raise ValueError(f"iterations must be >= 1, got {iterations}")
     # "auto" may only pick the graph approximation when there is a graph to run it on.
     resolved = (
-        resolve_backend(backend, n, num_clusters)
+        resolve_backend(kmeans.backend, n, num_clusters)
         if neighbors is not None
-        else resolve_backend(backend)
+        else resolve_backend(kmeans.backend)
     )
     if resolved == "knn":
         if neighbors is None or neighbors.dim() != 2 or neighbors.shape[0] != n:
             raise ValueError(
                 "the 'knn' k-means backend needs neighbour lists of shape (N, k) for the N points"
             )
-        return knn_kmeans(x.detach().float(), num_clusters, neighbors, seed, iterations)
+        return knn_kmeans(
+            x.detach().float(), num_clusters, neighbors, kmeans.seed, kmeans.iterations
+        )
     data = np.ascontiguousarray(x.detach().float().cpu().numpy())
     if resolved == "faiss":
         import faiss
@@ -144,8 +158,8 @@ def kmeans_assign(
         km = faiss.Kmeans(
             data.shape[1],
             num_clusters,
-            niter=iterations,
-            seed=seed,
+            niter=kmeans.iterations,
+            seed=kmeans.seed,
             verbose=False,
             min_points_per_centroid=1,
         )
@@ -154,7 +168,9 @@ def kmeans_assign(
         return torch.from_numpy(assignment.reshape(-1).astype(np.int64))
     from sklearn.cluster import KMeans
 
-    km_sk = KMeans(n_clusters=num_clusters, n_init=1, max_iter=iterations, random_state=seed)
+    km_sk = KMeans(
+        n_clusters=num_clusters, n_init=1, max_iter=kmeans.iterations, random_state=kmeans.seed
+    )
     return torch.from_numpy(km_sk.fit_predict(data).astype(np.int64))
 
 
@@ -228,15 +244,10 @@ def knn_kmeans(
 
 
 def nmi_score(
-    x: Tensor,
-    labels: Tensor,
-    *,
-    backend: KMeansBackend = "auto",
-    seed: int = 1234,
-    iterations: int = 20,
-    neighbors: Tensor | None = None,
+    x: Tensor, labels: Tensor, kmeans: KMeansSettings | None = None, neighbors: Tensor | None = None
 ) -> float:
-    """NMI between ``labels`` and k-means clusters of ``x`` (#clusters = #distinct labels)."""
+    """NMI between ``labels`` and k-means clusters of ``x`` (#clusters = #distinct labels); see
+    :func:`kmeans_assign` for ``kmeans`` and ``neighbors``."""
     labels = torch.as_tensor(labels)
     if labels.dim() != 1 or len(labels) != x.shape[0]:
         raise ValueError(
@@ -244,7 +255,5 @@ def nmi_score(
             f"got shape {tuple(labels.shape)}"
         )
     num_clusters = int(torch.unique(labels).numel())
-    clusters = kmeans_assign(
-        x, num_clusters, backend=backend, seed=seed, iterations=iterations, neighbors=neighbors
-    )
+    clusters = kmeans_assign(x, num_clusters, kmeans, neighbors)
     return float(normalized_mutual_info_score(labels.cpu().numpy(), clusters.numpy()))

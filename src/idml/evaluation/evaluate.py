@@ -39,6 +39,7 @@ from torch import Tensor
 from idml.embeddings import Embeddings, check_matrix
 from idml.evaluation.clustering import (
     KNN_GRAPH_NEIGHBORS,
+    KMeansSettings,
     describe_backend,
     nmi_score,
     resolve_backend,
@@ -357,14 +358,8 @@ def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: str, graph: Tensor | None) 
     if kmeans == "knn" and graph is None:
         metric_name = "cosine" if s.normalize else "euclidean"
         graph = neighbors_only(x, KNN_GRAPH_NEIGHBORS, metric=metric_name).indices.cpu()
-    return nmi_score(
-        x,
-        sets.q_labels,
-        backend=kmeans,  # type: ignore[arg-type]
-        seed=s.seed,
-        iterations=s.kmeans_iterations,
-        neighbors=graph,
-    )
+    settings = KMeansSettings(kmeans, s.seed, s.kmeans_iterations)  # type: ignore[arg-type]
+    return nmi_score(x, sets.q_labels, settings, graph)
 
 
 def _confidence(

@@ -67,6 +67,11 @@ from idml.models.backbones import BackboneSpec
 from idml.models.model import POOLING_NAMES, UncertaintyActivation, UncertaintyForm
 from idml.ranking import SSRConfig as RankingConfig
 
+UnitInterval = Annotated[float, Field(ge=0, le=1)]
+"""A number in ``[0, 1]``: a probability, or a share of a batch."""
+OpenUnitInterval = Annotated[float, Field(gt=0, lt=1)]
+"""A share strictly between 0 and 1."""
+
 # --------------------------------------------------------------------------- data
 DatasetName = choices(Dataset)
 
@@ -103,8 +108,8 @@ class DataConfig(Section):
         "hold out the last validation_classes of the *train* classes and evaluate on them (the "
         "test classes are not used), for choosing hyper-parameters",
     )
-    validation_classes: float = Field(
-        0.25, gt=0, lt=1, description="share of the train classes held out by protocol=validation"
+    validation_classes: OpenUnitInterval = Field(
+        0.25, description="share of the train classes held out by protocol=validation"
     )
     verify: VerifyMode = Field(
         "none",
@@ -159,8 +164,8 @@ class UncertaintyHeadConfig(Section):
     max_norm: float = Field(
         1.0, gt=0, allow_inf_nan=False, description="bounded form: the bound u_max of ||u||"
     )
-    init_level: float = Field(
-        0.02, gt=0, lt=1, description="bounded form: ||u||/max_norm at initialisation"
+    init_level: OpenUnitInterval = Field(
+        0.02, description="bounded form: ||u||/max_norm at initialisation"
     )
     normalize: bool = Field(
         False, description="L2-normalise u as the official code does (starves the head)"
@@ -245,12 +250,12 @@ class MixupConfig(Section):
 class DegradationConfig(Section):
     """Paper Table 3 alternatives to Mixup: each degrades a fraction of a batch, labels unchanged."""
 
-    low_resolution_fraction: float = Field(0.0, ge=0, le=1)
+    low_resolution_fraction: UnitInterval = 0.0
     low_resolution_factor: float = Field(4.0, gt=1)
-    blur_fraction: float = Field(0.0, ge=0, le=1)
+    blur_fraction: UnitInterval = 0.0
     blur_sigma: float = Field(2.0, gt=0)
-    occlusion_fraction: float = Field(0.0, ge=0, le=1)
-    occlusion_area: float = Field(0.25, gt=0, lt=1)
+    occlusion_fraction: UnitInterval = 0.0
+    occlusion_area: OpenUnitInterval = 0.25
 
 
 # --------------------------------------------------------------------------- SSR
@@ -338,12 +343,12 @@ class ClassificationConfig(Section):
     scale: float = Field(16.0, gt=0, allow_inf_nan=False, description="logit scale s = 1/T")
     mix: Literal["none", "mixup", "cutmix"] = "none"
     mix_alpha: float = Field(1.0, gt=0, allow_inf_nan=False, description="λ ~ Beta(α, α)")
-    mix_prob: float = Field(1.0, ge=0, le=1, description="probability that a batch is mixed")
+    mix_prob: UnitInterval = Field(1.0, description="probability that a batch is mixed")
     keep_originals: bool = Field(
         False, description="append the mixed batch to the clean one instead of replacing it"
     )
-    test_fraction: float = Field(
-        0.2, gt=0, lt=1, description="per-class hold-out of datasets without a test side"
+    test_fraction: OpenUnitInterval = Field(
+        0.2, description="per-class hold-out of datasets without a test side"
     )
     test_samples_per_class: int | None = Field(
         None, gt=0, description="subsample the test side (data.samples_per_class: the train side)"

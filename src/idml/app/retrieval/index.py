@@ -100,32 +100,28 @@ class SearchResult:
         return int(self.indices.shape[0])
 
 
+@dataclass(eq=False, repr=False)
 class Index:
-    """Unit-normalised gallery embeddings with their uncertainty, items and model (see module doc)."""
+    """Unit-normalised gallery embeddings with their uncertainty, items and model (see module doc).
 
-    def __init__(
-        self,
-        embeddings: Tensor,
-        uncertainty: Tensor,
-        ids: list[str],
-        paths: list[str | None],
-        labels: list[str | None],
-        model: ModelInfo | None,
-        backend: str = "exact",
-        faiss_factory: str = "HNSW32",
-        search_parameters: str | None = None,
-        faiss_index: Any = None,
-    ) -> None:
-        self.embeddings = embeddings
-        self.uncertainty = uncertainty
-        self.ids = ids
-        self.paths = paths
-        self.labels = labels
-        self.model = model
-        self.backend = backend
-        self.faiss_factory = faiss_factory
-        self.search_parameters = search_parameters
-        self._faiss = faiss_index
+    Build one with :meth:`create` (which checks and normalises the items) or :meth:`load`.
+    """
+
+    embeddings: Tensor
+    """``(N, d)`` float32 unit vectors."""
+    uncertainty: Tensor
+    """``(N,)`` float32 ``||u||`` of each item."""
+    ids: list[str]
+    """Unique item ids."""
+    paths: list[str | None]
+    labels: list[str | None]
+    model: ModelInfo | None
+    """The model that embedded the items (checked when the index is extended or searched)."""
+    backend: str = "exact"
+    faiss_factory: str = "HNSW32"
+    search_parameters: str | None = None
+    faiss_index: Any = None
+    """The faiss index of :attr:`embeddings` (backend ``"faiss"``), else ``None``."""
 
     # ----------------------------------------------------------------- building
     @classmethod
@@ -149,28 +145,21 @@ class Index:
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        emb, unc, items = _check_items(embeddings, uncertainty, ids, paths, labels, start=0)
-        index = cls(
-            emb, unc, *items, model, backend, faiss_factory, search_parameters, faiss_index=None
-        )
+        emb, unc, items = _check_items(embeddings, uncertainty, ids, paths, labels)
+        index = cls(emb, unc, *items, model, backend, faiss_factory, search_parameters)
         if backend == "faiss":
-            index._faiss = faiss_build(emb, faiss_factory, search_parameters)
+            index.faiss_index = faiss_build(emb, faiss_factory, search_parameters)
         return index
 
-    def add(
-        self,
-        embeddings: Tensor,
-        uncertainty: Tensor | None = None,
-        ids: Sequence[str] | None = None,
-        paths: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-        model: ModelInfo | None = None,
-    ) -> Index:
-        """A new index with these items appended (this one is left unchanged).
+    def add(self, other: Index) -> Index:
+        """A new index with the items of ``other`` appended (this one is left unchanged), e.g.
+        ``index.add(Index.create(embeddings, uncertainty, ids, model=model))``.
 
-        Refused when ``model`` differs from the index's model, when the dimension differs, or when
-        an id is already in the index: the result equals a fresh index of the union.
+        Refused when ``other``'s model differs from this index's model, when the dimension differs,
+        or when an id is already in the index: the result equals a fresh index of the union, with
+        this index's backend and settings.
         """
+        model = other.model
         if model is not None and self.model is not None and not model.same_model(self.model):
             raise IndexFormatError(
                 f"the new items were embedded by model {model.weights_sha256[:12]} "
@@ -178,15 +167,12 @@ class Index:
                 f"{self.model.weights_sha256[:12]} ({self.model.source}); embeddings of different "
                 "models are not comparable. Use the index's run, or build a new index"
             )
-        if embeddings.dim() == 2 and embeddings.shape[1] != self.dim:
+        if other.dim != self.dim:
             raise IndexFormatError(
-                f"the new embeddings have dimension {embeddings.shape[1]} but the index has "
+                f"the new embeddings have dimension {other.dim} but the index has "
                 f"{self.dim}; they come from another model"
             )
-        emb, unc, (new_ids, new_paths, new_labels) = _check_items(
-            embeddings, uncertainty, ids, paths, labels, start=len(self)
-        )
-        clash = set(new_ids).intersection(self.ids)
+        clash = set(other.ids).intersection(self.ids)
         if clash:
             raise IndexFormatError(
                 f"{len(clash)} id(s) are already in the index, e.g. {sorted(clash)[:3]}; "
@@ -196,15 +182,15 @@ class Index:
         if self.backend == "faiss":
             import faiss
 
-            faiss_index = faiss.clone_index(self._faiss)
-            faiss_index.add(emb.numpy())
+            faiss_index = faiss.clone_index(self.faiss_index)
+            faiss_index.add(other.embeddings.numpy())
             faiss_parameters(faiss_index, self.search_parameters)
         return Index(
-            torch.cat([self.embeddings, emb]),
-            torch.cat([self.uncertainty, unc]),
-            self.ids + new_ids,
-            self.paths + new_paths,
-            self.labels + new_labels,
+            torch.cat([self.embeddings, other.embeddings]),
+            torch.cat([self.uncertainty, other.uncertainty]),
+            self.ids + other.ids,
+            self.paths + other.paths,
+            self.labels + other.labels,
             self.model if self.model is not None else model,
             self.backend,
             self.faiss_factory,
@@ -219,7 +205,7 @@ class Index:
             raise ValueError(
                 f"search parameters {parameters!r} apply to the faiss backend; this index is exact"
             )
-        faiss_parameters(self._faiss, parameters)
+        faiss_parameters(self.faiss_index, parameters)
         self.search_parameters = parameters
 
     # ----------------------------------------------------------------- properties
@@ -282,7 +268,7 @@ class Index:
             ids = torch.full((n_q, k), -1, dtype=torch.long)
             sims = torch.full((n_q, k), float("nan"))
         elif self.backend == "faiss":
-            distances, found = self._faiss.search(q.numpy(), k_eff)
+            distances, found = self.faiss_index.search(q.numpy(), k_eff)
             ids, sims = torch.from_numpy(found).long(), torch.from_numpy(distances).float()
             sims = torch.where(ids < 0, torch.full_like(sims, float("nan")), sims)
         else:
@@ -326,7 +312,7 @@ class Index:
         if self.backend == "faiss":
             import faiss
 
-            faiss.write_index(self._faiss, str(tmp / FAISS_FILE))
+            faiss.write_index(self.faiss_index, str(tmp / FAISS_FILE))
             files.append(FAISS_FILE)
         manifest = {
             "format": FORMAT,
@@ -433,7 +419,6 @@ def _check_items(
     ids: Sequence[str] | None,
     paths: Sequence[str | None] | None,
     labels: Sequence[str | None] | None,
-    start: int,
 ) -> tuple[Tensor, Tensor, tuple[list[str], list[str | None], list[str | None]]]:
     embeddings = torch.as_tensor(embeddings)
     if embeddings.dim() != 2 or not embeddings.dtype.is_floating_point:
@@ -451,7 +436,7 @@ def _check_items(
         unc = torch.as_tensor(uncertainty).detach().float().cpu().reshape(-1)
         if unc.shape[0] != n:
             raise ValueError(f"uncertainty has {unc.shape[0]} values for {n} embeddings")
-    id_list = [str(start + i) for i in range(n)] if ids is None else [str(x) for x in ids]
+    id_list = [str(i) for i in range(n)] if ids is None else [str(x) for x in ids]
     if len(id_list) != n:
         raise ValueError(f"{len(id_list)} ids for {n} embeddings; give one id per item")
     if len(set(id_list)) != n:

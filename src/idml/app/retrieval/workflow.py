@@ -206,7 +206,8 @@ def build_index(
     emb, unc = encode(source, encoder, runtime.batch_size, runtime.progress)
     model = encoder.info if encoder is not None else None
     if existing is not None:
-        index = existing.add(emb, unc, source.ids, source.paths, source.labels, model=model)
+        new_items = Index.create(emb, unc, source.ids, source.paths, source.labels, model)
+        index = existing.add(new_items)
     else:
         index = Index.create(
             emb,
