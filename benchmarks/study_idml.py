@@ -193,6 +193,12 @@ def main() -> None:
         help="comma-separated subset of the loss axis, e.g. to run two losses in two processes "
         "(they share the run folders; a final --tables-only draws the whole grid)",
     )
+    parser.add_argument(
+        "--mixup",
+        default="off,on",
+        help="subset of the Mixup axis (off, on or off,on), to split one loss over two processes "
+        "(a process must not reach a cell another is training: it refuses the locked folder)",
+    )
     args = parser.parse_args()
     args.losses_given = args.losses != LOSSES.split("=", 1)[1]
     tables = REPO / "benchmarks" / "study"
@@ -208,7 +214,7 @@ def main() -> None:
             if args.losses_given:
                 grid = [f"loss={args.losses}" if g.startswith("loss=") else g for g in grid]
         else:
-            grid = [f"loss={args.losses}", *GRID[1:]]
+            grid = [f"loss={args.losses}", GRID[1], f"mixup={args.mixup}"]
         # The first validation grid keeps its folder and table names from before there were two.
         tag = "" if args.validate in (None, "init_level") else f"_{args.validate}"
         if args.validate:
