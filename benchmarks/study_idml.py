@@ -37,7 +37,13 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
+from idml.app import build
 from idml.app.ablation import AblationResult, CellResult, parse_grid, run_ablation
+from idml.app.config import load_config
+from idml.embeddings import Embeddings
+from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot"
@@ -172,6 +178,33 @@ def delta_table(result: AblationResult, metrics: list[str]) -> str:
     return "\n".join(lines)
 
 
+def model_is_pretrained(overrides: list[str]) -> bool:
+    """Whether the setting starts from shipped weights (a random network has no useful floor)."""
+    return "model.pretrained=true" in overrides
+
+
+def training_free_reference(overrides: list[str]) -> str:
+    """Markdown line: the test metrics of the setting's backbone before any training (its pooled
+    features), the floor a trained run must clear to have learned anything."""
+    cfg = load_config(None, [*overrides, "loss.name=multi_similarity"])
+    torch.manual_seed(cfg.seed)
+    data = build.build_data(cfg)
+    model = build.build_model(cfg).eval()
+    features, labels = [], []
+    with torch.no_grad():
+        for images, batch_labels, *_ in torch.utils.data.DataLoader(data.test, batch_size=256):
+            features.append(model.features(images))
+            labels.append(batch_labels)
+    settings = EvaluationSettings(ks=(1,), nmi=True, nmi_backend="sklearn", seed=cfg.seed)
+    report = evaluate_embeddings(Embeddings(torch.cat(features)), torch.cat(labels), settings)
+    m = report.metrics
+    return (
+        f"Training-free reference (the backbone's pooled features, {features[0].shape[1]}-d, no "
+        f"training): R@1 {100 * m['recall@1']:.1f}, MAP@R {100 * m['map@r']:.1f}, "
+        f"NMI {100 * m['nmi']:.1f}."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
@@ -242,6 +275,8 @@ def main() -> None:
         ]
         if not args.validate:
             text.append("\n" + delta_table(result, ["recall@1", "map@r", "nmi"]))
+            if model_is_pretrained(overrides):
+                text.append("\n" + training_free_reference(overrides))
         if args.tables_only:
             text.append(
                 "\nTables drawn from finished runs (`--tables-only`); per-run times above.\n"
