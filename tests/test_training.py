@@ -381,6 +381,21 @@ def test_demo_runs_with_a_small_budget(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 @pytest.mark.slow
+def test_the_demo_report_tables_every_seed_and_draws_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["demo", "--epochs", "1", "--seeds", "2", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    page = (tmp_path / "report" / "index.html").read_text()
+    # The seed table groups both seeds of each arm; only the first seed's runs get a section.
+    seeds_csv = (tmp_path / "report" / "seeds.csv").read_text().splitlines()
+    assert len(seeds_csv) == 3 and all(",2," in row for row in seeds_csv[1:]), seeds_csv
+    assert page.count("<h2>Run ") == 2
+    assert f"Folder {tmp_path / 'baseline'};" in page and f"Folder {tmp_path / 'idml'};" in page
+    assert "seed1" not in "".join(line for line in page.splitlines() if "<h2>Run " in line)
+
+
+@pytest.mark.slow
 def test_training_beats_the_untrained_network_on_unseen_digits(tmp_path: Path) -> None:
     torch.manual_seed(0)
     common = ["data.samples_per_class=null", "optim.max_steps_per_epoch=null", "optim.epochs=4"]

@@ -63,6 +63,11 @@ class DemoResult:
     baseline: list[TrainResult]
     idml: list[TrainResult]
 
+    @property
+    def run_dirs(self) -> list[Path]:
+        """Every run folder, the baselines first (what ``idml report`` groups by seed)."""
+        return [r.run_dir for r in (*self.baseline, *self.idml)]
+
     def table(self) -> str:
         """Mean ± std over seeds of each metric, the difference, and whether it exceeds the larger
         of the two standard deviations (with one seed there is no spread to compare)."""

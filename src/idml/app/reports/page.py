@@ -71,6 +71,7 @@ def write_report(
     progress: bool = False,
     log: Callable[[str], object] = lambda _: None,
     reference: str | None = None,
+    sections_per_group: int | None = None,
 ) -> Path:
     """Write ``out_dir/index.html`` and ``out_dir/figures/*.png`` for the given run folders.
 
@@ -86,6 +87,8 @@ def write_report(
         log: receives a line per run analysed.
         reference: label of the group the seed table's Δ is taken against (default: the
             baseline; see :mod:`idml.app.reports.seeds`).
+        sections_per_group: analyse and draw at most this many runs of each seed group (the
+            first seeds); every run still counts in the comparison and seed tables (``None``: all).
 
     Returns:
         The path of the HTML page.
@@ -100,7 +103,12 @@ def write_report(
     # Fails before the test-set analysis (minutes) when --reference names no group.
     seeds = seed_table(runs, [cells.get(r.run_dir, r.config.name) for r in runs], reference)
     reports = [RunReport(run, label, None) for run, label in zip(runs, _labels(runs), strict=True)]
+    if sections_per_group is not None and sections_per_group < 1:
+        raise ValueError(f"sections_per_group must be >= 1, got {sections_per_group}")
+    detailed = {run.run_dir for group in seeds.groups for run in group.runs[:sections_per_group]}
     for report in reports:
+        if report.log.run_dir not in detailed:
+            continue
         classification = report.log.config.task == "classification"
         if not analyse:
             missing = (
@@ -139,7 +147,8 @@ def write_report(
         body.append(page.figure(figures.recall_dots(labels, means, stds), "00-seeds", caption))
     atomic_write_text(out_dir / "seeds.md", seeds.markdown())
     atomic_write_text(out_dir / "seeds.csv", seeds.csv())
-    body += [run_section(i, report, page) for i, report in enumerate(reports)]
+    shown = [report for report in reports if report.log.run_dir in detailed]
+    body += [run_section(i, report, page) for i, report in enumerate(shown)]
     title = "idml report: " + ", ".join(r.label for r in reports)
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     from idml import __version__
