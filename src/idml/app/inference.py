@@ -220,22 +220,24 @@ class Encoder:
             checkpoint=str(run.checkpoint),
             epoch=run.state.get("epoch"),
         )
-        return cls.from_model(run.model, info=info, device=device)
+        return cls._of_model(run.model, info, device)
 
     @classmethod
     def from_model(
         cls,
         model: EmbeddingModel,
-        image_size: int | None = None,
+        image_size: int,
         resize_size: int | None = None,
         device: str | None = None,
-        info: ModelInfo | None = None,
     ) -> Encoder:
-        """An in-memory :class:`~idml.models.EmbeddingModel` (put in eval mode here)."""
-        if info is None:
-            if image_size is None:
-                raise ValueError("from_model needs image_size (or a ModelInfo)")
-            info = describe_model(model, image_size, resize_size, source="<in memory>")
+        """An in-memory :class:`~idml.models.EmbeddingModel` (put in eval mode here), fed images
+        at ``image_size`` after a ``resize_size`` resize (:func:`describe_model`)."""
+        info = describe_model(model, image_size, resize_size, source="<in memory>")
+        return cls._of_model(model, info, device)
+
+    @classmethod
+    def _of_model(cls, model: EmbeddingModel, info: ModelInfo, device: str | None) -> Encoder:
+        """The encoder of ``model`` (put in eval mode, on ``device``) that ``info`` describes."""
         dev = _device(device)
         model.eval().to(dev)
         return cls(RetrievalNet(model).eval(), info, dev, model)
