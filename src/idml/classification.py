@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from idml.augment import (
     AugmentationPipeline,
     AugmentedBatch,
+    BatchAugmentation,
     CutMix,
     LowResolution,
     Mixup,
@@ -143,7 +144,7 @@ def mixed_targets(batch: AugmentedBatch, num_classes: int) -> Tensor:
 
 
 @dataclass(frozen=True)
-class BatchMixing:
+class BatchMixing(BatchAugmentation):
     """Mix a whole batch with probability ``probability`` (Mixup or CutMix, set labels).
 
     One uniform draw per batch decides (the CutMix paper's ``cutmix_prob``). The mixer runs with
@@ -159,16 +160,13 @@ class BatchMixing:
         if not 0.0 <= self.probability <= 1.0:
             raise ValueError(f"probability must lie in [0, 1], got {self.probability}")
 
-    def __call__(
-        self,
-        images: Tensor,
-        labels: Tensor | LabelSets,
-        generator: torch.Generator | None = None,
+    def augment(
+        self, images: Tensor, labels: LabelSets, generator: torch.Generator | None
     ) -> AugmentedBatch:
         draw = float(_rand((1,), generator, torch.device("cpu")))
         if draw >= self.probability:
             return AugmentedBatch.unchanged(images, labels)
-        out = self.mixer(images, labels, generator)
+        out = self.mixer.augment(images, labels, generator)  # the batch is checked already
         if self.keep_originals:
             return out
         keep = out.mixed
@@ -178,7 +176,7 @@ class BatchMixing:
 
 
 @dataclass(frozen=True)
-class ClassificationAugmentation:
+class ClassificationAugmentation(BatchAugmentation):
     """Degradations (labels unchanged) on the clean images, then :class:`BatchMixing`.
 
     Mixed rows built from degraded sources count as mixed (their ``degraded`` flag is dropped).
@@ -187,16 +185,13 @@ class ClassificationAugmentation:
     degradations: AugmentationPipeline = field(default_factory=AugmentationPipeline)
     mixing: BatchMixing | None = None
 
-    def __call__(
-        self,
-        images: Tensor,
-        labels: Tensor | LabelSets,
-        generator: torch.Generator | None = None,
+    def augment(
+        self, images: Tensor, labels: LabelSets, generator: torch.Generator | None
     ) -> AugmentedBatch:
         batch = self.degradations(images, labels, generator)
         if self.mixing is None:
             return batch
-        mixed = self.mixing(batch.images, batch.labels, generator)
+        mixed = self.mixing.augment(batch.images, batch.labels, generator)
         if mixed.mixup is None:
             return batch
         clean = ~mixed.mixed
