@@ -207,7 +207,7 @@ def test_cli_report_and_embed_of_a_classification_run(
     from idml.app.classification_task import load_classification_run
     from idml.app.cli import main
     from idml.app.trained_run import list_images
-    from idml.classification import classify_dataset
+    from idml.classification import ClassifierEvaluationSettings, classify_dataset
     from idml.data import FileImageDataset, ImageRecords, build_transforms
     from idml.evaluation.io import read_entries, read_text_entries
     from tiny_run import write_images
@@ -234,7 +234,7 @@ def test_cli_report_and_embed_of_a_classification_run(
         64,
         torch.device("cpu"),
         introspective=True,
-        uncertainty_probes=False,
+        settings=ClassifierEvaluationSettings(uncertainty_probes=False),
     ).logits
     saved = {}
     for suffix in (".npz", ".pt", ".safetensors"):
