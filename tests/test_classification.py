@@ -176,10 +176,10 @@ def test_topk_and_ece_hand_cases() -> None:
         topk_accuracy(logits, torch.tensor([0, 1, 2, 3]))
 
 
-def test_evaluate_classifier_measures_what_its_settings_ask() -> None:
+def test_classify_dataset_measures_what_its_settings_ask() -> None:
     from torch.utils.data import TensorDataset
 
-    from idml.classification import ClassifierEvaluationSettings, evaluate_classifier
+    from idml.classification import ClassifierEvaluationSettings, classify_dataset
     from idml.models import build_model
 
     torch.manual_seed(0)
@@ -189,9 +189,11 @@ def test_evaluate_classifier_measures_what_its_settings_ask() -> None:
     data = TensorDataset(torch.rand(n, 3, 8, 8), torch.arange(n) % 3, torch.arange(n))
 
     def metrics(settings: ClassifierEvaluationSettings | None) -> dict[str, float]:
-        return evaluate_classifier(
+        outputs = classify_dataset(
             model, classifier, data, 4, torch.device("cpu"), introspective=True, settings=settings
         )
+        s = settings or ClassifierEvaluationSettings()
+        return outputs.metrics(s.ks, s.ece_bins)
 
     probes = {"u_clean", "u_mixup", "u_cutmix", "u_lowres"}
     assert set(metrics(None)) == {"top1", "ece", "nll"} | probes  # top5 needs 5 classes

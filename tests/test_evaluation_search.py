@@ -16,6 +16,7 @@ import torch
 
 import idml.evaluation.search.candidates as candidates_module
 import idml.evaluation.search.ranks as ranks_module
+from idml.embeddings import Embeddings
 from idml.evaluation import (
     EvaluationSettings,
     RankAccumulator,
@@ -316,7 +317,7 @@ def test_introspective_ranking_matches_a_dense_ism_matrix() -> None:
     labels = torch.randint(0, 4, (25,))
     ism = IntrospectiveMetric(CosineSimilarity(), gamma=0.5, tau=2.0)
     out = exact_search(
-        x, labels, 24, metric=ism, query_uncertainty=u, execution=SearchExecution(block_size=4)
+        Embeddings(x, u), labels, 24, metric=ism, execution=SearchExecution(block_size=4)
     )
     dense = ism(x, ux=u).double()
     dense.fill_diagonal_(-math.inf)

@@ -20,6 +20,7 @@ from idml.app import build
 from idml.app.config import ConfigError, load_config
 from idml.app.training import Trainer
 from idml.app.training.monitoring import WeakeningMonitor
+from idml.embeddings import Embeddings
 from idml.evaluation.uncertainty import aurc, confidence_quality, error_auroc, oracle_aurc
 from idml.losses import LOSSES as REGISTERED_LOSSES
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
@@ -174,7 +175,7 @@ def test_a_saturated_pair_recovers() -> None:
     features = torch.randn(2, 4)
     ism = IntrospectiveMetric(CosineSimilarity(), gamma=0.0, tau=5.0)
     delta = float((semantic[0] - semantic[1]).norm())
-    first = float(ism.weakening(semantic, ux=head(features))[0, 1])
+    first = float(ism.weakening(Embeddings(semantic, head(features)))[0, 1])
     assert first >= math.exp(-2 * head.max_norm / (5.0 * delta)) - 1e-9
     optimizer = torch.optim.SGD(head.parameters(), lr=1.0)
     start = float(head(features).detach().norm(dim=1).mean())
@@ -185,7 +186,7 @@ def test_a_saturated_pair_recovers() -> None:
         assert float(head.level.bias.grad.abs()) > 1e-4
         optimizer.step()
     assert float(head(features).detach().norm(dim=1).mean()) < start
-    assert float(ism.weakening(semantic, ux=head(features))[0, 1]) > first
+    assert float(ism.weakening(Embeddings(semantic, head(features)))[0, 1]) > first
 
 
 def test_warm_up_strength_zero_is_the_plain_metric_and_ramps(tmp_path: Path) -> None:

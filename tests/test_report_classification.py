@@ -169,11 +169,12 @@ def test_report_of_a_classification_run_has_its_section_and_figures(
     classification_run: Path, tmp_path: Path
 ) -> None:
     from idml.app.classification_task import evaluate_classification_run
-    from idml.app.reports import AnalysisOptions, read_run, write_report
-    from idml.app.reports.classification import analyse_classification_run
+    from idml.app.reports import AnalysisOptions, analyse_run, read_run, write_report
+    from idml.app.reports.classification import ClassificationAnalysis
 
     expected = evaluate_classification_run(classification_run, "best")
-    analysis = analyse_classification_run(read_run(classification_run), AnalysisOptions())
+    analysis = analyse_run(read_run(classification_run), AnalysisOptions())
+    assert isinstance(analysis, ClassificationAnalysis)
     assert analysis.metrics == expected  # the same pass with the run's own settings: exact
     assert analysis.confusion.sum() == len(analysis.labels)
     assert analysis.calibration.counts.sum() == len(analysis.labels)
@@ -207,7 +208,7 @@ def test_cli_report_and_embed_of_a_classification_run(
     from idml.app.classification_task import load_classification_run
     from idml.app.cli import main
     from idml.app.trained_run import list_images
-    from idml.classification import classify_dataset
+    from idml.classification import ClassifierEvaluationSettings, classify_dataset
     from idml.data import FileImageDataset, ImageRecords, build_transforms
     from idml.evaluation.io import read_entries, read_text_entries
     from tiny_run import write_images
@@ -234,7 +235,7 @@ def test_cli_report_and_embed_of_a_classification_run(
         64,
         torch.device("cpu"),
         introspective=True,
-        uncertainty_probes=False,
+        settings=ClassifierEvaluationSettings(uncertainty_probes=False),
     ).logits
     saved = {}
     for suffix in (".npz", ".pt", ".safetensors"):

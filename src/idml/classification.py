@@ -166,7 +166,7 @@ class BatchMixing(BatchAugmentation):
         draw = float(_rand((1,), generator, torch.device("cpu")))
         if draw >= self.probability:
             return AugmentedBatch.unchanged(images, labels)
-        out = self.mixer(images, labels, generator)
+        out = self.mixer.augment(images, labels, generator)  # the batch is checked already
         if self.keep_originals:
             return out
         keep = out.mixed
@@ -191,7 +191,7 @@ class ClassificationAugmentation(BatchAugmentation):
         batch = self.degradations(images, labels, generator)
         if self.mixing is None:
             return batch
-        mixed = self.mixing(batch.images, batch.labels, generator)
+        mixed = self.mixing.augment(batch.images, batch.labels, generator)
         if mixed.mixup is None:
             return batch
         clean = ~mixed.mixed
@@ -225,64 +225,10 @@ class ClassifierOutputs:
         return metrics
 
 
-@torch.no_grad()
-def classify_dataset(
-    model: EmbeddingModel,
-    classifier: IntrospectiveClassifier,
-    dataset: Dataset,
-    batch_size: int,
-    device: torch.device,
-    *,
-    introspective: bool,
-    uncertainty_probes: bool = True,
-    seed: int = 0,
-    progress: bool = False,
-) -> ClassifierOutputs:
-    """Logits and ``||u||`` of every test image, and ``||u||`` of Mixup, CutMix and
-    low-resolution (×4) versions of them (with ``uncertainty_probes`` and an uncertainty head).
-
-    ``introspective`` feeds ``u`` to the classifier's metric (a run trained with ISM). The probes
-    draw partners and ``λ ~ U(0, 1)`` from a generator seeded with ``seed``, batch by batch, so
-    they repeat for the same ``batch_size``.
-    """
-    was_training = model.training, classifier.training
-    model.eval()
-    classifier.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    generator = torch.Generator().manual_seed(seed)
-    probes = {"mixup": Mixup(), "cutmix": CutMix(), "lowres": LowResolution(fraction=1.0)}
-    logits, labels, clean = [], [], []
-    levels: dict[str, list[Tensor]] = {k: [] for k in probes}
-    for images, batch_labels, _ in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
-        images = images.to(device)
-        out = model(images)
-        semantic = out.semantic.float()
-        unc = None if out.uncertainty is None else out.uncertainty.float()
-        logits.append(classifier.logits(Embeddings(semantic, unc if introspective else None)).cpu())
-        labels.append(torch.as_tensor(batch_labels))
-        if unc is None:
-            continue
-        clean.append(model.uncertainty_level(Embeddings(semantic, unc)).cpu())
-        if not uncertainty_probes:
-            continue
-        for name, probe in probes.items():
-            probed = probe(images, torch.as_tensor(batch_labels).to(device), generator)
-            altered = probed.images[probed.altered]
-            emb = model(altered)
-            levels[name].append(model.uncertainty_level(emb.to(torch.float32)).cpu())
-    model.train(was_training[0])
-    classifier.train(was_training[1])
-    return ClassifierOutputs(
-        torch.cat(logits),
-        torch.cat(labels),
-        torch.cat(clean) if clean else None,
-        {name: torch.cat(parts) for name, parts in levels.items() if parts},
-    )
-
-
 @dataclass(frozen=True)
 class ClassifierEvaluationSettings:
-    """What :func:`evaluate_classifier` measures (a run's ``classification.{ks, ece_bins,
+    """What a classifier's evaluation measures: the probes of :func:`classify_dataset` and the
+    metrics of :meth:`ClassifierOutputs.metrics` (a run's ``classification.{ks, ece_bins,
     uncertainty_probes}`` and its ``seed``)."""
 
     ks: Sequence[int] = (1, 5)
@@ -299,7 +245,8 @@ class ClassifierEvaluationSettings:
         object.__setattr__(self, "ks", tuple(self.ks))  # immutable, compared by value
 
 
-def evaluate_classifier(
+@torch.no_grad()
+def classify_dataset(
     model: EmbeddingModel,
     classifier: IntrospectiveClassifier,
     dataset: Dataset,
@@ -309,23 +256,48 @@ def evaluate_classifier(
     introspective: bool,
     settings: ClassifierEvaluationSettings | None = None,
     progress: bool = False,
-) -> dict[str, float]:
-    """Test metrics of a classifier: ``top1``/``top5``, ``ece``, ``nll`` (clean images), and with an
-    uncertainty head the mean ``||u||`` of clean, Mixup, CutMix and low-resolution (×4) versions of
-    the test images (``u_clean``, ``u_mixup``, ``u_cutmix``, ``u_lowres``), as ``settings``
-    [``ClassifierEvaluationSettings()``] asks; see :func:`classify_dataset` and
-    :meth:`ClassifierOutputs.metrics`.
+) -> ClassifierOutputs:
+    """Logits and ``||u||`` of every test image, and ``||u||`` of Mixup, CutMix and
+    low-resolution (×4) versions of them (with ``settings.uncertainty_probes`` and an uncertainty
+    head); ``settings`` defaults to ``ClassifierEvaluationSettings()``.
+
+    ``introspective`` feeds ``u`` to the classifier's metric (a run trained with ISM). The probes
+    draw partners and ``λ ~ U(0, 1)`` from a generator seeded with ``settings.seed``, batch by
+    batch, so they repeat for the same ``batch_size``. The test metrics the settings ask for are
+    ``classify_dataset(...).metrics(settings.ks, settings.ece_bins)``
+    (:meth:`ClassifierOutputs.metrics`).
     """
     s = settings if settings is not None else ClassifierEvaluationSettings()
-    outputs = classify_dataset(
-        model,
-        classifier,
-        dataset,
-        batch_size,
-        device,
-        introspective=introspective,
-        uncertainty_probes=s.uncertainty_probes,
-        seed=s.seed,
-        progress=progress,
+    was_training = model.training, classifier.training
+    model.eval()
+    classifier.eval()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    generator = torch.Generator().manual_seed(s.seed)
+    probes = {"mixup": Mixup(), "cutmix": CutMix(), "lowres": LowResolution(fraction=1.0)}
+    logits, labels, clean = [], [], []
+    levels: dict[str, list[Tensor]] = {k: [] for k in probes}
+    for images, batch_labels, _ in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
+        images = images.to(device)
+        out = model(images)
+        semantic = out.semantic.float()
+        unc = None if out.uncertainty is None else out.uncertainty.float()
+        logits.append(classifier.logits(Embeddings(semantic, unc if introspective else None)).cpu())
+        labels.append(torch.as_tensor(batch_labels))
+        if unc is None:
+            continue
+        clean.append(model.uncertainty_level(Embeddings(semantic, unc)).cpu())
+        if not s.uncertainty_probes:
+            continue
+        for name, probe in probes.items():
+            probed = probe(images, torch.as_tensor(batch_labels).to(device), generator)
+            altered = probed.images[probed.altered]
+            emb = model(altered)
+            levels[name].append(model.uncertainty_level(emb.to(torch.float32)).cpu())
+    model.train(was_training[0])
+    classifier.train(was_training[1])
+    return ClassifierOutputs(
+        torch.cat(logits),
+        torch.cat(labels),
+        torch.cat(clean) if clean else None,
+        {name: torch.cat(parts) for name, parts in levels.items() if parts},
     )
-    return outputs.metrics(s.ks, s.ece_bins)

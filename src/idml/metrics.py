@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from idml.embeddings import Embeddings
+
 _EPS = 1e-12
 """Squared norms at or below this count as 0 (a square root's gradient is infinite at 0)."""
 
@@ -147,8 +149,9 @@ class Metric(nn.Module):
     """A pairwise comparison of embeddings; ``is_similarity`` gives its direction, and the methods
     below state every direction-dependent rule once for losses and miners.
 
-    A plain metric implements :meth:`matrix` on prepared rows; one that uses the uncertainty
-    embeddings (ISM) overrides :meth:`forward` instead."""
+    :meth:`forward` is the one public comparison; a plain metric implements :meth:`matrix` on
+    prepared rows, one that uses the uncertainty embeddings (ISM) implements :meth:`compare`
+    instead."""
 
     is_similarity: bool = False
     uses_uncertainty: bool = False
@@ -167,17 +170,23 @@ class Metric(nn.Module):
         ux: Tensor | None = None,
         uy: Tensor | None = None,
     ) -> Tensor:
-        """``(B, B')`` matrix between rows of ``x`` and rows of ``y`` (``y = x`` when omitted).
+        """``(B, B')`` matrix between rows of ``x`` and rows of ``y`` (``y = x`` when omitted), with
+        the uncertainty embeddings ``ux`` and ``uy`` of the two sides (see :meth:`compare`)."""
+        return self.compare(x, y, ux, uy)
 
-        Both sides go through :meth:`prepare` (the batch once when ``y`` is omitted) and
-        :meth:`matrix` compares them; a plain metric ignores the uncertainties ``ux`` and ``uy``."""
+    def compare(self, x: Tensor, y: Tensor | None, ux: Tensor | None, uy: Tensor | None) -> Tensor:
+        """:meth:`forward` with every argument given (``y = None``: the batch against itself).
+
+        A plain metric passes both sides through :meth:`prepare` (the batch once when ``y`` is
+        ``None``) to :meth:`matrix` and ignores the uncertainties ``ux`` and ``uy``; a metric that
+        uses them (ISM) implements this instead."""
         x = self.prepare(x)
         return self.matrix(x, x if y is None else self.prepare(y))
 
     def matrix(self, x: Tensor, y: Tensor) -> Tensor:
         """``(B, B')`` values between the prepared rows ``x`` and ``y``: what a plain metric
-        implements (a metric that overrides :meth:`forward` need not)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither matrix nor forward")
+        implements (a metric that implements :meth:`compare` need not)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither matrix nor compare")
 
     def paired(
         self, x: Tensor, y: Tensor, ux: Tensor | None = None, uy: Tensor | None = None
@@ -392,13 +401,7 @@ class IntrospectiveMetric(Metric):
             x, y = F.normalize(x, dim=1), F.normalize(y, dim=1)
         return safe_norm_from_squares(pairwise_squared_distance(x, y))
 
-    def forward(
-        self,
-        x: Tensor,
-        y: Tensor | None = None,
-        ux: Tensor | None = None,
-        uy: Tensor | None = None,
-    ) -> Tensor:
+    def compare(self, x: Tensor, y: Tensor | None, ux: Tensor | None, uy: Tensor | None) -> Tensor:
         plain, y, uy = self._operands(x, y, ux, uy)
         if self.strength == 0:
             return plain
@@ -406,19 +409,21 @@ class IntrospectiveMetric(Metric):
         return self.weaken(plain, self._alpha(x, y, plain), beta)
 
     @torch.no_grad()
-    def weakening(
-        self,
-        x: Tensor,
-        y: Tensor | None = None,
-        ux: Tensor | None = None,
-        uy: Tensor | None = None,
-    ) -> Tensor:
-        """The weakening factor of every pair, ``(B, B')``, without gradients: ``e^{−s·y}`` for the
-        soft and dissimilar forms (1 = the plain metric, 0 = fully weakened), the indicator
-        ``1[α^p > s·(β^p + γ)]`` for the strict form. What a saturation monitor looks at."""
-        plain, y, uy = self._operands(x, y, ux, uy)
-        beta = pairwise_uncertainty(ux, uy, x.shape[0], y.shape[0], plain)
-        alpha = self._alpha(x, y, plain)
+    def weakening(self, x: Embeddings, y: Embeddings | None = None) -> Tensor:
+        """The weakening factor of every pair of ``x`` and ``y`` (``x`` itself when omitted),
+        ``(B, B')``, without gradients: ``e^{−s·y}`` for the soft and dissimilar forms (1 = the
+        plain metric, 0 = fully weakened), the indicator ``1[α^p > s·(β^p + γ)]`` for the strict
+        form. What a saturation monitor looks at.
+
+        >>> ism = IntrospectiveMetric(CosineSimilarity(), tau=5.0)
+        >>> ism.weakening(Embeddings(torch.eye(2), torch.zeros(2, 3))).tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+        """
+        xs, ux = x.semantic, x.uncertainty
+        ys, uy = (None, None) if y is None else (y.semantic, y.uncertainty)
+        plain, ys, uy = self._operands(xs, ys, ux, uy)
+        beta = pairwise_uncertainty(ux, uy, xs.shape[0], ys.shape[0], plain)
+        alpha = self._alpha(xs, ys, plain)
         if self.variant is ISMVariant.STRICT:
             return self._strict_keep(alpha, beta).to(plain.dtype)
         return torch.exp(-self.relative_uncertainty(alpha, beta))

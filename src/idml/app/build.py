@@ -308,27 +308,18 @@ def evaluate(
     labels: Tensor,
     device: torch.device,
     progress: bool = False,
-    *,
-    ks: Sequence[int] | None = None,
-    introspective: bool | None = None,
-    nmi: bool | None = None,
-    nmi_backend: str | None = None,
     **settings: Any,
 ) -> EvaluationReport:
     """Test-set evaluation (:func:`idml.evaluation.evaluate_embeddings`) with the run's ``eval.*``
     settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM).
 
-    ``ks``, ``introspective``, ``nmi`` and ``nmi_backend`` override their ``eval.*`` keys when
-    given; ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) are further fields of the
-    :class:`~idml.evaluation.EvaluationSettings`.
+    ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) are further fields of the
+    :class:`~idml.evaluation.EvaluationSettings`; to override an ``eval.*`` key, evaluate a config
+    whose ``eval`` section says so (:func:`idml.app.trained_run.evaluate_checkpoint` does).
     """
     from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
-    options = evaluation_options(cfg, ks, introspective)
-    if nmi is not None:
-        options["nmi"] = nmi
-    if nmi_backend is not None:
-        options["nmi_backend"] = nmi_backend
+    options = evaluation_options(cfg)
     ism = options.pop("introspective_metric")
     return evaluate_embeddings(
         embeddings.semantic,

@@ -43,7 +43,6 @@ from idml.classification import (
     ClassifierOutputs,
     IntrospectiveClassifier,
     classify_dataset,
-    evaluate_classifier,
     mixed_targets,
 )
 from idml.data.classification import ClassificationSplit, load_classification_split
@@ -130,16 +129,18 @@ class ClassificationTrainer(Trainer):
         """Top-k accuracy, ECE, NLL and ``||u||`` probes on the test side (computed on rank 0)."""
         report = None
         if self.dist.is_main:
-            report = evaluate_classifier(
+            settings = evaluation_settings(self.cfg)
+            outputs = classify_dataset(
                 self.model,
                 self.loss,
                 self.data.test,
                 self.cfg.eval.batch_size,
                 self.device,
                 introspective=self.cfg.metric.introspective,
-                settings=evaluation_settings(self.cfg),
+                settings=settings,
                 progress=self.progress,
             )
+            report = outputs.metrics(settings.ks, settings.ece_bins)
         return self.dist.broadcast_object(report)
 
 
@@ -173,7 +174,6 @@ class TrainedClassifier:
         (``eval.batch_size``, ``classification.uncertainty_probes``, ``seed``), so the numbers are
         those the trainer logged for this checkpoint."""
         cfg = self.config
-        settings = evaluation_settings(cfg)
         target = torch.device(device) if device is not None else torch.device("cpu")
         return classify_dataset(
             self.run.model.to(target),
@@ -182,8 +182,7 @@ class TrainedClassifier:
             cfg.eval.batch_size,
             target,
             introspective=cfg.metric.introspective,
-            uncertainty_probes=settings.uncertainty_probes,
-            seed=settings.seed,
+            settings=evaluation_settings(cfg),
             progress=progress,
         )
 
@@ -235,8 +234,9 @@ def evaluate_classification_run(
     device: torch.device | str | None = None,
     progress: bool = False,
 ) -> dict[str, float]:
-    """A trained classification run's test metrics (:func:`~idml.classification.evaluate_classifier`),
-    from its ``which`` checkpoint (:func:`load_classification_run`)."""
+    """A trained classification run's test metrics
+    (:meth:`~idml.classification.ClassifierOutputs.metrics` with its evaluation settings), from its
+    ``which`` checkpoint (:func:`load_classification_run`)."""
     loaded = load_classification_run(path, which)
     settings = evaluation_settings(loaded.config)
     test = build_classification_data(loaded.config).test

@@ -196,7 +196,9 @@ class Encoder:
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def load(cls, path: str | Path, which: str = "best", device: str | None = None) -> Encoder:
+    def load(
+        cls, path: str | Path, which: str = "best", device: torch.device | str | None = None
+    ) -> Encoder:
         """A run folder or checkpoint folder (:meth:`from_run`) or an export folder
         (:meth:`from_export`: it holds ``export.json``)."""
         path = Path(path)
@@ -205,7 +207,9 @@ class Encoder:
         return cls.from_run(path, which=which, device=device)
 
     @classmethod
-    def from_run(cls, path: str | Path, which: str = "best", device: str | None = None) -> Encoder:
+    def from_run(
+        cls, path: str | Path, which: str = "best", device: torch.device | str | None = None
+    ) -> Encoder:
         """The retrieval model of a run folder's ``which`` checkpoint (see
         :func:`idml.app.trained_run.load_trained_run`), in eval mode on ``device`` (default CPU)."""
         from idml.app.trained_run import load_trained_run
@@ -220,28 +224,32 @@ class Encoder:
             checkpoint=str(run.checkpoint),
             epoch=run.state.get("epoch"),
         )
-        return cls.from_model(run.model, info=info, device=device)
+        return cls._of_model(run.model, info, device)
 
     @classmethod
     def from_model(
         cls,
         model: EmbeddingModel,
-        image_size: int | None = None,
+        image_size: int,
         resize_size: int | None = None,
-        device: str | None = None,
-        info: ModelInfo | None = None,
+        device: torch.device | str | None = None,
     ) -> Encoder:
-        """An in-memory :class:`~idml.models.EmbeddingModel` (put in eval mode here)."""
-        if info is None:
-            if image_size is None:
-                raise ValueError("from_model needs image_size (or a ModelInfo)")
-            info = describe_model(model, image_size, resize_size, source="<in memory>")
+        """An in-memory :class:`~idml.models.EmbeddingModel` (put in eval mode here), fed images
+        at ``image_size`` after a ``resize_size`` resize (:func:`describe_model`)."""
+        info = describe_model(model, image_size, resize_size, source="<in memory>")
+        return cls._of_model(model, info, device)
+
+    @classmethod
+    def _of_model(
+        cls, model: EmbeddingModel, info: ModelInfo, device: torch.device | str | None
+    ) -> Encoder:
+        """The encoder of ``model`` (put in eval mode, on ``device``) that ``info`` describes."""
         dev = _device(device)
         model.eval().to(dev)
         return cls(RetrievalNet(model).eval(), info, dev, model)
 
     @classmethod
-    def from_export(cls, folder: str | Path, device: str | None = None) -> Encoder:
+    def from_export(cls, folder: str | Path, device: torch.device | str | None = None) -> Encoder:
         """An export folder of :func:`idml.app.deploy.export_model`: ``model.pt`` (TorchScript) and
         ``export.json``; needs neither the run nor its config."""
         folder = Path(folder)

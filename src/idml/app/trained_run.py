@@ -231,30 +231,25 @@ def evaluate_checkpoint(
 ) -> EvaluationReport:
     """Evaluate a trained run on its own test split, with its config's evaluation settings.
 
-    ``ks``, ``introspective``, ``nmi`` and ``nmi_backend`` override ``eval.ks``,
+    ``ks`` (when not empty), ``introspective``, ``nmi`` and ``nmi_backend`` override ``eval.ks``,
     ``eval.introspective``, ``eval.nmi`` and ``eval.nmi_backend`` when given; ``block_size`` and
     ``seed`` (k-means) are passed to :func:`~idml.evaluation.evaluate_embeddings`.
     """
     cfg, model = load_trained_model(path, which)
-    use_ism = cfg.eval.introspective if introspective is None else introspective
-    if use_ism and not cfg.metric.introspective:
+    given = {
+        "ks": ks or None,
+        "introspective": introspective,
+        "nmi": nmi,
+        "nmi_backend": nmi_backend,
+    }
+    evaluation = cfg.eval.model_copy(update={k: v for k, v in given.items() if v is not None})
+    if evaluation.introspective and not cfg.metric.introspective:
         raise ValueError(
             f"{path}: --introspective needs a run trained with ISM (metric.introspective=true)"
         )
+    cfg = cfg.model_copy(update={"eval": evaluation})
     device = torch.device(device) if device is not None else torch.device("cpu")
     model.to(device)
     data = build.build_data(cfg)
     emb, labels = build.embed_dataset(model, data.test, cfg.eval.batch_size, device, progress)
-    return build.evaluate(
-        cfg,
-        emb,
-        labels,
-        device,
-        progress,
-        ks=ks,
-        introspective=introspective,
-        nmi=nmi,
-        nmi_backend=nmi_backend,
-        block_size=block_size,
-        seed=seed,
-    )
+    return build.evaluate(cfg, emb, labels, device, progress, block_size=block_size, seed=seed)

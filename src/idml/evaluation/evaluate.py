@@ -310,14 +310,12 @@ def _retrieve(
     n_q = sets.q_semantic.shape[0]
     if s.knn_backend == "exact":
         out = exact_search(
-            sets.q_semantic,
+            Embeddings(sets.q_semantic, sets.q_unc),
             sets.q_labels,
             s.num_neighbors,
-            None if same_set else sets.ref_semantic,
+            None if same_set else Embeddings(sets.ref_semantic, sets.ref_unc),
             None if same_set else sets.ref_labels,
             metric=scorer,
-            query_uncertainty=sets.q_unc if scorer.uses_uncertainty else None,
-            reference_uncertainty=None if same_set or not scorer.uses_uncertainty else sets.ref_unc,
             execution=SearchExecution(block_size=s.block_size, device=device, progress=progress),
         )
         acc = RankAccumulator(n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels))

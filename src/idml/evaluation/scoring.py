@@ -31,10 +31,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from idml.embeddings import Embeddings
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
 
 MetricSpec = Literal["cosine", "euclidean"] | Metric
 """A metric by name (``"cosine"``, ``"euclidean"``) or as a :class:`~idml.metrics.Metric` instance."""
+
+
+def side_rows(side: Tensor | Embeddings) -> tuple[Tensor, Tensor | None]:
+    """The semantic rows and the uncertainty embeddings of one side of a comparison (a plain
+    tensor has none)."""
+    if isinstance(side, Embeddings):
+        return side.semantic, side.uncertainty
+    return side, None
 
 
 @dataclass(frozen=True)
@@ -181,18 +190,21 @@ class PairScorer:
         return self.metric.oriented(self.metric(q, r, uq, ur))
 
     def pairwise_values(
-        self,
-        query: Tensor,
-        reference: Tensor | None = None,
-        query_uncertainty: Tensor | None = None,
-        reference_uncertainty: Tensor | None = None,
+        self, query: Tensor | Embeddings, reference: Tensor | Embeddings | None = None
     ) -> Tensor:
-        """The full matrix of user-facing metric values (small inputs only: it is ``Q × R``)."""
+        """The full matrix of user-facing metric values (small inputs only: it is ``Q × R``)
+        between ``query`` and ``reference`` (``query`` itself when omitted); the uncertainty
+        embeddings of an :class:`~idml.embeddings.Embeddings` side are used by ISM.
+
+        >>> ism = PairScorer.from_spec(IntrospectiveMetric(CosineSimilarity(), gamma=1.0))
+        >>> [round(v, 4) for v in ism.pairwise_values(Embeddings(torch.eye(2)))[0].tolist()]
+        [1.0, 0.1319]
+        """
         if reference is None:
-            q, r = self.prepare(query, query_uncertainty)
+            q, r = self.prepare(*side_rows(query))
         else:
-            q = self.prepare_side(query, query_uncertainty)
-            r = self.prepare_reference(reference, reference_uncertainty)
+            q = self.prepare_side(*side_rows(query))
+            r = self.prepare_reference(*side_rows(reference))
         everything = slice(None)
         return self.values(self.tile(q, r, everything, everything))
 

@@ -126,7 +126,7 @@ class MetricLoss(nn.Module):
         """
         if not isinstance(self.metric, IntrospectiveMetric) or embeddings.uncertainty is None:
             return None
-        factors = self.metric.weakening(embeddings.semantic, ux=embeddings.uncertainty)
+        factors = self.metric.weakening(embeddings)
         positive, negative = pair_masks(labels.to(factors.device))
         return factors, positive, negative
 
@@ -212,7 +212,7 @@ class ProxyLoss(MetricLoss):
         if not isinstance(self.metric, IntrospectiveMetric) or embeddings.uncertainty is None:
             return None
         factors = self.metric.weakening(
-            embeddings.semantic, self.proxies, embeddings.uncertainty, self.proxy_uncertainty
+            embeddings, Embeddings(self.proxies, self.proxy_uncertainty)
         )
         positive = labels.to(factors.device).proxy_mask(self.num_classes)
         return factors, positive, ~positive

@@ -1,6 +1,7 @@
 """The report's test-set analysis of a classification run (``task: classification``).
 
-:func:`analyse_classification_run` loads the run's checkpoint (model and classifier, through
+:func:`analyse_classification_run` (what :func:`~idml.app.reports.runs.analyse_run` does for a
+classification run) loads the run's checkpoint (model and classifier, through
 :func:`~idml.app.classification_task.load_classification_run`) and measures on the test split:
 
 - the metrics ``idml evaluate --checkpoint`` prints (top-k, ECE, NLL, ``||u||`` probes), computed by
@@ -141,12 +142,10 @@ class ClassificationAnalysis:
 
 
 def analyse_classification_run(
-    log: RunLog,
-    options: AnalysisOptions | None = None,
-    device: torch.device | None = None,
-    progress: bool = False,
+    log: RunLog, options: AnalysisOptions, device: torch.device, progress: bool
 ) -> ClassificationAnalysis:
-    """Load a classification run's checkpoint and measure the test split (module docstring).
+    """Load a classification run's checkpoint and measure the test split (module docstring):
+    what :func:`~idml.app.reports.runs.analyse_run` does for a classification run.
 
     Raises:
         idml.app.checkpoint.CheckpointError: the run folder holds no (readable) checkpoint.
@@ -154,8 +153,6 @@ def analyse_classification_run(
     """
     from idml.app.classification_task import build_classification_data, load_classification_run
 
-    options = options or AnalysisOptions()
-    device = device or torch.device("cpu")
     loaded = load_classification_run(log.run_dir, options.which)
     cfg = loaded.config
     settings = cfg.classification

@@ -21,9 +21,6 @@ import torch
 from idml.app.checkpoint import atomic_write_text
 from idml.app.metric_display import format_metric, metric_heading, metric_sort_key
 from idml.app.reports import figures
-from idml.app.reports.classification import (
-    analyse_classification_run,
-)
 from idml.app.reports.runs import AnalysisOptions, RunLog, TestAnalysis, analyse_run, read_run
 from idml.app.reports.sections import PageFigures, RunReport, note, run_section
 from idml.app.reports.seeds import expand_run_dirs, seed_table, seeds_section
@@ -121,9 +118,8 @@ def write_report(
                 f"logged evaluation; {missing}."
             )
             continue
-        analyse_one = analyse_classification_run if classification else analyse_run
         try:
-            report.analysis = analyse_one(report.log, options, device, progress)
+            report.analysis = analyse_run(report.log, options, device, progress)
         except CheckpointError as err:
             report.notes.append(f"No test-set analysis: {err}")
             continue

@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.embeddings import Embeddings
 from idml.evaluation.evaluate import EvaluationReport
 from idml.evaluation.uncertainty import risk_coverage
+
+if TYPE_CHECKING:
+    from idml.app.reports.classification import ClassificationAnalysis
 
 
 # --------------------------------------------------------------------------- run log
@@ -240,17 +244,23 @@ def analyse_run(
     options: AnalysisOptions | None = None,
     device: torch.device | None = None,
     progress: bool = False,
-) -> TestAnalysis:
-    """Load the run's checkpoint and measure the test split (see :class:`TestAnalysis`).
+) -> TestAnalysis | ClassificationAnalysis:
+    """Load the run's checkpoint and measure the test split (see :class:`TestAnalysis`; a
+    classification run's is a :class:`~idml.app.reports.classification.ClassificationAnalysis`,
+    by :func:`~idml.app.reports.classification.analyse_classification_run`), on ``device``
+    (default CPU) with ``options`` (default ``AnalysisOptions()``).
 
     Raises:
-        idml.app.checkpoint.CheckpointError: the run folder holds no checkpoint.
+        idml.app.checkpoint.CheckpointError: the run folder holds no (readable) checkpoint.
     """
     from idml.app import build
+    from idml.app.reports.classification import analyse_classification_run
     from idml.app.trained_run import load_trained_run
 
     options = options or AnalysisOptions()
     device = device or torch.device("cpu")
+    if log.config.task == "classification":
+        return analyse_classification_run(log, options, device, progress)
     run = load_trained_run(log.run_dir, which=options.which)
     cfg, model = run.config, run.model.to(device)
     epoch = int(run.state.get("epoch", -1)) + 1

@@ -19,10 +19,13 @@ Queries are chunked only when ``queries × max relevant`` exceeds
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
-from idml.evaluation.scoring import MetricSpec, PairScorer, PreparedSide
+from idml.embeddings import Embeddings
+from idml.evaluation.scoring import MetricSpec, PairScorer, side_rows
 from idml.evaluation.search import ranks, topk
 from idml.evaluation.search.candidates import candidates
 from idml.evaluation.search.execution import (
@@ -32,37 +35,43 @@ from idml.evaluation.search.execution import (
     run_tiles,
     search_workers,
 )
-from idml.evaluation.search.layout import Layout, TileSide, exclude_self, make_layout, num_tiles
+from idml.evaluation.search.layout import (
+    Layout,
+    PreparedSearch,
+    TileSide,
+    exclude_self,
+    make_layout,
+    num_tiles,
+)
 from idml.evaluation.search.layout import tiles as tile_order
 from idml.evaluation.search.results import NeighborLists, SearchOutput
 from idml.evaluation.search.state import INF, QueryState
 
 
 def exact_search(
-    query: Tensor,
+    query: Tensor | Embeddings,
     query_labels: Tensor,
     k: int,
-    reference: Tensor | None = None,
+    reference: Tensor | Embeddings | None = None,
     reference_labels: Tensor | None = None,
     *,
     metric: MetricSpec | PairScorer = "cosine",
     normalize: bool = True,
-    query_uncertainty: Tensor | None = None,
-    reference_uncertainty: Tensor | None = None,
     execution: SearchExecution | None = None,
 ) -> SearchOutput:
     """Exact k-nearest neighbours and relevant ranks of ``query`` against ``reference``.
 
     Args:
-        query: ``(Q, d)`` embeddings. ``reference=None`` searches the set against itself (each
-            query excluded from its own ranking by index).
+        query: ``(Q, d)`` embeddings, or :class:`~idml.embeddings.Embeddings` whose uncertainty
+            embeddings a metric that uses them (ISM) ranks by. ``reference=None`` searches the set
+            against itself (each query excluded from its own ranking by index).
         query_labels: ``(Q,)`` integer labels (relevance = same label).
         k: neighbours to return per query (0 for none; capped at the number of references).
-        reference, reference_labels: a separate gallery ``(R, d)`` and its labels.
+        reference, reference_labels: a separate gallery ``(R, d)`` (or its
+            :class:`~idml.embeddings.Embeddings`) and its labels.
         metric: ``"cosine"``, ``"euclidean"``, a :class:`~idml.metrics.Metric` (e.g. ISM) or a
             ready :class:`~idml.evaluation.scoring.PairScorer`.
         normalize: L2-normalise embeddings first (plain metrics).
-        query_uncertainty, reference_uncertainty: uncertainty embeddings for ISM.
         execution: how the search runs (block size, device, chunking, progress; ``None``: the
             defaults); it changes nothing in the result, see :class:`SearchExecution`.
 
@@ -73,7 +82,7 @@ def exact_search(
         raise ValueError(f"k (number of neighbours) must be >= 0, got {k}")
     scorer = metric if isinstance(metric, PairScorer) else PairScorer.from_spec(metric, normalize)
     execution = execution if execution is not None else SearchExecution()
-    dev = execution.device_for(query.device)
+    dev = execution.device_for(side_rows(query)[0].device)
     block_size = execution.block_size_on(dev)
     same_set = reference is None
     q_labels = torch.as_tensor(query_labels).to(dev).long()
@@ -82,9 +91,7 @@ def exact_search(
     n_q = len(q_labels)
     n_r = n_q if same_set else len(r_labels)  # type: ignore[arg-type]
     k = min(k, n_r - (1 if same_set else 0))
-    queries, refs = _prepare(
-        scorer, layout, dev, (query, query_uncertainty), (reference, reference_uncertainty)
-    )
+    search = _prepare(scorer, layout, dev, query, reference)
     chunk_len, symmetric = _chunking(
         layout, block_size, execution.max_rank_entries, scorer.symmetric
     )
@@ -99,11 +106,11 @@ def exact_search(
         state = QueryState(chunk.stop - c0, k, chunk_r_max, dev)
         # 1. The band pass: every relevant score, before any tile counts against them.
         band = min(block_size, ranks.BAND_BLOCK)
-        ranks.fill_relevant_scores(state, scorer, queries, refs, layout, chunk, band)
+        ranks.fill_relevant_scores(state, search, chunk, band)
         # 2. The main pass over the tiles.
-        search = _TileSearch(state, scorer, queries, refs, layout, chunk)
+        tiles = _TileSearch(state, search, chunk)
         for _ in run_tiles(
-            list(tile_order(chunk, n_r, block_size, symmetric)), search.process, search_workers(dev)
+            list(tile_order(chunk, n_r, block_size, symmetric)), tiles.process, search_workers(dev)
         ):
             output.num_tiles += 1
             bar(1)
@@ -124,27 +131,28 @@ def _prepare(
     scorer: PairScorer,
     layout: Layout,
     dev: torch.device,
-    query: tuple[Tensor, Tensor | None],
-    reference: tuple[Tensor | None, Tensor | None],
-) -> tuple[PreparedSide, PreparedSide]:
-    """Both sides in label-sorted order, prepared for the scorer (``(embeddings, uncertainty)``)."""
-    q_sorted = query[0].to(dev)[layout.query_order]
-    qu = None if query[1] is None else query[1].to(dev)[layout.query_order]
-    if layout.same_set:
-        return scorer.prepare(q_sorted, qu)
-    ref_rows, ref_unc = reference
-    assert ref_rows is not None
+    query: Tensor | Embeddings,
+    reference: Tensor | Embeddings | None,
+) -> PreparedSearch:
+    """Both sides in label-sorted order, prepared for the scorer (their uncertainty only for a
+    scorer that uses it)."""
+    keep_unc = scorer.uses_uncertainty
+    q_rows, q_unc = side_rows(query)
+    q_sorted = q_rows.to(dev)[layout.query_order]
+    qu = q_unc.to(dev)[layout.query_order] if keep_unc and q_unc is not None else None
+    if reference is None:
+        return PreparedSearch(scorer, *scorer.prepare(q_sorted, qu), layout)
+    ref_rows, ref_unc = side_rows(reference)
     # A gallery already in label order (always, for neighbours without labels) is used as it is:
     # reordering would copy the whole gallery at every call, however few the queries.
     in_order = layout.ref_in_order
     ru = None
-    if ref_unc is not None:
+    if keep_unc and ref_unc is not None:
         ru = ref_unc.to(dev)
         ru = ru if in_order else ru[layout.ref_order]
     ref_rows = ref_rows.to(dev)
-    return scorer.prepare_side(q_sorted, qu), scorer.prepare_reference(
-        ref_rows if in_order else ref_rows[layout.ref_order], ru
-    )
+    refs = scorer.prepare_reference(ref_rows if in_order else ref_rows[layout.ref_order], ru)
+    return PreparedSearch(scorer, scorer.prepare_side(q_sorted, qu), refs, layout)
 
 
 def _chunking(
@@ -164,38 +172,31 @@ def _chunking(
     return max(chunk_len, 1), False
 
 
+@dataclass
 class _TileSearch:
     """The main pass over the tiles of one chunk: score a tile, then update the queries along
     each of its sides (see :func:`_update_side`)."""
 
-    def __init__(
-        self,
-        state: QueryState,
-        scorer: PairScorer,
-        queries: PreparedSide,
-        refs: PreparedSide,
-        layout: Layout,
-        chunk: slice,
-    ) -> None:
-        self.state, self.scorer, self.layout, self.chunk = state, scorer, layout, chunk
-        self.queries, self.refs = queries, refs
-        self.ref_ids = layout.ref_order  # sorted reference position -> original index
-        self.locks = BlockLocks()
+    state: QueryState
+    search: PreparedSearch
+    chunk: slice
+    locks: BlockLocks = field(default_factory=BlockLocks)
 
     def process(self, rows: slice, cols: slice, both: bool) -> None:
         """Top-k merge and relevant-rank counting for one tile: its rows, and its columns if
         ``both`` (a symmetric search's off-diagonal tile serves the queries on both sides)."""
-        tile = self.scorer.tile(self.queries, self.refs, rows, cols)
-        if self.layout.same_set:
+        tile, layout = self.search.tile(rows, cols), self.search.layout
+        if layout.same_set:
             exclude_self(tile, rows.start, cols.start)
-        sides = [TileSide.of(tile, False, rows, self.chunk, cols.start, self.ref_ids[cols])]
+        ref_ids = layout.ref_order  # sorted reference position -> original index
+        sides = [TileSide.of(tile, False, rows, self.chunk, cols.start, ref_ids[cols])]
         if both:
-            sides.append(TileSide.of(tile, True, cols, self.chunk, rows.start, self.ref_ids[rows]))
+            sides.append(TileSide.of(tile, True, cols, self.chunk, rows.start, ref_ids[rows]))
         for side in sides:
             # Row blocks of the chunk and column blocks of the reference set start at the same
             # positions in a symmetric search, so one lock per start covers both roles.
             with self.locks[side.query0]:
-                _update_side(self.state, self.layout, side)
+                _update_side(self.state, layout, side)
 
 
 def _update_side(state: QueryState, layout: Layout, side: TileSide) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from idml.evaluation.scoring import PairScorer, PreparedSide
 from idml.evaluation.search.state import INF
 
 
@@ -29,6 +30,21 @@ class Layout:
     num_relevant: Tensor  # relevant references (self excluded)
     same_set: bool
     ref_in_order: bool = False  # separate references already in label order (ref_order = arange)
+
+
+@dataclass(frozen=True)
+class PreparedSearch:
+    """Both sides of a search in label-sorted order, prepared for the scorer that scores their
+    tiles, and their layout: what every pass over the tiles reads."""
+
+    scorer: PairScorer
+    queries: PreparedSide
+    refs: PreparedSide
+    layout: Layout
+
+    def tile(self, rows: slice, cols: slice) -> Tensor:
+        """Scores between the sorted queries ``rows`` and the sorted references ``cols``."""
+        return self.scorer.tile(self.queries, self.refs, rows, cols)
 
 
 def sort_order(labels: Tensor) -> tuple[Tensor, bool]:

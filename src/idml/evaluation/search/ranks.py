@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from idml.evaluation.scoring import PairScorer, PreparedSide
 from idml.evaluation.search.candidates import pad_by_row
-from idml.evaluation.search.layout import Layout, TileSide
+from idml.evaluation.search.layout import Layout, PreparedSearch, TileSide
 from idml.evaluation.search.state import INF, QueryState
 
 DENSE_CANDIDATE_FRACTION = 16
@@ -43,13 +42,7 @@ work."""
 
 
 def fill_relevant_scores(
-    state: QueryState,
-    scorer: PairScorer,
-    queries: PreparedSide,
-    refs: PreparedSide,
-    layout: Layout,
-    chunk: slice,
-    block: int,
+    state: QueryState, search: PreparedSearch, chunk: slice, block: int
 ) -> None:
     """Scores of every (query, relevant reference) pair of ``chunk``, sorted ascending per query
     into ``state.relevant_scores`` (run once, before the tiles: the counts compare against them).
@@ -57,7 +50,7 @@ def fill_relevant_scores(
     Each block of label-sorted queries needs one thin tile: its relevant references are the
     contiguous range spanned by its classes.
     """
-    r_max = state.relevant_scores.shape[1]
+    r_max, layout = state.relevant_scores.shape[1], search.layout
     for b0 in range(chunk.start, chunk.stop, block):
         b1 = min(b0 + block, chunk.stop)
         n_rel = layout.num_relevant[b0:b1]
@@ -65,7 +58,7 @@ def fill_relevant_scores(
             continue
         start, end = layout.relevant_start[b0:b1], layout.relevant_end[b0:b1]
         lo, hi = int(start.min()), int(end.max())
-        band = scorer.tile(queries, refs, slice(b0, b1), slice(lo, hi))
+        band = search.tile(slice(b0, b1), slice(lo, hi))
         t = torch.arange(r_max, device=band.device).unsqueeze(0)
         col = start.unsqueeze(1) - lo + t
         if layout.same_set:
