@@ -53,8 +53,10 @@ from idml.app.config.sections import (
     ConfigError,
     LossConfig,
     LossSection,
+    OpenUnitInterval,
     PublishedNumbers,
     Section,
+    UnitInterval,
     choices,
     loss_section,
 )
@@ -66,11 +68,6 @@ from idml.metrics import ISMPower, ISMVariant
 from idml.models.backbones import BackboneSpec
 from idml.models.model import POOLING_NAMES, UncertaintyActivation, UncertaintyForm
 from idml.ranking import SSRConfig as RankingConfig
-
-UnitInterval = Annotated[float, Field(ge=0, le=1)]
-"""A number in ``[0, 1]``: a probability, or a share of a batch."""
-OpenUnitInterval = Annotated[float, Field(gt=0, lt=1)]
-"""A share strictly between 0 and 1."""
 
 # --------------------------------------------------------------------------- data
 DatasetName = choices(Dataset)

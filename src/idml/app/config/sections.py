@@ -1,6 +1,6 @@
 """Building blocks of the run schema (:mod:`idml.app.config`): the base :class:`Section`,
-:class:`ConfigError`, :func:`choices` (a config key's ``Literal`` from a library's list) and the
-``loss`` section, generated from the loss registry :data:`idml.losses.LOSSES`.
+:class:`ConfigError`, :func:`choices` (a config key's ``Literal`` from a library's list), the
+bounded number types :data:`UnitInterval` / :data:`OpenUnitInterval` and the ``loss`` section, generated from the loss registry :data:`idml.losses.LOSSES`.
 
 Each registered loss gets a config model (:func:`loss_section`): its hyper-parameter model with
 ``name`` first. The ``loss`` key is validated as the discriminated union of the models of the
@@ -51,6 +51,12 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+UnitInterval = Annotated[float, Field(ge=0, le=1)]
+"""A number in ``[0, 1]``: a probability, or a share of a batch."""
+OpenUnitInterval = Annotated[float, Field(gt=0, lt=1)]
+"""A share strictly between 0 and 1."""
 
 
 # --------------------------------------------------------------------------- losses
