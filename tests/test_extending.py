@@ -39,6 +39,17 @@ def test_readme_extending_example(restore_losses: None) -> None:
     assert "centroid" in LOSS_CONFIGS
 
 
+def test_readme_library_example() -> None:
+    """The README's 'Using the library' block (model → Mixup → loss → step → evaluation) runs."""
+    match = re.search(r"## Using the library\n(.*?)\n## ", README.read_text(), re.S)
+    assert match, "README lost its '## Using the library' section"
+    blocks = "\n".join(re.findall(r"```python\n(.*?)```", match.group(1), re.S))
+    test = doctest.DocTestParser().get_doctest(blocks, {}, "README", str(README), 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries > 15
+
+
 def test_config_sections_follow_the_registry() -> None:
     assert list(LOSS_CONFIGS) == list(LOSSES)
     for name, spec in LOSSES.items():
