@@ -27,27 +27,27 @@ def restore_losses() -> Iterator[None]:
     loss_registry._LOSSES.update(before)
 
 
-def test_readme_extending_example(restore_losses: None) -> None:
-    """The README's 'Extending idml' walk-through registers a loss and runs as written."""
-    match = re.search(r"## Extending idml\n(.*?)\n## ", README.read_text(), re.S)
-    assert match, "README lost its '## Extending idml' section"
+def run_readme_section(title: str) -> doctest.TestResults:
+    """Run the ``python`` blocks of the README section ``## <title>`` as one doctest."""
+    match = re.search(rf"## {re.escape(title)}\n(.*?)\n## ", README.read_text(), re.S)
+    assert match, f"README lost its '## {title}' section"
     blocks = "\n".join(re.findall(r"```python\n(.*?)```", match.group(1), re.S))
     test = doctest.DocTestParser().get_doctest(blocks, {}, "README", str(README), 0)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    runner.run(test)
-    assert runner.failures == 0 and runner.tries > 10
+    return runner.run(test)
+
+
+def test_readme_extending_example(restore_losses: None) -> None:
+    """The README's 'Extending idml' walk-through registers a loss and runs as written."""
+    result = run_readme_section("Extending idml")
+    assert result.failed == 0 and result.attempted > 10
     assert "centroid" in LOSS_CONFIGS
 
 
 def test_readme_library_example() -> None:
     """The README's 'Using the library' block (model → Mixup → loss → step → evaluation) runs."""
-    match = re.search(r"## Using the library\n(.*?)\n## ", README.read_text(), re.S)
-    assert match, "README lost its '## Using the library' section"
-    blocks = "\n".join(re.findall(r"```python\n(.*?)```", match.group(1), re.S))
-    test = doctest.DocTestParser().get_doctest(blocks, {}, "README", str(README), 0)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    runner.run(test)
-    assert runner.failures == 0 and runner.tries > 15
+    result = run_readme_section("Using the library")
+    assert result.failed == 0 and result.attempted > 15
 
 
 def test_config_sections_follow_the_registry() -> None:
