@@ -398,21 +398,23 @@ def evaluate_files(
     query_labels_path: str | Path | None = None,
     entry_names: EntryNames = USUAL_ENTRIES,
     settings: EvaluationSettings | None = None,
-    **options: Any,
+    introspective_metric: IntrospectiveMetric | None = None,
+    device: torch.device | str | None = None,
+    progress: bool | Callable[[int], object] = False,
 ) -> EvaluationReport:
     """:func:`evaluate_embeddings` on files (``.npy``, ``.npz``, ``.pt``, ``.safetensors``).
 
     Labels come from ``labels_path`` or, if it is omitted, from the ``labels`` entry of the
     embeddings file; uncertainty from the file's ``uncertainty`` entry (``entry_names`` names
     other entries, for the query file too). ``query_*`` name a separate query set the same way.
-    ``settings`` and ``options`` (``introspective_metric``, ``device``, ``progress``) are passed on
-    to :func:`evaluate_embeddings`.
+    ``settings``, ``introspective_metric``, ``device`` and ``progress`` are those of
+    :func:`evaluate_embeddings`.
 
     An ``uncertainty`` entry of shape ``(N,)`` holds uncertainty *levels* ``||u||`` (what ``idml
     embed`` writes): they are summarised as they are (as ``(N, 1)`` vectors, whose norm is the level),
     but cannot drive ISM, which needs the uncertainty vectors.
     """
-    ism = options.get("introspective_metric") is not None
+    ism = introspective_metric is not None
     # With a separate labels file the labels entry name is that file's, not the embeddings file's.
     unlabelled = replace(entry_names, labels=None)
     ref = load_embedding_file(embeddings_path, entry_names if labels_path is None else unlabelled)
@@ -433,7 +435,9 @@ def evaluate_files(
         labels,
         settings,
         query=query,
-        **options,
+        introspective_metric=introspective_metric,
+        device=device,
+        progress=progress,
     )
 
 
