@@ -409,21 +409,38 @@ def form_metric(form: tuple, tau: float = 5.0) -> IntrospectiveMetric:
     )
 
 
-@pytest.mark.parametrize("form", FORMS, ids=form_id)
-def test_weakening_backward_passes_gradcheck(form: tuple) -> None:
+def weakening_case(
+    form: tuple, rows: int, cols: int, seed: int, certain_pairs: bool = False
+) -> tuple[Callable[..., Tensor], tuple[Tensor, ...]]:
+    """``metric.weaken`` of one ISM form (τ = 0.7) and float64 leaf inputs for autograd checks:
+    ``(cos, α, β)`` for the similarity form; ``(α, β)`` for the distance form, which weakens α
+    itself, so both of its paths meet in one gradient. ``certain_pairs`` zeroes two β."""
     similarity, *_ = form
     metric = form_metric(form, tau=0.7)
-    alpha = 0.05 + 2 * torch.rand(4, 5, dtype=F64, generator=torch.Generator().manual_seed(22))
-    beta = 3 * rand(4, 5, seed=23).abs()
-    beta[0, :2] = 0.0  # certain pairs
+    alpha = 0.05 + 2 * torch.rand(
+        rows, cols, dtype=F64, generator=torch.Generator().manual_seed(seed)
+    )
+    beta = 3 * rand(rows, cols, seed=seed + 1).abs()
+    if certain_pairs:
+        beta[0, :2] = 0.0
     alpha.requires_grad_(True)
     beta.requires_grad_(True)
     if similarity:
-        cosine = (2 * torch.rand(4, 5, dtype=F64) - 1).requires_grad_(True)
-        assert torch.autograd.gradcheck(metric.weaken, (cosine, alpha, beta))
-    else:  # the distance form weakens α itself: both of its paths meet in one gradient
-        assert torch.autograd.gradcheck(lambda a, b: metric.weaken(a, a, b), (alpha, beta))
+        cosine = (
+            2 * torch.rand(rows, cols, dtype=F64, generator=torch.Generator().manual_seed(seed + 2))
+            - 1
+        )
+        return metric.weaken, (cosine.requires_grad_(True), alpha, beta)
+    return (lambda a, b: metric.weaken(a, a, b)), (alpha, beta)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=form_id)
+def test_weakening_backward_passes_gradcheck(form: tuple) -> None:
+    weaken, inputs = weakening_case(form, 4, 5, seed=22, certain_pairs=True)
+    assert torch.autograd.gradcheck(weaken, inputs)
     # One-sided uncertainty broadcasts β over the columns.
+    metric = form_metric(form, tau=0.7)
+    alpha, beta = inputs[-2:]
     column = beta[:, :1].detach().clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, b: metric.weaken(a, a, b), (alpha, column))
 
@@ -603,17 +620,8 @@ def test_joint_uncertainty_is_zero_with_zero_gradient_for_opposite_vectors() -> 
 @pytest.mark.parametrize("form", FORMS, ids=form_id)
 def test_weakening_is_twice_differentiable(form: tuple) -> None:
     """Plain autograd all the way: second derivatives (e.g. a gradient penalty) are exact too."""
-    similarity, *_ = form
-    metric = form_metric(form, tau=0.7)
-    alpha = 0.05 + 2 * torch.rand(3, 4, dtype=F64, generator=torch.Generator().manual_seed(44))
-    beta = 3 * rand(3, 4, seed=45).abs()
-    alpha.requires_grad_(True)
-    beta.requires_grad_(True)
-    if similarity:
-        cosine = (2 * torch.rand(3, 4, dtype=F64) - 1).requires_grad_(True)
-        assert torch.autograd.gradgradcheck(metric.weaken, (cosine, alpha, beta))
-    else:
-        assert torch.autograd.gradgradcheck(lambda a, b: metric.weaken(a, a, b), (alpha, beta))
+    weaken, inputs = weakening_case(form, 3, 4, seed=44)
+    assert torch.autograd.gradgradcheck(weaken, inputs)
 
 
 def composite_ism(form: tuple, x: Tensor, u: Tensor) -> Tensor:
