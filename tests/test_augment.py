@@ -302,3 +302,25 @@ def test_augmentations_on_cuda_with_a_cpu_generator() -> None:
     # ≤121-term filters in different orders, ~√121·ε per filter; 1e-5 absolute.
     torch.testing.assert_close(gpu.images.cpu(), cpu.images, atol=1e-5, rtol=0)
     assert torch.equal(gpu.mixed.cpu(), cpu.mixed) and torch.equal(gpu.degraded.cpu(), cpu.degraded)
+
+
+def test_a_batch_is_checked_once_however_the_augmentations_are_composed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The range check is a reduction with a host sync on GPU: once per training batch, not once
+    # per augmentation and once more per composite.
+    import idml.augment.batch as batch_module
+
+    calls: list[str] = []
+    real = batch_module.check_images
+    monkeypatch.setattr(batch_module, "check_images", lambda n, x: (calls.append(n), real(n, x)))
+    images, labels = torch.rand(8, 3, 8, 8), torch.arange(8) % 4
+    steps = (Mixup(fraction=0.5), GaussianBlur(fraction=0.5), LowResolution(fraction=0.5))
+    g = torch.Generator().manual_seed(0)
+    out = AugmentationPipeline(steps)(images, labels, g)
+    assert len(calls) == 1 and out.images.shape[0] == 12
+    calls.clear()
+    apply_augmentations(images, labels, list(steps), g)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):  # and the one check still refuses
+        AugmentationPipeline(steps)(images * 255, labels, g)

@@ -188,7 +188,7 @@ class ClassificationAugmentation(BatchAugmentation):
     def augment(
         self, images: Tensor, labels: LabelSets, generator: torch.Generator | None
     ) -> AugmentedBatch:
-        batch = self.degradations(images, labels, generator)
+        batch = self.degradations.augment(images, labels, generator)  # checked already
         if self.mixing is None:
             return batch
         mixed = self.mixing.augment(batch.images, batch.labels, generator)

@@ -229,9 +229,29 @@ def apply_augmentations(
     At most one :class:`Mixup` may appear (its row indices refer to the batch it received, which
     later degradations keep in place). An empty sequence returns the batch unchanged.
     """
+    return _apply_in_order(images, labels, augmentations, generator, checked=False)
+
+
+def _apply_in_order(
+    images: Tensor,
+    labels: Tensor | LabelSets,
+    augmentations: Sequence[UncertaintyAugmentation],
+    generator: torch.Generator | None,
+    checked: bool,
+) -> AugmentedBatch:
+    """:func:`apply_augmentations`; ``checked``: the batch already passed :func:`check_images`.
+
+    The batch is checked once: what a :class:`BatchAugmentation` returns (convex mixes, blur,
+    antialiased resizing, constant occlusion) stays in ``[0, 1]``, so the next one runs its
+    :meth:`~BatchAugmentation.augment` directly; any other callable is trusted with the check.
+    """
     batch = AugmentedBatch.unchanged(images, labels)
     for augmentation in augmentations:
-        out = augmentation(batch.images, batch.labels, generator)
+        if checked and isinstance(augmentation, BatchAugmentation):
+            out = augmentation.augment(batch.images, batch.labels, generator)
+        else:
+            out = augmentation(batch.images, batch.labels, generator)
+        checked = isinstance(augmentation, BatchAugmentation)
         if out.mixup is not None and batch.mixup is not None:
             raise ValueError("augmentations: apply Mixup at most once per batch")
         added = out.images.shape[0] - batch.images.shape[0]
@@ -255,5 +275,5 @@ class AugmentationPipeline(BatchAugmentation):
     def augment(
         self, images: Tensor, labels: LabelSets, generator: torch.Generator | None
     ) -> AugmentedBatch:
-        """See :func:`apply_augmentations`."""
-        return apply_augmentations(images, labels, self.augmentations, generator)
+        """See :func:`apply_augmentations` (the batch was checked by :meth:`__call__`)."""
+        return _apply_in_order(images, labels, self.augmentations, generator, checked=True)
