@@ -180,8 +180,9 @@ def delta_table(result: AblationResult, metrics: list[str]) -> str:
 
 
 def model_is_pretrained(overrides: list[str]) -> bool:
-    """Whether the setting starts from shipped weights (a random network has no useful floor)."""
-    return "model.pretrained=true" in overrides
+    """Whether the setting starts from weights (a random network has no useful floor), as its
+    config reads it (``model.pretrained`` true or a weights file)."""
+    return load_config(None, overrides).model.pretrained is not False
 
 
 def training_free_reference(overrides: list[str]) -> str:
