@@ -8,8 +8,8 @@ Two settings, each with IDML off and on:
 "loading" is the time the training loop waits for the next batch (workers prefetch in parallel);
 the data pipeline keeps up when that wait is a small share of the step (target ≤ 10%).
 "monitor" is the ISM saturation monitor's extra no-gradient pass the trainer makes every step with
-an introspective metric (``loss.weakening`` on the detached embeddings, then
-:meth:`~idml.app.training.monitoring.WeakeningMonitor.update`); 0 without ISM.
+an introspective metric (:meth:`~idml.app.training.monitoring.WeakeningMonitor.record`); 0 without
+ISM.
 
 Run: ``python benchmarks/bench_training_step.py [--steps 6] [--only demo|resnet50] [--set KEY=VALUE]``
 (``--set``, repeatable, adds a config override to every setting, e.g. ``--set loss.name=proxy_anchor``;
@@ -100,10 +100,8 @@ def profile(
         opt.step()
         sync(device)
         t5 = now()
-        if cfg.metric.introspective:  # what the trainer's _monitor_weakening does each step
-            found = loss_fn.weakening(emb.detach(), batch.labels)
-            if found is not None:
-                monitor.update(*found)
+        if cfg.metric.introspective:  # the trainer's per-step pass
+            monitor.record(loss_fn, emb, batch.labels)
         sync(device)
         t6 = now()
         if step:

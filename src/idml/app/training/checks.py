@@ -105,8 +105,5 @@ class LearningChecks:
 
     def _monitor_weakening(self, emb: Embeddings, batch: AugmentedBatch) -> None:
         """Record the ISM weakening factors of this step's relations (no gradient)."""
-        if self.ism_metric is None or not hasattr(self.loss, "weakening"):
-            return
-        found = self.loss.weakening(emb.detach(), batch.labels)
-        if found is not None:
-            self.weakening.update(*found)
+        if self.ism_metric is not None:
+            self.weakening.record(self.loss, emb, batch.labels)

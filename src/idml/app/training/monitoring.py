@@ -25,8 +25,13 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from idml.embeddings import Embeddings
+from idml.relations import LabelSets
 
 SATURATED = 1e-2
 """A pair whose weakening factor ``e^{−y}`` is below this is counted as saturated."""
@@ -63,6 +68,15 @@ class WeakeningMonitor:
                 values = values[index]
             if values.numel():
                 self._values[kind].append(values)
+
+    def record(self, loss: Any, embeddings: Embeddings, labels: LabelSets) -> None:
+        """Add the factors of the relations ``loss`` compares in this step (no gradient: the
+        trainer's per-step pass); nothing for a loss that does not compare through ISM
+        (``loss.weakening`` absent or ``None``)."""
+        weakening = getattr(loss, "weakening", None)
+        found = None if weakening is None else weakening(embeddings.detach(), labels)
+        if found is not None:
+            self.update(*found)
 
     def summary(self) -> dict[str, float]:
         out: dict[str, float] = {}
