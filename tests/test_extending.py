@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import doctest
-import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from pydantic import Field
@@ -14,8 +11,7 @@ from idml.app import build
 from idml.app.config import LOSS_CONFIGS, ConfigError, load_config, validate_config
 from idml.losses import LOSSES, LossParams, MetricLoss, ProxyAnchorLoss, register_loss
 from idml.losses import registry as loss_registry
-
-README = Path(__file__).resolve().parents[1] / "README.md"
+from readme_doctest import run_readme_section
 
 
 @pytest.fixture
@@ -27,26 +23,16 @@ def restore_losses() -> Iterator[None]:
     loss_registry._LOSSES.update(before)
 
 
-def run_readme_section(title: str) -> doctest.TestResults:
-    """Run the ``python`` blocks of the README section ``## <title>`` as one doctest."""
-    match = re.search(rf"## {re.escape(title)}\n(.*?)\n## ", README.read_text(), re.S)
-    assert match, f"README lost its '## {title}' section"
-    blocks = "\n".join(re.findall(r"```python\n(.*?)```", match.group(1), re.S))
-    test = doctest.DocTestParser().get_doctest(blocks, {}, "README", str(README), 0)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    return runner.run(test)
-
-
 def test_readme_extending_example(restore_losses: None) -> None:
     """The README's 'Extending idml' walk-through registers a loss and runs as written."""
-    result = run_readme_section("Extending idml")
+    result = run_readme_section("## Extending idml")
     assert result.failed == 0 and result.attempted > 10
     assert "centroid" in LOSS_CONFIGS
 
 
 def test_readme_library_example() -> None:
     """The README's 'Using the library' block (model → Mixup → loss → step → evaluation) runs."""
-    result = run_readme_section("Using the library")
+    result = run_readme_section("## Using the library")
     assert result.failed == 0 and result.attempted > 15
 
 

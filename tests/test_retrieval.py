@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import csv
-import doctest
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +16,8 @@ from idml.app.inference import Encoder
 from idml.app.retrieval import CONFIDENCE_KIND, Index, IndexFormatError
 from idml.app.retrieval.workflow import read_images, search_source
 from idml.models import build_model
+from readme_doctest import run_readme_section
 from tiny_run import IDML, train_tiny, write_images
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -265,21 +262,10 @@ def test_encoder_accepts_paths_pil_images_arrays_and_tensors(run_dir: Path, gall
 
 def test_readme_inference_example(run_dir: Path, gallery: Path, tmp_path: Path) -> None:
     """The README's Python inference walk-through runs as written (as a doctest)."""
-    text = README.read_text()
-    match = re.search(r"### Inference in Python\n(.*?)\n### ", text, re.S)
-    assert match, "README lost its '### Inference in Python' section"
-    blocks = "\n".join(re.findall(r"```python\n(.*?)```", match.group(1), re.S))
-    assert ">>>" in blocks
-    test = doctest.DocTestParser().get_doctest(
-        blocks,
-        {"RUN": run_dir, "IMAGES": gallery, "OUT": tmp_path},
-        "README",
-        str(README),
-        0,
+    result = run_readme_section(
+        "### Inference in Python", {"RUN": run_dir, "IMAGES": gallery, "OUT": tmp_path}
     )
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    runner.run(test)
-    assert runner.failures == 0 and runner.tries > 3
+    assert result.failed == 0 and result.attempted > 3
 
 
 def test_search_source_records_follow_the_index(run_dir: Path, gallery: Path) -> None:
