@@ -26,7 +26,6 @@ from idml.data import (
     DATASETS,
     DatasetName,
     DMLSplit,
-    ImageDataset,
     build_batch_sampler,
     build_transforms,
     dataset_options,
@@ -43,7 +42,6 @@ from idml.models import (
     UncertaintyKind,
 )
 from idml.models import build_model as _build_model
-from idml.progress import Progress
 from idml.ranking import SelfSupervisedRanking
 
 
@@ -145,34 +143,6 @@ def sample_images(dataset: Dataset, count: int, generator: torch.Generator) -> T
     """``count`` random training images (SSR's ``source=separate``)."""
     idx = torch.randperm(len(dataset), generator=generator)[:count]  # type: ignore[arg-type]
     return torch.stack([dataset[int(i)][0] for i in idx])
-
-
-@torch.no_grad()
-def embed_dataset(
-    model: EmbeddingModel,
-    dataset: ImageDataset | Dataset,
-    batch_size: int,
-    device: torch.device,
-    progress: bool = False,
-    num_workers: int = 0,
-) -> tuple[Embeddings, Tensor]:
-    """Semantic (and uncertainty) embeddings of a whole dataset, in dataset order."""
-    was_training = model.training
-    model.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    semantic, uncertainty, labels = [], [], []
-    bar = Progress(len(loader), "embed", enabled=progress, unit="batch")
-    for images, batch_labels, _ in loader:
-        emb = model(images.to(device))
-        bar.update(1)
-        semantic.append(emb.semantic.float().cpu())
-        if emb.uncertainty is not None:
-            uncertainty.append(emb.uncertainty.float().cpu())
-        labels.append(torch.as_tensor(batch_labels))
-    bar.close()
-    model.train(was_training)
-    unc = torch.cat(uncertainty) if uncertainty else None
-    return Embeddings(torch.cat(semantic), unc), torch.cat(labels)
 
 
 # --------------------------------------------------------------------------- model

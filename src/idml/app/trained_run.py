@@ -31,7 +31,7 @@ from idml.data import IMAGE_EXTENSIONS, FileImageDataset, ImageRecords, build_tr
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.evaluation.clustering import KMeansBackend
-from idml.models import EmbeddingModel
+from idml.models import EmbeddingModel, embed_dataset
 
 if TYPE_CHECKING:
     from idml.classification import IntrospectiveClassifier
@@ -182,7 +182,7 @@ def embed_images(
     transform = build_transforms(False, cfg.data.image_size, cfg.data.resize_size)
     dataset = FileImageDataset(records, transform)
     device = next(model.parameters()).device
-    emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=progress)
+    emb, _ = embed_dataset(model, dataset, batch_size, device, progress=progress)
     level = (
         torch.zeros(emb.semantic.shape[0])
         if emb.uncertainty is None  # a baseline without an uncertainty head
@@ -251,5 +251,5 @@ def evaluate_checkpoint(
     device = torch.device(device) if device is not None else torch.device("cpu")
     model.to(device)
     data = build.build_data(cfg)
-    emb, labels = build.embed_dataset(model, data.test, cfg.eval.batch_size, device, progress)
+    emb, labels = embed_dataset(model, data.test, cfg.eval.batch_size, device, progress=progress)
     return build.evaluate(cfg, emb, labels, device, progress, block_size=block_size, seed=seed)

@@ -26,6 +26,7 @@ from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.embeddings import Embeddings
 from idml.evaluation.evaluate import EvaluationReport
 from idml.evaluation.uncertainty import risk_coverage
+from idml.models import embed_dataset
 
 if TYPE_CHECKING:
     from idml.app.reports.classification import ClassificationAnalysis
@@ -265,7 +266,7 @@ def analyse_run(
     cfg, model = run.config, run.model.to(device)
     epoch = int(run.state.get("epoch", -1)) + 1
     test = build.build_data(cfg).test
-    embeddings, labels = build.embed_dataset(model, test, options.batch_size, device, progress)
+    embeddings, labels = embed_dataset(model, test, options.batch_size, device, progress=progress)
     metrics, pr_curve, all_neighbors, curves = _evaluate(
         cfg, embeddings, labels, device, options.top_k
     )
