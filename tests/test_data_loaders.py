@@ -401,7 +401,9 @@ def test_csv_with_split_column(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"share 1 class.*class-disjoint"):
         load_csv(tmp_path / "bad.csv", CsvOptions(min_images_per_class=1))
     (tmp_path / "val.csv").write_text("img/3_0.jpg,3,valid\n")
-    with pytest.raises(ValueError, match=r"val\.csv:1: split must be train, val, test, got 'valid'"):
+    with pytest.raises(
+        ValueError, match=r"val\.csv:1: split must be train, val, test, got 'valid'"
+    ):
         load_csv(tmp_path / "val.csv")
 
 

@@ -278,10 +278,13 @@ def evaluate(
     labels: Tensor,
     device: torch.device,
     progress: bool = False,
+    roles: Sequence[str] | None = None,
     **settings: Any,
 ) -> EvaluationReport:
     """Test-set evaluation (:func:`idml.evaluation.evaluate_embeddings`) with the run's ``eval.*``
-    settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM).
+    settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM);
+    with the test images' ``roles`` (:attr:`idml.data.ImageDataset.roles`) their queries are
+    searched against their gallery.
 
     ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) are further fields of the
     :class:`~idml.evaluation.EvaluationSettings`; to override an ``eval.*`` key, evaluate a config
@@ -295,6 +298,7 @@ def evaluate(
         embeddings.semantic,
         labels,
         EvaluationSettings(**options, **settings),
+        roles=roles,
         uncertainty=embeddings.uncertainty,
         introspective_metric=ism,
         device=device,

@@ -173,6 +173,11 @@ class ImageDataset(Dataset[tuple[Tensor, int, int]]):
     def num_classes(self) -> int:
         return len(self.classes)
 
+    @property
+    def roles(self) -> np.ndarray | None:
+        """``"query"``/``"gallery"`` per image when the source gives evaluation roles, else ``None``."""
+        return None
+
     def class_counts(self) -> Tensor:
         """Number of images of each label, ``(C,)``."""
         return torch.bincount(self.labels, minlength=self.num_classes)
@@ -249,6 +254,10 @@ class FileImageDataset(ImageDataset):
     def paths(self) -> np.ndarray:
         """Image file path of each index."""
         return self.records.paths
+
+    @property
+    def roles(self) -> np.ndarray | None:
+        return self.records.roles
 
     def load_image(self, index: int) -> Tensor:
         box = (

@@ -445,7 +445,9 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         emb, labels = self.embed_test()
         report = None
         if self.dist.is_main:
-            evaluation = build.evaluate(self.cfg, emb, labels, self.device, self.progress)
+            evaluation = build.evaluate(
+                self.cfg, emb, labels, self.device, self.progress, self.data.test.roles
+            )
             # How NMI was computed goes into the log beside the numbers (``eval/nmi_method``).
             report = (dict(evaluation.metrics), {"nmi_method": evaluation.settings["nmi_method"]})
         metrics, self.eval_notes = self.dist.broadcast_object(report)
