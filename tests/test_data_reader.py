@@ -201,3 +201,22 @@ def test_classification_reads_the_same_way(tmp_path: Path) -> None:
     (tmp_path / "l.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
     table = load_classification_split("csv", tmp_path / "l.csv")  # a BOM fails here no more
     assert table.train.class_names == ("A", "B") and len(table.test) == 4
+
+
+def test_roles_reach_the_test_side_only(tmp_path: Path) -> None:
+    names = [f"{c}{i}.png" for c in "abcd" for i in range(3)]
+    _write_png(tmp_path, *names)
+    rows = ["path,label,split,role"]
+    for name in names:
+        test = name[0] in "cd"
+        role = ("query" if name[1] == "0" else "gallery") if test else ""
+        rows.append(f"{name},{name[0]},{'test' if test else 'train'},{role}")
+    (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
+    split = load_csv(tmp_path / "l.csv")
+    assert split.test.roles.tolist() == ["query", "gallery", "gallery"] * 2
+    # Training images have none, nor has a validation side held out of the train classes.
+    assert split.train.roles is None and split.validation(0.5).test.roles is None
+    with pytest.raises(
+        ValueError, match="has a role column: query/gallery roles are for retrieval"
+    ):
+        load_classification_split("csv", tmp_path / "l.csv")

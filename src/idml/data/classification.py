@@ -164,6 +164,11 @@ def _user_images(
     """Classification's split policy for a user's images: the split they give (the test side is
     ``test``, else ``val``), or a per-class hold-out of ``test_fraction``."""
     records.require_labels(source)
+    if records.roles is not None:
+        raise ValueError(
+            f"{source} has a role column: query/gallery roles are for retrieval evaluation "
+            "(task: metric_learning); a classification run scores every test image, so drop it"
+        )
     if records.splits is None:
         train, test = holdout_split(records, test_fraction)
     else:

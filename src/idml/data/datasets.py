@@ -257,7 +257,9 @@ class FileImageDataset(ImageDataset):
 
     @property
     def roles(self) -> np.ndarray | None:
-        return self.records.roles
+        roles = self.records.roles
+        # A CSV's role column may leave a side without roles (its training images).
+        return roles if roles is not None and bool((roles != "").any()) else None
 
     def load_image(self, index: int) -> Tensor:
         box = (
