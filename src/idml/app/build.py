@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -278,7 +279,7 @@ def evaluate(
     labels: Tensor,
     device: torch.device,
     progress: bool = False,
-    roles: Sequence[str] | None = None,
+    roles: Sequence[str] | np.ndarray | None = None,
     **settings: Any,
 ) -> EvaluationReport:
     """Test-set evaluation (:func:`idml.evaluation.evaluate_embeddings`) with the run's ``eval.*``

@@ -354,7 +354,7 @@ class TrainTestPair:
     name: str
 
     @property
-    def sides(self) -> tuple[tuple[str, ImageDataset], tuple[str, ImageDataset]]:
+    def sides(self) -> tuple[tuple[str, ImageDataset], ...]:
         """``(("train", train), ("test", test))``: the sides with the names messages give them."""
         return (("train", self.train), ("test", self.test))
 

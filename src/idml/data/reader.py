@@ -177,9 +177,9 @@ def read_folder(root: str | Path, extensions: Iterable[str] = IMAGE_EXTENSIONS) 
         raise FileNotFoundError(f"image folder {base} is not a directory")
     suffixes = _suffixes(extensions)
     splits = _split_folders(base, suffixes)
-    parts = [(split, _walk(base / split, suffixes)) for split in splits or []]
-    if splits is None:
-        parts = [(None, _walk(base, suffixes))]
+    parts: list[tuple[str | None, list[_Image]]] = [(None, _walk(base, suffixes))]
+    if splits is not None:
+        parts = [(split, _walk(base / split, suffixes)) for split in splits]
     images = [image for _, found in parts for image in found]
     if not images:
         raise ValueError(f"{base} contains no images with suffix {sorted(suffixes)}")

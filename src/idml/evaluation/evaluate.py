@@ -172,13 +172,14 @@ def _sets(
         if query is not None:
             raise ValueError("give either roles or a separate query set, not both")
         q_rows, g_rows = role_rows(roles, ref_semantic.shape[0])
-
-        def rows(x: Tensor | None, r: Tensor) -> Tensor | None:
-            return None if x is None else x[r.to(x.device)]
-
+        q, g = q_rows.to(ref_semantic.device), g_rows.to(ref_semantic.device)
         return _Sets(
-            *(rows(x, q_rows) for x in (ref_semantic, ref_unc, ref_labels)),  # type: ignore[arg-type]
-            *(rows(x, g_rows) for x in (ref_semantic, ref_unc, ref_labels)),  # type: ignore[arg-type]
+            q_semantic=ref_semantic[q],
+            q_unc=None if ref_unc is None else ref_unc[q.to(ref_unc.device)],
+            q_labels=ref_labels[q.to(ref_labels.device)],
+            ref_semantic=ref_semantic[g],
+            ref_unc=None if ref_unc is None else ref_unc[g.to(ref_unc.device)],
+            ref_labels=ref_labels[g.to(ref_labels.device)],
             same_set=False,
             query_rows=q_rows,
             ref_rows=g_rows,
