@@ -153,3 +153,29 @@ def test_folder_and_csv_train_embed_index_search_evaluate_agree(
     assert main(["search", str(gallery_index), str(query_csv), "-k", "1", "--json"]) == 0
     searched = _json(capsys)["results"]
     assert _recall_at_1(searched, truth, False) == by_roles["metrics"]["recall@1"]
+
+
+def test_training_evaluates_a_csv_test_split_by_its_roles(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    rows = _nested_folder(data)
+    labels = sorted({label for _, label in rows})
+    train_classes = set(labels[: len(labels) // 2])
+    lines = ["path,label,split,role"]
+    for path, label in rows:
+        if label in train_classes:
+            lines.append(f"{path},{label},train,")
+        else:
+            lines.append(f"{path},{label},test,{'query' if path.endswith('/0.png') else 'gallery'}")
+    (data / "roles.csv").write_text("\n".join(lines) + "\n")
+    run = _train(tmp_path, tmp_path / "run", "data.dataset=csv", f"data.root={data / 'roles.csv'}")
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(run), "--json"]) == 0
+    scored = _json(capsys)
+    # The six queries (one per test class) against the 30 gallery images, not 36 against 35.
+    assert (scored["num_queries"], scored["num_references"], scored["same_set"]) == (6, 30, False)
+    logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    # Training evaluated the same way: a count over 6 queries, equal up to the log's float
+    # rounding (approx's rel 1e-6), while one other neighbour would move it by 1/6.
+    assert logged["test/recall@1"] == pytest.approx(scored["metrics"]["recall@1"])
