@@ -169,6 +169,7 @@ def uncertainty_head(cfg: Config) -> UncertaintyHeadSpec | None:
         form=u.form,
         max_norm=u.max_norm,
         init_level=u.init_level,
+        level_input=u.level_input,
         activation=u.activation,
         normalize=u.normalize,
         init_std=u.init_std,

@@ -66,7 +66,7 @@ from idml.data.registry import VerifyMode
 from idml.evaluation.clustering import KMeansBackend
 from idml.metrics import ISMPower, ISMVariant
 from idml.models.backbones import BackboneSpec
-from idml.models.model import POOLING_NAMES, UncertaintyActivation, UncertaintyForm
+from idml.models.model import POOLING_NAMES, LevelInput, UncertaintyActivation, UncertaintyForm
 from idml.ranking import SSRConfig as RankingConfig
 
 # --------------------------------------------------------------------------- data
@@ -164,6 +164,11 @@ class UncertaintyHeadConfig(Section):
     init_level: OpenUnitInterval = Field(
         0.02, description="bounded form: ||u||/max_norm at initialisation"
     )
+    level_input: choices(LevelInput) = Field(
+        "standardized",
+        description="bounded form: the level logit reads the features standardised over the "
+        "batch (default) or their unit direction (the head before 2026-12; u barely moves)",
+    )
     normalize: bool = Field(
         False, description="L2-normalise u as the official code does (starves the head)"
     )
@@ -191,6 +196,11 @@ class UncertaintyHeadConfig(Section):
                     "head); the bounded head sets its scale with model.uncertainty.max_norm and "
                     "model.uncertainty.init_level"
                 )
+        elif self.level_input != "standardized":
+            raise ValueError(
+                "model.uncertainty.level_input only applies to model.uncertainty.form=bounded "
+                "(the linear layer has no level logit)"
+            )
         return self
 
 
