@@ -1,5 +1,5 @@
-"""The checks a training run makes as it goes: ISM's warm-up and saturation, gradients that
-never reach the model, and NaN or infinite losses and weights."""
+"""The checks a training run makes as it goes: ISM's warm-up, saturation and identity, gradients
+that never reach the model, and NaN or infinite losses and weights."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from idml.app.training.monitoring import SATURATED, is_saturated
+from idml.app.training.monitoring import SATURATED, identity_reasons, is_saturated
 from idml.app.training.records import NonFiniteError
 from idml.augment import AugmentedBatch
 from idml.embeddings import Embeddings
@@ -38,7 +38,8 @@ class LearningChecks:
         return out
 
     def _check_learning(self, epoch: int, ism: dict[str, float]) -> None:
-        """Warn once when ISM saturates most relations, or when no gradient reaches the model."""
+        """Warn once when ISM saturates most relations, when it acts as the identity after the
+        first quarter of training, or when no gradient reaches the model."""
         if not self.dist.is_main:
             return
         if self.ism_metric is not None and "saturated" not in self._warned and is_saturated(ism):
@@ -55,6 +56,22 @@ class LearningChecks:
                 "(model.uncertainty.form=bounded), lower model.uncertainty.max_norm or "
                 "model.uncertainty.init_level, raise metric.tau, lower metric.gamma, or set "
                 "metric.warmup_epochs",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        # The head starts every image at one level (w = 0), so the first quarter of training is
+        # allowed to be uniform; a run still there afterwards trains as the plain metric would.
+        settled = epoch >= 1 and epoch + 1 > self.cfg.optim.epochs / 4
+        reasons = identity_reasons(ism) if self.ism_metric is not None and settled else []
+        if reasons and "identity" not in self._warned:
+            self._warned.add("identity")
+            warnings.warn(
+                f"epoch {epoch + 1}: ISM acts as the identity: {'; '.join(reasons)}. The "
+                "introspective metric then trains like the plain metric (or a uniform rescaling "
+                "of it), so this run measures Mixup, not introspection. Check that the uncertainty "
+                "head trains (optim.uncertainty_lr_mult is not 0; model.uncertainty.level_input="
+                "standardized), or raise model.uncertainty.max_norm; the ism/pos_q10 and "
+                "ism/u_cv keys of metrics.jsonl show the trend",
                 RuntimeWarning,
                 stacklevel=2,
             )
