@@ -293,7 +293,11 @@ class OptimConfig(Section):
         description="learning-rate multiplier of the uncertainty head (None: head_lr_mult, one "
         "group with the semantic head); a smaller value slows the growth of ||u||",
     )
-    proxy_lr_mult: float = Field(100.0, ge=0)
+    proxy_lr_mult: float = Field(
+        100.0,
+        ge=0,
+        description="class proxies' learning rate as a multiple of the heads' (lr × head_lr_mult)",
+    )
     scheduler: Literal["none", "step", "cosine", "multistep"] = "step"
     step_size: int = Field(10, gt=0)
     step_gamma: float = Field(0.5, gt=0)
