@@ -252,6 +252,20 @@ class MixupConfig(Section):
         1.0, gt=0, le=1, description="mixed images added, as a fraction of the batch"
     )
     mode: choices(MixupMode) = "set"
+    uncertainty_weight: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="EXTENSION, not the paper's IDML (0: off): weight η of a term that ties the "
+        "uncertainty level of a Mixup image to its ambiguity 1 − |2λ − 1| "
+        "(idml.losses.ambiguity)",
+    )
+    uncertainty_level: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="extension: the target ||u||/max_norm of a 50/50 mix of two classes",
+    )
 
 
 class DegradationConfig(Section):
@@ -419,16 +433,31 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        if self.metric.introspective and not self.model.uncertainty.enabled:
+        if (
+            self.metric.introspective
+            and not self.model.uncertainty.enabled
+            and self.metric.gamma == 0
+        ):
+            # Without a head u ≡ 0, so only γ > 0 weakens pairs (uniformly: the control that
+            # separates ISM's uncertainty from a plain weakening); with γ = 0 ISM is the identity.
             raise ValueError(
                 "metric.introspective=true needs an uncertainty head: set "
-                "model.uncertainty.enabled=true"
+                "model.uncertainty.enabled=true (or metric.gamma > 0 for ISM with u = 0, a "
+                "uniform weakening)"
             )
         if self.loss.probabilistic and self.metric.introspective:
             raise ValueError(
                 f"loss.name={self.loss.name} models uncertainty itself; set "
                 "metric.introspective=false"
             )
+        if self.mixup.uncertainty_weight > 0:
+            u = self.model.uncertainty
+            if not (self.mixup.enabled and u.enabled and u.form == "bounded"):
+                raise ValueError(
+                    "mixup.uncertainty_weight > 0 (the Mixup-supervised uncertainty extension) "
+                    "needs mixup.enabled=true and the bounded uncertainty head "
+                    "(model.uncertainty.enabled=true, model.uncertainty.form=bounded)"
+                )
         if any(k <= 0 for k in self.eval.ks):
             raise ValueError(f"eval.ks must be positive integers, got {self.eval.ks}")
         return self

@@ -52,6 +52,7 @@ from idml.app.training.optim import build_optimizers, build_scheduler
 from idml.app.training.records import EpochLogging, EpochRecord, NonFiniteError, TrainResult
 from idml.augment import AugmentedBatch
 from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
+from idml.losses.ambiguity import mixup_uncertainty_loss
 from idml.metrics import IntrospectiveMetric
 from idml.models import embed_dataset
 from idml.progress import Progress
@@ -369,10 +370,19 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         return self._ddp(compute) if self._ddp is not None else compute()
 
     def _metric_loss(self, emb: Embeddings, batch: AugmentedBatch) -> Tensor:
+        weight = self.cfg.mixup.uncertainty_weight
+        target = None
+        if weight > 0 and emb.uncertainty is not None:
+            # The Mixup-supervised uncertainty extension (off by default; not the paper's IDML).
+            level = emb.uncertainty.norm(dim=1) / self.cfg.model.uncertainty.max_norm
+            target = weight * mixup_uncertainty_loss(
+                level, batch.ambiguity, self.cfg.mixup.uncertainty_level
+            )
         if not self.cfg.metric.introspective and not self.cfg.loss.probabilistic:
             # The uncertainty head may exist (e.g. for logging) but the plain metric ignores it.
             emb = Embeddings(emb.semantic)
-        return batch.loss(self.loss, emb)
+        loss = batch.loss(self.loss, emb)
+        return loss if target is None else loss + target
 
     def _ranking_loss(
         self, images: Tensor, gens: Sequence[torch.Generator], parts: dict[str, float]
