@@ -129,6 +129,8 @@ def list_images(source: Path, split: str | None = None) -> tuple[list[Path], lis
             )
         labels = [r[1] for r in rows] if all(len(r) > 1 for r in rows) else None
         return files, labels
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no such file or folder")
     raise FileNotFoundError(f"{source} is neither an image folder nor a .csv file")
 
 
