@@ -255,7 +255,10 @@ class Index:
             )
         new_paths = other.absolute_paths()
         if self.root is not None:
-            new_paths = [relative_to_root(p, self.root, self.allow_outside_root) for p in new_paths]
+            new_paths = [
+                relative_to_root(p, self.root, self.allow_outside_root, adding=True)
+                for p in new_paths
+            ]
         faiss_index = None
         if self.backend == "faiss":
             import faiss
@@ -817,7 +820,9 @@ def _read_faiss(path: Path, data: bytes, shape: torch.Size) -> Any:
     return index
 
 
-def relative_to_root(path: str | None, root: Path, allow_outside: bool) -> str | None:
+def relative_to_root(
+    path: str | None, root: Path, allow_outside: bool, adding: bool = False
+) -> str | None:
     """``path`` relative to ``root`` (POSIX separators); a path outside it (through ``..``, an
     absolute path or a link) is an :class:`IndexFormatError` unless ``allow_outside``."""
     if path is None:
@@ -827,10 +832,16 @@ def relative_to_root(path: str | None, root: Path, allow_outside: bool) -> str |
         os.path.realpath(root)
     )
     if not inside and not allow_outside:
+        fix = (
+            "The root was set when the index was built: add items from under it, or build the "
+            "index again with a --root that holds every folder you will add"
+            if adding
+            else "Give a --root that contains every item, or pass --allow-outside-root if the "
+            "index will never be served to people who must not see other folders"
+        )
         raise IndexFormatError(
             f"{path} is outside the gallery root {root}; an index records and opens only files "
-            "under its root. Give a --root that contains every item, or pass --allow-outside-root "
-            "if the index will never be served to people who must not see other folders"
+            f"under its root. {fix}"
         )
     return Path(os.path.relpath(full, root)).as_posix()
 

@@ -277,7 +277,7 @@ def build_index(
             item_root, allow_outside_root = existing.root, existing.allow_outside_root
         if item_root is not None:  # before the embedding pass: an outside item must not cost it
             for path in source.paths:
-                relative_to_root(path, item_root, allow_outside_root)
+                relative_to_root(path, item_root, allow_outside_root, adding=existing is not None)
         log(f"embedding {len(source)} items from {gallery}")
         emb, unc = encode(source, encoder, runtime.batch_size, runtime.progress)
         model = encoder.info if encoder is not None else None
