@@ -234,6 +234,7 @@ def test_a_second_writer_is_refused_naming_the_first(
     assert "on elsewhere" in _error(capsys) and lock.exists()
 
 
+@pytest.mark.slow
 def test_two_concurrent_adds_never_lose_items(world: dict[str, Path], tmp_path: Path) -> None:
     """Two `idml index --add` processes at once: each either adds its 6 items or is refused
     naming the other; the index holds 12 + 6 × (the number that succeeded) items."""
@@ -661,6 +662,7 @@ def _png(width: int, height: int) -> bytes:
         (b'{"embedding": [' + b"0, " * 15 + b"0]}", 422, "not all zero"),
         (b'{"embedding": [' + b"1e400, " * 15 + b"1]}", 422, "finite"),
     ],
+    ids=["depth", "k-inf", "k-5000-digits", "k-50-digits", "k-bool", "k-float", "zero", "inf"],
 )
 def test_hostile_json_requests(client, body: bytes, status: int, message: str) -> None:
     response = client.post("/search", content=body, headers={"content-type": "application/json"})
