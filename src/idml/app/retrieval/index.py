@@ -437,11 +437,13 @@ class Index:
         name = f"v{number:06d}"
         tmp = folder / f".{name}.tmp-{os.getpid()}"
         needed = sum(len(b) for b in files.values())
-        kept = (
-            f"the index stays at its current version {previous} ({_count(folder, previous)} items)"
-            if previous is not None
-            else "no index was written"
-        )
+        if previous is not None:
+            kept = f"the index stays at its current version {previous} "
+            kept += f"({_count(folder, previous)} items)"
+        elif (folder / MANIFEST).is_file():
+            kept = f"the index stays as it was ({_count(folder, None)} items, first format)"
+        else:
+            kept = "no index was written"
         try:
             remove_quietly(tmp)
             tmp.mkdir()
@@ -508,9 +510,9 @@ class Index:
             version = _current_version(folder)
             try:
                 return cls._load_version(folder, version, search_parameters)
-            except FileNotFoundError:
-                # A writer switched versions and removed the one being read: read the new one.
-                if attempt == 2 or _current_version(folder) == version:
+            except (FileNotFoundError, IndexFormatError):
+                # Writers switched versions twice and removed the one being read: read the new one.
+                if attempt == 2 or version is None or _current_version(folder) == version:
                     raise
         raise AssertionError("unreachable")
 
@@ -694,7 +696,7 @@ def _version_number(name: str) -> int:
     return int(name[1:])
 
 
-def _count(folder: Path, version: str) -> Any:
+def _count(folder: Path, version: str | None) -> Any:
     try:
         return read_manifest(folder, version)["count"]
     except (OSError, ValueError):
