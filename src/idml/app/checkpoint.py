@@ -77,9 +77,17 @@ def check_finite_state(modules: dict[str, nn.Module]) -> None:
     ]
     if not named:
         return
-    finite = torch.stack([torch.isfinite(v).all().cpu() for _, v in named])
-    if not bool(finite.all()):  # one sync for the whole state, not one per tensor
-        raise NonFiniteStateError([n for (n, _), ok in zip(named, finite.tolist()) if not ok])
+    # One device sync per device holding state, not one per tensor.
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, value) in enumerate(named):
+        by_device.setdefault(value.device, []).append(i)
+    ok = [True] * len(named)
+    for positions in by_device.values():
+        flags = torch.stack([torch.isfinite(named[i][1]).all() for i in positions]).tolist()
+        for i, flag in zip(positions, flags):
+            ok[i] = flag
+    if not all(ok):
+        raise NonFiniteStateError([name for (name, _), good in zip(named, ok) if not good])
 
 
 def flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
