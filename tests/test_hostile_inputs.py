@@ -787,7 +787,7 @@ def _sweep_cases(w: dict[str, Path], tmp: Path) -> list[tuple[list[str], str]]:
                 "--out",
                 str(tmp / "e.npz"),
             ],
-            f"{tmp / 'none'}: no such file or folder",
+            f"{tmp / 'none'} does not exist",
         ),
         (
             [
@@ -815,7 +815,7 @@ def _sweep_cases(w: dict[str, Path], tmp: Path) -> list[tuple[list[str], str]]:
         ),
         (
             ["search", index, str(tmp / "missing.png")],
-            f"{tmp / 'missing.png'}: no such file or folder",
+            f"{tmp / 'missing.png'} does not exist",
         ),
         (["search", str(tmp), query], f"{tmp}: not an index"),
         (["search", index, query, "--out", str(tmp / "r.txt")], "use a .json or .csv"),

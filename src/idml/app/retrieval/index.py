@@ -73,7 +73,6 @@ from torch import Tensor
 
 from idml.app.inference import ModelInfo, read_json_file
 from idml.app.retrieval.confidence import confidence
-from idml.app.retrieval.faiss_backend import faiss_build, faiss_parameters
 from idml.app.run_folder import LOCK_FILE, folder_lock
 from idml.app.storage import (
     fsync_folder,
@@ -84,6 +83,7 @@ from idml.app.storage import (
 )
 from idml.evaluation.scoring import PairScorer, PreparedSide
 from idml.evaluation.search import SearchExecution, neighbors_only
+from idml.evaluation.search.faiss_backend import faiss_build, faiss_parameters
 
 FORMAT = "idml-index"
 VERSION = 2
