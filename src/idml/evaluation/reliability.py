@@ -98,4 +98,3 @@ def probability_bins(probability: Tensor, correct: Tensor, num_bins: int = 15) -
         confidence_sum=torch.bincount(bins, weights=p, minlength=num_bins),
         correct_sum=torch.bincount(bins, weights=right, minlength=num_bins),
     )
-
