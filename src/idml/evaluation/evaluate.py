@@ -44,6 +44,12 @@ from idml.evaluation.clustering import (
     nmi_score,
     resolve_backend,
 )
+from idml.evaluation.confidence import (
+    AnswerNeighbors,
+    ConfidenceCalibration,
+    ReferenceHubness,
+)
+from idml.evaluation.confidence.assessment import assess_confidence
 from idml.evaluation.io import (
     USUAL_ENTRIES,
     EmbeddingFile,
@@ -67,12 +73,7 @@ from idml.evaluation.search import (
     neighbors_only,
 )
 from idml.evaluation.settings import EvaluationSettings, KnnBackend
-from idml.evaluation.uncertainty import (
-    ConfidenceQuality,
-    confidence_quality,
-    oracle_aurc,
-    summarize_uncertainty,
-)
+from idml.evaluation.uncertainty import summarize_uncertainty
 from idml.metrics import IntrospectiveMetric
 
 __all__ = [
@@ -167,10 +168,12 @@ def evaluate_embeddings(
     query: tuple[EmbeddingInput, ArrayLike | Sequence[int]] | None = None,
     uncertainty: ArrayLike | None = None,
     introspective_metric: IntrospectiveMetric | None = None,
+    calibration: ConfidenceCalibration | None = None,
     device: torch.device | str | None = None,
     progress: bool | Callable[[int], object] = False,
 ) -> EvaluationReport:
-    """Evaluate embeddings for retrieval (Recall@K, R-Precision, MAP@R, MAP, MRR, PR), NMI and ``||u||``.
+    """Evaluate embeddings for retrieval (Recall@K, R-Precision, MAP@R, MAP, MRR, PR), NMI,
+    ``||u||`` and the confidence of the top-1 answers.
 
     Args:
         embeddings: ``(N, d)`` reference (gallery) embeddings — an array, a tensor or an
@@ -185,6 +188,9 @@ def evaluate_embeddings(
             :class:`~idml.embeddings.Embeddings`.
         introspective_metric: rank with this ISM on semantic + uncertainty embeddings instead
             (IDML Table 5 ablation); needs uncertainty on both sides.
+        calibration: a calibrated confidence fitted on *other* queries (e.g. the validation split
+            of the training classes; :func:`~idml.evaluation.confidence.fit_calibration`): adds
+            its R-AUROC, ECE, reliability diagram and abstention thresholds to the report.
         device: where to search (default: the embeddings' device); CPU and CUDA.
         progress: ``True`` for progress (a bar on a terminal, plain lines in a log; see
             :mod:`idml.progress`), or a callback receiving tile counts.
@@ -232,8 +238,12 @@ def evaluate_embeddings(
     )
     timings["validate"] = time.perf_counter() - start
 
+    with_u = sets.q_unc is not None
+    depth = s.num_neighbors
+    if s.confidence is not None:
+        depth = max(depth, s.confidence.depth(with_u))
     start = time.perf_counter()
-    acc, neighbors, backend = _retrieve(sets, scorer, s, device, progress)
+    acc, neighbors, backend = _retrieve(sets, scorer, s, depth, device, progress)
     timings["retrieval"] = time.perf_counter() - start
     lone = acc.lone
     if bool(lone.all()):
@@ -242,15 +252,18 @@ def evaluate_embeddings(
             "query and reference labels share classes"
         )
     start = time.perf_counter()
-    values = scorer.values(neighbors.scores)
-    values = torch.where(neighbors.indices >= 0, values, torch.full_like(values, math.nan))
+    kept = NeighborLists(
+        neighbors.indices[:, : s.num_neighbors], neighbors.scores[:, : s.num_neighbors]
+    )
+    values = scorer.values(kept.scores)
+    values = torch.where(kept.indices >= 0, values, torch.full_like(values, math.nan))
     retrieval = RetrievalResult(
         ks=s.ks,  # type: ignore[arg-type]
         metrics=acc.means(),
         per_query=acc.per_query_values(),
         per_class=acc.per_class(sets.q_labels),
         pr_curve=acc.pr_curve(),
-        neighbor_indices=neighbors.indices.cpu(),
+        neighbor_indices=kept.indices.cpu(),
         neighbor_values=values.cpu(),
         values_are_similarities=scorer.is_similarity,
         num_queries=n_q,
@@ -268,7 +281,7 @@ def evaluate_embeddings(
         # The search's lists serve as the k-means graph when they are plain-metric neighbours
         # within the query set and long enough; the search depth never depends on k-means.
         reuse = sets.same_set and scorer.kind != "metric"
-        reuse = reuse and s.num_neighbors >= KNN_GRAPH_NEIGHBORS
+        reuse = reuse and neighbors.k >= min(KNN_GRAPH_NEIGHBORS, n_q - 1)
         graph = neighbors.indices[:, :KNN_GRAPH_NEIGHBORS].cpu() if reuse else None
         nmi_value = _nmi(sets, s, kmeans, graph)
         timings["nmi"] = time.perf_counter() - start
@@ -279,7 +292,13 @@ def evaluate_embeddings(
         summary = summarize_uncertainty(
             levels, sets.q_labels, recall_at_1=retrieval.per_query.get("recall@1")
         )
-    confidence, oracle = _confidence(retrieval, values, scorer, levels)
+    confidence = None
+    if s.confidence is not None:
+        start = time.perf_counter()
+        hubness = _hubness(sets, scorer, s, neighbors, device)
+        answers = AnswerNeighbors.from_search(neighbors, sets.ref_labels, hubness, levels)
+        confidence = assess_confidence(answers, sets.q_labels, lone, s.confidence, calibration)
+        timings["confidence"] = time.perf_counter() - start
     report_settings: dict[str, Any] = {
         "metric": scorer.name,
         "normalize": s.normalize,
@@ -291,8 +310,10 @@ def evaluate_embeddings(
         "seed": s.seed,
         "kmeans_iterations": s.kmeans_iterations,
     }
+    if confidence is not None:
+        report_settings["confidence_kind"] = confidence.kind
     return EvaluationReport(
-        retrieval, nmi_value, summary, timings, report_settings, confidence, oracle, levels
+        retrieval, nmi_value, summary, timings, report_settings, confidence, levels
     )
 
 
@@ -300,10 +321,12 @@ def _retrieve(
     sets: _Sets,
     scorer: PairScorer,
     s: EvaluationSettings,
+    depth: int,
     device: torch.device | str | None,
     progress: bool | Callable[[int], object],
 ) -> tuple[RankAccumulator, NeighborLists, str]:
-    """Search, and accumulate the ranks of the relevant items: exact, or from faiss's lists."""
+    """Search ``depth`` neighbours per query, and accumulate the ranks of the relevant items:
+    exact, or from faiss's lists."""
     same_set = sets.same_set
     num_ranked = sets.ref_semantic.shape[0] - (1 if same_set else 0)
     cutoffs = s.pr_cutoffs if s.pr_cutoffs is not None else default_cutoffs(num_ranked)
@@ -312,7 +335,7 @@ def _retrieve(
         out = exact_search(
             Embeddings(sets.q_semantic, sets.q_unc),
             sets.q_labels,
-            s.num_neighbors,
+            depth,
             None if same_set else Embeddings(sets.ref_semantic, sets.ref_unc),
             None if same_set else sets.ref_labels,
             metric=scorer,
@@ -325,10 +348,9 @@ def _retrieve(
     if scorer.kind == "metric":
         raise ValueError("the faiss backend supports only the plain cosine/euclidean metrics")
     num_rel = _num_relevant(sets.q_labels, sets.ref_labels, same_set)
-    depth = max(max(s.ks), int(num_rel.max()), s.num_neighbors)
     found = faiss_search(
         sets.q_semantic,
-        min(depth, num_ranked),
+        min(max(max(s.ks), int(num_rel.max()), depth), num_ranked),
         None if same_set else sets.ref_semantic,
         metric=scorer.kind,
         normalize=s.normalize,
@@ -343,9 +365,8 @@ def _retrieve(
         n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels), complete=False, known_depth=found.k
     )
     acc.add(torch.arange(n_q), ranks, num_rel)
-    # The lists were made deep enough for the metrics; the report keeps num_neighbors of them.
-    k = s.num_neighbors
-    neighbors = NeighborLists(found.indices[:, :k], found.scores[:, :k])
+    # The lists were made deep enough for the metrics; ``depth`` of them are kept.
+    neighbors = NeighborLists(found.indices[:, :depth], found.scores[:, :depth])
     return acc, neighbors, f"faiss:{s.faiss_index}"
 
 
@@ -360,25 +381,28 @@ def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: str, graph: Tensor | None) 
     return nmi_score(x, sets.q_labels, settings, graph)
 
 
-def _confidence(
-    retrieval: RetrievalResult, values: Tensor, scorer: PairScorer, levels: Tensor | None
-) -> tuple[dict[str, ConfidenceQuality], float | None]:
-    """How well the confidence scores predict a wrong top-1 neighbour, and the oracle AURC."""
-    recall_at_1 = retrieval.per_query.get("recall@1")
-    if recall_at_1 is None or values.shape[1] == 0:
-        return {}, None
-    # Lone queries have no right answer; queries with no neighbour at all have no answer.
-    top1 = values[:, 0].double().cpu()
-    answered = ~torch.isnan(recall_at_1) & ~torch.isnan(top1)
-    if not bool(answered.any()):
-        return {}, None
-    errors = recall_at_1[answered] == 0
-    confidence = confidence_quality(
-        errors,
-        top1[answered] if scorer.is_similarity else -top1[answered],
-        None if levels is None else levels[answered],
+def _hubness(
+    sets: _Sets,
+    scorer: PairScorer,
+    s: EvaluationSettings,
+    neighbors: NeighborLists,
+    device: torch.device | str | None,
+) -> ReferenceHubness | None:
+    """The references' hubness when a confidence score needs it: from the search's own lists when
+    the queries are the gallery, else from one search of the gallery against itself."""
+    assert s.confidence is not None
+    k = s.confidence.hubness_k(sets.q_unc is not None)
+    if k is None:
+        return None
+    if sets.same_set and s.knn_backend == "exact":
+        return ReferenceHubness.from_neighbors(neighbors, k)
+    gallery = neighbors_only(
+        Embeddings(sets.ref_semantic, sets.ref_unc),
+        k,
+        metric=scorer,
+        execution=SearchExecution(block_size=s.block_size, device=device),
     )
-    return confidence, oracle_aurc(errors)
+    return ReferenceHubness.from_neighbors(gallery, k)
 
 
 def _num_relevant(q_labels: Tensor, ref_labels: Tensor, same_set: bool) -> Tensor:

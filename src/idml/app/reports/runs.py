@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, Subset
 from idml.app.config import Config, load_config
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.embeddings import Embeddings
+from idml.evaluation.confidence import risk_coverage
 from idml.evaluation.evaluate import EvaluationReport
-from idml.evaluation.uncertainty import risk_coverage
 
 if TYPE_CHECKING:
     from idml.app.reports.classification import ClassificationAnalysis

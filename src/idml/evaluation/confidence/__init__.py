@@ -17,11 +17,21 @@ the search's top-k lists (never an ``N×N`` matrix; ``O(Q·k)`` next to the sear
   :class:`PrecisionThreshold`;
 * **quality** (the URL benchmark's measures, Kirchhof et al. 2023): :func:`r_auroc`, :func:`aurc`,
   :func:`oracle_aurc`, :func:`risk_coverage`, :func:`selective_accuracy`, and ECE / the reliability
-  diagram in :mod:`idml.evaluation.reliability`.
+  diagram in :mod:`idml.evaluation.reliability`; :func:`assess_confidence` (with
+  :class:`ConfidenceSettings`) judges a set of answers into a :class:`ConfidenceReport`, which
+  :func:`~idml.evaluation.evaluate_embeddings` adds to every evaluation.
 """
 
 from idml.evaluation.confidence.agreement import KnnAgreement
 from idml.evaluation.confidence.answers import AnswerNeighbors, ReferenceHubness
+from idml.evaluation.confidence.assessment import (
+    DEFAULT_SCORES,
+    ConfidenceReport,
+    ConfidenceSettings,
+    ThresholdOutcome,
+    assess_confidence,
+    is_confidence_metric,
+)
 from idml.evaluation.confidence.base import (
     CONFIDENCE_SCORES,
     ConfidenceScore,
@@ -68,12 +78,15 @@ __all__ = [
     "CONFIDENCE_SCORES",
     "DEFAULT_FALLBACK",
     "DEFAULT_FEATURES",
+    "DEFAULT_SCORES",
     "AnswerConfidence",
     "AnswerNeighbors",
     "Calibrator",
     "ConfidenceCalibration",
     "ConfidenceQuality",
+    "ConfidenceReport",
     "ConfidenceScore",
+    "ConfidenceSettings",
     "HubnessCorrectedSimilarity",
     "IsotonicCalibrator",
     "KnnAgreement",
@@ -83,12 +96,15 @@ __all__ = [
     "NegativeUncertaintyLevel",
     "PrecisionThreshold",
     "ReferenceHubness",
+    "ThresholdOutcome",
     "Top1Similarity",
     "answer_confidence",
+    "assess_confidence",
     "aurc",
     "candidate_thresholds",
     "error_auroc",
     "fit_calibration",
+    "is_confidence_metric",
     "oracle_aurc",
     "precision_threshold",
     "r_auroc",
