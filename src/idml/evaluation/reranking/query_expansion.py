@@ -1,0 +1,138 @@
+"""α-query expansion and database-side augmentation (Radenović, Tolias & Chum 2019).
+
+* **Database-side augmentation (DBA)**: every reference is replaced by the normalised weighted sum
+  of itself and its ``n_d`` nearest other references, ``x'_g ∝ x_g + Σ_{j ≤ n_d} s(g, g_j)^α x_{g_j}``
+  (from the gallery graph; computed once per gallery).
+* **α-query expansion (αQE)**: the query is replaced by ``q' ∝ q + Σ_{i ≤ n_q} s(q, n_i)^α x'_{n_i}``
+  over its ``n_q`` nearest (augmented) references, and re-scored: ``s'(q, g) = q' · x'_g``.
+
+Negative similarities get weight 0 (``max(s, 0)^α``; α need not be an integer). Both are applied to
+the query's shortlist only: the shortlist is re-scored with the augmented gallery (DBA), αQE takes
+its top ``n_q`` from those scores, and the shortlist is re-ordered by ``s'``. The cost is
+``O(Q·L·d)`` (plus ``O(R·n_d·d)`` once for DBA), next to the search's ``O(Q·R·d)``.
+
+Example:
+    >>> import torch
+    >>> from idml.evaluation.search import NeighborLists
+    >>> g = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [0.0, 1.0]])
+    >>> q = torch.tensor([[0.9, 0.44]])
+    >>> short = NeighborLists(torch.tensor([[1, 0, 2, 3]]), torch.tensor([[0.98, 0.9, 0.89, 0.44]]))
+    >>> QueryExpansion(query_neighbors=1, alpha=1.0).rerank(short, g, queries=q).indices.tolist()
+    [[1, 2, 0, 3]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from idml.evaluation.reranking.base import Reranker, check_inputs, reorder, unit_rows
+from idml.evaluation.search import NeighborLists
+
+CHUNK = 512
+"""Queries re-scored at once: ``CHUNK · L · d`` floats of gathered references at a time."""
+
+
+@dataclass(frozen=True)
+class QueryExpansion(Reranker):
+    """αQE over ``query_neighbors`` and DBA over ``database_neighbors`` (module docstring).
+
+    ``database_neighbors=0`` turns DBA off and ``query_neighbors=0`` αQE; ``shortlist`` is the
+    length of the shortlist it is meant for.
+    """
+
+    query_neighbors: int = 2
+    database_neighbors: int = 0
+    alpha: float = 3.0
+    shortlist: int = 100
+
+    def __post_init__(self) -> None:
+        for key in ("query_neighbors", "database_neighbors"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"QueryExpansion: {key} must be an integer >= 0, got {value!r}")
+        if self.query_neighbors == 0 and self.database_neighbors == 0:
+            raise ValueError("QueryExpansion: set query_neighbors or database_neighbors (both 0)")
+        if not self.alpha >= 0:
+            raise ValueError(f"QueryExpansion: alpha must be >= 0, got {self.alpha}")
+        if self.shortlist < 1:
+            raise ValueError(f"QueryExpansion: shortlist must be >= 1, got {self.shortlist}")
+
+    @property
+    def depth(self) -> int:
+        return self.shortlist
+
+    @property
+    def gallery_depth(self) -> int:
+        return self.database_neighbors
+
+    @property
+    def name(self) -> str:
+        return (
+            f"query_expansion(αQE {self.query_neighbors}, DBA {self.database_neighbors}, "
+            f"α {self.alpha:g})"
+        )
+
+    def rerank(
+        self,
+        shortlist: NeighborLists,
+        gallery: Tensor,
+        gallery_neighbors: NeighborLists | None = None,
+        queries: Tensor | None = None,
+    ) -> NeighborLists:
+        check_inputs(self, shortlist, gallery, gallery_neighbors, queries)
+        x = unit_rows(gallery)
+        q_all = x if queries is None else unit_rows(queries)
+        if self.database_neighbors > 0:
+            assert gallery_neighbors is not None
+            x = augment_database(x, gallery_neighbors, self.database_neighbors, self.alpha)
+        indices = shortlist.indices.cpu().long()
+        out_indices, out_scores = [], []
+        for start in range(0, len(indices), CHUNK):
+            ids = indices[start : start + CHUNK]
+            q = q_all[start : start + CHUNK]
+            refs = x[ids.clamp_min(0)]
+            scores = torch.einsum("bd,bld->bl", q, refs).masked_fill(ids < 0, -torch.inf)
+            if self.query_neighbors > 0:
+                q = _expand(q, refs, scores, self.query_neighbors, self.alpha)
+                scores = torch.einsum("bd,bld->bl", q, refs).masked_fill(ids < 0, -torch.inf)
+            lists = reorder(ids, scores)
+            out_indices.append(lists.indices)
+            out_scores.append(lists.scores)
+        if not out_indices:
+            return NeighborLists(indices, shortlist.scores.cpu().float())
+        return NeighborLists(torch.cat(out_indices), torch.cat(out_scores))
+
+
+def augment_database(
+    gallery: Tensor, gallery_neighbors: NeighborLists, neighbors: int, alpha: float
+) -> Tensor:
+    """DBA: ``x'_g ∝ x_g + Σ_{j ≤ n} max(s(g, g_j), 0)^α x_{g_j}`` for every reference (normalised
+    rows of ``gallery``; ``gallery_neighbors`` exclude each reference itself)."""
+    x = unit_rows(gallery)
+    ids = gallery_neighbors.indices[:, :neighbors].cpu().long()
+    weights = _weights(gallery_neighbors.scores[:, :neighbors].cpu().float(), ids, alpha)
+    out = x.clone()
+    for start in range(0, len(x), CHUNK):
+        part = slice(start, start + CHUNK)
+        out[part] += torch.einsum("bl,bld->bd", weights[part], x[ids[part].clamp_min(0)])
+    return torch.nn.functional.normalize(out, dim=1)
+
+
+def _expand(q: Tensor, refs: Tensor, scores: Tensor, neighbors: int, alpha: float) -> Tensor:
+    """αQE of a chunk: ``q' ∝ q + Σ_{i ≤ n} max(s_i, 0)^α x_i`` over each query's ``n`` best
+    shortlist entries by ``scores`` (ties by shortlist order)."""
+    n = min(neighbors, scores.shape[1])
+    top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
+    top_scores = scores.gather(1, top)
+    weights = _weights(top_scores, torch.where(torch.isfinite(top_scores), 0, -1), alpha)
+    picked = refs.gather(1, top.unsqueeze(2).expand(-1, -1, refs.shape[2]))
+    return torch.nn.functional.normalize(q + torch.einsum("bl,bld->bd", weights, picked), dim=1)
+
+
+def _weights(scores: Tensor, ids: Tensor, alpha: float) -> Tensor:
+    """``max(s, 0)^α``, 0 for missing neighbours (``ids < 0``)."""
+    w = scores.clamp_min(0).pow(alpha)
+    return torch.where(ids >= 0, w, torch.zeros_like(w))
