@@ -243,7 +243,8 @@ def evaluate_embeddings(
     if s.confidence is not None:
         depth = max(depth, s.confidence.depth(with_u))
     start = time.perf_counter()
-    acc, neighbors, backend = _retrieve(sets, scorer, s, depth, device, progress)
+    retrieved = _retrieve(sets, scorer, s, depth, device, progress)
+    acc, neighbors, backend = retrieved.ranks, retrieved.neighbors, retrieved.backend
     timings["retrieval"] = time.perf_counter() - start
     lone = acc.lone
     if bool(lone.all()):
@@ -280,9 +281,10 @@ def evaluate_embeddings(
         start = time.perf_counter()
         # The search's lists serve as the k-means graph when they are plain-metric neighbours
         # within the query set and long enough; the search depth never depends on k-means.
-        reuse = sets.same_set and scorer.kind != "metric"
-        reuse = reuse and neighbors.k >= min(KNN_GRAPH_NEIGHBORS, n_q - 1)
-        graph = neighbors.indices[:, :KNN_GRAPH_NEIGHBORS].cpu() if reuse else None
+        own = retrieved.gallery_neighbors if sets.same_set else None
+        reuse = own is not None and scorer.kind != "metric"
+        reuse = reuse and own.k >= min(KNN_GRAPH_NEIGHBORS, n_q - 1)  # type: ignore[union-attr]
+        graph = own.indices[:, :KNN_GRAPH_NEIGHBORS].cpu() if reuse else None  # type: ignore[union-attr]
         nmi_value = _nmi(sets, s, kmeans, graph)
         timings["nmi"] = time.perf_counter() - start
 
@@ -295,7 +297,7 @@ def evaluate_embeddings(
     confidence = None
     if s.confidence is not None:
         start = time.perf_counter()
-        hubness = _hubness(sets, scorer, s, neighbors, device)
+        hubness = _hubness(sets, scorer, s, retrieved.gallery_neighbors, device)
         answers = AnswerNeighbors.from_search(neighbors, sets.ref_labels, hubness, levels)
         confidence = assess_confidence(answers, sets.q_labels, lone, s.confidence, calibration)
         timings["confidence"] = time.perf_counter() - start
@@ -309,12 +311,24 @@ def evaluate_embeddings(
         "nmi_method": describe_backend(kmeans, s.kmeans_iterations),
         "seed": s.seed,
         "kmeans_iterations": s.kmeans_iterations,
+        "reranking": None if s.reranking is None else s.reranking.name,
     }
     if confidence is not None:
         report_settings["confidence_kind"] = confidence.kind
     return EvaluationReport(
         retrieval, nmi_value, summary, timings, report_settings, confidence, levels
     )
+
+
+@dataclass
+class _Retrieved:
+    """What the search (and re-ranking) found: the metrics' ranks, each query's final lists, the
+    backend's name, and the gallery's own lists when they were computed on the way."""
+
+    ranks: RankAccumulator
+    neighbors: NeighborLists
+    backend: str
+    gallery_neighbors: NeighborLists | None = None
 
 
 def _retrieve(
@@ -324,14 +338,18 @@ def _retrieve(
     depth: int,
     device: torch.device | str | None,
     progress: bool | Callable[[int], object],
-) -> tuple[RankAccumulator, NeighborLists, str]:
+) -> _Retrieved:
     """Search ``depth`` neighbours per query, and accumulate the ranks of the relevant items:
-    exact, or from faiss's lists."""
+    exact, exact then re-ranked, or from faiss's lists."""
     same_set = sets.same_set
     num_ranked = sets.ref_semantic.shape[0] - (1 if same_set else 0)
     cutoffs = s.pr_cutoffs if s.pr_cutoffs is not None else default_cutoffs(num_ranked)
     n_q = sets.q_semantic.shape[0]
-    if s.knn_backend == "exact":
+    num_rel = _num_relevant(sets.q_labels, sets.ref_labels, same_set)
+    # Metrics from lists need every relevant item's place: lists at least R_max deep.
+    list_depth = min(max(max(s.ks), int(num_rel.max()), depth), num_ranked)
+    execution = SearchExecution(block_size=s.block_size, device=device, progress=progress)
+    if s.knn_backend == "exact" and s.reranking is None:
         out = exact_search(
             Embeddings(sets.q_semantic, sets.q_unc),
             sets.q_labels,
@@ -339,24 +357,52 @@ def _retrieve(
             None if same_set else Embeddings(sets.ref_semantic, sets.ref_unc),
             None if same_set else sets.ref_labels,
             metric=scorer,
-            execution=SearchExecution(block_size=s.block_size, device=device, progress=progress),
+            execution=execution,
         )
         acc = RankAccumulator(n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels))
-        for query_ids, ranks, num_rel in out.rank_chunks:
-            acc.add(query_ids, ranks, num_rel)
-        return acc, out.neighbors, "exact"
-    if scorer.kind == "metric":
-        raise ValueError("the faiss backend supports only the plain cosine/euclidean metrics")
-    num_rel = _num_relevant(sets.q_labels, sets.ref_labels, same_set)
-    found = faiss_search(
-        sets.q_semantic,
-        min(max(max(s.ks), int(num_rel.max()), depth), num_ranked),
-        None if same_set else sets.ref_semantic,
-        metric=scorer.kind,
-        normalize=s.normalize,
-        index_factory=s.faiss_index,
-        search_parameters=s.faiss_parameters,
-    )
+        for query_ids, ranks, num_rel_chunk in out.rank_chunks:
+            acc.add(query_ids, ranks, num_rel_chunk)
+        return _Retrieved(acc, out.neighbors, "exact", out.neighbors if same_set else None)
+    if s.knn_backend == "exact":
+        assert s.reranking is not None
+        reranker = s.reranking
+        shortlist_depth = min(max(list_depth, reranker.depth, reranker.gallery_depth), num_ranked)
+        shortlist = neighbors_only(
+            sets.q_semantic,
+            shortlist_depth,
+            None if same_set else sets.ref_semantic,
+            metric=scorer,
+            execution=execution,
+        )
+        graph = shortlist
+        if not same_set and reranker.gallery_depth > 0:
+            graph = neighbors_only(
+                sets.ref_semantic,
+                min(reranker.gallery_depth, sets.ref_semantic.shape[0] - 1),
+                metric=scorer,
+                execution=replace(execution, progress=False),
+            )
+        found = reranker.rerank(
+            shortlist,
+            sets.ref_semantic,
+            graph if reranker.gallery_depth > 0 or same_set else None,
+            None if same_set else sets.q_semantic,
+        )
+        backend = f"exact, re-ranked by {reranker.name}"
+        gallery_neighbors = shortlist if same_set else (graph if graph is not shortlist else None)
+    else:
+        if scorer.kind == "metric":
+            raise ValueError("the faiss backend supports only the plain cosine/euclidean metrics")
+        found = faiss_search(
+            sets.q_semantic,
+            list_depth,
+            None if same_set else sets.ref_semantic,
+            metric=scorer.kind,
+            normalize=s.normalize,
+            index_factory=s.faiss_index,
+            search_parameters=s.faiss_parameters,
+        )
+        backend, gallery_neighbors = f"faiss:{s.faiss_index}", None
     neighbor_labels = torch.where(
         found.indices >= 0, sets.ref_labels[found.indices.clamp_min(0)], -1
     )
@@ -365,9 +411,7 @@ def _retrieve(
         n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels), complete=False, known_depth=found.k
     )
     acc.add(torch.arange(n_q), ranks, num_rel)
-    # The lists were made deep enough for the metrics; ``depth`` of them are kept.
-    neighbors = NeighborLists(found.indices[:, :depth], found.scores[:, :depth])
-    return acc, neighbors, f"faiss:{s.faiss_index}"
+    return _Retrieved(acc, found, backend, gallery_neighbors)
 
 
 def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: str, graph: Tensor | None) -> float:
@@ -385,17 +429,19 @@ def _hubness(
     sets: _Sets,
     scorer: PairScorer,
     s: EvaluationSettings,
-    neighbors: NeighborLists,
+    gallery_neighbors: NeighborLists | None,
     device: torch.device | str | None,
 ) -> ReferenceHubness | None:
-    """The references' hubness when a confidence score needs it: from the search's own lists when
-    the queries are the gallery, else from one search of the gallery against itself."""
+    """The references' hubness when a confidence score needs it: from the gallery's own lists when
+    the search computed them (deep enough), else from one search of the gallery against itself.
+    With re-ranking it is still the plain metric's: a property of the gallery, not of a query."""
     assert s.confidence is not None
     k = s.confidence.hubness_k(sets.q_unc is not None)
     if k is None:
         return None
-    if sets.same_set and s.knn_backend == "exact":
-        return ReferenceHubness.from_neighbors(neighbors, k)
+    n_r = sets.ref_semantic.shape[0]
+    if gallery_neighbors is not None and gallery_neighbors.k >= min(k, n_r - 1):
+        return ReferenceHubness.from_neighbors(gallery_neighbors, k)
     gallery = neighbors_only(
         Embeddings(sets.ref_semantic, sets.ref_unc),
         k,
