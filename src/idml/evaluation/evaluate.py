@@ -241,7 +241,9 @@ def evaluate_embeddings(
     with_u = sets.q_unc is not None
     depth = s.num_neighbors
     if s.confidence is not None:
-        depth = max(depth, s.confidence.depth(with_u))
+        depth = max(depth, s.confidence.depth(with_u, calibration))
+    elif calibration is not None:
+        raise ValueError("a calibration was given but settings.confidence is None; pass both")
     start = time.perf_counter()
     retrieved = _retrieve(sets, scorer, s, depth, device, progress)
     acc, neighbors, backend = retrieved.ranks, retrieved.neighbors, retrieved.backend
@@ -297,7 +299,7 @@ def evaluate_embeddings(
     confidence = None
     if s.confidence is not None:
         start = time.perf_counter()
-        hubness = _hubness(sets, scorer, s, retrieved.gallery_neighbors, device)
+        hubness = _hubness(sets, scorer, s, retrieved.gallery_neighbors, calibration, device)
         answers = AnswerNeighbors.from_search(neighbors, sets.ref_labels, hubness, levels)
         confidence = assess_confidence(answers, sets.q_labels, lone, s.confidence, calibration)
         timings["confidence"] = time.perf_counter() - start
@@ -430,13 +432,14 @@ def _hubness(
     scorer: PairScorer,
     s: EvaluationSettings,
     gallery_neighbors: NeighborLists | None,
+    calibration: ConfidenceCalibration | None,
     device: torch.device | str | None,
 ) -> ReferenceHubness | None:
     """The references' hubness when a confidence score needs it: from the gallery's own lists when
     the search computed them (deep enough), else from one search of the gallery against itself.
     With re-ranking it is still the plain metric's: a property of the gallery, not of a query."""
     assert s.confidence is not None
-    k = s.confidence.hubness_k(sets.q_unc is not None)
+    k = s.confidence.hubness_k(sets.q_unc is not None, calibration)
     if k is None:
         return None
     n_r = sets.ref_semantic.shape[0]

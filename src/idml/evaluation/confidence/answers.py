@@ -106,6 +106,14 @@ class AnswerNeighbors:
             size = len(hubness.values)
         return cls(indices, scores, labels, hubness, level, size)
 
+    def take(self, rows: Tensor) -> AnswerNeighbors:
+        """The answers of the queries ``rows`` (indices or a bool mask), in that order."""
+        level = None if self.uncertainty_level is None else self.uncertainty_level[rows]
+        labels = None if self.labels is None else self.labels[rows]
+        return AnswerNeighbors(
+            self.indices[rows], self.scores[rows], labels, self.hubness, level, self.num_references
+        )
+
     @property
     def depth(self) -> int:
         """Neighbours per query."""

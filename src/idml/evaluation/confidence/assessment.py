@@ -30,8 +30,11 @@ from idml.evaluation.confidence.answers import AnswerNeighbors
 from idml.evaluation.confidence.base import ConfidenceScore
 from idml.evaluation.confidence.calibration import (
     DEFAULT_FALLBACK,
+    DEFAULT_FEATURES,
+    CalibratorKind,
     ConfidenceCalibration,
     answer_confidence,
+    fit_calibration,
 )
 from idml.evaluation.confidence.conformal import PrecisionThreshold
 from idml.evaluation.confidence.hubness import HubnessCorrectedSimilarity
@@ -122,25 +125,35 @@ class ConfidenceSettings:
         if self.ece_bins < 1:
             raise ValueError(f"ece_bins must be >= 1, got {self.ece_bins}")
 
-    def depth(self, with_uncertainty: bool = True) -> int:
-        """Neighbours per query the scores (and the fallback) read."""
-        return max(s.depth for s in self.usable(with_uncertainty))
+    def depth(
+        self, with_uncertainty: bool = True, calibration: ConfidenceCalibration | None = None
+    ) -> int:
+        """Neighbours per query the scores, the fallback and a calibration's features read."""
+        return max(s.depth for s in self.usable(with_uncertainty, calibration))
 
-    def hubness_k(self, with_uncertainty: bool = True) -> int | None:
-        """The ``k`` of the references' hubness the scores need (``None``: none).
+    def hubness_k(
+        self, with_uncertainty: bool = True, calibration: ConfidenceCalibration | None = None
+    ) -> int | None:
+        """The ``k`` of the references' hubness the scores (and a calibration) need (``None``:
+        none).
 
         Raises:
             ValueError: two scores need hubness at different ``k``.
         """
-        ks = {s.hubness_k for s in self.usable(with_uncertainty)} - {None}
+        ks = {s.hubness_k for s in self.usable(with_uncertainty, calibration)} - {None}
         if len(ks) > 1:
             raise ValueError(f"confidence scores need hubness at several k {sorted(ks)}; use one")
         return ks.pop() if ks else None
 
-    def usable(self, with_uncertainty: bool) -> tuple[ConfidenceScore, ...]:
-        """The scores (and the fallback) computable with or without ``||u||``."""
-        scores = (*self.scores, self.fallback)
-        return tuple(s for s in scores if with_uncertainty or not s.needs_uncertainty)
+    def usable(
+        self, with_uncertainty: bool, calibration: ConfidenceCalibration | None = None
+    ) -> tuple[ConfidenceScore, ...]:
+        """The scores (and the fallback) computable with or without ``||u||``, and a
+        calibration's features (which it needs in any case)."""
+        scores = tuple(
+            s for s in (*self.scores, self.fallback) if with_uncertainty or not s.needs_uncertainty
+        )
+        return scores + (() if calibration is None else calibration.features)
 
 
 @dataclass(frozen=True)
@@ -167,6 +180,8 @@ class ConfidenceReport:
 
     kind: str
     """``confidence_kind`` of *the* confidence: ``"calibrated"`` or the fallback score's key."""
+    answers: AnswerNeighbors
+    """Each query's neighbour lists as the scores read them (to fit a calibration on)."""
     values: dict[str, Tensor]
     """Score key (and ``"calibrated"``) → ``(Q,)`` float64 per query, in query order (NaN: no
     answer)."""
@@ -186,6 +201,21 @@ class ConfidenceReport:
     def confidence(self) -> Tensor:
         """``(Q,)`` *the* confidence of each answer (of kind :attr:`kind`)."""
         return self.values[self.kind]
+
+    def fit_calibration(
+        self,
+        features: Sequence[ConfidenceScore] = DEFAULT_FEATURES,
+        kind: CalibratorKind = "logistic",
+        **options: Any,
+    ) -> ConfidenceCalibration:
+        """Fit a calibrated confidence on these answers — the counted queries (with an answer
+        and a class in the gallery) — by :func:`~idml.evaluation.confidence.fit_calibration`
+        (``options``: its ``threshold_share``, ``seed``, ``provenance``). Meant for an
+        evaluation of *held-out* classes, e.g. the validation split of the training classes."""
+        counted = ~torch.isnan(self.correct)
+        return fit_calibration(
+            self.answers.take(counted), self.correct[counted] == 1, features, kind, **options
+        )
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics in report order (module docstring for the keys)."""
@@ -252,7 +282,9 @@ def assess_confidence(
     quality = score_quality(wrong, {k: values[k][counted] for k in dict.fromkeys(scored)})
     confidence = chosen.values[counted]
     selective = {c: selective_accuracy(confidence, wrong, c) for c in s.coverages}
-    report = ConfidenceReport(chosen.kind, values, correct, quality, oracle_aurc(wrong), selective)
+    report = ConfidenceReport(
+        chosen.kind, answers, values, correct, quality, oracle_aurc(wrong), selective
+    )
     if calibration is not None:
         report.reliability = probability_bins(confidence, ~wrong, s.ece_bins)
         for target in s.precision_targets:

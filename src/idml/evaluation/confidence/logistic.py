@@ -88,8 +88,10 @@ class LogisticCalibrator:
     def predict(self, values: Tensor) -> Tensor:
         """``(n,)`` float64 probabilities from the feature matrix ``(n, f)`` (NaN rows stay NaN)."""
         x = torch.as_tensor(values).double()
-        z = (x - torch.tensor(self.mean)) / torch.tensor(self.scale)
-        return torch.sigmoid(z @ torch.tensor(self.weights, dtype=torch.float64) + self.bias)
+        mean, scale, weights = (
+            torch.tensor(v, dtype=torch.float64) for v in (self.mean, self.scale, self.weights)
+        )
+        return torch.sigmoid((x - mean) / scale @ weights + self.bias)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (see :mod:`idml.evaluation.confidence.calibration`)."""
