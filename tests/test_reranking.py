@@ -165,10 +165,12 @@ def test_k_reciprocal_same_set_matches_the_dense_method(seed, k1, k2, lam) -> No
     depth = 15
     expected, s32 = dense_k_reciprocal_same_set(x, k1, k2, lam, depth)
     graph = graph_of(s32, depth)
-    got = KReciprocal(k1, k2, lam, depth).rerank(graph, x, graph)
+    rr = KReciprocal(k1, k2, lam, depth)
+    got = rr.rerank(graph, rr.prepare(x, graph))
     assert_reranked_like(got, expected)
     # λ = 1 is the plain cosine order, with cosine scores.
-    plain = KReciprocal(k1, k2, 1.0, depth).rerank(graph, x, graph)
+    plain = KReciprocal(k1, k2, 1.0, depth)
+    plain = plain.rerank(graph, plain.prepare(x, graph))
     assert plain.indices.tolist() == graph.indices.tolist()
     torch.testing.assert_close(plain.scores, graph.scores, atol=1e-5, rtol=0)
 
@@ -181,9 +183,8 @@ def test_k_reciprocal_for_separate_queries_matches_the_dense_definition(seed) ->
     q = torch.randn(12, 6, generator=g) + 1.5 * F.one_hot(torch.arange(12) % 5, 6).float()
     k1, k2, lam, depth = 6, 3, 0.3, 20
     expected, s32, qs32 = dense_k_reciprocal_queries(q, x, k1, k2, lam, depth)
-    got = KReciprocal(k1, k2, lam, depth).rerank(
-        lists_of(qs32, depth), x, graph_of(s32, k1), queries=q
-    )
+    rr = KReciprocal(k1, k2, lam, depth)
+    got = rr.rerank(lists_of(qs32, depth), rr.prepare(x, graph_of(s32, k1)), queries=q)
     assert_reranked_like(got, expected)
 
 
@@ -194,7 +195,8 @@ def test_k_reciprocal_on_the_exact_search_lists() -> None:
     x = torch.randn(60, 8, generator=g) + 1.2 * F.one_hot(labels, 8).float()
     lists = neighbors_only(x, 20)
     expected, _ = dense_k_reciprocal_same_set(x, 10, 4, 0.3, 20)
-    assert_reranked_like(KReciprocal(10, 4, 0.3, 20).rerank(lists, x, lists), expected)
+    rr = KReciprocal(10, 4, 0.3, 20)
+    assert_reranked_like(rr.rerank(lists, rr.prepare(x, lists)), expected)
 
 
 # --------------------------------------------------------------------------- αQE / DBA
@@ -237,9 +239,9 @@ def test_query_expansion_matches_the_dense_method(qe, dba, alpha, same_set) -> N
     s_short = g32 @ g32.T if same_set else F.normalize(q.float(), dim=1) @ g32.T
     expected = dense_query_expansion(q, x, s_short, qe, dba, alpha, depth, same_set)
     shortlist = graph_of(s_short, depth) if same_set else lists_of(s_short, depth)
-    got = QueryExpansion(qe, dba, alpha, depth).rerank(
-        shortlist, x, graph_of(g32 @ g32.T, max(dba, 1)), None if same_set else q
-    )
+    rr = QueryExpansion(qe, dba, alpha, depth)
+    prepared = rr.prepare(x, graph_of(g32 @ g32.T, max(dba, 1)))
+    got = rr.rerank(shortlist, prepared, None if same_set else q)
     assert got.indices.tolist() == expected
 
 
@@ -247,12 +249,17 @@ def test_rerankers_explain_bad_input() -> None:
     x = torch.randn(10, 4)
     lists = neighbors_only(x, 3)
     with pytest.raises(ValueError, match="needs the gallery's own neighbour lists"):
-        KReciprocal(k1=3, k2=2).rerank(lists, x)
+        KReciprocal(k1=3, k2=2).prepare(x)
     with pytest.raises(ValueError, match="reads 5 neighbours per reference"):
-        KReciprocal(k1=5, k2=2).rerank(lists, x, lists)
+        KReciprocal(k1=5, k2=2).prepare(x, lists)
+    deeper = KReciprocal(k1=4, k2=2)
+    with pytest.raises(ValueError, match="shortlists hold 3; search deeper"):
+        deeper.rerank(lists, deeper.prepare(x, neighbors_only(x, 4)), x)
     with pytest.raises(ValueError, match="k2"):
         KReciprocal(k1=3, k2=6)
     with pytest.raises(ValueError, match="both 0"):
         QueryExpansion(0, 0)
     with pytest.raises(ValueError, match="cover 3 queries but there are 10"):
-        QueryExpansion(1).rerank(NeighborLists(lists.indices[:3], lists.scores[:3]), x)
+        QueryExpansion(1).rerank(
+            NeighborLists(lists.indices[:3], lists.scores[:3]), QueryExpansion(1).prepare(x)
+        )

@@ -384,12 +384,10 @@ def _retrieve(
                 metric=scorer,
                 execution=replace(execution, progress=False),
             )
-        found = reranker.rerank(
-            shortlist,
-            sets.ref_semantic,
-            graph if reranker.gallery_depth > 0 or same_set else None,
-            None if same_set else sets.q_semantic,
+        prepared = reranker.prepare(
+            sets.ref_semantic, graph if reranker.gallery_depth > 0 or same_set else None
         )
+        found = reranker.rerank(shortlist, prepared, None if same_set else sets.q_semantic)
         backend = f"exact, re-ranked by {reranker.name}"
         gallery_neighbors = shortlist if same_set else (graph if graph is not shortlist else None)
     else:

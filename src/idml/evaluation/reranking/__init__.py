@@ -5,15 +5,26 @@
 * :class:`KReciprocal` — k-reciprocal re-ranking (Zhong et al. 2017) on the sparse neighbour
   graph, :mod:`~idml.evaluation.reranking.k_reciprocal`.
 
-Both implement :class:`Reranker` (:mod:`~idml.evaluation.reranking.base`): given each query's
-shortlist from the exact search, the gallery's own neighbour lists and the embeddings, they
-return the shortlists re-ordered with new scores (larger = closer), which
+Both implement :class:`Reranker` (:mod:`~idml.evaluation.reranking.base`): ``prepare`` the
+gallery once (from its embeddings and its own neighbour lists), then ``rerank`` each query batch's
+shortlists from the exact search, re-ordered with new scores (larger = closer), which
 :func:`~idml.evaluation.evaluate_embeddings` (``EvaluationSettings.reranking``) turns into metrics
 and confidence scores like any search's lists.
 """
 
 from idml.evaluation.reranking.base import Reranker
-from idml.evaluation.reranking.k_reciprocal import KReciprocal
-from idml.evaluation.reranking.query_expansion import QueryExpansion, augment_database
+from idml.evaluation.reranking.k_reciprocal import KReciprocal, ReciprocalGallery
+from idml.evaluation.reranking.query_expansion import (
+    ExpansionGallery,
+    QueryExpansion,
+    augment_database,
+)
 
-__all__ = ["KReciprocal", "QueryExpansion", "Reranker", "augment_database"]
+__all__ = [
+    "ExpansionGallery",
+    "KReciprocal",
+    "QueryExpansion",
+    "ReciprocalGallery",
+    "Reranker",
+    "augment_database",
+]

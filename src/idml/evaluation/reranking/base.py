@@ -6,7 +6,9 @@ A re-ranker takes the first ``L`` neighbours of every query from the exact searc
 *graph*, searched once per gallery; in a same-set evaluation the search's own lists) and the
 embeddings. References outside the shortlist keep their places behind it, so a re-ranked list is
 exactly the dense method's order *restricted to the shortlist* (the usual practice: Zhong et al.
-re-rank the whole gallery only because their galleries are small).
+re-rank the whole gallery only because their galleries are small). The gallery's part of the work
+is done once (:meth:`Reranker.prepare`, what an index keeps), each query batch's part per call
+(:meth:`Reranker.rerank`).
 
 Re-rankers work on the cosine similarity of L2-normalised embeddings (the search's default).
 """
@@ -14,6 +16,7 @@ Re-rankers work on the cosine similarity of L2-normalised embeddings (the search
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,7 +25,8 @@ from idml.evaluation.search import NeighborLists
 
 
 class Reranker(ABC):
-    """Re-orders shortlists (module docstring)."""
+    """Re-orders shortlists (module docstring) in two steps: :meth:`prepare` the gallery once
+    (what an index stores), then :meth:`rerank` any number of query batches against it."""
 
     @property
     @abstractmethod
@@ -40,20 +44,24 @@ class Reranker(ABC):
         """A short description with its parameters, for reports."""
 
     @abstractmethod
+    def prepare(self, gallery: Tensor, gallery_neighbors: NeighborLists | None = None) -> Any:
+        """The gallery side, computed once per gallery.
+
+        Args:
+            gallery: ``(R, d)`` the references' embeddings (normalised here).
+            gallery_neighbors: ``(R, ≥ gallery_depth)`` each reference's nearest *other*
+                references (cosine scores), when :attr:`gallery_depth` > 0.
+        """
+
+    @abstractmethod
     def rerank(
-        self,
-        shortlist: NeighborLists,
-        gallery: Tensor,
-        gallery_neighbors: NeighborLists | None = None,
-        queries: Tensor | None = None,
+        self, shortlist: NeighborLists, prepared: Any, queries: Tensor | None = None
     ) -> NeighborLists:
         """The shortlists re-ordered, with the re-ranker's scores.
 
         Args:
             shortlist: ``(Q, L)`` each query's nearest references (cosine scores), ``-1`` pads.
-            gallery: ``(R, d)`` the references' embeddings (normalised here).
-            gallery_neighbors: ``(R, ≥ gallery_depth)`` each reference's nearest *other*
-                references (cosine scores), when :attr:`gallery_depth` > 0.
+            prepared: what :meth:`prepare` returned for the gallery.
             queries: ``(Q, d)`` the queries' embeddings; ``None`` when the queries *are* the
                 gallery (query ``i`` is reference ``i``, excluded from its own shortlist).
         """
@@ -64,38 +72,41 @@ def unit_rows(x: Tensor) -> Tensor:
     return torch.nn.functional.normalize(torch.as_tensor(x).detach().float(), dim=1)
 
 
-def check_inputs(
-    reranker: Reranker,
-    shortlist: NeighborLists,
-    gallery: Tensor,
-    gallery_neighbors: NeighborLists | None,
-    queries: Tensor | None,
+def check_gallery(
+    reranker: Reranker, gallery: Tensor, gallery_neighbors: NeighborLists | None
 ) -> None:
-    """Clear errors for inconsistent shapes or a missing gallery graph."""
-    name = reranker.name
+    """Clear errors for a missing or too shallow gallery graph."""
     n_r = gallery.shape[0]
-    n_q = n_r if queries is None else queries.shape[0]
+    if reranker.gallery_depth == 0:
+        return
+    need = min(reranker.gallery_depth, n_r - 1)
+    if gallery_neighbors is None or gallery_neighbors.indices.shape[0] != n_r:
+        raise ValueError(
+            f"{reranker.name} needs the gallery's own neighbour lists ({need} per reference); "
+            "search the gallery against itself"
+        )
+    if gallery_neighbors.k < need:
+        raise ValueError(
+            f"{reranker.name} reads {need} neighbours per reference but the gallery lists hold "
+            f"{gallery_neighbors.k}; search the gallery deeper"
+        )
+
+
+def check_queries(
+    reranker: Reranker, shortlist: NeighborLists, gallery: Tensor, queries: Tensor | None
+) -> None:
+    """Clear errors for shortlists or queries that do not fit the prepared gallery."""
+    n_q = gallery.shape[0] if queries is None else queries.shape[0]
     if queries is not None and queries.shape[1] != gallery.shape[1]:
         raise ValueError(
-            f"{name}: queries have dimension {queries.shape[1]} but the gallery has "
+            f"{reranker.name}: queries have dimension {queries.shape[1]} but the gallery has "
             f"{gallery.shape[1]}"
         )
     if shortlist.indices.shape[0] != n_q:
         raise ValueError(
-            f"{name}: the shortlists cover {shortlist.indices.shape[0]} queries but there are {n_q}"
+            f"{reranker.name}: the shortlists cover {shortlist.indices.shape[0]} queries but "
+            f"there are {n_q}"
         )
-    if reranker.gallery_depth > 0:
-        need = min(reranker.gallery_depth, n_r - 1)
-        if gallery_neighbors is None or gallery_neighbors.indices.shape[0] != n_r:
-            raise ValueError(
-                f"{name} needs the gallery's own neighbour lists ({need} per reference); search "
-                "the gallery against itself"
-            )
-        if gallery_neighbors.k < need:
-            raise ValueError(
-                f"{name} reads {need} neighbours per reference but the gallery lists hold "
-                f"{gallery_neighbors.k}; search the gallery deeper"
-            )
 
 
 def reorder(indices: Tensor, scores: Tensor) -> NeighborLists:

@@ -38,7 +38,13 @@ import scipy.sparse as sp
 import torch
 from torch import Tensor
 
-from idml.evaluation.reranking.base import Reranker, check_inputs, reorder, unit_rows
+from idml.evaluation.reranking.base import (
+    Reranker,
+    check_gallery,
+    check_queries,
+    reorder,
+    unit_rows,
+)
 from idml.evaluation.search import NeighborLists
 
 CHUNK = 128
@@ -84,14 +90,12 @@ class KReciprocal(Reranker):
     def name(self) -> str:
         return f"k_reciprocal(k1 {self.k1}, k2 {self.k2}, λ {self.lambda_value:g})"
 
-    def rerank(
-        self,
-        shortlist: NeighborLists,
-        gallery: Tensor,
-        gallery_neighbors: NeighborLists | None = None,
-        queries: Tensor | None = None,
-    ) -> NeighborLists:
-        check_inputs(self, shortlist, gallery, gallery_neighbors, queries)
+    def prepare(
+        self, gallery: Tensor, gallery_neighbors: NeighborLists | None = None
+    ) -> ReciprocalGallery:
+        """The gallery's reciprocal sets and kernel vectors (steps 1–3 for every reference),
+        computed once per gallery: ``O(R·k1³)`` time, ``O(R·|R*|·k2)`` memory."""
+        check_gallery(self, gallery, gallery_neighbors)
         assert gallery_neighbors is not None
         x = unit_rows(gallery)
         n_r = len(x)
@@ -99,26 +103,52 @@ class KReciprocal(Reranker):
         half = round(k1 / 2)  # as the paper's np.around: half to even
         k2 = min(self.k2, k1 + 1)
         graph_ids = gallery_neighbors.indices[:, :k1].cpu().long()
-        graph_scores = gallery_neighbors.scores[:, :k1].cpu().float()
         nodes = torch.arange(n_r)
         nbr = torch.cat([nodes.unsqueeze(1), graph_ids], dim=1)  # itself first
         full = _gallery_reciprocal(nbr, k1)
         halves = _gallery_reciprocal(nbr, half)
-        expanded = torch.cat(
-            [_expand(part, _gather_sets(halves, part)) for part in torch.split(full, NODE_CHUNK)]
+        kernel = sp.vstack(
+            [
+                _kernel_rows(
+                    x,
+                    nodes[start : start + NODE_CHUNK],
+                    _expand(part, _gather_sets(halves, part)),
+                    n_r,
+                )
+                for start, part in zip(range(0, n_r, NODE_CHUNK), torch.split(full, NODE_CHUNK))
+            ],
+            format="csr",
         )
-        v_kernel = _kernel_rows(x, nodes, expanded, n_r)
-        v_gallery = _average_rows(v_kernel, nbr[:, :k2])
+        return ReciprocalGallery(
+            x,
+            gallery_neighbors.scores[:, :k1].cpu().float(),
+            halves,
+            kernel,
+            _average_rows(kernel, nbr[:, :k2]),
+            k1,
+            half,
+            k2,
+        )
 
+    def rerank(
+        self, shortlist: NeighborLists, prepared: ReciprocalGallery, queries: Tensor | None = None
+    ) -> NeighborLists:
+        g = prepared
+        check_queries(self, shortlist, g.vectors, queries)
         ids = shortlist.indices.cpu().long()
         scores = shortlist.scores.cpu().float()
         if queries is None:
-            v_queries = v_gallery
+            v_queries = g.expanded
         else:
+            if shortlist.k < g.k1:
+                raise ValueError(
+                    f"{self.name}: a query's k-reciprocal set reads its {g.k1} nearest "
+                    f"references, but the shortlists hold {shortlist.k}; search deeper"
+                )
             q = unit_rows(queries)
-            q_full = _query_reciprocal(ids, scores, graph_scores, k1)
-            q_half = _query_reciprocal(ids, scores, graph_scores, half)
-            cand_halves = _gather_sets(halves, q_full)
+            q_full = _query_reciprocal(ids, scores, g.graph_scores, g.k1)
+            q_half = _query_reciprocal(ids, scores, g.graph_scores, g.half)
+            cand_halves = _gather_sets(g.halves, q_full)
             # The query's own half set stands in at its own position (column 0).
             cand_halves[:, 0, : q_half.shape[1]] = q_half
             cand_halves[:, 0, q_half.shape[1] :] = -1
@@ -130,11 +160,31 @@ class KReciprocal(Reranker):
                     )
                 ]
             )
-            v_queries = _query_kernel_rows(q, x, q_expanded, n_r)
-            v_queries = _average_query_rows(v_queries, v_kernel, ids[:, : k2 - 1], k2)
-        jaccard = _jaccard(v_queries, v_gallery, ids)
+            v_queries = _query_kernel_rows(q, g.vectors, q_expanded, len(g.vectors))
+            v_queries = _average_query_rows(v_queries, g.kernel, ids[:, : g.k2 - 1], g.k2)
+        jaccard = _jaccard(v_queries, g.expanded, ids)
         final = (1 - self.lambda_value) * jaccard + self.lambda_value * (1 - scores.double()) / 2
         return reorder(ids, 1 - 2 * final)
+
+
+@dataclass(frozen=True)
+class ReciprocalGallery:
+    """The gallery side of :class:`KReciprocal` (what an index keeps)."""
+
+    vectors: Tensor
+    """``(R, d)`` unit gallery vectors."""
+    graph_scores: Tensor
+    """``(R, k1)`` each reference's nearest-other scores (its ``k``-th decides a query's
+    reciprocity)."""
+    halves: Tensor
+    """``(R, ⌊k1/2⌉ + 1)`` each reference's ``R(·, ⌊k1/2⌉)`` (``-1``: not a member)."""
+    kernel: sp.csr_matrix
+    """``(R, R)`` the kernel vectors ``V`` before local query expansion."""
+    expanded: sp.csr_matrix
+    """``(R, R)`` after it (what Jaccard distances compare)."""
+    k1: int
+    half: int
+    k2: int
 
 
 # --------------------------------------------------------------------------- reciprocal sets

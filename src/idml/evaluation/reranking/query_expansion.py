@@ -17,7 +17,8 @@ Example:
     >>> g = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [0.0, 1.0]])
     >>> q = torch.tensor([[0.9, 0.44]])
     >>> short = NeighborLists(torch.tensor([[1, 0, 2, 3]]), torch.tensor([[0.98, 0.9, 0.89, 0.44]]))
-    >>> QueryExpansion(query_neighbors=1, alpha=1.0).rerank(short, g, queries=q).indices.tolist()
+    >>> qe = QueryExpansion(query_neighbors=1, alpha=1.0)
+    >>> qe.rerank(short, qe.prepare(g), queries=q).indices.tolist()
     [[1, 2, 0, 3]]
 """
 
@@ -28,7 +29,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from idml.evaluation.reranking.base import Reranker, check_inputs, reorder, unit_rows
+from idml.evaluation.reranking.base import (
+    Reranker,
+    check_gallery,
+    check_queries,
+    reorder,
+    unit_rows,
+)
 from idml.evaluation.search import NeighborLists
 
 CHUNK = 512
@@ -75,19 +82,25 @@ class QueryExpansion(Reranker):
             f"α {self.alpha:g})"
         )
 
-    def rerank(
-        self,
-        shortlist: NeighborLists,
-        gallery: Tensor,
-        gallery_neighbors: NeighborLists | None = None,
-        queries: Tensor | None = None,
-    ) -> NeighborLists:
-        check_inputs(self, shortlist, gallery, gallery_neighbors, queries)
+    def prepare(
+        self, gallery: Tensor, gallery_neighbors: NeighborLists | None = None
+    ) -> ExpansionGallery:
+        """The unit gallery vectors and, with DBA, their augmented versions."""
+        check_gallery(self, gallery, gallery_neighbors)
         x = unit_rows(gallery)
-        q_all = x if queries is None else unit_rows(queries)
+        augmented = x
         if self.database_neighbors > 0:
             assert gallery_neighbors is not None
-            x = augment_database(x, gallery_neighbors, self.database_neighbors, self.alpha)
+            augmented = augment_database(x, gallery_neighbors, self.database_neighbors, self.alpha)
+        return ExpansionGallery(x, augmented)
+
+    def rerank(
+        self, shortlist: NeighborLists, prepared: ExpansionGallery, queries: Tensor | None = None
+    ) -> NeighborLists:
+        check_queries(self, shortlist, prepared.vectors, queries)
+        x = prepared.augmented
+        # Queries are never augmented: in a same-set search they are the original vectors.
+        q_all = prepared.vectors if queries is None else unit_rows(queries)
         indices = shortlist.indices.cpu().long()
         out_indices, out_scores = [], []
         for start in range(0, len(indices), CHUNK):
@@ -104,6 +117,16 @@ class QueryExpansion(Reranker):
         if not out_indices:
             return NeighborLists(indices, shortlist.scores.cpu().float())
         return NeighborLists(torch.cat(out_indices), torch.cat(out_scores))
+
+
+@dataclass(frozen=True)
+class ExpansionGallery:
+    """The gallery side of :class:`QueryExpansion`."""
+
+    vectors: Tensor
+    """``(R, d)`` unit gallery vectors (a same-set search's queries)."""
+    augmented: Tensor
+    """``(R, d)`` after DBA (``vectors`` itself without it): what queries are scored against."""
 
 
 def augment_database(
