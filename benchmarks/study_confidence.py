@@ -63,16 +63,15 @@ validation classes leave no wrong answer to calibrate on)."""
 TARGETS = (0.8, 0.9, 0.95)
 DELTA = 0.1
 CALIBRATORS: dict[str, dict] = {
-    "logistic (top1, margin, agreement@10, csls)": {"features": DEFAULT_FEATURES},
-    "logistic (top1, margin, agreement@10)": {
-        "features": (Top1Similarity(), LabelMargin(10), KnnAgreement(10))
-    },
-    "logistic (default + −||u||)": {"features": (*DEFAULT_FEATURES, NegativeUncertaintyLevel())},
+    "logistic (top1, margin@10, agreement@10)": {"features": DEFAULT_FEATURES},
+    "logistic (+ csls@10)": {"features": (*DEFAULT_FEATURES, HubnessCorrectedSimilarity(10))},
+    "logistic (+ −||u||)": {"features": (*DEFAULT_FEATURES, NegativeUncertaintyLevel())},
+    "logistic (top1 only: Platt scaling)": {"features": (Top1Similarity(),)},
     "isotonic (agreement@10)": {"features": (KnnAgreement(10),), "kind": "isotonic"},
     "isotonic (margin@10)": {"features": (LabelMargin(10),), "kind": "isotonic"},
     "isotonic (csls@10)": {"features": (HubnessCorrectedSimilarity(10),), "kind": "isotonic"},
 }
-DEFAULT_CALIBRATOR = "logistic (top1, margin, agreement@10, csls)"
+DEFAULT_CALIBRATOR = "logistic (top1, margin@10, agreement@10)"
 RERANKERS: dict[str, Reranker | None] = {
     "none": None,
     "k-reciprocal (k1 20, k2 6, λ 0.3)": KReciprocal(),

@@ -64,7 +64,6 @@ from idml.evaluation.confidence.conformal import (
     candidate_thresholds,
     precision_threshold,
 )
-from idml.evaluation.confidence.hubness import HubnessCorrectedSimilarity
 from idml.evaluation.confidence.isotonic import IsotonicCalibrator
 from idml.evaluation.confidence.logistic import LogisticCalibrator
 from idml.evaluation.confidence.margin import LabelMargin
@@ -85,9 +84,11 @@ DEFAULT_FEATURES: tuple[ConfidenceScore, ...] = (
     Top1Similarity(),
     LabelMargin(10),
     KnnAgreement(10),
-    HubnessCorrectedSimilarity(10),
 )
-"""The scores the default logistic calibrator combines (chosen in ``benchmarks/RESULTS.md``)."""
+"""The scores the default logistic calibrator combines. Chosen on the demo study
+(``benchmarks/study_confidence.py``, ``benchmarks/study/confidence_demo_*.md``): adding CSLS or
+``−||u||`` did not raise the calibrated R-AUROC on the test classes, and without CSLS an index
+needs no gallery self-search for the default confidence."""
 
 DEFAULT_FALLBACK: ConfidenceScore = Top1Similarity()
 """The confidence without a calibration: the top-1 similarity needs neither labels nor fitting."""

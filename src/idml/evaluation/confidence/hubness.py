@@ -14,7 +14,10 @@ needs no labels and no fitting, and reads only what the search already has: ``r(
 query's list and ``r(n_1)`` from the gallery's own lists (searched once per gallery; in a
 same-set evaluation they are the search's lists). Conneau et al. take ``r(n_1)`` over the
 *queries* nearest to ``n_1``; the gallery stands in for the query distribution here, which is
-exact when the queries are the gallery.
+exact when the queries are the gallery. Measured as a predictor of a right top-1 it is mixed
+(``benchmarks/study/confidence_demo_*.md``: above the top-1 similarity for some models, below for
+others, about as good as ``s(q, n_1) − r(n_1)`` alone), so it is reported and offered to
+calibrators, not used by default.
 
 Example:
     >>> import torch

@@ -38,7 +38,7 @@ from idml.evaluation.reranking.base import (
 )
 from idml.evaluation.search import NeighborLists
 
-CHUNK = 512
+CHUNK = 128
 """Queries re-scored at once: ``CHUNK · L · d`` floats of gathered references at a time."""
 
 
