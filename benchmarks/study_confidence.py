@@ -49,6 +49,7 @@ from idml.evaluation.confidence import (
     DEFAULT_FEATURES,
     ConfidenceReport,
     HubnessCorrectedSimilarity,
+    IsotonicCalibrator,
     KnnAgreement,
     LabelMargin,
     NegativeUncertaintyLevel,
@@ -67,9 +68,12 @@ CALIBRATORS: dict[str, dict] = {
     "logistic (+ csls@10)": {"features": (*DEFAULT_FEATURES, HubnessCorrectedSimilarity(10))},
     "logistic (+ −||u||)": {"features": (*DEFAULT_FEATURES, NegativeUncertaintyLevel())},
     "logistic (top1 only: Platt scaling)": {"features": (Top1Similarity(),)},
-    "isotonic (agreement@10)": {"features": (KnnAgreement(10),), "kind": "isotonic"},
-    "isotonic (margin@10)": {"features": (LabelMargin(10),), "kind": "isotonic"},
-    "isotonic (csls@10)": {"features": (HubnessCorrectedSimilarity(10),), "kind": "isotonic"},
+    "isotonic (agreement@10)": {"features": (KnnAgreement(10),), "calibrator": IsotonicCalibrator},
+    "isotonic (margin@10)": {"features": (LabelMargin(10),), "calibrator": IsotonicCalibrator},
+    "isotonic (csls@10)": {
+        "features": (HubnessCorrectedSimilarity(10),),
+        "calibrator": IsotonicCalibrator,
+    },
 }
 DEFAULT_CALIBRATOR = "logistic (top1, margin@10, agreement@10)"
 RERANKERS: dict[str, Reranker | None] = {
@@ -153,7 +157,12 @@ def study_run(run_dir: Path, cells: dict[str, Cells], counts: dict[str, int]) ->
     for name, options in CALIBRATORS.items():
         if any(f.needs_uncertainty for f in options["features"]) and val.uncertainty is None:
             continue
-        calibration = validation.confidence.fit_calibration(**options)
+        try:
+            calibration = validation.confidence.fit_calibration(**options)
+        except ValueError as error:  # too few wrong answers on the validation classes
+            counts["refused"] += 1
+            print(f"{run_dir}: {name}: no calibration ({error})")
+            continue
         report = evaluate_embeddings(
             test.semantic,
             test_labels,
@@ -220,7 +229,8 @@ def write_tables(name: str, cells: dict[str, Cells], counts: dict[str, int], not
         f"\n## Abstention with the default calibrator (δ = {DELTA}), on the test classes (%)\n",
         cells["conformal"].table(["precision", "coverage", "validation coverage"], pct),
         f"\nTarget met (or every query abstained) in {counts['met']} of {counts['cells']} seed × "
-        f"target cells ({counts['abstained']} abstained on everything).",
+        f"target cells ({counts['abstained']} abstained on everything); calibrations refused "
+        f"for too few wrong validation answers: {counts['refused']}.",
         "\n## Re-ranking on the test classes (×100; time: the whole evaluation, s)\n",
         cells["reranking"].table(
             ["R@1", "MAP@R", "R-AUROC top1", "R-AUROC agreement@10", "time (s)"], pct
@@ -261,7 +271,7 @@ def main() -> None:
     tables.mkdir(parents=True, exist_ok=True)
     for arm, runs in groups.items():
         cells: dict[str, Cells] = defaultdict(Cells)
-        counts = {"cells": 0, "met": 0, "abstained": 0}
+        counts = {"cells": 0, "met": 0, "abstained": 0, "refused": 0}
         for run_dir in runs:
             study_run(run_dir, cells, counts)
         minutes = (time.perf_counter() - start) / 60

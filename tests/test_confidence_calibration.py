@@ -48,24 +48,47 @@ def _answers(n: int, seed: int) -> tuple[AnswerNeighbors, torch.Tensor]:
     return answers, right
 
 
-def test_logistic_fit_is_the_penalised_likelihood_optimum() -> None:
-    """At the optimum of Σ log-loss + ½‖w‖² (scikit-learn's C = 1 objective, intercept free) the
-    gradient vanishes: Zᵀ(y − p) = w and Σ(y − p) = 0 on the standardised features Z. lbfgs stops
-    at tol 1e-10 on gradients of sums of 600 terms ≤ 1: checked at 1e-4."""
-    answers, right = _answers(600, 0)
-    x = score_matrix(answers, FEATURES)
-    cal = LogisticCalibrator.fit(FEATURES, x, right)
+def _gradient(cal: LogisticCalibrator, x: torch.Tensor, right: torch.Tensor):
+    """The gradient of Σ log-loss + ½‖w‖² in (w, b) on the standardised features."""
     z = (x - torch.tensor(cal.mean, dtype=torch.float64)) / torch.tensor(
         cal.scale, dtype=torch.float64
     )
     residual = right.double() - cal.predict(x)
     weights = torch.tensor(cal.weights, dtype=torch.float64)
-    torch.testing.assert_close(z.T @ residual, weights, atol=1e-4, rtol=0)
-    assert abs(float(residual.sum())) < 1e-4
-    # Standardisation: the stored mean and population std of each feature.
+    return weights - z.T @ residual, -float(residual.sum())
+
+
+def test_logistic_fit_is_the_constrained_penalised_likelihood_optimum() -> None:
+    """KKT conditions of min Σ log-loss + ½‖w‖² over w ≥ 0 (b free): the gradient vanishes in b
+    and in every positive weight and is ≥ 0 where a weight sits at 0. L-BFGS-B stops at a
+    projected gradient of 1e-10 on sums of 600 terms ≤ 1: checked at 1e-5. A useless (negatively
+    related) score is given weight 0."""
+    answers, right = _answers(600, 0)
+    useless = score_matrix(answers, FEATURES)
+    x = torch.cat([useless, -useless[:, :1]], dim=1)  # the top-1 similarity, negated
+    cal = LogisticCalibrator.fit((*FEATURES, FEATURES[0]), x, right)
+    grad_w, grad_b = _gradient(cal, x, right)
+    assert abs(grad_b) < 1e-5
+    for w, g in zip(cal.weights, grad_w.tolist(), strict=True):
+        assert (abs(g) < 1e-5) if w > 0 else (g > -1e-5)
+    assert cal.weights[-1] == 0.0 and min(cal.weights[:3]) > 0
     torch.testing.assert_close(
         torch.tensor(cal.mean, dtype=torch.float64), x.mean(0), atol=1e-12, rtol=0
     )
+
+
+def test_logistic_fit_matches_scikit_learn_when_the_constraint_is_idle() -> None:
+    """With every score positively related, the non-negativity bound is inactive and the fit is
+    scikit-learn's penalised logistic regression (both optimise to ~1e-10: weights at 1e-6)."""
+    from sklearn.linear_model import LogisticRegression
+
+    answers, right = _answers(800, 5)
+    x = score_matrix(answers, FEATURES)
+    cal = LogisticCalibrator.fit(FEATURES, x, right)
+    z = (x - x.mean(0)) / x.std(0, unbiased=False)
+    reference = LogisticRegression(C=1.0, tol=1e-12, max_iter=100_000).fit(z.numpy(), right.numpy())
+    np.testing.assert_allclose(cal.weights, reference.coef_[0], atol=1e-6)
+    assert cal.bias == pytest.approx(float(reference.intercept_[0]), abs=1e-6)
 
 
 def test_isotonic_matches_scikit_learn() -> None:
@@ -83,17 +106,11 @@ def test_isotonic_matches_scikit_learn() -> None:
     assert bool(torch.isnan(cal.predict(torch.tensor([[math.nan]])))[0])
 
 
-@pytest.mark.parametrize("kind", ["logistic", "isotonic"])
-def test_calibration_file_round_trip(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("calibrator", [LogisticCalibrator, IsotonicCalibrator])
+def test_calibration_file_round_trip(calibrator, tmp_path: Path) -> None:
     answers, right = _answers(500, 2)
-    features = FEATURES if kind == "logistic" else (KnnAgreement(3),)
-    cal = fit_calibration(
-        answers,
-        right,
-        features,
-        kind=kind,
-        provenance={"source": "synthetic"},  # type: ignore[arg-type]
-    )
+    features = FEATURES if calibrator is LogisticCalibrator else (KnnAgreement(3),)
+    cal = fit_calibration(answers, right, features, calibrator, provenance={"source": "synthetic"})
     path = cal.save(tmp_path / "calibration.json")
     data = json.loads(path.read_text())
     assert data["format"] == "idml.confidence_calibration" and data["version"] == 1
@@ -155,10 +172,14 @@ def test_bad_calibration_files_are_explained(tmp_path: Path) -> None:
 
 def test_fit_needs_right_and_wrong_answers_and_the_fallback_says_what_it_is() -> None:
     answers, right = _answers(100, 4)
-    with pytest.raises(ValueError, match="needs right and wrong answers in both halves"):
+    with pytest.raises(ValueError, match=r"\(50 right, 0 wrong\).*at least 5 right and 5 wrong"):
         fit_calibration(answers, torch.ones(100, dtype=torch.bool), FEATURES)
-    with pytest.raises(ValueError, match="unknown calibrator kind"):
-        fit_calibration(answers, right, FEATURES, kind="svm")  # type: ignore[arg-type]
+    few = torch.ones(100, dtype=torch.bool)
+    few[:4] = False  # four wrong answers in all: fewer than 5 in the fit half, whatever the split
+    with pytest.raises(ValueError, match="at least 5 right and 5 wrong"):
+        fit_calibration(answers, few, FEATURES)
+    with pytest.raises(ValueError, match="calibrator must be one of LogisticCalibrator"):
+        fit_calibration(answers, right, FEATURES, dict)  # type: ignore[arg-type]
     fallback = answer_confidence(answers)
     assert fallback.kind == "top1" and torch.equal(fallback.values, Top1Similarity()(answers))
     assert answer_confidence(answers, fallback=KnnAgreement(3)).kind == "agreement@3"

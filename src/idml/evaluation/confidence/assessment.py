@@ -31,13 +31,14 @@ from idml.evaluation.confidence.base import ConfidenceScore
 from idml.evaluation.confidence.calibration import (
     DEFAULT_FALLBACK,
     DEFAULT_FEATURES,
-    CalibratorKind,
+    CalibratorClass,
     ConfidenceCalibration,
     answer_confidence,
     fit_calibration,
 )
 from idml.evaluation.confidence.conformal import PrecisionThreshold
 from idml.evaluation.confidence.hubness import HubnessCorrectedSimilarity
+from idml.evaluation.confidence.logistic import LogisticCalibrator
 from idml.evaluation.confidence.margin import LabelMargin
 from idml.evaluation.confidence.quality import (
     ConfidenceQuality,
@@ -205,7 +206,7 @@ class ConfidenceReport:
     def fit_calibration(
         self,
         features: Sequence[ConfidenceScore] = DEFAULT_FEATURES,
-        kind: CalibratorKind = "logistic",
+        calibrator: CalibratorClass = LogisticCalibrator,
         **options: Any,
     ) -> ConfidenceCalibration:
         """Fit a calibrated confidence on these answers — the counted queries (with an answer
@@ -214,7 +215,7 @@ class ConfidenceReport:
         evaluation of *held-out* classes, e.g. the validation split of the training classes."""
         counted = ~torch.isnan(self.correct)
         return fit_calibration(
-            self.answers.take(counted), self.correct[counted] == 1, features, kind, **options
+            self.answers.take(counted), self.correct[counted] == 1, features, calibrator, **options
         )
 
     def metrics(self) -> dict[str, float]:

@@ -51,7 +51,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -73,8 +73,8 @@ FORMAT = "idml.confidence_calibration"
 VERSION = 1
 
 Calibrator = LogisticCalibrator | IsotonicCalibrator
-CalibratorKind = Literal["logistic", "isotonic"]
-CALIBRATORS: Mapping[str, type[LogisticCalibrator] | type[IsotonicCalibrator]] = {
+CalibratorClass = type[LogisticCalibrator] | type[IsotonicCalibrator]
+CALIBRATORS: Mapping[str, CalibratorClass] = {
     LogisticCalibrator.kind: LogisticCalibrator,
     IsotonicCalibrator.kind: IsotonicCalibrator,
 }
@@ -89,6 +89,9 @@ DEFAULT_FEATURES: tuple[ConfidenceScore, ...] = (
 (``benchmarks/study_confidence.py``, ``benchmarks/study/confidence_demo_*.md``): adding CSLS or
 ``−||u||`` did not raise the calibrated R-AUROC on the test classes, and without CSLS an index
 needs no gallery self-search for the default confidence."""
+
+MIN_EACH = 5
+"""Right and wrong answers the fit half needs at least (:func:`fit_calibration`)."""
 
 DEFAULT_FALLBACK: ConfidenceScore = Top1Similarity()
 """The confidence without a calibration: the top-1 similarity needs neither labels nor fitting."""
@@ -223,7 +226,7 @@ def fit_calibration(
     answers: AnswerNeighbors,
     correct: Tensor,
     features: Sequence[ConfidenceScore] = DEFAULT_FEATURES,
-    kind: CalibratorKind = "logistic",
+    calibrator: CalibratorClass = LogisticCalibrator,
     threshold_share: float = 0.5,
     seed: int = 0,
     provenance: Mapping[str, str] | None = None,
@@ -235,18 +238,19 @@ def fit_calibration(
             same metric and re-ranking, as the queries it will score).
         correct: ``(Q,)`` bool, the query's top-1 neighbour has its class (queries with no
             neighbour are left out).
-        features: the scores the calibrator combines (one for ``"isotonic"``).
-        kind: ``"logistic"`` or ``"isotonic"``.
+        features: the scores the calibrator combines (one for :class:`IsotonicCalibrator`).
+        calibrator: :class:`LogisticCalibrator` (default) or :class:`IsotonicCalibrator`.
         threshold_share: share of the queries kept out of the fit for abstention thresholds.
         seed: seed of the random split.
         provenance: free text stored with the calibration.
 
     Raises:
-        ValueError: fewer than two usable queries in either half, or a half whose answers are
-            all right or all wrong (nothing to calibrate against).
+        ValueError: fewer than :data:`MIN_EACH` right or wrong answers in the fit half, or an
+            empty threshold half (the caller then keeps the label-free confidence, saying so).
     """
-    if kind not in CALIBRATORS:
-        raise ValueError(f"unknown calibrator kind {kind!r}; known: {', '.join(CALIBRATORS)}")
+    if calibrator not in CALIBRATORS.values():
+        known = ", ".join(c.__name__ for c in CALIBRATORS.values())
+        raise ValueError(f"calibrator must be one of {known}, got {calibrator!r}")
     if not 0.0 < threshold_share < 1.0:
         raise ValueError(f"threshold_share must lie in (0, 1), got {threshold_share}")
     features = tuple(features)
@@ -260,20 +264,20 @@ def fit_calibration(
     order = usable[torch.randperm(len(usable), generator=torch.Generator().manual_seed(seed))]
     n_threshold = round(threshold_share * len(order))
     fit_ids, threshold_ids = order[n_threshold:], order[:n_threshold]
-    for name, ids in (("fit", fit_ids), ("threshold", threshold_ids)):
-        if len(ids) < 2 or bool(right[ids].all()) or not bool(right[ids].any()):
-            raise ValueError(
-                f"the {name} half of the calibration queries has {len(ids)} usable queries, "
-                f"{int(right[ids].sum())} of them right; calibration needs right and wrong "
-                "answers in both halves: use more (or harder) calibration queries"
-            )
-    calibrator = CALIBRATORS[kind].fit(features, values[fit_ids], right[fit_ids])
+    n_right = int(right[fit_ids].sum())
+    if min(n_right, len(fit_ids) - n_right) < MIN_EACH or len(threshold_ids) == 0:
+        raise ValueError(
+            f"the calibration queries split into a fit half of {len(fit_ids)} usable queries "
+            f"({n_right} right, {len(fit_ids) - n_right} wrong) and a threshold half of "
+            f"{len(threshold_ids)}; fitting needs at least {MIN_EACH} right and {MIN_EACH} "
+            "wrong answers in the fit half (fewer cannot say how the error rate depends on the "
+            "scores): use more, or harder, calibration queries"
+        )
+    fitted = calibrator.fit(features, values[fit_ids], right[fit_ids])
     return ConfidenceCalibration(
-        calibrator,
-        LabelledConfidences(calibrator.predict(values[fit_ids]), right[fit_ids].clone()),
-        LabelledConfidences(
-            calibrator.predict(values[threshold_ids]), right[threshold_ids].clone()
-        ),
+        fitted,
+        LabelledConfidences(fitted.predict(values[fit_ids]), right[fit_ids].clone()),
+        LabelledConfidences(fitted.predict(values[threshold_ids]), right[threshold_ids].clone()),
         dict(provenance or {}),
     )
 
