@@ -470,6 +470,7 @@ def evaluate_files(
     entry_names: EntryNames = USUAL_ENTRIES,
     settings: EvaluationSettings | None = None,
     introspective_metric: IntrospectiveMetric | None = None,
+    calibration: ConfidenceCalibration | None = None,
     device: torch.device | str | None = None,
     progress: bool | Callable[[int], object] = False,
 ) -> EvaluationReport:
@@ -478,8 +479,8 @@ def evaluate_files(
     Labels come from ``labels_path`` or, if it is omitted, from the ``labels`` entry of the
     embeddings file; uncertainty from the file's ``uncertainty`` entry (``entry_names`` names
     other entries, for the query file too). ``query_*`` name a separate query set the same way.
-    ``settings``, ``introspective_metric``, ``device`` and ``progress`` are those of
-    :func:`evaluate_embeddings`.
+    ``settings``, ``introspective_metric``, ``calibration``, ``device`` and ``progress`` are those
+    of :func:`evaluate_embeddings`.
 
     An ``uncertainty`` entry of shape ``(N,)`` holds uncertainty *levels* ``||u||`` (what ``idml
     embed`` writes): they are summarised as they are (as ``(N, 1)`` vectors, whose norm is the level),
@@ -507,6 +508,7 @@ def evaluate_files(
         settings,
         query=query,
         introspective_metric=introspective_metric,
+        calibration=calibration,
         device=device,
         progress=progress,
     )
