@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench_retrieval import rss_mib, timed
 from idml.evaluation.confidence import (
     DEFAULT_FEATURES,
     AnswerNeighbors,
@@ -62,11 +61,6 @@ RERANKERS = {
 }
 
 
-def rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def clustered(
     n: int, d: int, clusters: int, noise: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,20 +78,11 @@ def clustered(
     return out, labels
 
 
-def timed(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    """Median wall time of ``repeats`` calls (after one warm-up) and the last result; with
-    ``repeats=0``, one timed call (for steps too slow to repeat)."""
-    if repeats == 0:
-        start = time.perf_counter()
-        result = fn()
-        return time.perf_counter() - start, result
+def once(fn: Callable[[], object]) -> tuple[float, object]:
+    """Wall time of one call (for steps too slow to repeat) and its result."""
+    start = time.perf_counter()
     result = fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+    return time.perf_counter() - start, result
 
 
 def within_cluster_graph(x: torch.Tensor, labels: torch.Tensor, k: int) -> NeighborLists:
@@ -131,7 +116,7 @@ def confidence_costs(
     # Timing only: a few forced errors so that a calibrator can be fitted on easy synthetic data.
     correct[: max(4, len(correct) // 10) : 2] = False
     calibration = fit_calibration(answers, correct, DEFAULT_FEATURES)
-    out["calibrated (logistic, 4 scores)"], _ = timed(
+    out["calibrated (logistic, 3 scores)"], _ = timed(
         lambda: calibration.confidence(answers), repeats
     )
     return out
@@ -151,19 +136,17 @@ def bench_sop(n: int, d: int, classes: int, noise: float, repeats: int) -> dict[
     u = torch.rand(n)
     execution = SearchExecution()
     rows: dict[str, float] = {}
-    rows["exact search, k=10"], lists10 = timed(
-        lambda: neighbors_only(x, 10, execution=execution), 0
-    )
-    rows["exact search, k=100 (shortlist)"], lists = timed(
-        lambda: neighbors_only(x, 100, execution=execution), 0
+    rows["exact search, k=10"], lists10 = once(lambda: neighbors_only(x, 10, execution=execution))
+    rows["exact search, k=100 (shortlist)"], lists = once(
+        lambda: neighbors_only(x, 100, execution=execution)
     )
     hub = ReferenceHubness.from_neighbors(lists10, 10)
     answers = AnswerNeighbors.from_search(lists10, labels, hub, u)
     rows.update(confidence_costs(answers, labels, repeats))
     prepare: dict[str, float] = {}
     for name, reranker in RERANKERS.items():
-        prepare[name], prepared = timed(lambda r=reranker: r.prepare(x, lists), 0)
-        rows[f"re-rank: {name}"], _ = timed(lambda r=reranker, p=prepared: r.rerank(lists, p), 0)
+        prepare[name], prepared = once(lambda r=reranker: r.prepare(x, lists))
+        rows[f"re-rank: {name}"], _ = once(lambda r=reranker, p=prepared: r.rerank(lists, p))
     lines = report(f"SOP scale: {n:,} × {d} against itself", n, rows, "exact search, k=10")
     lines.append(
         "gallery side (prepare, once per gallery, s): "
@@ -194,7 +177,7 @@ def bench_large(
     rows.update(confidence_costs(answers, q_labels, repeats))
     prepare: dict[str, float] = {}
     for name, reranker in RERANKERS.items():
-        prepare[name], prepared = timed(lambda r=reranker: r.prepare(gallery, graph), 0)
+        prepare[name], prepared = once(lambda r=reranker: r.prepare(gallery, graph))
         rows[f"re-rank: {name}"], _ = timed(
             lambda r=reranker, p=prepared: r.rerank(lists, p, queries), repeats
         )

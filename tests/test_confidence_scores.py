@@ -170,7 +170,7 @@ def test_score_keys_round_trip_and_bad_keys_are_explained() -> None:
         assert score_from_key(score.key) == score
     with pytest.raises(
         ValueError,
-        match=r"unknown confidence score 'cosine'; known: agreement@k, csls@k, margin@k, top1",
+        match=r"unknown confidence score 'cosine'; known: agreement@k, csls@k, margin@k, norm_u, top1",
     ):
         score_from_key("cosine")
     with pytest.raises(ValueError, match="write it agreement@k"):

@@ -24,23 +24,17 @@ import torch
 from torch import Tensor
 
 from idml.evaluation.confidence.answers import AnswerNeighbors
-from idml.evaluation.confidence.base import ConfidenceScore, check_k, register_score
+from idml.evaluation.confidence.base import NeighbourScore, register_score
 
 
 @register_score
 @dataclass(frozen=True)
-class KnnAgreement(ConfidenceScore):
+class KnnAgreement(NeighbourScore):
     """Share of the first ``k`` neighbours labelled like the top-1 (module docstring)."""
 
-    k: int = 10
     name: ClassVar[str] = "agreement"
 
-    def __post_init__(self) -> None:
-        check_k(self, self.k)
-
-    @property
-    def needs_labels(self) -> bool:
-        return True
+    needs_labels: ClassVar[bool] = True
 
     def __call__(self, answers: AnswerNeighbors) -> Tensor:
         labels = answers.need_labels(self.key)[:, : self.k]

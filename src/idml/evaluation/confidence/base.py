@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -45,15 +46,10 @@ class ConfidenceScore(ABC):
         """How many neighbours per query the score reads."""
         return int(getattr(self, "k", 1))
 
-    @property
-    def needs_labels(self) -> bool:
-        """Whether the score needs the gallery's labels (else it works on any index)."""
-        return False
-
-    @property
-    def needs_uncertainty(self) -> bool:
-        """Whether the score needs the queries' ``||u||`` (a model with an uncertainty head)."""
-        return False
+    needs_labels: ClassVar[bool] = False
+    """Whether the score needs the gallery's labels (else it works on any index)."""
+    needs_uncertainty: ClassVar[bool] = False
+    """Whether the score needs the queries' ``||u||`` (a model with an uncertainty head)."""
 
     @property
     def hubness_k(self) -> int | None:
@@ -97,7 +93,7 @@ def score_from_key(key: str) -> ConfidenceScore:
     name, at, arg = str(key).partition("@")
     cls = _SCORES.get(name)
     if cls is None:
-        known = ", ".join(f"{n}@k" if _takes_k(c) else n for n, c in _SCORES.items())
+        known = ", ".join(f"{n}@k" if _takes_k(c) else n for n, c in sorted(_SCORES.items()))
         raise ValueError(f"unknown confidence score {key!r}; known: {known}")
     if not _takes_k(cls):
         if at:
@@ -115,7 +111,13 @@ def _takes_k(cls: type[ConfidenceScore]) -> bool:
     return any(f.name == "k" for f in dataclasses.fields(cls))  # type: ignore[arg-type]
 
 
-def check_k(score: ConfidenceScore, k: int) -> None:
-    """Raise a clear error for a neighbour count below 1 (called by each score's constructor)."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"{type(score).__name__}: k must be an integer >= 1, got {k!r}")
+@dataclass(frozen=True)
+class NeighbourScore(ConfidenceScore):
+    """A score that reads each query's first ``k`` neighbours (``k`` checked on construction)."""
+
+    k: int = 10
+
+    def __post_init__(self) -> None:
+        k = self.k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"{type(self).__name__}: k must be an integer >= 1, got {k!r}")

@@ -38,21 +38,17 @@ import torch
 from torch import Tensor
 
 from idml.evaluation.confidence.answers import AnswerNeighbors, ReferenceHubness, _finite_mean
-from idml.evaluation.confidence.base import ConfidenceScore, check_k, register_score
+from idml.evaluation.confidence.base import NeighbourScore, register_score
 
 __all__ = ["HubnessCorrectedSimilarity", "ReferenceHubness"]
 
 
 @register_score
 @dataclass(frozen=True)
-class HubnessCorrectedSimilarity(ConfidenceScore):
+class HubnessCorrectedSimilarity(NeighbourScore):
     """``2·s(q, n_1) − r(q) − r(n_1)`` over ``k`` neighbours (module docstring)."""
 
-    k: int = 10
     name: ClassVar[str] = "csls"
-
-    def __post_init__(self) -> None:
-        check_k(self, self.k)
 
     @property
     def hubness_k(self) -> int | None:

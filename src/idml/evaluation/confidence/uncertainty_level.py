@@ -34,13 +34,7 @@ class NegativeUncertaintyLevel(ConfidenceScore):
 
     name: ClassVar[str] = "norm_u"
 
-    @property
-    def depth(self) -> int:
-        return 1
-
-    @property
-    def needs_uncertainty(self) -> bool:
-        return True
+    needs_uncertainty: ClassVar[bool] = True
 
     def __call__(self, answers: AnswerNeighbors) -> Tensor:
         level = answers.need_uncertainty(self.key)

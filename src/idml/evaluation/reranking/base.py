@@ -28,10 +28,13 @@ class Reranker(ABC):
     """Re-orders shortlists (module docstring) in two steps: :meth:`prepare` the gallery once
     (what an index stores), then :meth:`rerank` any number of query batches against it."""
 
+    shortlist: int
+    """The shortlist length it is meant for (a search should return at least this many)."""
+
     @property
-    @abstractmethod
     def depth(self) -> int:
-        """The shortlist length it is meant for (a search should return at least this many)."""
+        """:attr:`shortlist`: how deep a search for this re-ranker should go."""
+        return self.shortlist
 
     @property
     @abstractmethod
@@ -65,6 +68,15 @@ class Reranker(ABC):
             queries: ``(Q, d)`` the queries' embeddings; ``None`` when the queries *are* the
                 gallery (query ``i`` is reference ``i``, excluded from its own shortlist).
         """
+
+
+def check_counts(reranker: object, minimum: int, **counts: int) -> None:
+    """Raise a clear error unless every ``counts`` value is an integer ``≥ minimum``."""
+    for key, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(
+                f"{type(reranker).__name__}: {key} must be an integer >= {minimum}, got {value!r}"
+            )
 
 
 def unit_rows(x: Tensor) -> Tensor:

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from idml.evaluation.reranking.base import (
     Reranker,
+    check_counts,
     check_gallery,
     check_queries,
     reorder,
@@ -64,10 +65,7 @@ class KReciprocal(Reranker):
     shortlist: int = 100
 
     def __post_init__(self) -> None:
-        for key in ("k1", "k2", "shortlist"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KReciprocal: {key} must be an integer >= 1, got {value!r}")
+        check_counts(self, 1, k1=self.k1, k2=self.k2, shortlist=self.shortlist)
         if self.k2 > self.k1 + 1:
             raise ValueError(
                 f"KReciprocal: k2 ({self.k2}) averages over a node's k2 nearest, which must be "
@@ -77,10 +75,6 @@ class KReciprocal(Reranker):
             raise ValueError(
                 f"KReciprocal: lambda_value must lie in [0, 1], got {self.lambda_value}"
             )
-
-    @property
-    def depth(self) -> int:
-        return self.shortlist
 
     @property
     def gallery_depth(self) -> int:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from idml.evaluation.reranking.base import (
     Reranker,
+    check_counts,
     check_gallery,
     check_queries,
     reorder,
@@ -56,20 +57,17 @@ class QueryExpansion(Reranker):
     shortlist: int = 100
 
     def __post_init__(self) -> None:
-        for key in ("query_neighbors", "database_neighbors"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"QueryExpansion: {key} must be an integer >= 0, got {value!r}")
+        check_counts(
+            self,
+            0,
+            query_neighbors=self.query_neighbors,
+            database_neighbors=self.database_neighbors,
+        )
+        check_counts(self, 1, shortlist=self.shortlist)
         if self.query_neighbors == 0 and self.database_neighbors == 0:
             raise ValueError("QueryExpansion: set query_neighbors or database_neighbors (both 0)")
         if not self.alpha >= 0:
             raise ValueError(f"QueryExpansion: alpha must be >= 0, got {self.alpha}")
-        if self.shortlist < 1:
-            raise ValueError(f"QueryExpansion: shortlist must be >= 1, got {self.shortlist}")
-
-    @property
-    def depth(self) -> int:
-        return self.shortlist
 
     @property
     def gallery_depth(self) -> int:
@@ -106,11 +104,11 @@ class QueryExpansion(Reranker):
         for start in range(0, len(indices), CHUNK):
             ids = indices[start : start + CHUNK]
             q = q_all[start : start + CHUNK]
-            refs = x[ids.clamp_min(0)]
-            scores = torch.einsum("bd,bld->bl", q, refs).masked_fill(ids < 0, -torch.inf)
+            refs = torch.index_select(x, 0, ids.clamp_min(0).flatten()).view(*ids.shape, -1)
+            scores = _dots(refs, q).masked_fill(ids < 0, -torch.inf)
             if self.query_neighbors > 0:
                 q = _expand(q, refs, scores, self.query_neighbors, self.alpha)
-                scores = torch.einsum("bd,bld->bl", q, refs).masked_fill(ids < 0, -torch.inf)
+                scores = _dots(refs, q).masked_fill(ids < 0, -torch.inf)
             lists = reorder(ids, scores)
             out_indices.append(lists.indices)
             out_scores.append(lists.scores)
@@ -153,6 +151,11 @@ def _expand(q: Tensor, refs: Tensor, scores: Tensor, neighbors: int, alpha: floa
     weights = _weights(top_scores, torch.where(torch.isfinite(top_scores), 0, -1), alpha)
     picked = refs.gather(1, top.unsqueeze(2).expand(-1, -1, refs.shape[2]))
     return torch.nn.functional.normalize(q + torch.einsum("bl,bld->bd", weights, picked), dim=1)
+
+
+def _dots(refs: Tensor, q: Tensor) -> Tensor:
+    """``(B, L)``: each query's dot product with each of its ``L`` gathered references."""
+    return torch.bmm(refs, q.unsqueeze(2)).squeeze(2)
 
 
 def _weights(scores: Tensor, ids: Tensor, alpha: float) -> Tensor:
