@@ -57,6 +57,7 @@ from idml.evaluation.confidence import (
     Top1Similarity,
 )
 from idml.evaluation.reranking import KReciprocal, QueryExpansion, Reranker
+from idml.models import embed_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 SPLITS = [
@@ -140,7 +141,7 @@ def embed_split(cfg: Config, run_dir: Path, protocol: str) -> tuple[Embeddings, 
     split_cfg = load_config(run_dir / "config.yaml", [f"data.protocol={protocol}"])
     model = load_trained_run(run_dir, "latest").model
     data = build.build_data(split_cfg)
-    return build.embed_dataset(model, data.test, 256, torch.device("cpu"))
+    return embed_dataset(model, data.test, 256, torch.device("cpu"))
 
 
 def study_run(run_dir: Path, cells: dict[str, Cells], counts: dict[str, int]) -> None:
