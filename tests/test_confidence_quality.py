@@ -186,3 +186,17 @@ def test_re_ranking_with_lambda_one_reports_the_plain_metrics() -> None:
     assert same.settings["reranking"].startswith("k_reciprocal")
     with pytest.raises(ValueError, match="re-ranking works on the exact search's cosine"):
         EvaluationSettings(metric="euclidean", reranking=KReciprocal())
+
+
+def test_confidence_with_query_and_gallery_roles() -> None:
+    """With roles the report's neighbours are rows of the embeddings; the confidence is judged on
+    the same answers (the top-1 row's label against the query's)."""
+    x, labels, _ = _clusters(90, seed=3)
+    roles = ["query" if i % 4 == 0 else "gallery" for i in range(90)]
+    report = evaluate_embeddings(x, labels, EvaluationSettings(nmi=False), roles=roles)
+    assert report.confidence is not None
+    queries = torch.tensor([i for i in range(90) if i % 4 == 0])
+    top1_rows = report.retrieval.neighbor_indices[:, 0]
+    assert all(roles[int(r)] == "gallery" for r in top1_rows)
+    expected = (labels[top1_rows] == labels[queries]).double()
+    assert report.confidence.correct.tolist() == expected.tolist()
