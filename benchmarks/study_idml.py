@@ -65,7 +65,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -240,7 +240,11 @@ DEGRADATIONS = {
 DEGRADATION_ARMS = {
     "deg_baseline": ("baseline + degraded images", BASELINE, False),
     "deg_ism": ("ISM + degraded images", ISM, True),
-    "deg_ism_frozen_u": ("ISM + degraded images, u frozen", (*ISM, "optim.uncertainty_lr_mult=0"), True),
+    "deg_ism_frozen_u": (
+        "ISM + degraded images, u frozen",
+        (*ISM, "optim.uncertainty_lr_mult=0"),
+        True,
+    ),
 }
 DEGRADATION_LOSS = "multi_similarity"
 
@@ -321,7 +325,9 @@ def run_job(job: Job) -> tuple[str, float]:
     from idml.app.ablation import parse_grid, run_ablation
 
     start = time.perf_counter()
-    result = run_ablation(None, parse_grid([]), 1, job.folder, overrides=list(job.overrides), log=lambda _: None)
+    result = run_ablation(
+        None, parse_grid([]), 1, job.folder, overrides=list(job.overrides), log=lambda _: None
+    )
     run_dir = result.cells[0].runs[0].run_dir
     if job.mechanism and not (run_dir / "mechanism.json").is_file():
         write_mechanism(run_dir, job.match_controls)
@@ -343,7 +349,9 @@ def run_jobs(jobs: Sequence[Job], workers: int) -> None:
     with context.Pool(workers, maxtasksperchild=8) as pool:
         for done, (folder, seconds) in enumerate(pool.imap_unordered(run_job, jobs), start=1):
             elapsed = (time.perf_counter() - start) / 60
-            print(f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far)", flush=True)
+            print(
+                f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far)", flush=True
+            )
 
 
 # --------------------------------------------------------------------------- mechanism
@@ -366,7 +374,9 @@ def write_mechanism(run_dir: Path, match_controls: bool) -> None:
     level = emb.uncertainty.norm(dim=1).double()
     probe = uncertainty_probe(model, data.test, images=400)
     at_test = cfg.eval.model_copy(update={"introspective": True, "nmi": False})
-    ism_at_test = build.evaluate(cfg.model_copy(update={"eval": at_test}), emb, labels, device).metrics
+    ism_at_test = build.evaluate(
+        cfg.model_copy(update={"eval": at_test}), emb, labels, device
+    ).metrics
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first, last = log[0], log[-1]
     out: dict[str, Any] = {
@@ -497,7 +507,14 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
                 continue
             extra = matched_overrides(args.out, setting, loss, name) if matched else []
             for seed in range(args.seeds):
-                config = (*base, f"loss.name={loss}", *chosen, *arm.overrides, *extra, f"seed={seed}")
+                config = (
+                    *base,
+                    f"loss.name={loss}",
+                    *chosen,
+                    *arm.overrides,
+                    *extra,
+                    f"seed={seed}",
+                )
                 folder = args.out / setting / loss / name / f"s{seed}"
                 jobs.append(Job(folder, config, arm.has_head, match_controls=name == "idml"))
     return jobs
@@ -530,6 +547,11 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._=" else "_" for c in name).strip("_") or "default"
 
 
+def mean_of(records: Sequence[dict[str, Any]], get: Any) -> float:
+    """Mean of ``get(record)`` over the records where it is not ``None``."""
+    return mean([v for v in (get(r) for r in records) if v is not None])
+
+
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
@@ -560,7 +582,9 @@ def seed_results(arm_folder: Path) -> dict[int, dict[str, Any]]:
 def final_metrics(folder: Path, seeds: int) -> dict[str, list[float]]:
     runs = seed_results(folder)
     keys = ("recall@1", "map@r", "nmi")
-    return {k: [runs[s]["metrics"][k] for s in sorted(runs) if k in runs[s]["metrics"]] for k in keys}
+    return {
+        k: [runs[s]["metrics"][k] for s in sorted(runs) if k in runs[s]["metrics"]] for k in keys
+    }
 
 
 COMPARISONS: list[tuple[str, str, str]] = [
@@ -605,7 +629,9 @@ def untrained_reference(args: argparse.Namespace) -> dict[str, list[float]]:
                 features.append(model.features(images))
                 labels.append(batch_labels)
         settings = EvaluationSettings(ks=(1,), nmi=True, nmi_backend="sklearn", seed=cfg.seed)
-        metrics = evaluate_embeddings(Embeddings(torch.cat(features)), torch.cat(labels), settings).metrics
+        metrics = evaluate_embeddings(
+            Embeddings(torch.cat(features)), torch.cat(labels), settings
+        ).metrics
         for k in out:
             out[k].append(float(metrics[k]))
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -627,11 +653,17 @@ def tables(args: argparse.Namespace) -> None:
     }
     lines = [f"# IDML study: {setting}\n"]
     base = setting_overrides(setting, args.omniglot_root, False)
-    lines.append("Settings: `" + " ".join(o for o in base if not o.startswith("data.root=")) + "`\n")
+    lines.append(
+        "Settings: `" + " ".join(o for o in base if not o.startswith("data.root=")) + "`\n"
+    )
     recipes = load_recipes().get(setting, {})
     lines.append(
         "Baseline recipes (validation split of the training classes): "
-        + "; ".join(f"{LOSS_NAMES[k]}: {v['recipe'] or 'as set'}" for k, v in recipes.items() if k in args.losses)
+        + "; ".join(
+            f"{LOSS_NAMES[k]}: {v['recipe'] or 'as set'}"
+            for k, v in recipes.items()
+            if k in args.losses
+        )
         + ".\n"
     )
     # ---- arms
@@ -644,7 +676,10 @@ def tables(args: argparse.Namespace) -> None:
     for (loss, arm), seeds in runs.items():
         if not seeds:
             continue
-        values = {k: [r["metrics"][k] for r in seeds.values() if k in r["metrics"]] for k in ("recall@1", "map@r", "nmi")}
+        values = {
+            k: [r["metrics"][k] for r in seeds.values() if k in r["metrics"]]
+            for k in ("recall@1", "map@r", "nmi")
+        }
         lines.append(
             f"| {LOSS_NAMES[loss]} | {ARMS[arm].label} | {len(seeds)} | {fmt(values['recall@1'])} | "
             f"{fmt(values['map@r'])} | {fmt(values['nmi'])} |"
@@ -703,9 +738,9 @@ def tables(args: argparse.Namespace) -> None:
         mechs = [r["mechanism"] for r in seeds.values() if r["mechanism"]]
         if not mechs:
             continue
-        def avg(get: Any) -> float:
-            vals = [v for v in (get(m) for m in mechs) if v is not None]
-            return mean(vals)
+
+        avg = partial(mean_of, mechs)
+
         lines.append(
             f"| {LOSS_NAMES[loss]} | {ARMS[arm].label} | {avg(lambda m: m['test_u_mean']):.4f} | "
             f"{avg(lambda m: m['test_u_cv']):.2f} | "
@@ -742,7 +777,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.arms = [x for x in args.arms.split(",") if x]
     unknown = [x for x in args.arms if x not in ARMS] + [x for x in args.losses if x not in LOSSES]
     if unknown:
-        parser.error(f"unknown arm or loss {unknown}; arms: {', '.join(ARMS)}; losses: {', '.join(LOSSES)}")
+        parser.error(
+            f"unknown arm or loss {unknown}; arms: {', '.join(ARMS)}; losses: {', '.join(LOSSES)}"
+        )
     if args.quick:
         args.out = args.out.with_name(args.out.name + "_quick")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -287,7 +287,9 @@ def test_the_identity_warning_fires_for_a_frozen_head(
 ) -> None:
     """A head that never trains leaves every image at its starting level: the trainer says ISM is
     the identity and names the keys to check; the same run with the head training does not."""
-    frozen, messages = _fit([*MOVING, "loss.name=contrastive", "optim.uncertainty_lr_mult=0"], tmp_path)
+    frozen, messages = _fit(
+        [*MOVING, "loss.name=contrastive", "optim.uncertainty_lr_mult=0"], tmp_path
+    )
     assert frozen.history[-1]["ism/u_cv"] < 0.05
     warned = [m for m in messages if "acts as the identity" in m]
     assert len(warned) == 1 and "optim.uncertainty_lr_mult" in warned[0], messages

@@ -64,7 +64,9 @@ def test_every_loss_recipe_beats_the_untrained_network(name: str, tmp_path: Path
     trainer = Trainer(load_config(None, [*SETTING, *recipe(name)]), tmp_path / name, progress=False)
     trainer.model.eval()
     with torch.no_grad():
-        embeddings, labels = embed_dataset(trainer.model, trainer.data.test, 256, torch.device("cpu"))
+        embeddings, labels = embed_dataset(
+            trainer.model, trainer.data.test, 256, torch.device("cpu")
+        )
     untrained = evaluate_embeddings(embeddings, labels, EvaluationSettings(ks=(1,), nmi=False))
     trained = trainer.fit().final_metrics
     assert trained["map@r"] >= untrained.metrics["map@r"] + MARGIN, (

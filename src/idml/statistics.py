@@ -73,7 +73,9 @@ class Comparison:
 def _values(name: str, values: Sequence[float]) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     if array.ndim != 1:
-        raise ValueError(f"{name} must be a flat sequence of per-seed values, got shape {array.shape}")
+        raise ValueError(
+            f"{name} must be a flat sequence of per-seed values, got shape {array.shape}"
+        )
     if not np.isfinite(array).all():
         raise ValueError(f"{name} holds a NaN or infinite value: {array.tolist()}")
     return array
@@ -110,11 +112,15 @@ def compare_welch(
     na, nb = a.size, b.size
     diff = float(b.mean() - a.mean()) if na and nb else math.nan
     if na < 2 or nb < 2:
-        return Comparison(diff, math.nan, math.nan, math.nan, math.nan, min(na, nb), False, confidence)
+        return Comparison(
+            diff, math.nan, math.nan, math.nan, math.nan, min(na, nb), False, confidence
+        )
     va, vb = float(a.var(ddof=1)), float(b.var(ddof=1))
     se2 = va / na + vb / nb
     if se2 == 0:
-        return Comparison(diff, math.nan, math.nan, math.nan, math.nan, min(na, nb), False, confidence)
+        return Comparison(
+            diff, math.nan, math.nan, math.nan, math.nan, min(na, nb), False, confidence
+        )
     se = math.sqrt(se2)
     df = se2**2 / ((va / na) ** 2 / (na - 1) + (vb / nb) ** 2 / (nb - 1))
     p = float(2 * stats.t.sf(abs(diff / se), df))
