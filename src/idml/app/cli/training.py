@@ -34,8 +34,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if not context.is_main:
         return 0
     print(format_metrics(f"{cfg.name}: final", result.final_metrics))
-    if result.best_epoch >= 0:
-        print(format_metrics(f"best epoch {result.best_epoch + 1}", result.best_metrics))
+    if result.best_epoch > 0:
+        print(format_metrics(f"best epoch {result.best_epoch}", result.best_metrics))
     if cfg.published is not None and result.final_metrics:
         from idml.app.paper import compare_with_paper, format_paper_table
 

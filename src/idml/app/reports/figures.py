@@ -83,7 +83,7 @@ def _plot_series(axes: Axes, log: RunLog, keys: Sequence[str], prefix: str) -> N
             axes.plot(epochs, values, label=label, **line_style(i))
     axes.set_xlabel("epoch")
     # Whole epochs only, with a margin, so a one-epoch run gets one tick instead of fractions.
-    last = max((int(line["epoch"]) + 1 for line in log.history), default=1)
+    last = max((int(line["epoch"]) for line in log.history), default=1)
     axes.set_xlim(0.5, last + 0.5)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     axes.grid(alpha=0.3)
@@ -154,7 +154,7 @@ def ism_saturation(log: RunLog) -> Figure:
     share.set_ylabel("% of relations with e^(-y) < 0.01")
     share.set_ylim(-2, 102)
     share.set_title("saturated relations")
-    last = max((int(line["epoch"]) + 1 for line in log.history), default=1)
+    last = max((int(line["epoch"]) for line in log.history), default=1)
     for axes in (weak, share):
         axes.set_xlabel("epoch")
         axes.set_xlim(0.5, last + 0.5)

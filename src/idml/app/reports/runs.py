@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
 from idml.app.config import Config, load_config
+from idml.app.run_folder import log_epochs_from_one
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.embeddings import Embeddings
 from idml.evaluation.evaluate import EvaluationReport
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 class RunLog:
     """A run folder's config and per-epoch log (one dict per line of ``metrics.jsonl``).
 
-    Log keys (see :mod:`idml.app.training`): ``epoch`` (0-based), ``seconds``, ``steps``,
+    Log keys (see :mod:`idml.app.training`): ``epoch`` (numbered from 1, also in logs written
+    when they were numbered from 0: :func:`read_run` renumbers those), ``seconds``, ``steps``,
     ``loss/<part>``, ``lr/<group>``, ``uncertainty/<original|mixed|degraded>`` (mean ``||u||``)
     and ``test/<metric>`` on evaluated epochs.
     """
@@ -60,9 +62,9 @@ class RunLog:
         return list(seen)
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """``(epochs, values)`` of one key over the epochs that logged a finite value (1-based)."""
+        """``(epochs, values)`` of one key over the epochs that logged a finite value."""
         points = [
-            (int(line["epoch"]) + 1, float(line[key]))
+            (int(line["epoch"]), float(line[key]))
             for line in self.history
             if isinstance(line.get(key), (int, float)) and math.isfinite(float(line[key]))
         ]
@@ -168,7 +170,7 @@ def read_run(run_dir: Path) -> RunLog:
         history.append(entry)
     if not history:
         raise ValueError(f"{log_path} is empty: the run has not finished an epoch yet")
-    return RunLog(run_dir, config, tuple(history))
+    return RunLog(run_dir, config, tuple(log_epochs_from_one(history)))
 
 
 # --------------------------------------------------------------------------- analysis
@@ -206,7 +208,7 @@ class TestAnalysis:
     checkpoint: str
     """Which checkpoint was analysed: ``best`` or ``latest``."""
     epoch: int
-    """Its epoch (1-based)."""
+    """Its epoch (numbered from 1)."""
     metrics: dict[str, float]
     labels: np.ndarray
     class_names: tuple[str, ...]
@@ -263,7 +265,7 @@ def analyse_run(
         return analyse_classification_run(log, options, device, progress)
     run = load_trained_run(log.run_dir, which=options.which)
     cfg, model = run.config, run.model.to(device)
-    epoch = int(run.state.get("epoch", -1)) + 1
+    epoch = int(run.state.get("epoch", 0))
     test = build.build_data(cfg).test
     embeddings, labels = build.embed_dataset(model, test, options.batch_size, device, progress)
     metrics, pr_curve, all_neighbors, curves = _evaluate(

@@ -4,7 +4,11 @@ A run folder holds ``config.yaml`` (every resolved default), ``metrics.jsonl`` (
 losses, metrics, learning rates, mean ``||u||`` of original and of mixed images), ``checkpoints/``
 (atomic, one per epoch, plus ``latest``/``best`` pointers) and TensorBoard events when installed.
 
-Determinism: every epoch reseeds its own generators from ``(seed, epoch)``, so a run resumed from the
+Epochs are numbered from 1 in the log, the checkpoints and on screen (``epoch 3/60`` is logged as
+``"epoch": 3`` and saved as ``checkpoints/epoch_0003``); inside the loop an epoch's *index* (from 0)
+seeds its generators.
+
+Determinism: every epoch reseeds its own generators from ``(seed, index)``, so a run resumed from the
 checkpoint of epoch ``e`` replays epochs ``e+1..`` exactly as an uninterrupted run would (on CPU).
 
 Several processes (``torchrun``, see :mod:`idml.app.distributed`): each loads its share of every global
@@ -93,7 +97,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     result = Trainer(cfg, Path(folder) / "run", progress=False).fit()
         >>> result.best_epoch, "recall@1" in result.final_metrics
-        (0, True)
+        (1, True)
     """
 
     def __init__(
@@ -128,8 +132,10 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         self.amp = cfg.optim.amp and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
         self.start_epoch = 0
+        """Epochs finished before :meth:`fit` (a resumed run's), so the index of the next one."""
         self.best_value = -math.inf
-        self.best_epoch = -1
+        self.best_epoch = 0
+        """Number (from 1) of the epoch with the best ``eval.select``; 0 before any evaluation."""
         self.best_metrics: dict[str, float] = {}
         self.eval_notes: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
@@ -209,18 +215,17 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         self._open_loggers(resume)
         epochs = self.cfg.optim.epochs
         metrics: dict[str, float] = {}
-        for epoch in range(self.start_epoch, epochs):
-            record = self.train_epoch(epoch)
-            last = epoch == epochs - 1
-            if (epoch + 1) % self.cfg.eval.every == 0 or last:
+        for index in range(self.start_epoch, epochs):
+            record = self.train_epoch(index)
+            if record.epoch % self.cfg.eval.every == 0 or record.epoch == epochs:
                 record.metrics = self.evaluate()
                 record.notes = dict(self.eval_notes)
                 metrics = record.metrics
-                self._track_best(epoch, metrics)
+                self._track_best(record.epoch, metrics)
             if self.scheduler is not None:
                 self.scheduler.step()
             self._log(record)
-            self._checkpoint(epoch)
+            self._checkpoint(record.epoch)
         for logger in self._loggers:
             logger.close()
         self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
@@ -234,6 +239,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         return g
 
     def train_epoch(self, epoch: int) -> EpochRecord:
+        """Train the epoch of index ``epoch`` (from 0); its record is numbered ``epoch + 1``."""
         cfg = self.cfg
         self.model.train()
         self.loss.train()
@@ -286,7 +292,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         ism = self._ism_summary()
         self._check_learning(epoch, ism)
         return EpochRecord(
-            epoch, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps, ism=ism
+            epoch + 1, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps, ism=ism
         )
 
     def train_step(

@@ -10,6 +10,7 @@ from typing import Any
 
 from idml.app.config import config_to_dict
 from idml.app.loggers import MLflowLogger, TensorBoardLogger, tensorboard_available
+from idml.app.run_folder import log_epochs_from_one
 
 
 @dataclass
@@ -17,6 +18,7 @@ class EpochRecord:
     """What one epoch logs (one line of ``metrics.jsonl``)."""
 
     epoch: int
+    """The epoch's number, from 1 (as the terminal and the checkpoint folders name it)."""
     losses: dict[str, float]
     lr: dict[str, float]
     uncertainty: dict[str, float]
@@ -50,6 +52,7 @@ class TrainResult:
     final_metrics: dict[str, float]
     best_metrics: dict[str, float]
     best_epoch: int
+    """The number (from 1) of the epoch whose metrics are ``best_metrics``; 0 when never evaluated."""
     history: list[dict[str, Any]]
 
 
@@ -99,7 +102,8 @@ class EpochLogging:
 
 
 def read_log(path: Path, epochs: int) -> list[dict[str, Any]]:
-    """The first ``epochs`` lines of ``metrics.jsonl``. Lines after them belong to epochs whose
+    """The first ``epochs`` lines of ``metrics.jsonl``, epochs numbered from 1
+    (:func:`~idml.app.run_folder.log_epochs_from_one`). Lines after them belong to epochs whose
     checkpoint was never written (a line cut by a crash among them) and are dropped."""
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -121,12 +125,12 @@ def read_log(path: Path, epochs: int) -> list[dict[str, Any]]:
                 f"cannot resume: line {number} of {path} is not JSON ({err.msg}); restore the "
                 "line or start again with --overwrite"
             ) from None
-    return history
+    return log_epochs_from_one(history)
 
 
 def epoch_summary(record: EpochRecord, epochs: int) -> str:
     """``epoch 3/60: loss 0.4312, recall@1 0.5120 (41.2 s)``: the loss and the first metric."""
-    parts = [f"epoch {record.epoch + 1}/{epochs}:"]
+    parts = [f"epoch {record.epoch}/{epochs}:"]
     if "total" in record.losses:
         parts.append(f"loss {record.losses['total']:.4f},")
     for key, value in list(record.metrics.items())[:1]:
