@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from idml.augment import (
     AugmentationPipeline,
@@ -56,6 +55,7 @@ from idml.losses.base import check_positive
 from idml.losses.softmax import NormalizedSoftmaxLoss
 from idml.metrics import Metric
 from idml.models import EmbeddingModel
+from idml.progress import Progress
 from idml.relations import LabelSets
 
 
@@ -276,7 +276,9 @@ def classify_dataset(
     probes = {"mixup": Mixup(), "cutmix": CutMix(), "lowres": LowResolution(fraction=1.0)}
     logits, labels, clean = [], [], []
     levels: dict[str, list[Tensor]] = {k: [] for k in probes}
-    for images, batch_labels, _ in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
+    bar = Progress(len(loader), "evaluate", enabled=progress, unit="batch")
+    for images, batch_labels, _ in loader:
+        bar.update(1)
         images = images.to(device)
         out = model(images)
         semantic = out.semantic.float()
@@ -293,6 +295,7 @@ def classify_dataset(
             altered = probed.images[probed.altered]
             emb = model(altered)
             levels[name].append(model.uncertainty_level(emb.to(torch.float32)).cpu())
+    bar.close()
     model.train(was_training[0])
     classifier.train(was_training[1])
     return ClassifierOutputs(

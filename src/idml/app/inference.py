@@ -41,12 +41,12 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from idml.data import build_transforms
 from idml.data.datasets import decode_image_file
 from idml.models import EmbeddingModel
 from idml.models.model import UncertaintyKind, global_pool
+from idml.progress import Progress
 
 ImageInput = str | Path | Image.Image | Tensor | np.ndarray
 """One image: a file path, a PIL image, or a ``C×H×W`` (``H×W×C`` for arrays) image."""
@@ -335,7 +335,7 @@ class Encoder:
         else:
             items = list(images)
         semantic, levels = [], []
-        bar = tqdm(total=len(items), desc="embed", unit="img", disable=not progress, leave=False)
+        bar = Progress(len(items), "embed", enabled=progress, unit="image")
         for start in range(0, len(items), batch_size):
             batch = torch.stack([self.preprocess(x) for x in items[start : start + batch_size]])
             s, u = self.net(batch.to(self.device))
