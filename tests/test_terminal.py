@@ -100,3 +100,131 @@ def test_lazy_package_exports_stay_importable() -> None:
     assert set(idml.__all__) <= set(dir(idml))
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         idml.Nope  # noqa: B018
+
+
+# --------------------------------------------------------------------------- training output
+def _train_command(config: Path, out: Path, *extra: str) -> list[str]:
+    from tiny_run import TINY
+
+    command = [sys.executable, "-m", "idml", "train", str(config), "--out", str(out)]
+    for item in [*TINY, *extra]:
+        command += ["--set", item]
+    return command
+
+
+def _epoch_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("epoch ")]
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_a_resumable_run_and_the_command_that_resumes_it(tmp_path: Path) -> None:
+    """SIGINT to a training process: exit 130 with no traceback, the finished epochs saved, and
+    a printed command that resumes the run. Both processes write to pipes, progress on (the
+    default), so their stdout is also what a log file of ``idml train`` holds: the start-up
+    summary and one line per epoch with its test metric."""
+    import json
+    import shlex
+    import signal
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\n")
+    out = tmp_path / "run"
+    # Many epochs: it is interrupted long before the end, once the first one is saved.
+    child = subprocess.Popen(
+        _train_command(config, out, "optim.epochs=500"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not latest.is_file() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert latest.is_file(), "no epoch was saved"
+    child.send_signal(signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=300)
+    assert child.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "\r" not in stdout + stderr
+
+    done = len((out / "metrics.jsonl").read_text().splitlines())
+    assert 1 <= done < 500
+    assert f"holds epochs 1-{done} of 500; epoch {done + 1} was not finished" in stderr, stderr
+    assert latest.read_text().strip() == f"epoch_{done:04d}"
+    summary = stdout.splitlines()[:6]
+    assert summary[0] == f"run tiny in {out}"
+    assert summary[1].startswith("  data    digits: 200 train images of 5 classes")
+    assert "other classes" in summary[1] and summary[-1] == "  device  cpu"
+    lines = _epoch_lines(stdout)
+    assert len(lines) >= done and lines[0].startswith("epoch 1/500: loss ")
+    assert ", recall@1 0." in lines[0] and "2 steps" in lines[0]
+
+    resume = [line for line in stderr.splitlines() if line.startswith("resume with: ")]
+    assert len(resume) == 1, stderr
+    words = shlex.split(resume[0].removeprefix("resume with: "))
+    assert words[:2] == ["idml", "train"] and "--resume" in words
+    # The printed command, run as is (one more epoch is enough: a later --set wins).
+    command = [sys.executable, "-m", "idml", *words[1:], "--set", f"optim.epochs={done + 1}"]
+    resumed = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming after epoch {done}/{done + 1} from {out / 'checkpoints'}" in resumed.stdout
+    lines = _epoch_lines(resumed.stdout)
+    assert len(lines) == 1 and lines[0].startswith(f"epoch {done + 1}/{done + 1}: loss ")
+    assert ", recall@1 0." in lines[0]
+    logged = [json.loads(x)["epoch"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, done + 2))
+
+
+def test_echo_writes_above_a_live_bar_on_a_terminal() -> None:
+    """On a terminal a kept line goes above the bar (tqdm.write), which is redrawn below it."""
+    import io
+
+    from idml.progress import Progress, echo
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    with Progress(10, "epoch 1/2", stream=screen) as bar:
+        bar.update(3)
+        echo("epoch 0 kept", screen)
+        bar.update(7)
+    before, after = screen.getvalue().split("epoch 0 kept\n")
+    # The bar was wiped from its line (blanks, then a carriage return) before the kept line was
+    # written, and redrawn below it; closing it wiped it again, so the kept line is what stays.
+    assert before.endswith(" \r") and "epoch 1/2:   0%" in before
+    assert after.startswith("\repoch 1/2:  30%") and after.endswith(" \r")
+
+
+def test_long_commands_write_plain_progress_lines_into_a_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``idml embed``, ``index``, ``search`` and a classification run's evaluation report progress
+    through :mod:`idml.progress`: plain lines when stderr is not a terminal, never ``\\r`` frames."""
+    from idml.app.cli import main
+    from tiny_run import CLASSIFICATION, train_tiny, write_images
+
+    (tmp_path / "metric").mkdir()
+    run = train_tiny(tmp_path / "metric")
+    gallery = write_images(tmp_path / "gallery", classes=3, per_class=4)
+    capsys.readouterr()
+    assert main(["embed", "--checkpoint", str(run), "--images", str(gallery), "--out",
+                 str(tmp_path / "e.npz")]) == 0  # fmt: skip
+    assert main(["index", str(gallery), "--out", str(tmp_path / "index"), "--checkpoint",
+                 str(run)]) == 0  # fmt: skip
+    assert main(["search", str(tmp_path / "index"), str(gallery), "-k", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert err.count("embed: batch 1/1 (100%)") == 1  # idml embed
+    assert err.count("embed: image 12/12 (100%)") == 2  # index and search embed through Encoder
+
+    config = tmp_path / "classification.yaml"
+    config.write_text("name: tiny-classification\n")
+    args = ["train", str(config), "--out", str(tmp_path / "classification")]
+    for item in [*CLASSIFICATION, "optim.epochs=1", "optim.max_steps_per_epoch=1"]:
+        args += ["--set", item]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "evaluate: batch " in err

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 
 from idml import __version__
-from idml.app.cli.command import Parser
+from idml.app.cli.command import INTERRUPTED, Parser
 from idml.app.cli.evaluation import EVALUATE
 from idml.app.cli.options import format_metrics
 from idml.app.cli.retrieval import EMBED, EXPORT, INDEX, SEARCH, SERVE
@@ -60,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"idml {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: one line and the shell's exit status for SIGINT, not a traceback.
+        print(f"\nidml {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def _one_line(err: BaseException) -> str:

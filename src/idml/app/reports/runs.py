@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Subset
 
 from idml.app.config import Config, load_config
 from idml.app.run_folder import log_epochs_from_one
+from idml.app.training.console import describe_method
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.embeddings import Embeddings
 from idml.evaluation.evaluate import EvaluationReport
@@ -117,22 +118,7 @@ class RunLog:
     @property
     def method(self) -> str:
         """Short description: loss, metric (plain / ISM variant), Mixup, SSR."""
-        cfg = self.config
-        parts = [cfg.loss.name]
-        if cfg.task == "classification" and cfg.classification is not None:
-            parts = ["cosine classifier"]
-            if cfg.classification.mix != "none":
-                parts.append({"mixup": "Mixup", "cutmix": "CutMix"}[cfg.classification.mix])
-        if cfg.metric.introspective:
-            variant = {"soft": "ISM", "dissimilar": "ISM-Dis", "strict": "ISM-strict"}
-            parts.append(
-                f"{variant[cfg.metric.variant]} (γ={cfg.metric.gamma:g}, τ={cfg.metric.tau:g})"
-            )
-        if cfg.mixup.enabled:
-            parts.append("Mixup")
-        if cfg.ssr.enabled:
-            parts.append("SSR")
-        return " + ".join(parts)
+        return describe_method(self.config)
 
 
 def read_run(run_dir: Path) -> RunLog:

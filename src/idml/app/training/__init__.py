@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from idml.app import build
+from idml.app.checkpoint import resolve_checkpoint
 from idml.app.config import (
     Config,
     dump_config,
@@ -51,6 +52,8 @@ from idml.app.preflight import check_model_input, check_run_config
 from idml.app.run_folder import claim_run_folder
 from idml.app.training.checkpoints import RESUMABLE_CHANGES, Checkpointing
 from idml.app.training.checks import LearningChecks
+from idml.app.training.console import resume_line, startup_summary
+from idml.app.training.interrupt import interrupts_deferred
 from idml.app.training.monitoring import WeakeningMonitor
 from idml.app.training.optim import build_optimizers, build_scheduler
 from idml.app.training.records import EpochLogging, EpochRecord, NonFiniteError, TrainResult
@@ -83,8 +86,9 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         shards: split each global batch into this many shards for the per-shard random draws (Mixup,
             degradations, SSR); defaults to the number of processes. A single process with
             ``shards=R`` reproduces an ``R``-process run exactly (:class:`idml.app.distributed.ShardPlan`).
-        epoch_log: called (rank 0 only) with one summary line per finished epoch, e.g. ``print``
-            when no progress bars are shown.
+        echo: called (rank 0 only) with the lines a user keeps (:mod:`idml.app.training.console`):
+            the start-up summary, where a resumed run continues and one line per finished epoch
+            with its test metrics; ``idml train`` passes :func:`idml.progress.echo`.
 
     Example:
         One epoch of the ``idml demo`` baseline (scikit-learn's digits, a small CNN), in a
@@ -107,11 +111,11 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         progress: bool = True,
         distributed: DistributedContext | None = None,
         shards: int | None = None,
-        epoch_log: Callable[[str], None] | None = None,
+        echo: Callable[[str], None] | None = None,
     ) -> None:
         # Before any work: a config that cannot work is refused here, naming its keys.
         self.config_warnings = check_run_config(cfg)
-        self.epoch_log = epoch_log
+        self.echo = echo
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.dist = distributed if distributed is not None else DistributedContext()
@@ -206,32 +210,58 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
 
     def _fit(self, resume: bool) -> TrainResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        epochs = self.cfg.optim.epochs
+        self._say(
+            *startup_summary(self.cfg, self.data, self.run_dir, self.device, self.dist.world_size)
+        )
         if resume:
             self.resume()
-        elif self.dist.is_main:
+        if resume and self.dist.is_main:
+            self._say(
+                resume_line(
+                    resolve_checkpoint(self.run_dir),
+                    self.start_epoch,
+                    epochs,
+                    self.best_epoch,
+                    self.best_metrics,
+                    self.cfg.eval.select,
+                )
+            )
+        elif not resume and self.dist.is_main:
             self._log_path.write_text("")
         if self.dist.is_main:
             dump_config(self.cfg, self.run_dir / "config.yaml")
         self._open_loggers(resume)
-        epochs = self.cfg.optim.epochs
         metrics: dict[str, float] = {}
-        for index in range(self.start_epoch, epochs):
-            record = self.train_epoch(index)
-            if record.epoch % self.cfg.eval.every == 0 or record.epoch == epochs:
-                record.metrics = self.evaluate()
-                record.notes = dict(self.eval_notes)
-                metrics = record.metrics
-                self._track_best(record.epoch, metrics)
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self._log(record)
-            self._checkpoint(record.epoch)
-        for logger in self._loggers:
-            logger.close()
+        try:
+            for index in range(self.start_epoch, epochs):
+                record = self.train_epoch(index)
+                if record.epoch % self.cfg.eval.every == 0 or record.epoch == epochs:
+                    start = time.perf_counter()
+                    record.metrics = self.evaluate()
+                    record.eval_seconds = time.perf_counter() - start
+                    record.notes = dict(self.eval_notes)
+                    metrics = record.metrics
+                    self._track_best(record.epoch, metrics)
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                # A Ctrl-C waits for both: the epoch is logged and saved whole, or not at all.
+                with interrupts_deferred():
+                    self._log(record)
+                    self._checkpoint(record.epoch)
+        finally:
+            for logger in self._loggers:
+                logger.close()
         self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
         if not metrics and self.history:
             metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
         return TrainResult(self.run_dir, metrics, self.best_metrics, self.best_epoch, self.history)
+
+    def _say(self, *lines: str) -> None:
+        """Hand ``lines`` to ``echo`` (rank 0 only)."""
+        if self.echo is not None and self.dist.is_main:
+            for line in lines:
+                self.echo(line)
 
     def _generator(self, epoch: int, stream: int) -> torch.Generator:
         g = torch.Generator()
