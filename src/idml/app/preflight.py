@@ -4,7 +4,7 @@
 work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
 the crop, nothing left to train) and returns warnings for settings that make a run meaningless
 without breaking it (a warm-up that never ends, a test centre crop that sees a small part of each
-image). Every message names the keys involved and what to change.
+image, learning-rate milestones the run never reaches). Every message names the keys involved and what to change.
 """
 
 from __future__ import annotations
@@ -80,6 +80,21 @@ def check_run_config(cfg: Config) -> list[str]:
             "frozen for the whole run; lower optim.warmup_epochs (or raise optim.epochs), or set "
             "optim.backbone_lr_mult=0 to freeze it on purpose"
         )
+    if o.scheduler == "multistep":
+        # MultiStepLR lowers the rate after epoch m: a milestone at or past the last epoch never acts.
+        unreached = [m for m in o.milestones if m >= o.epochs]
+        if unreached:
+            halves = sorted({min(o.epochs - 1, max(1, round(f * o.epochs))) for f in (0.5, 0.75)})
+            fix = (
+                f"set optim.milestones below {o.epochs}, e.g. {halves} (half and three quarters "
+                "of the run), or optim.scheduler=none"
+                if o.epochs > 1
+                else "a one-epoch run has none to reach: set optim.scheduler=none"
+            )
+            warnings.append(
+                f"optim.milestones={o.milestones} with optim.epochs={o.epochs}: the learning rate "
+                f"never drops at {unreached} (a milestone m acts after epoch m); {fix}"
+            )
     return warnings
 
 
