@@ -112,6 +112,25 @@ def test_run_folders_that_differ_by_seed_form_one_group_with_the_paper_beside(
     assert "<td>60.0</td><td>62.0</td><td>+2.0</td>" in page
 
 
+def test_the_paper_is_compared_only_with_its_own_recipe(tmp_path: Path) -> None:
+    """A group that keeps the source's recipe gets the paper table with Δ; one that changed the
+    dataset or embedding size gets what differs and no Δ."""
+    kept = "published.recipe={data.dataset: digits, model.embedding_dim: 16}"
+    changed = "published.recipe={data.dataset: cub, model.embedding_dim: 512}"
+    same = _fake(tmp_path / "same", 0, 0.61, [kept])
+    other = _fake(tmp_path / "other", 0, 0.55, [changed, "optim.lr=0.01"])
+    out = tmp_path / "report"
+    assert main(["report", str(same), str(other), "--no-test", "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    sections = page.split("<h3>Paper vs this run: ")[1:]
+    assert [section.split("</h3>")[0] for section in sections] == ["fake", "fake (other)"]
+    assert "<td>60.0</td><td>61.0</td><td>+1.0</td>" in sections[0]
+    assert "not recorded" not in sections[0]
+    assert "Not compared" in sections[1] and "<td>" not in sections[1].split("<h2>")[0]
+    assert "data.dataset: digits (source: cub)" in sections[1]
+    assert "model.embedding_dim: 16 (source: 512)" in sections[1]
+
+
 def test_an_ablation_folder_without_runs_is_refused(tmp_path: Path) -> None:
     (tmp_path / "abl" / "cells" / "x").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="no finished run in cells"):

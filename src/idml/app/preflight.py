@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from idml.app.config import Config, ConfigError
+from idml.app.config import Config, ConfigError, config_to_dict
+from idml.app.paper import config_value
 from idml.data.transforms import eval_resize_size
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -52,6 +53,16 @@ def check_run_config(cfg: Config) -> list[str]:
             "centre crop would not fit; set data.resize_size >= data.image_size (or null for the "
             f"recipe's {eval_resize_size(d.image_size)})"
         )
+    if cfg.published is not None and cfg.published.recipe:
+        config = config_to_dict(cfg)
+        for key in cfg.published.recipe:
+            try:
+                config_value(config, key)
+            except KeyError:
+                raise ConfigError(
+                    f"published.recipe names {key!r}, which is not a config key; use dotted keys "
+                    "such as data.dataset or optim.epochs"
+                ) from None
     warnings: list[str] = []
     area = (d.image_size / resize) ** 2
     if area < MIN_CROP_AREA:

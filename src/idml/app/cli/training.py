@@ -47,10 +47,26 @@ def _run_train(args: argparse.Namespace) -> int:
     if result.best_epoch > 0:
         print(format_metrics(f"best epoch {result.best_epoch}", result.best_metrics))
     if cfg.published is not None and result.final_metrics:
-        from idml.app.paper import compare_with_paper, format_paper_table
+        from idml.app.config import config_to_dict
+        from idml.app.paper import paper_vs_run, recipe_differences
 
-        rows = compare_with_paper(cfg.published.metrics, result.final_metrics)
-        print(format_paper_table(cfg.published.source, rows, "paper vs this run (final epoch)"))
+        published = cfg.published
+        differences = recipe_differences(
+            published.recipe,
+            config_to_dict(cfg),
+            published.classes,
+            trainer.data.num_train_classes,
+        )
+        print(
+            paper_vs_run(
+                published.source,
+                published.metrics,
+                result.final_metrics,
+                differences,
+                recipe_known=bool(published.recipe),
+                title="paper vs this run (final epoch)",
+            )
+        )
     print(f"run folder: {result.run_dir}")
     return 0
 

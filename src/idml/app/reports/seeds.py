@@ -261,16 +261,59 @@ def seeds_section(table: SeedTable) -> str:
     for group in table.groups:
         published = group.runs[0].config.published
         if published is not None:
-            parts.append(paper_section(group, published.source, published.metrics))
+            from idml.app.paper import recipe_differences
+
+            differences = recipe_differences(
+                published.recipe,
+                config_to_dict(group.runs[0].config),
+                published.classes,
+                _training_classes(group.runs[0]),
+            )
+            parts.append(
+                paper_section(
+                    group, published.source, published.metrics, differences, bool(published.recipe)
+                )
+            )
     return "\n".join(parts)
 
 
-def paper_section(group: Group, source: str, published: dict[str, float]) -> str:
-    """ "Paper vs this run" for one group: the source's numbers, the seed mean and Δ."""
+def _training_classes(run: RunLog) -> int | None:
+    """The number of training classes a run's latest checkpoint records (``None``: unknown)."""
+    from idml.app.checkpoint import CheckpointError, read_state, resolve_checkpoint
+
+    try:
+        value = read_state(resolve_checkpoint(run.run_dir)).get("num_train_classes")
+    except CheckpointError:
+        return None
+    return value if isinstance(value, int) else None
+
+
+def paper_section(
+    group: Group,
+    source: str,
+    published: dict[str, float],
+    differences: Sequence[str] = (),
+    recipe_known: bool = True,
+) -> str:
+    """ "Paper vs this run" for one group: the source's numbers, the seed mean and Δ; when the
+    group's recipe ``differences`` from the source's, only what differs (no Δ)."""
     import html
 
     from idml.app.paper import compare_with_paper
 
+    heading = f"<h3>Paper vs this run: {html.escape(group.label)}</h3>"
+    if differences:
+        items = "".join(f"<li>{html.escape(d)}</li>" for d in differences)
+        return (
+            heading + f'<p class="note">Not compared: this run is not the recipe of '
+            f"{html.escape(source)}, so a difference from its numbers would not measure the "
+            f"method. What differs:</p><ul>{items}</ul>"
+        )
+    unchecked = (
+        ""
+        if recipe_known
+        else " The source's recipe is not recorded, so this run was not checked against it."
+    )
     means = {k: group.mean_std(k)[0] for k in published}
     rows = compare_with_paper(published, {k: v for k, v in means.items() if math.isfinite(v)})
     cells = "\n".join(
@@ -281,9 +324,8 @@ def paper_section(group: Group, source: str, published: dict[str, float]) -> str
     )
     seeds = len(group.runs)
     return (
-        f"<h3>Paper vs this run: {html.escape(group.label)}</h3>"
-        f'<p class="meta">Source: {html.escape(source)}. Run: mean of {seeds} seed(s), last '
-        "evaluation. Values in %, Δ = run − paper in percentage points.</p>"
+        heading + f'<p class="meta">Source: {html.escape(source)}. Run: mean of {seeds} seed(s), '
+        f"last evaluation. Values in %, Δ = run − paper in percentage points.{unchecked}</p>"
         '<table><tr><th class="text">metric</th><th>paper</th><th>run</th><th>Δ</th></tr>\n'
         f"{cells}</table>"
     )
