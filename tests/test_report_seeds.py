@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from idml.app.cli import main
 from idml.app.config import dump_config, load_config
 from idml.app.reports import read_run
 from idml.app.reports.seeds import expand_run_dirs, seed_table
-from tiny_run import TINY
+from tiny_run import IDML, TINY
 
 
 def _logged(run: Path, metric: str) -> float:
@@ -126,9 +127,37 @@ def test_the_paper_is_compared_only_with_its_own_recipe(tmp_path: Path) -> None:
     assert [section.split("</h3>")[0] for section in sections] == ["fake", "fake (other)"]
     assert "<td>60.0</td><td>61.0</td><td>+1.0</td>" in sections[0]
     assert "not recorded" not in sections[0]
-    assert "Not compared" in sections[1] and "<td>" not in sections[1].split("<h2>")[0]
+    assert "Not compared" in sections[1] and "<td>" not in sections[1].split("</ul>")[0]
     assert "data.dataset: digits (source: cub)" in sections[1]
     assert "model.embedding_dim: 16 (source: 512)" in sections[1]
+
+
+def test_the_reference_comes_first_and_deltas_beyond_the_seed_spread_are_marked(
+    tmp_path: Path,
+) -> None:
+    idml = [*IDML, "name=fake-idml"]
+    # IDML runs first on the command line; the baseline is the reference and leads the table.
+    runs = [
+        _fake(tmp_path / "i0", 0, 0.70, idml),
+        _fake(tmp_path / "i1", 1, 0.71, idml),
+        _fake(tmp_path / "b0", 0, 0.60),
+        _fake(tmp_path / "b1", 1, 0.62),
+        _fake(tmp_path / "one", 0, 0.90, ["optim.lr=0.01"]),
+    ]
+    logs = [read_run(r) for r in runs]
+    table = seed_table(logs, [x.config.name for x in logs])
+    assert [g.label for g in table.groups] == ["fake", "fake-idml", "fake (one)"]
+    assert table.reference is table.groups[0]
+    # Δ 0.095 against stds of 0.014 and 0.007: beyond; one seed has no spread to compare.
+    assert table.beyond(table.groups[1], "recall@1") is True
+    assert table.beyond(table.groups[2], "recall@1") is None
+    assert table.beyond(table.groups[0], "recall@1") is None
+    rows = table.rows()
+    assert rows[0][0] == "fake (reference)" and rows[1][3] == "+9.50 *" and rows[2][3] == "+29.00"
+    assert "*: beyond the seed spread" in table.markdown()
+    lines = list(csv.DictReader(io.StringIO(table.csv())))
+    assert [x["recall@1_beyond_spread"] for x in lines] == ["", "1", ""]
+    assert 'class="beyond">+9.50 *</td>' in table.html()
 
 
 def test_an_ablation_folder_without_runs_is_refused(tmp_path: Path) -> None:
