@@ -108,8 +108,43 @@ class DevTools:
         os.close(self._read)
 
 
-def load_in_chromium(page: Path, profile: Path) -> dict[str, Any]:
-    """Open ``page`` headless and report console errors, failed requests and image states."""
+class Page:
+    """A page loaded in a tab: :meth:`evaluate` JavaScript, :meth:`call` any DevTools method, and
+    the protocol ``events`` received so far."""
+
+    def __init__(self, browser: DevTools, session: str) -> None:
+        self.browser = browser
+        self._session = session
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.browser.events
+
+    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        return self.browser.call(method, params, self._session)
+
+    def evaluate(self, expression: str) -> Any:
+        """The value of ``expression`` (a promise is awaited)."""
+        reply = self.call(
+            "Runtime.evaluate",
+            {"expression": expression, "returnByValue": True, "awaitPromise": True},
+        )
+        if "exceptionDetails" in reply:
+            raise RuntimeError(f"{expression[:60]}…: {reply['exceptionDetails']}")
+        return reply["result"].get("value")
+
+
+@contextlib.contextmanager
+def opened(
+    page: Path,
+    profile: Path,
+    width: int = 1400,
+    height: int = 1000,
+    domains: tuple[str, ...] = (),
+) -> Iterator[Page]:
+    """``page`` loaded (its load event fired) in a ``width`` × ``height`` viewport, with the
+    DevTools ``domains`` enabled besides ``Page`` (their events collected); the browser is closed
+    afterwards."""
     assert CHROMIUM is not None
     browser = DevTools(CHROMIUM, profile)
     try:
@@ -117,26 +152,30 @@ def load_in_chromium(page: Path, profile: Path) -> dict[str, Any]:
         session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})[
             "sessionId"
         ]
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            browser.call(f"{domain}.enable", {}, session)
-        browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session)
+        tab = Page(browser, session)
+        for domain in ("Page", *domains):
+            tab.call(f"{domain}.enable", {})
+        tab.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
+        tab.call("Page.navigate", {"url": page.resolve().as_uri()})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(
             e.get("method") == "Page.loadEventFired" for e in browser.events
         ):
             browser.drain(0.5)
-        browser.drain(1.0)  # late console messages and image decoding
-        images = browser.call(
-            "Runtime.evaluate",
-            {
-                "expression": "Array.from(document.images).map(i => [i.complete, i.naturalWidth])",
-                "returnByValue": True,
-            },
-            session,
-        )["result"]["value"]
+        yield tab
     finally:
         browser.close()
-    events = browser.events
+
+
+def load_in_chromium(page: Path, profile: Path) -> dict[str, Any]:
+    """Open ``page`` headless and report console errors, failed requests and image states."""
+    with opened(page, profile, domains=("Runtime", "Log", "Network")) as tab:
+        tab.browser.drain(1.0)  # late console messages and image decoding
+        images = tab.evaluate("Array.from(document.images).map(i => [i.complete, i.naturalWidth])")
+        events = tab.events
     return {
         "loaded": any(e.get("method") == "Page.loadEventFired" for e in events),
         "errors": [
@@ -157,46 +196,6 @@ def load_in_chromium(page: Path, profile: Path) -> dict[str, Any]:
         ],
         "images": images,
     }
-
-
-@contextlib.contextmanager
-def opened(page: Path, profile: Path, width: int = 1400, height: int = 1000) -> Iterator[Any]:
-    """``page`` loaded in a ``width`` × ``height`` viewport; yields ``evaluate(expression)``, which
-    returns the expression's value (promises awaited)."""
-    assert CHROMIUM is not None
-    browser = DevTools(CHROMIUM, profile)
-    try:
-        target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})[
-            "sessionId"
-        ]
-        browser.call("Page.enable", {}, session)
-        browser.call(
-            "Emulation.setDeviceMetricsOverride",
-            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
-            session,
-        )
-        browser.call("Page.navigate", {"url": page.resolve().as_uri()}, session)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(
-            e.get("method") == "Page.loadEventFired" for e in browser.events
-        ):
-            browser.drain(0.5)
-
-        def evaluate(expression: str) -> Any:
-            reply = browser.call(
-                "Runtime.evaluate",
-                {"expression": expression, "returnByValue": True, "awaitPromise": True},
-                session,
-            )
-            if "exceptionDetails" in reply:
-                raise RuntimeError(f"{expression[:60]}…: {reply['exceptionDetails']}")
-            return reply["result"].get("value")
-
-        evaluate.call = lambda method, params: browser.call(method, params, session)  # type: ignore[attr-defined]
-        yield evaluate
-    finally:
-        browser.close()
 
 
 # What a reader would see go wrong at this width, measured on the rendered page: the page wider
@@ -265,21 +264,21 @@ def measure_layout(page: Path, profile: Path, width: int = 1400) -> dict[str, An
     opened (``opened``): ``scrollWidth``, ``clientWidth``, ``height``, and lists of ``wide``
     elements (past the right edge), ``clipped`` boxes (content cut off or scrolled) and
     ``overlaps`` (pairs of text, or text and image, drawn over each other)."""
-    with opened(page, profile, width) as evaluate:
-        closed = evaluate(_LAYOUT)
-        evaluate(_OPEN_DETAILS)
-        return {"closed": closed, "opened": evaluate(_LAYOUT)}
+    with opened(page, profile, width) as tab:
+        closed = tab.evaluate(_LAYOUT)
+        tab.evaluate(_OPEN_DETAILS)
+        return {"closed": closed, "opened": tab.evaluate(_LAYOUT)}
 
 
 def screenshot(
     page: Path, png: Path, profile: Path, width: int = 1400, open_details: bool = False
 ) -> Path:
     """A PNG of the whole page at ``width`` px (every ``<details>`` opened on request)."""
-    with opened(page, profile, width) as evaluate:
+    with opened(page, profile, width) as tab:
         if open_details:
-            evaluate(_OPEN_DETAILS)
-        height = int(evaluate(_LAYOUT)["height"])  # after fonts and images are in
-        shot = evaluate.call(
+            tab.evaluate(_OPEN_DETAILS)
+        height = int(tab.evaluate(_LAYOUT)["height"])  # after fonts and images are in
+        shot = tab.call(
             "Page.captureScreenshot",
             {
                 "format": "png",

@@ -31,6 +31,12 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _idml(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m idml ARGS`` as a user starts it, in a fresh process."""
+    command = [sys.executable, "-m", "idml", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=120)
+
+
 def _probe(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", PROBE, *args],
@@ -67,13 +73,7 @@ def test_help_answers_quickly() -> None:
     fastest = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "idml", "--help"],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=120,
-        )
+        done = _idml("--help")
         fastest = min(fastest, time.perf_counter() - start)
         assert done.returncode == 0, done.stderr
         assert "usage: idml" in done.stdout and "train" in done.stdout
@@ -81,13 +81,7 @@ def test_help_answers_quickly() -> None:
 
 
 def test_version() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "idml", "--version"],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
-    )
+    done = _idml("--version")
     assert done.returncode == 0
     assert done.stdout.strip() == f"idml {idml.__version__}"
 
