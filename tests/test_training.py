@@ -445,9 +445,9 @@ def test_the_demo_report_tables_every_seed_and_draws_the_first(
     # The seed table groups both seeds of each arm; only the first seed's runs get a section.
     seeds_csv = (tmp_path / "report" / "seeds.csv").read_text().splitlines()
     assert len(seeds_csv) == 3 and all(",2," in row for row in seeds_csv[1:]), seeds_csv
-    assert page.count("<h2>Run ") == 2
+    assert page.count("<summary>Run ") == 2
     assert f"Folder {tmp_path / 'baseline'};" in page and f"Folder {tmp_path / 'idml'};" in page
-    assert "seed1" not in "".join(line for line in page.splitlines() if "<h2>Run " in line)
+    assert "seed1" not in "".join(line for line in page.splitlines() if "<summary>Run " in line)
 
 
 @pytest.mark.slow
