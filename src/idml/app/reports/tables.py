@@ -47,8 +47,8 @@ FAMILY_CAPTIONS = {
     "retrieval": "retrieval",
     "classification": "classification",
     "uncertainty": "uncertainty level ||u||",
-    "auroc": "confidence of the answer: AUROC of detecting a wrong one (0.5 = chance)",
-    "aurc": "confidence of the answer: AURC, error rate over the coverage (lower is better)",
+    "auroc": "confidence — AUROC: detecting a wrong answer (0.5 = chance)",
+    "aurc": "confidence — AURC: error rate over the coverage (lower is better)",
     "other": "other",
 }
 
