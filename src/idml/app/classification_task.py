@@ -33,6 +33,7 @@ from idml.app.checkpoint import (
     resolve_checkpoint,
 )
 from idml.app.config import ClassificationConfig, Config
+from idml.app.preflight import check_class_count
 from idml.app.trained_run import TrainedRun, load_trained_run
 from idml.app.training import Trainer
 from idml.augment import AugmentedBatch, CutMix, Mixup
@@ -108,7 +109,9 @@ class ClassificationTrainer(Trainer):
     loss: IntrospectiveClassifier
 
     def _build_data(self) -> Any:
-        return build_classification_data(self.cfg)
+        data = build_classification_data(self.cfg)
+        check_class_count(self.cfg, data.num_classes, self.cfg.data.dataset)  # before any step
+        return data
 
     def _build_loss(self) -> IntrospectiveClassifier:
         return build_classifier(self.cfg, self.data.num_classes)

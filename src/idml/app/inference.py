@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -41,12 +42,13 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor, nn
+from torch.utils.data import Dataset
 
 from idml.data import build_transforms
 from idml.data.datasets import decode_image_file
-from idml.models import EmbeddingModel
+from idml.embeddings import Embeddings
+from idml.models import EmbeddingModel, embed_dataset
 from idml.models.model import UncertaintyKind, global_pool
-from idml.progress import Progress
 
 ImageInput = str | Path | Image.Image | Tensor | np.ndarray
 """One image: a file path, a PIL image, or a ``C×H×W`` (``H×W×C`` for arrays) image."""
@@ -261,22 +263,27 @@ class Encoder:
             ),
             redo="export again",
         )
-        info = ModelInfo.from_dict(meta.get("model", {}), str(meta_path))
+        if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+            raise ValueError(
+                f"{meta_path}: not an export description (no 'model' object); export again"
+            )
+        info = ModelInfo.from_dict(meta["model"], str(meta_path))
         # The export is now where these weights live (the run it came from may be elsewhere).
         info = replace(info, source=str(folder.resolve()), checkpoint=None)
-        script = folder / meta.get("torchscript", "model.pt")
-        if not script.is_file():
-            raise FileNotFoundError(
-                f"{script}: the TorchScript file named in {meta_path} is missing; export again "
-                "with --format torchscript"
-            )
+        from idml.app.deploy import verified_file
+
+        # A plain file name inside the folder, whose hash export.json records: never a path out
+        # of the folder, never another export's file.
+        data = verified_file(folder, {"torchscript": "model.pt", **meta}, "torchscript", meta_path)
+        script = folder / str(meta.get("torchscript", "model.pt"))
         dev = _device(device)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation notice
-                net = torch.jit.load(str(script), map_location=dev)
+                net = torch.jit.load(io.BytesIO(data), map_location=dev)
         except RuntimeError as err:
-            raise ValueError(f"{script}: cannot load the TorchScript model ({err})") from err
+            message = str(err).strip().splitlines()[0][:200] if str(err).strip() else "unreadable"
+            raise ValueError(f"{script}: cannot load the TorchScript model ({message})") from None
         net.eval()
         return cls(net, info, dev)
 
@@ -334,20 +341,44 @@ class Encoder:
             items = [images]
         else:
             items = list(images)
-        semantic, levels = [], []
-        bar = Progress(len(items), "embed", enabled=progress, unit="image")
-        for start in range(0, len(items), batch_size):
-            batch = torch.stack([self.preprocess(x) for x in items[start : start + batch_size]])
-            s, u = self.net(batch.to(self.device))
-            semantic.append(s.float().cpu())
-            levels.append(u.float().cpu())
-            bar.update(len(batch))
-        bar.close()
-        d = self.info.embedding_dim
-        return EncodedImages(
-            torch.cat(semantic) if semantic else torch.zeros(0, d),
-            torch.cat(levels) if levels else torch.zeros(0),
+        if not items:
+            return EncodedImages(torch.zeros(0, self.info.embedding_dim), torch.zeros(0))
+        emb, _ = embed_dataset(
+            _LevelAsUncertainty(self.net),
+            _Preprocessed(items, self.preprocess),
+            batch_size,
+            self.device,
+            progress=progress,
         )
+        assert emb.uncertainty is not None
+        return EncodedImages(emb.semantic, emb.uncertainty[:, 0])
+
+
+class _Preprocessed(Dataset[tuple[Tensor, int, int]]):
+    """Images given to :meth:`Encoder.embed`, preprocessed as they are loaded (no labels)."""
+
+    def __init__(self, items: Sequence[ImageInput], preprocess: Callable[[ImageInput], Tensor]):
+        self.items, self.preprocess = items, preprocess
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int, int]:
+        return self.preprocess(self.items[index]), 0, index
+
+
+class _LevelAsUncertainty(nn.Module):
+    """An encoder network (images → semantic, level) as :func:`~idml.models.embed_dataset` takes a
+    model: the level ``(B,)`` rides along as a one-column uncertainty, read back unchanged."""
+
+    def __init__(self, net: Callable[[Tensor], tuple[Tensor, Tensor]]) -> None:
+        super().__init__()
+        self.net = net
+        self.training = bool(getattr(net, "training", False))  # restored as it was after the pass
+
+    def forward(self, images: Tensor) -> Embeddings:
+        semantic, level = self.net(images)
+        return Embeddings(semantic, level.unsqueeze(1))
 
 
 def describe_model(

@@ -1,7 +1,8 @@
 """Checks of a run's config that would otherwise fail, or silently mislead, only after training.
 
-:func:`check_run_config` runs before the first optimisation step. It refuses settings that cannot
-work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
+:func:`check_run_config` runs before the first optimisation step, and :func:`check_class_count`
+as soon as the data is loaded (what a config asks of the data is known only then). They refuse
+settings that cannot work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
 the crop, nothing left to train) and returns warnings for settings that make a run meaningless
 without breaking it (a warm-up that never ends, a test centre crop that sees a small part of each
 image, learning-rate milestones the run never reaches). Every message names the keys involved and what to change.
@@ -107,6 +108,28 @@ def check_run_config(cfg: Config) -> list[str]:
                 f"never drops at {unreached} (a milestone m acts after epoch m); {fix}"
             )
     return warnings
+
+
+def check_class_count(cfg: Config, num_classes: int, dataset: str) -> None:
+    """Refuse a classification run whose ``classification.ks`` asks for a top-k accuracy of more
+    classes than ``dataset`` has: that accuracy would be dropped from every evaluation, and an
+    ``eval.select`` naming it would fail only once the first epoch is trained."""
+    if cfg.task != "classification" or cfg.classification is None:
+        return
+    ks = list(cfg.classification.ks)
+    too_large = [k for k in ks if k > num_classes]
+    if too_large:
+        fitting = [k for k in ks if k <= num_classes] or [1]
+        raise ConfigError(
+            f"classification.ks={ks} asks for top-{too_large[0]} accuracy but {dataset} has "
+            f"{num_classes} classes, so top{too_large[0]} cannot be measured"
+            + (
+                f" (and eval.select={cfg.eval.select!r} names it)"
+                if cfg.eval.select in {f"top{k}" for k in too_large}
+                else ""
+            )
+            + f"; use values up to {num_classes}, e.g. classification.ks={fitting}"
+        )
 
 
 def check_model_input(model: nn.Module, cfg: Config, channels: int = 3) -> None:

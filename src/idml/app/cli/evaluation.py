@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from idml.app.cli.command import Command, Group, Option
-from idml.app.cli.options import JSON, NO_PROGRESS, OLD_PROGRESS, format_metrics
+from idml.app.cli.options import JSON, NO_PROGRESS, OLD_PROGRESS, device_name, format_metrics
 
 if TYPE_CHECKING:
     from idml.evaluation import EvaluationReport
@@ -138,7 +138,8 @@ EVALUATE = Command(
     help="retrieval metrics of embeddings or of a trained run",
     description="Recall@K, R-Precision, MAP@R, MAP, MRR, NMI and ||u|| of saved embeddings "
     "(.npy/.npz/.pt/.safetensors), exact and blocked, with the conventions of the DML literature "
-    "(Musgrave et al. 2020).",
+    "(Musgrave et al. 2020). A file whose images have query/gallery roles (`idml embed` of a CSV "
+    "with a role column) searches its queries against its gallery only.",
     arguments=(
         Group(
             "input",
@@ -190,7 +191,9 @@ EVALUATE = Command(
             Option("--seed", type=int, default=1234, help="k-means seed"),
             Option("--knn-backend", choices=("exact", "faiss"), default="exact"),
             Option("--faiss-index", default="HNSW32", help="faiss index factory string"),
-            Option("--device", default=None, help="cpu, cuda, cuda:N (default: cpu)"),
+            Option(
+                "--device", default=None, type=device_name, help="cpu, cuda, cuda:N (default: cpu)"
+            ),
             Option("--block-size", type=int, default=None, help="tile side of the blocked search"),
         ),
         Group(

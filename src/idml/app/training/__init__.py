@@ -60,6 +60,7 @@ from idml.app.training.records import EpochLogging, EpochRecord, NonFiniteError,
 from idml.augment import AugmentedBatch
 from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
 from idml.metrics import IntrospectiveMetric
+from idml.models import embed_dataset
 from idml.progress import Progress
 from idml.ranking import RankingOutput, draw_images
 
@@ -459,8 +460,8 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         shard = contiguous_shard(self.data.test, self.dist)
         error: NonFiniteEmbeddingsError | None = None
         try:
-            emb, labels = build.embed_dataset(
-                self.model, shard, self.cfg.eval.batch_size, self.device, self.progress
+            emb, labels = embed_dataset(
+                self.model, shard, self.cfg.eval.batch_size, self.device, progress=self.progress
             )
         except NonFiniteEmbeddingsError as err:
             error = err
@@ -480,7 +481,9 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         emb, labels = self.embed_test()
         report = None
         if self.dist.is_main:
-            evaluation = build.evaluate(self.cfg, emb, labels, self.device, self.progress)
+            evaluation = build.evaluate(
+                self.cfg, emb, labels, self.device, self.progress, self.data.test.roles
+            )
             # How NMI was computed goes into the log beside the numbers (``eval/nmi_method``).
             report = (dict(evaluation.metrics), {"nmi_method": evaluation.settings["nmi_method"]})
         metrics, self.eval_notes = self.dist.broadcast_object(report)

@@ -12,6 +12,7 @@ from typing import Any
 from idml.app.checkpoint import (
     BEST,
     EPOCH_BASE,
+    NonFiniteStateError,
     checkpoint_name,
     load_model_weights,
     load_training_state,
@@ -107,9 +108,17 @@ class Checkpointing:
             "metrics": self.history[-1] if self.history else {},
             **self._checkpoint_extras(),
         }
-        save_checkpoint(
-            self.run_dir, name, self.model, self._training_modules(), self._optimizer_map(), state
-        )
+        try:
+            save_checkpoint(
+                self.run_dir,
+                name,
+                self.model,
+                self._training_modules(),
+                self._optimizer_map(),
+                state,
+            )
+        except NonFiniteStateError as err:  # parameters or buffers (BatchNorm statistics)
+            raise self._non_finite(str(err), after_epoch=True) from None
         if self.best_epoch == epoch:
             mark_best(self.run_dir, name)
         _prune(self.run_dir / "checkpoints", keep=name)

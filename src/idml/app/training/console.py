@@ -70,7 +70,7 @@ def startup_summary(
     """What the run is about to do: where it writes, the data it loaded (images and classes of
     each side, and whether the test classes are new ones), the model, the method, the schedule
     and the device. ``data`` has ``name``, ``train`` and ``test`` image datasets (with
-    ``class_names``)."""
+    ``class_names``), and perhaps a ``val`` one."""
     train, test = data.train, data.test
     shared = set(train.classes) & set(test.classes)
     if shared == set(train.classes) == set(test.classes):
@@ -85,6 +85,9 @@ def startup_summary(
             f"({_class_examples(train.class_names)}); {len(test):,} test images of "
             f"{len(test.classes)} {other}classes ({_class_examples(test.class_names)})"
         )
+    val = getattr(data, "val", None)  # the images a source names for validation, if any
+    if val is not None:
+        split += f"; {len(val):,} validation images of {len(val.classes)} classes"
     source = f"{data.name}" + (f" from {cfg.data.root}" if cfg.data.root is not None else "")
     m = cfg.model
     weights = (
