@@ -24,7 +24,11 @@ NEIGHBOR = {
     "properties": {
         "rank": {"type": "integer", "description": "1 for the nearest"},
         "id": {"type": "string"},
-        "path": {"type": ["string", "null"], "description": "the gallery image's path"},
+        "path": {
+            "type": ["string", "null"],
+            "description": "the gallery image's path relative to the gallery root (null when the "
+            "server answers with ids only)",
+        },
         "label": {"type": ["string", "null"], "description": "the gallery item's class"},
         "similarity": {"type": ["number", "null"], "description": "cosine similarity"},
         "uncertainty": {"type": ["number", "null"], "description": "the item's ||u||"},
@@ -50,7 +54,9 @@ RECORD = {
 }
 
 
-def search_openapi(max_k: int, max_bytes: int, default_k: int, accepts_images: bool) -> dict:
+def search_openapi(
+    max_k: int, max_bytes: int, max_pixels: int, default_k: int, accepts_images: bool
+) -> dict:
     """The ``openapi_extra`` of ``POST /search``: its two request forms and its answers."""
     k = {
         "type": "integer",
@@ -97,10 +103,11 @@ def search_openapi(max_k: int, max_bytes: int, default_k: int, accepts_images: b
     if accepts_images:
         content["multipart/form-data"] = {"schema": upload}
     errors = {
-        "400": "not JSON, not an image, or no query in the body",
-        "413": f"body above {max_bytes} bytes",
+        "400": "not JSON (or nested too deep), not an image, or no query in the body",
+        "413": f"too large: a body above {max_bytes} bytes or an image above {max_pixels} pixels",
         "415": "another content type",
-        "422": f"wrong embedding dimension, or k outside 1..{max_k}",
+        "422": f"wrong embedding dimension, a NaN, infinite or all-zero query, or k not an "
+        f"integer in 1..{max_k}",
         "500": "unexpected failure (the traceback is in the server's log only)",
     }
     return {

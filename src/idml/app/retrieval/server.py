@@ -164,7 +164,7 @@ def create_app(
     @app.post(
         "/search",
         summary="neighbours of an image or of embeddings",
-        openapi_extra=search_openapi(max_k, max_bytes, default_k, encoder is not None),
+        openapi_extra=search_openapi(max_k, max_bytes, max_pixels, default_k, encoder is not None),
     )
     async def search(request: fastapi.Request) -> dict[str, Any]:
         body = await _read_body(request, max_bytes)
