@@ -427,3 +427,17 @@ def test_report_of_a_classification_run_with_and_without_the_test_analysis(
     page = (tmp_path / "logs" / "index.html").read_text()
     assert "cosine classifier" in page and "top1 (%)" in page and "Confusion matrix" not in page
     assert "no confusion matrix, reliability diagram or mistakes" in page
+
+
+def test_milestones_the_run_never_reaches_are_warned() -> None:
+    from idml.app.preflight import check_run_config
+
+    preset = Path(__file__).resolve().parents[1] / "configs/classification/cifar10_baseline.yaml"
+    assert check_run_config(load_config(preset)) == []  # 300 epochs: [150, 225] both act
+    (short,) = check_run_config(load_config(preset, ["optim.epochs=3"]))
+    assert short.startswith("optim.milestones=[150, 225] with optim.epochs=3: the learning rate ")
+    assert "never drops at [150, 225]" in short and "e.g. [2]" in short
+    (partly,) = check_run_config(load_config(preset, ["optim.epochs=200"]))
+    assert "never drops at [225]" in partly and "e.g. [100, 150]" in partly
+    (one,) = check_run_config(load_config(preset, ["optim.epochs=1"]))
+    assert one.endswith("set optim.scheduler=none")

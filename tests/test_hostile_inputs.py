@@ -708,7 +708,7 @@ def test_report_says_what_it_skipped_and_strict_fails(
     world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = Path(shutil.copytree(world["run"], tmp_path / "run"))
-    model = run / "checkpoints" / "epoch_0000" / "model.safetensors"
+    model = run / "checkpoints" / "epoch_0001" / "model.safetensors"
     model.write_bytes(model.read_bytes()[:100])  # truncated
     args = ["report", str(run), "--out", str(tmp_path / "rep"), "--no-progress"]
     capsys.readouterr()

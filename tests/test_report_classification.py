@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from idml.app.metric_display import format_delta, format_metric, metric_heading, metric_unit
+from idml.app.metric_display import (
+    format_delta,
+    format_metric,
+    metric_heading,
+    metric_unit,
+    table_decimals,
+)
 from idml.app.reports.classification import selective_classification
 from idml.evaluation.classification import calibration_bins, confusion_matrix
 from tiny_run import CLASSIFICATION
@@ -194,9 +200,11 @@ def test_report_of_a_classification_run_has_its_section_and_figures(
     for part in ("reliability", "confusion", "risk-coverage", "uncertainty-conditions", "mistakes"):
         name = f"figures/01-run-{part}.png"
         assert (page.parent / name).is_file() and f'src="{name}"' in text
-    # Every metric is on the page as evaluate_classification_run computes it, in its unit.
+    # Every metric is on the page as evaluate_classification_run computes it, in its unit, the
+    # ||u|| levels with one precision that tells them apart.
+    digits = table_decimals({key: [value] for key, value in expected.items()})
     for key, value in expected.items():
-        assert f"<td>{format_metric(key, value)}</td>" in text
+        assert f"<td>{format_metric(key, value, **digits[key])}</td>" in text
     assert f"<td>{100 * expected['nll']:.2f}</td>" not in text  # NLL is not a percentage
     assert "NLL (nats)" in text
 

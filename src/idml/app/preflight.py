@@ -5,7 +5,7 @@ as soon as the data is loaded (what a config asks of the data is known only then
 settings that cannot work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
 the crop, nothing left to train) and returns warnings for settings that make a run meaningless
 without breaking it (a warm-up that never ends, a test centre crop that sees a small part of each
-image). Every message names the keys involved and what to change.
+image, learning-rate milestones the run never reaches). Every message names the keys involved and what to change.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from idml.app.config import Config, ConfigError
+from idml.app.config import Config, ConfigError, config_to_dict
+from idml.app.paper import config_value
 from idml.data.transforms import eval_resize_size
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -53,6 +54,16 @@ def check_run_config(cfg: Config) -> list[str]:
             "centre crop would not fit; set data.resize_size >= data.image_size (or null for the "
             f"recipe's {eval_resize_size(d.image_size)})"
         )
+    if cfg.published is not None and cfg.published.recipe:
+        config = config_to_dict(cfg)
+        for key in cfg.published.recipe:
+            try:
+                config_value(config, key)
+            except KeyError:
+                raise ConfigError(
+                    f"published.recipe names {key!r}, which is not a config key; use dotted keys "
+                    "such as data.dataset or optim.epochs"
+                ) from None
     warnings: list[str] = []
     area = (d.image_size / resize) ** 2
     if area < MIN_CROP_AREA:
@@ -81,6 +92,21 @@ def check_run_config(cfg: Config) -> list[str]:
             "frozen for the whole run; lower optim.warmup_epochs (or raise optim.epochs), or set "
             "optim.backbone_lr_mult=0 to freeze it on purpose"
         )
+    if o.scheduler == "multistep":
+        # MultiStepLR lowers the rate after epoch m: a milestone at or past the last epoch never acts.
+        unreached = [m for m in o.milestones if m >= o.epochs]
+        if unreached:
+            halves = sorted({min(o.epochs - 1, max(1, round(f * o.epochs))) for f in (0.5, 0.75)})
+            fix = (
+                f"set optim.milestones below {o.epochs}, e.g. {halves} (half and three quarters "
+                "of the run), or optim.scheduler=none"
+                if o.epochs > 1
+                else "a one-epoch run has none to reach: set optim.scheduler=none"
+            )
+            warnings.append(
+                f"optim.milestones={o.milestones} with optim.epochs={o.epochs}: the learning rate "
+                f"never drops at {unreached} (a milestone m acts after epoch m); {fix}"
+            )
     return warnings
 
 

@@ -539,7 +539,9 @@ def evaluate_files(
 
     An ``uncertainty`` entry of shape ``(N,)`` holds uncertainty *levels* ``||u||`` (what ``idml
     embed`` writes): they are summarised as they are (as ``(N, 1)`` vectors, whose norm is the level),
-    but cannot drive ISM, which needs the uncertainty vectors.
+    but cannot drive ISM, which needs the uncertainty vectors. Levels that are all zero are what
+    ``idml embed`` writes for a model without an uncertainty head: the report then has no
+    uncertainty rows (no ``||u||`` summary, quartiles or ``auroc_norm_u`` of a constant).
     """
     ism = introspective_metric is not None
     # With a separate labels file the labels entry name is that file's, not the embeddings file's.
@@ -576,10 +578,13 @@ def evaluate_files(
 
 
 def _file_uncertainty(source: EmbeddingFile, ism: bool) -> Tensor | None:
-    """The file's uncertainty as ``(N, d_u)`` vectors; levels ``(N,)`` become ``(N, 1)``."""
+    """The file's uncertainty as ``(N, d_u)`` vectors; levels ``(N,)`` become ``(N, 1)``;
+    all-zero levels (a model without an uncertainty head) are no uncertainty."""
     u = source.uncertainty
     if u is None or u.dim() != 1:
         return None if u is None else u.float()
+    if u.numel() and not bool(u.any()):
+        return None
     if ism:
         raise ValueError(
             f"{source.path}: 'uncertainty' holds one level ||u|| per image (as `idml embed` writes), "

@@ -242,7 +242,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 SERVE = Command(
     "serve",
     _run_serve,
-    help="HTTP JSON search service over an index (POST /search, GET /health, GET /info)",
+    help="HTTP JSON search service over an index (POST /search, GET /health, GET /info; "
+    "OpenAPI at GET /openapi.json, readable at GET /docs)",
     arguments=(
         *INDEX_MODEL,
         Option("--embeddings-only", action="store_true", help="no model: embedding queries only"),

@@ -299,8 +299,10 @@ def _keep_linear_head_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
 RUNTIME_KEYS: frozenset[str] = frozenset(
     {"device", "data.num_workers", "tensorboard", "eval.batch_size"}
     | {"mlflow.enabled", "mlflow.tracking_uri", "mlflow.experiment"}
+    | {"published"}
 )
-"""Config keys that say where and how fast a run goes, and cannot change its numbers."""
+"""Config keys that cannot change a run's numbers: where and how fast it goes, and ``published``
+(a source's numbers to compare with, documentation only)."""
 
 
 def config_difference(

@@ -146,6 +146,15 @@ class PublishedNumbers(Section):
     metrics: dict[str, float] = Field(
         description="metric name (as idml evaluates it) -> value in %"
     )
+    recipe: dict[str, Any] = Field(
+        default_factory=dict,
+        description="dotted config key -> the source's value (dataset, backbone, embedding size, "
+        "schedule): the numbers are compared with a run only when it keeps them (empty: not "
+        "recorded, so not checked)",
+    )
+    classes: int | None = Field(
+        None, ge=1, description="training classes of the source's dataset (checked when known)"
+    )
 
     @model_validator(mode="before")
     @classmethod

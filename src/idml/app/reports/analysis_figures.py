@@ -12,7 +12,9 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
+from idml.app.metric_display import decimals_for
 from idml.app.reports.figure_style import (
     CORRECT,
     WRONG,
@@ -86,17 +88,25 @@ def uncertainty_histogram(original: np.ndarray, mixed: np.ndarray | None) -> Fig
     axes.set_xlabel("uncertainty level ||u||")
     axes.set_ylabel("density")
     axes.set_title("test-set uncertainty")
+    # Levels that differ in the fourth digit make long tick labels: few enough to stay apart.
+    axes.xaxis.set_major_locator(MaxNLocator(nbins=4))
     axes.legend(fontsize=8)
     figure.tight_layout()
     return figure
 
 
+GRID_NAME_CHARS = 14
+"""Characters of a class name above a retrieval-grid tile (longer names lose their middle, …): the
+caption stays narrower than its tile, so neighbouring captions never run into each other."""
+
+
 def retrieval_grid(analysis: TestAnalysis, min_tile: int = 64) -> Figure:
     """Each query (left) and its top-k neighbours, framed green when correct, red when not.
 
-    The layout of Fu et al. 2021, Fig. 5; labels add the class and, with an uncertainty head, each
-    image's uncertainty level ``||u||``. The tiles are composed into one image (one Axes), small
-    images enlarged to ``min_tile`` pixels by pixel repetition.
+    The layout of Fu et al. 2021, Fig. 5; labels add the class (at most :data:`GRID_NAME_CHARS`
+    characters) and, with an uncertainty head, each image's uncertainty level ``||u||`` with the
+    decimals that tell the shown levels apart. The tiles are composed into one image (one Axes),
+    small images enlarged to ``min_tile`` pixels by pixel repetition.
     """
     images = analysis.grid_images
     if images.shape[-1] == 1:
@@ -106,7 +116,7 @@ def retrieval_grid(analysis: TestAnalysis, min_tile: int = 64) -> Figure:
     images = images.repeat(scale, axis=2).repeat(scale, axis=3)
     height, width = height * scale, width * scale
     border = max(2, height // 16)
-    band = height // 2 + 2 * border  # room above each row for two lines of labels
+    band = height * 3 // 4 + 2 * border  # room above each row for three lines of labels
     gap = 2 * border
     correct = analysis.correct
     frame = np.where(correct[..., None], to_rgb(CORRECT), to_rgb(WRONG))
@@ -119,21 +129,26 @@ def retrieval_grid(analysis: TestAnalysis, min_tile: int = 64) -> Figure:
         rows * (band + tile_h), cols * (tile_w + gap), 3
     )
 
-    figure = Figure(figsize=(1.5 * cols, 1.7 * rows))
+    figure = Figure(figsize=(1.5 * cols, 1.9 * rows))
     axes = figure.subplots()
     axes.imshow(canvas, interpolation="nearest")
     axes.set_axis_off()
     ids = np.concatenate([analysis.queries[:, None], analysis.neighbors], axis=1)
+    digits = 0
+    if analysis.uncertainty is not None:
+        digits = decimals_for(analysis.uncertainty[ids].ravel().tolist(), minimum=2)
     for r in range(rows):
         for c in range(cols):
-            name = analysis.class_names[int(analysis.labels[ids[r, c]])]
-            text = f"query: {name}" if c == 0 else f"#{c} {name}"
+            name = wrap_label(
+                analysis.class_names[int(analysis.labels[ids[r, c]])], GRID_NAME_CHARS, lines=1
+            )
+            text = ("query" if c == 0 else f"#{c}") + f"\n{name}"
             if analysis.uncertainty is not None:
-                text += f"\n||u||={analysis.uncertainty[ids[r, c]]:.2f}"
+                text += f"\n||u|| {analysis.uncertainty[ids[r, c]]:.{digits}f}"
             color = "black" if c == 0 else (CORRECT if correct[r, c - 1] else WRONG)
             x = c * (tile_w + gap) + tile_w / 2
             y = r * (band + tile_h) + band - border
-            axes.text(x, y, text, ha="center", va="bottom", fontsize=8, color=color)
+            axes.text(x, y, text, ha="center", va="bottom", fontsize=7.5, color=color)
     figure.tight_layout()
     return figure
 

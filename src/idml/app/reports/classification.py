@@ -98,7 +98,7 @@ class ClassificationAnalysis:
     checkpoint: str
     """Which checkpoint was analysed: ``best`` or ``latest``."""
     epoch: int
-    """Its epoch (1-based)."""
+    """Its epoch (numbered from 1)."""
     metrics: dict[str, float]
     """What ``idml evaluate --checkpoint`` prints for this checkpoint."""
     class_names: tuple[str, ...]
@@ -186,7 +186,7 @@ def analyse_classification_run(
         notes.append("Every test image is classified right: there are no mistakes to show.")
     return ClassificationAnalysis(
         checkpoint=loaded.run.which,
-        epoch=int(loaded.run.state.get("epoch", -1)) + 1,
+        epoch=int(loaded.run.state.get("epoch", 0)),
         metrics=metrics,
         class_names=loaded.class_names,
         labels=outputs.labels.numpy(),

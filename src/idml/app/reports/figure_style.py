@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from pathlib import Path
 
@@ -32,6 +33,20 @@ _LINE_STYLES = ("-", "--", ":", "-.")
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 PANEL_COLUMNS = 2
 """Panels per row: more panels wrap onto further rows instead of shrinking the fonts."""
+
+MAX_LINES = 5
+"""Lines one panel draws at most; more become small multiples (one panel per group of lines),
+since five dash patterns and colours are about what a reader tells apart."""
+
+
+def line_groups(count: int, size: int = MAX_LINES) -> list[range]:
+    """``range(count)`` in consecutive groups of at most ``size``, of nearly equal length
+    (6 lines: 3 + 3 rather than 5 + 1)."""
+    if count <= 0:
+        return []
+    panels = math.ceil(count / size)
+    edges = [round(i * count / panels) for i in range(panels + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
 def line_style(i: int) -> dict[str, object]:

@@ -12,7 +12,12 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from idml.app.metric_display import format_metric, metric_heading, metric_sort_key
+from idml.app.metric_display import (
+    format_metric,
+    metric_heading,
+    metric_sort_key,
+    table_decimals,
+)
 from idml.app.reports import figures
 from idml.app.reports.classification import (
     CONFIDENCE_SCORES as CLASSIFICATION_SCORES,
@@ -64,6 +69,14 @@ class PageFigures:
 
 def note(text: str) -> str:
     return f'<p class="note">{html.escape(text)}</p>'
+
+
+def collapsible(summary: str, body: str, opened: bool = False, detail: str = "") -> str:
+    """``body`` under a heading line ``summary`` (with a grey ``detail``) that opens and closes
+    it: a ``<details>`` element, closed unless ``opened`` (no script needed)."""
+    extra = f' <span class="meta">{html.escape(detail)}</span>' if detail else ""
+    state = " open" if opened else ""
+    return f"<details{state}><summary>{html.escape(summary)}{extra}</summary>\n{body}\n</details>"
 
 
 def section_slug(index: int, label: str) -> str:
@@ -143,13 +156,24 @@ def _conditions_figure(probe: UncertaintyProbe, slug: str, page: PageFigures) ->
     )
 
 
-def run_section(index: int, report: RunReport, page: PageFigures) -> str:
+def run_section(index: int, report: RunReport, page: PageFigures, opened: bool = True) -> str:
+    """One run's figures and notes, under a heading that opens and closes them (closed unless
+    ``opened``: a page of many runs shows their headings first)."""
+    metrics = report.metrics
+    first = sorted(metrics, key=metric_sort_key)[:1]
+    detail = "; ".join(
+        [report.log.method] + [f"{metric_heading(k)} {format_metric(k, metrics[k])}" for k in first]
+    )
+    body = _run_body(index, report, page)
+    return collapsible(f"Run {report.label}", body, opened=opened, detail=detail)
+
+
+def _run_body(index: int, report: RunReport, page: PageFigures) -> str:
     run, analysis = report.log, report.analysis
     cfg = run.config
     slug = section_slug(index, report.label)
     batch = cfg.sampler.effective_batch_size
     parts = [
-        f"<h2>Run {html.escape(report.label)}</h2>",
         f'<p class="meta">Folder {html.escape(str(run.run_dir))}; name {html.escape(cfg.name)}; '
         f"{html.escape(run.method)}; batch {batch}; seed {cfg.seed}.</p>",
         *(note(text) for text in report.notes),
@@ -271,9 +295,11 @@ def _classification_section(analysis: ClassificationAnalysis, slug: str, page: P
     the most confident mistakes of a classification run's checkpoint."""
     names = analysis.class_names
     metrics = analysis.metrics
+    # The ||u|| levels of clean and altered images are read against each other: one precision.
+    digits = table_decimals({key: [value] for key, value in metrics.items()})
     rows = "".join(
         f'<tr><td class="text">{html.escape(metric_heading(key))}</td>'
-        f"<td>{format_metric(key, value)}</td>"
+        f"<td>{format_metric(key, value, **digits[key])}</td>"
         f'<td class="text">{html.escape(_describe_metric(key))}</td></tr>'
         for key, value in sorted(metrics.items(), key=lambda item: metric_sort_key(item[0]))
     )

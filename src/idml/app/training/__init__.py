@@ -4,7 +4,11 @@ A run folder holds ``config.yaml`` (every resolved default), ``metrics.jsonl`` (
 losses, metrics, learning rates, mean ``||u||`` of original and of mixed images), ``checkpoints/``
 (atomic, one per epoch, plus ``latest``/``best`` pointers) and TensorBoard events when installed.
 
-Determinism: every epoch reseeds its own generators from ``(seed, epoch)``, so a run resumed from the
+Epochs are numbered from 1 in the log, the checkpoints and on screen (``epoch 3/60`` is logged as
+``"epoch": 3`` and saved as ``checkpoints/epoch_0003``); inside the loop an epoch's *index* (from 0)
+seeds its generators.
+
+Determinism: every epoch reseeds its own generators from ``(seed, index)``, so a run resumed from the
 checkpoint of epoch ``e`` replays epochs ``e+1..`` exactly as an uninterrupted run would (on CPU).
 
 Several processes (``torchrun``, see :mod:`idml.app.distributed`): each loads its share of every global
@@ -28,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from idml.app import build
+from idml.app.checkpoint import resolve_checkpoint
 from idml.app.config import (
     Config,
     dump_config,
@@ -47,6 +52,8 @@ from idml.app.preflight import check_model_input, check_run_config
 from idml.app.run_folder import claim_run_folder
 from idml.app.training.checkpoints import RESUMABLE_CHANGES, Checkpointing
 from idml.app.training.checks import LearningChecks
+from idml.app.training.console import resume_line, startup_summary
+from idml.app.training.interrupt import interrupts_deferred
 from idml.app.training.monitoring import WeakeningMonitor
 from idml.app.training.optim import build_optimizers, build_scheduler
 from idml.app.training.records import EpochLogging, EpochRecord, NonFiniteError, TrainResult
@@ -80,8 +87,9 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         shards: split each global batch into this many shards for the per-shard random draws (Mixup,
             degradations, SSR); defaults to the number of processes. A single process with
             ``shards=R`` reproduces an ``R``-process run exactly (:class:`idml.app.distributed.ShardPlan`).
-        epoch_log: called (rank 0 only) with one summary line per finished epoch, e.g. ``print``
-            when no progress bars are shown.
+        echo: called (rank 0 only) with the lines a user keeps (:mod:`idml.app.training.console`):
+            the start-up summary, where a resumed run continues and one line per finished epoch
+            with its test metrics; ``idml train`` passes :func:`idml.progress.echo`.
 
     Example:
         One epoch of the ``idml demo`` baseline (scikit-learn's digits, a small CNN), in a
@@ -94,7 +102,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     result = Trainer(cfg, Path(folder) / "run", progress=False).fit()
         >>> result.best_epoch, "recall@1" in result.final_metrics
-        (0, True)
+        (1, True)
     """
 
     def __init__(
@@ -104,11 +112,11 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         progress: bool = True,
         distributed: DistributedContext | None = None,
         shards: int | None = None,
-        epoch_log: Callable[[str], None] | None = None,
+        echo: Callable[[str], None] | None = None,
     ) -> None:
         # Before any work: a config that cannot work is refused here, naming its keys.
         self.config_warnings = check_run_config(cfg)
-        self.epoch_log = epoch_log
+        self.echo = echo
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.dist = distributed if distributed is not None else DistributedContext()
@@ -129,8 +137,10 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         self.amp = cfg.optim.amp and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
         self.start_epoch = 0
+        """Epochs finished before :meth:`fit` (a resumed run's), so the index of the next one."""
         self.best_value = -math.inf
-        self.best_epoch = -1
+        self.best_epoch = 0
+        """Number (from 1) of the epoch with the best ``eval.select``; 0 before any evaluation."""
         self.best_metrics: dict[str, float] = {}
         self.eval_notes: dict[str, str] = {}
         self.history: list[dict[str, Any]] = []
@@ -201,33 +211,58 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
 
     def _fit(self, resume: bool) -> TrainResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        epochs = self.cfg.optim.epochs
+        self._say(
+            *startup_summary(self.cfg, self.data, self.run_dir, self.device, self.dist.world_size)
+        )
         if resume:
             self.resume()
-        elif self.dist.is_main:
+        if resume and self.dist.is_main:
+            self._say(
+                resume_line(
+                    resolve_checkpoint(self.run_dir),
+                    self.start_epoch,
+                    epochs,
+                    self.best_epoch,
+                    self.best_metrics,
+                    self.cfg.eval.select,
+                )
+            )
+        elif not resume and self.dist.is_main:
             self._log_path.write_text("")
         if self.dist.is_main:
             dump_config(self.cfg, self.run_dir / "config.yaml")
         self._open_loggers(resume)
-        epochs = self.cfg.optim.epochs
         metrics: dict[str, float] = {}
-        for epoch in range(self.start_epoch, epochs):
-            record = self.train_epoch(epoch)
-            last = epoch == epochs - 1
-            if (epoch + 1) % self.cfg.eval.every == 0 or last:
-                record.metrics = self.evaluate()
-                record.notes = dict(self.eval_notes)
-                metrics = record.metrics
-                self._track_best(epoch, metrics)
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self._log(record)
-            self._checkpoint(epoch)
-        for logger in self._loggers:
-            logger.close()
+        try:
+            for index in range(self.start_epoch, epochs):
+                record = self.train_epoch(index)
+                if record.epoch % self.cfg.eval.every == 0 or record.epoch == epochs:
+                    start = time.perf_counter()
+                    record.metrics = self.evaluate()
+                    record.eval_seconds = time.perf_counter() - start
+                    record.notes = dict(self.eval_notes)
+                    metrics = record.metrics
+                    self._track_best(record.epoch, metrics)
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                # A Ctrl-C waits for both: the epoch is logged and saved whole, or not at all.
+                with interrupts_deferred():
+                    self._log(record)
+                    self._checkpoint(record.epoch)
+        finally:
+            for logger in self._loggers:
+                logger.close()
         self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
         if not metrics and self.history:
             metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
         return TrainResult(self.run_dir, metrics, self.best_metrics, self.best_epoch, self.history)
+
+    def _say(self, *lines: str) -> None:
+        """Hand ``lines`` to ``echo`` (rank 0 only)."""
+        if self.echo is not None and self.dist.is_main:
+            for line in lines:
+                self.echo(line)
 
     def _generator(self, epoch: int, stream: int) -> torch.Generator:
         g = torch.Generator()
@@ -235,6 +270,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         return g
 
     def train_epoch(self, epoch: int) -> EpochRecord:
+        """Train the epoch of index ``epoch`` (from 0); its record is numbered ``epoch + 1``."""
         cfg = self.cfg
         self.model.train()
         self.loss.train()
@@ -287,7 +323,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         ism = self._ism_summary()
         self._check_learning(epoch, ism)
         return EpochRecord(
-            epoch, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps, ism=ism
+            epoch + 1, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps, ism=ism
         )
 
     def train_step(

@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from idml.app.checkpoint import (
+    BEST,
+    EPOCH_BASE,
     NonFiniteStateError,
+    checkpoint_name,
     load_model_weights,
     load_training_state,
     mark_best,
@@ -48,12 +51,12 @@ class Checkpointing:
             if saved.get("config", {}).get("optim", {}).get("epochs") == self.cfg.optim.epochs:
                 self.scheduler.load_state_dict(state["scheduler"])
             else:  # more (or fewer) epochs: the schedule of a fresh run of the new length
-                self._replay_schedule(int(state["epoch"]) + 1)
+                self._replay_schedule(int(saved["epoch"]))
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.start_epoch = int(state["epoch"]) + 1
+        self.start_epoch = int(saved["epoch"])  # epochs done (read_state numbers them from 1)
         self.best_value = float(state.get("best_value", -math.inf))
-        self.best_epoch = int(state.get("best_epoch", -1))
+        self.best_epoch = int(saved.get("best_epoch", 0))
         self.best_metrics = dict(state.get("best_metrics", {}))
         self.history = read_log(self._log_path, self.start_epoch)
         self.dist.barrier()  # every rank has read the log before rank 0 truncates it
@@ -88,11 +91,13 @@ class Checkpointing:
         return {}
 
     def _checkpoint(self, epoch: int) -> None:
+        """The checkpoint after epoch ``epoch`` (numbered from 1)."""
         if not self.dist.is_main:
             return
-        name = f"epoch_{epoch:04d}"
+        name = checkpoint_name(epoch)
         state = {
             "epoch": epoch,
+            EPOCH_BASE: 1,
             "config": config_to_dict(self.cfg),
             "num_train_classes": self.data.num_train_classes,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -116,13 +121,16 @@ class Checkpointing:
             raise self._non_finite(str(err), after_epoch=True) from None
         if self.best_epoch == epoch:
             mark_best(self.run_dir, name)
-        _prune(self.run_dir / "checkpoints", keep={name, f"epoch_{self.best_epoch:04d}"})
+        _prune(self.run_dir / "checkpoints", keep=name)
 
 
-def _prune(root: Path, keep: set[str]) -> None:
-    """Keep the latest and the best epoch; older epochs would only fill the disk."""
+def _prune(root: Path, keep: str) -> None:
+    """Keep the checkpoint ``keep`` (the latest) and the one ``best`` names (whose folder name may
+    follow an older numbering, in a resumed run); older epochs would only fill the disk."""
     import shutil
 
+    best = root / BEST
+    kept = {keep, best.read_text().strip()} if best.is_file() else {keep}
     for path in root.glob("epoch_*"):
-        if path.is_dir() and path.name not in keep:
+        if path.is_dir() and path.name not in kept:
             shutil.rmtree(path)

@@ -10,6 +10,8 @@ from typing import Any
 
 from idml.app.config import config_to_dict
 from idml.app.loggers import MLflowLogger, TensorBoardLogger, tensorboard_available
+from idml.app.run_folder import log_epochs_from_one
+from idml.app.training.console import epoch_line
 
 
 @dataclass
@@ -17,6 +19,7 @@ class EpochRecord:
     """What one epoch logs (one line of ``metrics.jsonl``)."""
 
     epoch: int
+    """The epoch's number, from 1 (as the terminal and the checkpoint folders name it)."""
     losses: dict[str, float]
     lr: dict[str, float]
     uncertainty: dict[str, float]
@@ -27,12 +30,16 @@ class EpochRecord:
     """ISM's weakening factors over the epoch (:class:`~idml.app.training.monitoring.WeakeningMonitor`), the
     warm-up strength at the epoch's end, and the mean gradient norm of the model."""
     notes: dict[str, str] = field(default_factory=dict)
+    eval_seconds: float = 0.0
+    """Seconds the test-set evaluation took (0 on epochs not evaluated); ``seconds`` is training."""
 
     def to_json(self) -> dict[str, Any]:
+        timing = {"eval_seconds": round(self.eval_seconds, 3)} if self.eval_seconds else {}
         return {
             "epoch": self.epoch,
             "steps": self.steps,
             "seconds": round(self.seconds, 3),
+            **timing,
             **{f"loss/{k}": v for k, v in self.losses.items()},
             **{f"lr/{k}": v for k, v in self.lr.items()},
             **{f"uncertainty/{k}": v for k, v in self.uncertainty.items()},
@@ -50,6 +57,7 @@ class TrainResult:
     final_metrics: dict[str, float]
     best_metrics: dict[str, float]
     best_epoch: int
+    """The number (from 1) of the epoch whose metrics are ``best_metrics``; 0 when never evaluated."""
     history: list[dict[str, Any]]
 
 
@@ -59,8 +67,8 @@ class NonFiniteError(FloatingPointError):
 
 class EpochLogging:
     """The :class:`~idml.app.training.Trainer`'s epoch log: ``metrics.jsonl``, the loggers and the
-    per-epoch summary line (uses the trainer's ``cfg``, ``run_dir``, ``dist``, ``history``,
-    ``epoch_log`` and ``_loggers``)."""
+    per-epoch line (uses the trainer's ``cfg``, ``run_dir``, ``dist``, ``history``, ``best_epoch``,
+    ``echo`` and ``_loggers``)."""
 
     @property
     def _log_path(self) -> Path:
@@ -69,8 +77,9 @@ class EpochLogging:
     def _log(self, record: EpochRecord) -> None:
         line = record.to_json()
         self.history.append(line)
-        if self.epoch_log is not None and self.dist.is_main:
-            self.epoch_log(epoch_summary(record, self.cfg.optim.epochs))
+        if self.echo is not None and self.dist.is_main:
+            best = self.cfg.eval.select if self.best_epoch == record.epoch else None
+            self.echo(epoch_line(record, self.cfg.optim.epochs, best))
         if not self.dist.is_main:
             return
         with open(self._log_path, "a") as fh:
@@ -99,7 +108,8 @@ class EpochLogging:
 
 
 def read_log(path: Path, epochs: int) -> list[dict[str, Any]]:
-    """The first ``epochs`` lines of ``metrics.jsonl``. Lines after them belong to epochs whose
+    """The first ``epochs`` lines of ``metrics.jsonl``, epochs numbered from 1
+    (:func:`~idml.app.run_folder.log_epochs_from_one`). Lines after them belong to epochs whose
     checkpoint was never written (a line cut by a crash among them) and are dropped."""
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -121,15 +131,4 @@ def read_log(path: Path, epochs: int) -> list[dict[str, Any]]:
                 f"cannot resume: line {number} of {path} is not JSON ({err.msg}); restore the "
                 "line or start again with --overwrite"
             ) from None
-    return history
-
-
-def epoch_summary(record: EpochRecord, epochs: int) -> str:
-    """``epoch 3/60: loss 0.4312, recall@1 0.5120 (41.2 s)``: the loss and the first metric."""
-    parts = [f"epoch {record.epoch + 1}/{epochs}:"]
-    if "total" in record.losses:
-        parts.append(f"loss {record.losses['total']:.4f},")
-    for key, value in list(record.metrics.items())[:1]:
-        parts.append(f"{key} {value:.4f},")
-    parts.append(f"{record.steps} steps, {record.seconds:.1f} s")
-    return " ".join(parts)
+    return log_epochs_from_one(history)
