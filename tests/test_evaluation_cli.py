@@ -194,14 +194,14 @@ def test_a_baseline_embedding_file_has_no_uncertainty_rows(tmp_path: Path, data,
     })  # fmt: skip
     code, out, _ = _run(capsys, "evaluate", "--embeddings", str(baseline))
     assert code == 0
-    assert "||u||" not in out and "auroc_norm_u" not in out and "aurc_norm_u" not in out
-    assert "auroc_top1_cos" in out  # the uncertainty-free confidence score stays
+    assert "||u||" not in out and "r_auroc_norm_u" not in out and "aurc_norm_u" not in out
+    assert "r_auroc_top1" in out  # the uncertainty-free confidence score stays
     code, out, _ = _run(capsys, "evaluate", "--embeddings", str(idml), "--json")
     report = json.loads(out)
-    assert "auroc_norm_u" in report["metrics"] and "uncertainty" in report
+    assert "r_auroc_norm_u" in report["metrics"] and "uncertainty" in report
     code, out, _ = _run(capsys, "evaluate", "--embeddings", str(baseline), "--json")
     report = json.loads(out)
-    assert "auroc_norm_u" not in report["metrics"] and "uncertainty" not in report
+    assert "r_auroc_norm_u" not in report["metrics"] and "uncertainty" not in report
 
 
 def test_the_nmi_method_stands_on_the_nmi_row(tmp_path: Path, data, capsys) -> None:

@@ -196,7 +196,7 @@ def test_many_runs_become_small_multiples(tmp_path: Path) -> None:
     run.mkdir()
     (run / "config.yaml").write_text("name: r\n")
     metrics = ["recall@1", "recall@2", "recall@4", "recall@8", "r_precision", "map@r", "map"]
-    metrics += ["mrr", "nmi", "auroc_top1_cos"]
+    metrics += ["mrr", "nmi", "r_auroc_top1"]
     lines = [
         {
             "epoch": e,
