@@ -113,3 +113,15 @@ def metric_sort_key(key: str) -> tuple[int, float, str]:
     if key.startswith("u_"):
         rank = 7
     return (rank, 0.0, key)
+
+
+def format_metrics(title: str, metrics: dict[str, float]) -> str:
+    """``title`` over a two-column table of metric values (as ``idml train`` prints them).
+
+    >>> print(format_metrics("run", {"recall@1": 0.5}))
+    run
+      recall@1  0.5000
+    """
+    width = max((len(k) for k in metrics), default=6)
+    lines = [title] + [f"  {k.ljust(width)}  {v:.4f}" for k, v in metrics.items()]
+    return "\n".join(lines)

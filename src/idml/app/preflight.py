@@ -21,28 +21,13 @@ MIN_CROP_AREA = 0.25
 (Resize 256, CenterCrop 224) keeps 77 %."""
 
 
-def training_metric_names(cfg: Config) -> list[str]:
-    """The test metrics a training run logs and ``eval.select`` may name, in report order.
-
-    Training evaluates with the exact search, so the full-ranking ``map`` and ``mrr`` are always
-    there; ``nmi`` only with ``eval.nmi``.
-    """
-    if cfg.task == "classification" and cfg.classification is not None:
-        # Larger is better for eval.select: the top-k accuracies (not ECE or NLL).
-        return [f"top{k}" for k in cfg.classification.ks]
-    names = [f"recall@{k}" for k in cfg.eval.ks] + ["r_precision", "map@r", "map", "mrr"]
-    if cfg.eval.nmi:
-        names.append("nmi")
-    return names
-
-
 def check_run_config(cfg: Config) -> list[str]:
     """Raise :class:`~idml.app.config.ConfigError` for a run that cannot work; return warnings."""
-    names = training_metric_names(cfg)
+    names = cfg.task.spec.metric_names(cfg)
     if cfg.eval.select not in names:
         raise ConfigError(
-            f"eval.select={cfg.eval.select!r} is not a metric this run reports; choose one of "
-            f"{', '.join(names)} (recall@K for K in eval.ks, nmi only with eval.nmi=true)"
+            f"eval.select={cfg.eval.select!r} is not a metric this {cfg.task.name} run reports; "
+            f"choose one of {', '.join(names)}"
         )
     d, o = cfg.data, cfg.optim
     resize = eval_resize_size(d.image_size) if d.resize_size is None else d.resize_size

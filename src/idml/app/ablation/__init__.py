@@ -159,7 +159,7 @@ def run_ablation(
     Returns:
         The :class:`AblationResult` (already written to ``ablation.md``/``ablation.csv``).
     """
-    from idml.app.classification_task import make_trainer
+    from idml.app.training import Trainer
 
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
@@ -208,7 +208,7 @@ def run_ablation(
     results: list[CellResult] = []
     for number, runs in enumerate(plans, start=1):
         if train_missing:
-            done = [_run_one(plan, progress, make_trainer, log) for plan in runs]
+            done = [_run_one(plan, progress, Trainer, log) for plan in runs]
         else:
             done = [r for r in (_finished(plan) for plan in runs) if r is not None]
             if not done:

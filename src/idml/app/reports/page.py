@@ -106,13 +106,8 @@ def write_report(
     for report in reports:
         if report.log.run_dir not in detailed:
             continue
-        classification = report.log.config.task == "classification"
         if not analyse:
-            missing = (
-                "no confusion matrix, reliability diagram or mistakes"
-                if classification
-                else "no retrieval grid, test uncertainty or t-SNE"
-            )
+            missing = report.log.config.task.spec.without_analysis()
             report.notes.append(
                 "Test-set analysis was not requested (--no-test): metrics are those of the last "
                 f"logged evaluation; {missing}."
@@ -208,9 +203,14 @@ def _comparison(reports: Sequence[RunReport], page: PageFigures) -> str:
         f"{head}<th>train time (s)</th></tr>\n" + "\n".join(rows) + "</table>"
     )
     parts = ["<h2>Comparison</h2>", table]
-    # Recall@K and precision–recall are retrieval results: a report of classification runs alone
-    # has none to miss.
-    retrieval = any(r.log.config.task != "classification" for r in reports)
+    # Recall@K and precision–recall are retrieval results: a report of runs whose tasks report
+    # no Recall@K (classification) has none to miss.
+    retrieval = any(
+        any(
+            name.startswith("recall@") for name in r.log.config.task.spec.metric_names(r.log.config)
+        )
+        for r in reports
+    )
     names = [r.label for r in reports]
     if any(k.startswith("recall@") for k in keys):
         dots = figures.recall_dots(names, [r.metrics for r in reports])
