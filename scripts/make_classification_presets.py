@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from idml.app.config import load_config, read_fragment, validate_config
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "configs" / "classification"
 # The authors' README table (top-1, top-5 in %; CIFAR-10 has no top-5 there).
@@ -77,6 +79,16 @@ DATASETS: dict[str, dict[str, Any]] = {
 }
 # CIFAR-10 follows the CIFAR-100 recipe of the CutMix code; only the folder differs.
 DATASETS["cifar10"] = {**DATASETS["cifar100"], "root": "data/cifar10"}
+# Method → (mixing, ISM) and the packaged method fragment that switches those components on: the
+# same fragments as the metric-learning presets, so `method/idml` means one thing everywhere.
+FRAGMENT = {
+    ("none", False): "method/plain",
+    ("none", True): "method/ism",
+    ("mixup", False): "method/mixup",
+    ("mixup", True): "method/idml",
+    ("cutmix", False): "method/mixup",
+    ("cutmix", True): "method/idml",
+}
 METHODS: dict[str, tuple[str, bool]] = {
     "baseline": ("none", False),
     "ism_baseline": ("none", True),
@@ -87,12 +99,13 @@ METHODS: dict[str, tuple[str, bool]] = {
 }
 
 
-def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+def recipe(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+    """The whole recipe of one row, every key it sets spelled out."""
     d = DATASETS[dataset]
     mix, ism = METHODS[method]
     cfg: dict[str, Any] = {
         "name": f"{dataset}-{method}",
-        "task": "classification",
+        "task": {"name": "classification", "scale": 20.0},
         "data": {
             "dataset": "folder",
             "root": d["root"],
@@ -108,7 +121,11 @@ def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[
             "embedding_dim": 2048,
             "pooling": "avg",
             "freeze_bn": False,
+            # The library's bounded uncertainty head: ISM starts as the plain softmax.
+            "uncertainty": {"enabled": ism},
         },
+        "metric": {"introspective": ism, "gamma": 0.0, "tau": 5.0},
+        "mixup": {"enabled": mix != "none"},
         "optim": {
             "optimizer": "sgd",
             "momentum": 0.9,
@@ -122,19 +139,38 @@ def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[
             "step_gamma": 0.1,
             "grad_clip": None,
         },
-        "classification": {"scale": 20.0, "mix": mix, "mix_alpha": 1.0, "mix_prob": d["mix_prob"]},
         "eval": {"every": d["eval_every"]},
     }
-    if ism:
-        # The library's bounded uncertainty head: ISM starts as the plain softmax.
-        cfg["model"]["uncertainty"] = {"enabled": True}
-        cfg["metric"] = {"introspective": True, "gamma": 0.0, "tau": 5.0}
+    if mix != "none":
+        cfg["mixup"] |= {"kind": mix, "alpha": 1.0, "probability": d["mix_prob"]}
     if numbers:
         cfg["published"] = {
             "source": f"IDML authors' README, classification table, row '{dataset} {method}'",
             "metrics": numbers,
         }
     return cfg
+
+
+def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+    """The row as its method fragment plus the keys the fragment does not give."""
+    full = recipe(dataset, method, numbers)
+    mix, ism = METHODS[method]
+    fragment = FRAGMENT[(mix, ism)]
+    given = read_fragment(fragment)
+    return {"include": [fragment], **_without(full, given)}
+
+
+def _without(full: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``full`` less the values ``given`` already sets (sections emptied by it are dropped)."""
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        if isinstance(value, dict) and isinstance(given.get(key), dict):
+            rest = _without(value, given[key])
+            if rest:
+                out[key] = rest
+        elif given.get(key, object()) != value:
+            out[key] = value
+    return out
 
 
 def main() -> None:
@@ -151,6 +187,9 @@ def main() -> None:
             )
             path = OUT / f"{dataset}_{method}.yaml"
             path.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+            full = recipe(dataset, method, numbers.get((dataset, method)))
+            if load_config(path) != validate_config(full):
+                raise SystemExit(f"{path} does not resolve to the recipe {full}")
             print(path.relative_to(REPO))
 
 

@@ -179,10 +179,10 @@ def test_divergence_after_a_good_epoch_leaves_that_epoch_latest(
 
     def poisoned(*args, **kwargs):
         parts = real(*args, **kwargs)
-        if trainer._position == (1, 1):
+        if trainer.monitor.position == (1, 1):
             with torch.no_grad():
                 next(trainer.model.parameters()).fill_(float("nan"))
-            trainer._check_finite_weights()
+            trainer.check_finite_weights()
         return parts
 
     monkeypatch.setattr(trainer, "train_step", poisoned)
@@ -203,7 +203,7 @@ def test_a_non_finite_test_set_embedding_names_the_epoch(
 
     def overflowing(*args, **kwargs):
         emb, labels = real(*args, **kwargs)
-        if trainer._position[0] == 1:  # the second epoch's evaluation
+        if trainer.monitor.position[0] == 1:  # the second epoch's evaluation
             semantic = emb.semantic.clone()
             semantic[3] = float("inf")
             return Embeddings(semantic, emb.uncertainty), labels

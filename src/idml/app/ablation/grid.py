@@ -187,6 +187,16 @@ PRESETS: dict[str, Preset] = {
             _ON_OFF_SYNONYMS,
             switch=True,
         ),
+        ChoicePreset(
+            "mix",
+            "mixed images with set labels: none, Mixup or CutMix (Yun et al. 2019), any task",
+            {
+                "none": (("mixup.enabled=false",), "none"),
+                "mixup": ((*_method("method/mixup"), "mixup.kind=mixup"), "Mixup"),
+                "cutmix": ((*_method("method/mixup"), "mixup.kind=cutmix"), "CutMix"),
+            },
+            {"off": "none"},
+        ),
         _switch("ssr", "self-supervised ranking auxiliary task (Fu et al. 2021)", "ssr.enabled"),
         _switch(
             "test_ism",

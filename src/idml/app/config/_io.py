@@ -369,7 +369,7 @@ def _upgrade(raw: dict[str, Any], source: str) -> dict[str, Any]:
     task = {"name": "classification"} | {
         key: old[key]
         for key in ("scale", "test_fraction", "test_samples_per_class", "ece_bins")
-        | {"uncertainty_probes"}
+        + ("uncertainty_probes",)
     }
     upgraded = _read_only(raw, keep)  # the old schema wrote every key, read or not
     upgraded["task"] = task
