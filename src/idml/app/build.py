@@ -33,6 +33,7 @@ from idml.data import (
     dataset_options,
     load_split,
 )
+from idml.data.datasets import TrainTestPair
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.losses import LossContext, MetricLoss
@@ -107,7 +108,7 @@ def build_data(cfg: Config) -> DMLSplit:
 
 def train_loader(
     cfg: Config,
-    data: DMLSplit,
+    data: TrainTestPair,
     epoch: int,
     generator: torch.Generator,
     num_replicas: int = 1,

@@ -184,11 +184,9 @@ def embed_images(
         text.update(names_of)
     out.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".npz":
-        np.savez(
-            out,
-            **{k: v.numpy() for k, v in payload.items()},
-            **{k: np.array(v, dtype=str) for k, v in text.items()},
-        )
+        columns: dict[str, Any] = {k: v.numpy() for k, v in payload.items()}
+        columns |= {k: np.array(v, dtype=str) for k, v in text.items()}
+        np.savez(out, **columns)
     elif suffix == ".pt":
         torch.save({**payload, **text}, out)
     elif suffix == ".safetensors":

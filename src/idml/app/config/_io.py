@@ -58,7 +58,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} does not exist; see configs/ for the presets")
         raw, included = _resolve_file(path, chain=())
         source = str(path) + (f" (includes {', '.join(included)})" if included else "")
-    before = copy.deepcopy(raw.get("data")) if isinstance(raw.get("data"), dict) else {}
+    data = raw.get("data")
+    before: dict[str, Any] = copy.deepcopy(data) if isinstance(data, dict) else {}
     keys = set()
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -316,7 +317,9 @@ def _keep_linear_head_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
     uncertainty head but ``form``; it was the linear head, so it stays one (its checkpoints hold
     that head's weights)."""
     model = raw.get("model")
-    head = model.get("uncertainty") if isinstance(model, dict) else None
+    if not isinstance(model, dict):
+        return raw
+    head = model.get("uncertainty")
     if isinstance(head, dict) and "form" not in head and all(k in head for k in _LINEAR_HEAD_KEYS):
         return {**raw, "model": {**model, "uncertainty": {**head, "form": "linear"}}}
     return raw
@@ -380,7 +383,8 @@ def _upgrade(raw: dict[str, Any], source: str) -> dict[str, Any]:
         "probability": old["mix_prob"],
         "keep_originals": old["keep_originals"],
     }
-    upgraded["eval"] = {**upgraded.get("eval", {}), "ks": old["ks"]}
+    evaluation: dict[str, Any] = dict(upgraded.get("eval") or {})
+    upgraded["eval"] = {**evaluation, "ks": old["ks"]}
     return upgraded
 
 

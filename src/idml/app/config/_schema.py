@@ -19,7 +19,7 @@ import re
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import (
     AfterValidator,
@@ -115,11 +115,12 @@ class NamedSections(Mapping[str, type[NamedSection]]):
         cache = (name, params)
         if cache not in self._models:
             title = params.__name__.removesuffix("Params") + "Config"
-            model = create_model(
-                title,
-                __base__=(params, self.base),
-                __module__=__name__,
-                name=(Literal[name], ...),  # type: ignore[valid-type]
+            bases: tuple[type[Any], ...] = (params, self.base)
+            model = typing.cast(
+                type[NamedSection],
+                create_model(
+                    title, __base__=bases, __module__=__name__, name=(Literal[name], ...)
+                ),
             )
             model.__doc__ = params.__doc__
             globals().setdefault(title, model)  # importable by name, so a config pickles
@@ -141,9 +142,10 @@ class NamedSections(Mapping[str, type[NamedSection]]):
             value = {"name": self.default, **value}
         members = tuple(self.values())
         if members not in self._unions:
-            union = typing.Union[members]  # noqa: UP007 (a runtime tuple of models)
+            union: Any = typing.Union[members]  # noqa: UP007 (a runtime tuple of models)
             self._unions[members] = TypeAdapter(Annotated[union, Field(discriminator="name")])
-        return self._unions[members].validate_python(value)
+        section: NamedSection = self._unions[members].validate_python(value)
+        return section
 
     def field(self, description: str) -> Any:
         """The ``Config`` field of this section: its default entry, validated by :meth:`validate`."""
@@ -253,7 +255,22 @@ class PublishedNumbers(Section):
 
 
 # --------------------------------------------------------------------------- data
-DatasetName = choices(Dataset)
+# A config key's choices are the library's lists, as a ``Literal`` built at run time; to the type
+# checker they are strings.
+if TYPE_CHECKING:
+    DatasetName: TypeAlias = str
+    UncertaintyFormName: TypeAlias = str
+    UncertaintyActivationName: TypeAlias = str
+    PoolingName: TypeAlias = str
+    ISMVariantName: TypeAlias = str
+    MixupModeName: TypeAlias = str
+else:
+    DatasetName = choices(Dataset)
+    UncertaintyFormName = choices(UncertaintyForm)
+    UncertaintyActivationName = choices(UncertaintyActivation)
+    PoolingName = choices(POOLING_NAMES)
+    ISMVariantName = choices(ISMVariant)
+    MixupModeName = choices(MixupMode)
 
 
 class DataConfig(Section):
@@ -338,7 +355,7 @@ class UncertaintyHeadConfig(Section):
 
     enabled: bool = False
     dim: int | None = Field(None, gt=0, description="d_u (None: same as embedding_dim)")
-    form: choices(UncertaintyForm) = Field(
+    form: UncertaintyFormName = Field(
         "bounded", description="bounded level × direction (default) or the paper's linear layer"
     )
     max_norm: float = Field(
@@ -350,7 +367,7 @@ class UncertaintyHeadConfig(Section):
     normalize: bool = Field(
         False, description="L2-normalise u as the official code does (starves the head)"
     )
-    activation: choices(UncertaintyActivation) = "none"
+    activation: UncertaintyActivationName = "none"
     init_std: float | None = Field(
         None,
         ge=0,
@@ -385,7 +402,7 @@ class ModelConfig(Section):
         True, description="ImageNet weights: true (cache), false, or a local weights file"
     )
     embedding_dim: int = Field(512, gt=0)
-    pooling: choices(POOLING_NAMES) = "sum"
+    pooling: PoolingName = "sum"
     freeze_bn: bool | None = Field(
         None, description="freeze BatchNorm statistics (None: when the backbone is pretrained)"
     )
@@ -401,7 +418,7 @@ class MetricConfig(Section):
     gamma: float = Field(0.0, ge=0, description="introspective bias γ")
     tau: float = Field(5.0, gt=0, description="weakening degree τ")
     power: ISMPower = 1
-    variant: choices(ISMVariant) = "soft"
+    variant: ISMVariantName = "soft"
     delta_normalized: bool = Field(
         True, description="similarity form: δ between normalised vectors (False: official code)"
     )
@@ -431,7 +448,7 @@ class MixupConfig(Section):
     fraction: float = Field(
         1.0, gt=0, le=1, description="metric learning: mixed images added, as a share of the batch"
     )
-    mode: choices(MixupMode) = Field(
+    mode: MixupModeName = Field(
         "set", description="metric learning: set labels or interpolate"
     )
     probability: UnitInterval = Field(

@@ -281,7 +281,9 @@ class Classification(Task):
                 progress=context.progress,
             )
             report = Evaluation(outputs.metrics(evaluation.ks, evaluation.ece_bins))
-        return context.dist.broadcast_object(report)
+        found = context.dist.broadcast_object(report)
+        assert found is not None  # rank 0 evaluated
+        return found
 
     def load_run(self, path: Path, which: str = "best") -> ClassificationRun:
         """A classification run's ``which`` checkpoint: the model from ``model.safetensors``, the

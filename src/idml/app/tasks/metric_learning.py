@@ -113,7 +113,9 @@ class MetricLearning(Task):
             report = Evaluation(
                 dict(evaluation.metrics), {"nmi_method": evaluation.settings["nmi_method"]}
             )
-        return context.dist.broadcast_object(report)
+        found = context.dist.broadcast_object(report)
+        assert found is not None  # rank 0 evaluated
+        return found
 
     def evaluate_run(
         self,
