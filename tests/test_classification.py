@@ -283,7 +283,9 @@ def test_classification_defaults_round_trip() -> None:
     explicit = load_config(None, ["task=classification", "sampler.kind=balanced"])
     assert explicit.sampler.kind == "balanced"
     metric = load_config(None)
-    assert metric.task.name == "metric_learning" and validate_config(config_to_dict(metric)) == metric
+    assert (
+        metric.task.name == "metric_learning" and validate_config(config_to_dict(metric)) == metric
+    )
     assert "probability" not in config_to_dict(metric)["mixup"]
 
 
@@ -372,17 +374,11 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFi
         "mixup.probability=0.5",
         "degradations.blur_fraction=0.25",
     ]
-    whole = Trainer(
-        load_config(None, [*base, "optim.epochs=2"]), tmp_path / "a", progress=False
-    )
+    whole = Trainer(load_config(None, [*base, "optim.epochs=2"]), tmp_path / "a", progress=False)
     expected = whole.fit()
-    first = Trainer(
-        load_config(None, [*base, "optim.epochs=1"]), tmp_path / "b", progress=False
-    )
+    first = Trainer(load_config(None, [*base, "optim.epochs=1"]), tmp_path / "b", progress=False)
     first.fit()
-    resumed = Trainer(
-        load_config(None, [*base, "optim.epochs=2"]), tmp_path / "b", progress=False
-    )
+    resumed = Trainer(load_config(None, [*base, "optim.epochs=2"]), tmp_path / "b", progress=False)
     result = resumed.fit(resume=True)
     assert result.final_metrics == expected.final_metrics
     assert {"u_clean", "u_mixup", "u_cutmix", "u_lowres", "top1", "top5"} <= set(

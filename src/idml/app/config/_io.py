@@ -369,11 +369,14 @@ def _upgrade(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
     keep = TASKS["classification"].reads
     mixed = old["mix"] != "none"
-    task = {"name": "classification"} | {
-        key: old[key]
-        for key in ("scale", "test_fraction", "test_samples_per_class", "ece_bins")
-        + ("uncertainty_probes",)
-    }
+    settings = (
+        "scale",
+        "test_fraction",
+        "test_samples_per_class",
+        "ece_bins",
+        "uncertainty_probes",
+    )
+    task = {"name": "classification"} | {key: old[key] for key in settings}
     upgraded = _read_only(raw, keep)  # the old schema wrote every key, read or not
     upgraded["task"] = task
     upgraded["mixup"] = {

@@ -118,9 +118,7 @@ class NamedSections(Mapping[str, type[NamedSection]]):
             bases: tuple[type[Any], ...] = (params, self.base)
             model = typing.cast(
                 type[NamedSection],
-                create_model(
-                    title, __base__=bases, __module__=__name__, name=(Literal[name], ...)
-                ),
+                create_model(title, __base__=bases, __module__=__name__, name=(Literal[name], ...)),
             )
             model.__doc__ = params.__doc__
             globals().setdefault(title, model)  # importable by name, so a config pickles
@@ -448,9 +446,7 @@ class MixupConfig(Section):
     fraction: float = Field(
         1.0, gt=0, le=1, description="metric learning: mixed images added, as a share of the batch"
     )
-    mode: MixupModeName = Field(
-        "set", description="metric learning: set labels or interpolate"
-    )
+    mode: MixupModeName = Field("set", description="metric learning: set labels or interpolate")
     probability: UnitInterval = Field(
         1.0, description="classification: probability that a batch is mixed"
     )
