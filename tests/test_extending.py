@@ -37,12 +37,8 @@ def test_readme_library_example() -> None:
 
 
 def test_config_sections_follow_the_registry() -> None:
+    # Each section's keys: tests/test_registries.py, for every registered loss.
     assert list(LOSS_CONFIGS) == list(LOSSES)
-    for name, spec in LOSSES.items():
-        section = LOSS_CONFIGS[name]
-        assert list(section.model_fields) == ["name", *spec.params.model_fields]
-        defaults = load_config(None, [f"loss.name={name}"]).loss
-        assert defaults.model_dump(exclude={"name"}) == spec.params().model_dump()
 
 
 def test_constructor_defaults_come_from_the_params_model() -> None:

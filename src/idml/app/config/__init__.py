@@ -62,6 +62,7 @@ from idml.app.config._schema import (
     choices,
     config_keys,
     loss_section,
+    reads_key,
 )
 
 __all__ = [
@@ -100,6 +101,7 @@ __all__ = [
     "loss_section",
     "merge_configs",
     "read_fragment",
+    "reads_key",
     "stored_config_dict",
     "to_overrides",
     "validate_config",
