@@ -3,13 +3,12 @@ config reads (``idml.app.config`` validates ``task:`` against it at validation t
 registered after the config module was imported is a valid ``task.name`` too).
 
 Example:
+    >>> from idml.app.config import load_config
     >>> from idml.app.tasks import TASKS
     >>> list(TASKS)
     ['metric_learning', 'classification']
     >>> TASKS["classification"].metric_names(load_config(None, ["task=classification"]))
     ['top1', 'top5']
-
-(``load_config`` is :func:`idml.app.config.load_config`.)
 """
 
 from __future__ import annotations
