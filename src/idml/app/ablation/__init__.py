@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from idml.app.ablation.grid import (
+from idml.app.ablation._grid import (
     IGNORED_KEYS,
     PRESETS,
     AliasPreset,
@@ -60,7 +60,7 @@ from idml.app.ablation.grid import (
     parse_grid,
     split_values,
 )
-from idml.app.ablation.results import (
+from idml.app.ablation._results import (
     AblationResult,
     CellResult,
     SeedResult,
@@ -97,10 +97,8 @@ __all__ = [
     "SeedResult",
     "Selection",
     "canonical_value",
-    "config_difference",
     "describe_presets",
     "expand_grid",
-    "metric_sort_key",
     "parse_grid",
     "run_ablation",
     "split_values",

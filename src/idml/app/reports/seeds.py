@@ -213,7 +213,7 @@ def seed_table(
     metrics: Sequence[str] | None = None,
 ) -> SeedTable:
     """Group ``runs`` by recipe and compare the groups (see the module docstring)."""
-    from idml.app.ablation import metric_sort_key
+    from idml.app.metric_display import metric_sort_key
 
     groups = group_runs(runs, labels)
     keys = (
