@@ -24,9 +24,15 @@ def restore_losses() -> Iterator[None]:
 
 
 def test_readme_extending_example(restore_losses: None) -> None:
-    """The README's 'Extending idml' walk-through registers a loss and runs as written."""
-    result = run_readme_section("## Extending idml")
-    assert result.failed == 0 and result.attempted > 10
+    """The README's 'Extending idml' walk-through registers a loss and a task and runs as written."""
+    from idml.app.tasks import TASKS, unregister_task
+
+    try:
+        result = run_readme_section("## Extending idml")
+        assert "deduplication" in TASKS
+    finally:
+        unregister_task("deduplication")
+    assert result.failed == 0 and result.attempted > 15
     assert "centroid" in LOSS_CONFIGS
 
 
