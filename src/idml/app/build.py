@@ -20,6 +20,7 @@ from idml.augment import (
     GaussianBlur,
     LowResolution,
     Mixup,
+    MixupMode,
     Occlusion,
     UncertaintyAugmentation,
 )
@@ -40,11 +41,13 @@ from idml.losses import LossContext, MetricLoss
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
 from idml.models import (
     EmbeddingModel,
+    UncertaintyActivation,
     UncertaintyHeadSpec,
     UncertaintyHeadSpecError,
     UncertaintyKind,
 )
 from idml.models import build_model as _build_model
+from idml.models.heads import UncertaintyForm
 from idml.progress import Progress
 from idml.ranking import SelfSupervisedRanking
 
@@ -197,10 +200,10 @@ def uncertainty_head(cfg: Config) -> UncertaintyHeadSpec | None:
     return UncertaintyHeadSpec(
         kind,
         dim=u.dim,
-        form=u.form,
+        form=UncertaintyForm(u.form),
         max_norm=u.max_norm,
         init_level=u.init_level,
-        activation=u.activation,
+        activation=UncertaintyActivation(u.activation),
         normalize=u.normalize,
         init_std=u.init_std,
     )
@@ -289,7 +292,7 @@ def build_augmentations(cfg: Config) -> AugmentationPipeline:
         if m.kind == "cutmix":
             steps.append(CutMix(alpha=m.alpha, fraction=m.fraction))
         else:
-            steps.append(Mixup(alpha=m.alpha, fraction=m.fraction, mode=m.mode))
+            steps.append(Mixup(alpha=m.alpha, fraction=m.fraction, mode=MixupMode(m.mode)))
     return AugmentationPipeline(tuple(steps))
 
 
