@@ -325,70 +325,16 @@ def _keep_linear_head_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-_OLD_CLASSIFICATION_KEYS = {
-    "scale": "task.scale",
-    "mix": "mixup.enabled and mixup.kind",
-    "mix_alpha": "mixup.alpha",
-    "mix_prob": "mixup.probability",
-    "keep_originals": "mixup.keep_originals",
-    "test_fraction": "task.test_fraction",
-    "test_samples_per_class": "task.test_samples_per_class",
-    "ks": "eval.ks",
-    "ece_bins": "task.ece_bins",
-    "uncertainty_probes": "task.uncertainty_probes",
-}
-"""The keys of the ``classification`` section of idml before tasks, and where they live now."""
-
-
 def _upgrade(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Old spellings as today's schema reads them: a run written before
-    ``model.uncertainty.form`` existed keeps its linear head, and a config stored by a run before
-    tasks had their section (the whole ``classification`` section written out) reads as
-    ``task: {name: classification, ...}`` and the one ``mixup`` section. An old ``classification``
-    section written by hand is refused, naming where each of its keys went."""
-    raw = _keep_linear_head_of_old_runs(raw)
-    if "classification" not in raw:
-        return raw
-    raw = dict(raw)
-    old = raw.pop("classification")
-    if old is None:  # a metric-learning run of that version
-        return raw
-    if not (isinstance(old, dict) and set(old) == set(_OLD_CLASSIFICATION_KEYS)):
-        moved = [
-            f"classification.{key} -> {new}"
-            for key, new in _OLD_CLASSIFICATION_KEYS.items()
-            if isinstance(old, dict) and key in old
-        ]
-        raise ConfigError(
-            "the classification section is now the task section and the one mixup section: "
-            "write task: {name: classification, ...}"
-            + (f" ({'; '.join(moved)})" if moved else "")
-            + f"\n  in {source}"
-        )
+    ``model.uncertainty.form`` existed keeps its linear head, and each task reads its own old
+    keys (:meth:`idml.app.tasks.Task.upgrade`)."""
     from idml.app.tasks import TASKS
 
-    keep = TASKS["classification"].reads
-    mixed = old["mix"] != "none"
-    settings = (
-        "scale",
-        "test_fraction",
-        "test_samples_per_class",
-        "ece_bins",
-        "uncertainty_probes",
-    )
-    task = {"name": "classification"} | {key: old[key] for key in settings}
-    upgraded = _read_only(raw, keep)  # the old schema wrote every key, read or not
-    upgraded["task"] = task
-    upgraded["mixup"] = {
-        "enabled": mixed,
-        "kind": old["mix"] if mixed else "mixup",
-        "alpha": old["mix_alpha"],
-        "probability": old["mix_prob"],
-        "keep_originals": old["keep_originals"],
-    }
-    evaluation: dict[str, Any] = dict(upgraded.get("eval") or {})
-    upgraded["eval"] = {**evaluation, "ks": old["ks"]}
-    return upgraded
+    raw = _keep_linear_head_of_old_runs(raw)
+    for task in TASKS.values():
+        raw = task.upgrade(raw, source)
+    return raw
 
 
 RUNTIME_KEYS: frozenset[str] = frozenset(
@@ -441,17 +387,18 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     """JSON-compatible dict (paths as strings) that :func:`validate_config` reads back: every key
     the run's task reads, defaults included (a key it does not read is left out, since setting it
     would be an error)."""
-    return _read_only(cfg.model_dump(mode="json"), cfg.task.spec.reads)
+    return read_only(cfg.model_dump(mode="json"), cfg.task.spec.reads)
 
 
-def _read_only(raw: dict[str, Any], reads: frozenset[str], prefix: str = "") -> dict[str, Any]:
+def read_only(raw: dict[str, Any], reads: frozenset[str], prefix: str = "") -> dict[str, Any]:
+    """The keys of a config mapping that a task reading ``reads`` reads (``task`` always)."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
         path = prefix + key
         if path == "task" or path in reads or any(path.startswith(r + ".") for r in reads):
             out[key] = value
         elif isinstance(value, dict) and reads_key(reads, path):
-            out[key] = _read_only(value, reads, path + ".")
+            out[key] = read_only(value, reads, path + ".")
     return out
 
 

@@ -566,8 +566,7 @@ class Config(Section):
 
     name: str = "run"
     task: TaskConfig = TASK_CONFIGS.field(
-        "the task (idml.app.tasks.TASKS) and its settings: metric_learning (retrieval) or "
-        "classification"
+        "the task (a name of idml.app.tasks.TASKS) and its settings"
     )
     seed: int = Field(0, ge=0, description="seed of every random draw (numpy needs it >= 0)")
     device: str = Field(

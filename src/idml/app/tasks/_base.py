@@ -197,6 +197,12 @@ class Task(ABC):
     evaluation_options: ClassVar[frozenset[str]] = frozenset()
     """The :class:`EvaluationRequest` fields :meth:`evaluate_run` honours."""
 
+    def upgrade(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """A raw config (a file, or one a run stored) with this task's keys of older versions of
+        idml spelled as today's, or a ``ConfigError`` naming an old key's new place; called for
+        every config before it is validated. Unchanged by default."""
+        return raw
+
     def check_config(self, cfg: Config) -> None:
         """Refuse (``ValueError`` naming the keys) settings of the keys it reads that this task
         cannot run with; called when a config is validated. Nothing by default."""

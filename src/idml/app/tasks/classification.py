@@ -32,7 +32,7 @@ from torch import Tensor
 
 from idml.app import build
 from idml.app.checkpoint import TRAINING_FILE, CheckpointError, load_weights
-from idml.app.config import RUN_KEYS, Config, OpenUnitInterval
+from idml.app.config import RUN_KEYS, Config, ConfigError, OpenUnitInterval, read_only
 from idml.app.tasks._base import (
     Evaluation,
     EvaluationContext,
@@ -182,6 +182,22 @@ class ClassificationRun(LoadedRun):
         return arrays, {"logit_classes": list(self.class_names)}
 
 
+_OLD_KEYS = {
+    "scale": "task.scale",
+    "mix": "mixup.enabled and mixup.kind",
+    "mix_alpha": "mixup.alpha",
+    "mix_prob": "mixup.probability",
+    "keep_originals": "mixup.keep_originals",
+    "test_fraction": "task.test_fraction",
+    "test_samples_per_class": "task.test_samples_per_class",
+    "ks": "eval.ks",
+    "ece_bins": "task.ece_bins",
+    "uncertainty_probes": "task.uncertainty_probes",
+}
+"""The keys of the ``classification`` section before tasks had the ``task`` section, and where
+they live now."""
+
+
 class Classification(Task):
     """Image classification with the introspective cosine classifier (module docstring)."""
 
@@ -212,6 +228,46 @@ class Classification(Task):
         "eval.batch_size",
     }
     defaults = "task/classification"
+
+    def upgrade(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """A config stored by a run before tasks had their section (the whole ``classification``
+        section written out, beside every other key at its default) reads as ``task: {name:
+        classification, ...}`` and the one ``mixup`` section; a ``classification`` section written
+        by hand is refused, naming where each of its keys went (``classification: null``, which
+        metric-learning runs of that version stored, is dropped)."""
+        if "classification" not in raw:
+            return raw
+        raw = dict(raw)
+        old = raw.pop("classification")
+        if old is None:
+            return raw
+        if not (isinstance(old, dict) and set(old) == set(_OLD_KEYS)):
+            moved = [
+                f"classification.{key} -> {new}"
+                for key, new in _OLD_KEYS.items()
+                if isinstance(old, dict) and key in old
+            ]
+            raise ConfigError(
+                "the classification section is now the task section and the one mixup section: "
+                "write task: {name: classification, ...}"
+                + (f" ({'; '.join(moved)})" if moved else "")
+                + f"\n  in {source}"
+            )
+        mixed = old["mix"] != "none"
+        settings = ("scale", "test_fraction", "test_samples_per_class", "ece_bins")
+        upgraded = read_only(raw, self.reads)  # the old schema wrote every key, read or not
+        upgraded["task"] = {"name": self.name, "uncertainty_probes": old["uncertainty_probes"]}
+        upgraded["task"] |= {key: old[key] for key in settings}
+        upgraded["mixup"] = {
+            "enabled": mixed,
+            "kind": old["mix"] if mixed else "mixup",
+            "alpha": old["mix_alpha"],
+            "probability": old["mix_prob"],
+            "keep_originals": old["keep_originals"],
+        }
+        evaluation: dict[str, Any] = dict(upgraded.get("eval") or {})
+        upgraded["eval"] = {**evaluation, "ks": old["ks"]}
+        return upgraded
 
     def check_config(self, cfg: Config) -> None:
         if cfg.data.dataset in ("cub", "cars", "sop"):
