@@ -330,12 +330,25 @@ def test_a_run_stored_before_tasks_had_a_section_still_loads() -> None:
 
 
 def test_method_fragments_mean_the_same_for_both_tasks() -> None:
+    from idml.app.ablation import expand_grid, parse_grid
     from idml.app.config import fragment_overrides
 
     idml = fragment_overrides("method/idml")
     for task in ("metric_learning", "classification"):
         cfg = load_config(None, [f"task={task}", *idml])
         assert cfg.mixup.enabled and cfg.metric.introspective and cfg.model.uncertainty.enabled
+    # An ablation's method axis on a classification config: SSR, which the task does not have,
+    # is left alone rather than switched off.
+    base = load_config(None, ["task=classification"])
+    cells = expand_grid(parse_grid(["method=baseline,idml"]), base)
+    for cell in cells:
+        assert not any(o.startswith("ssr.") for o in cell.overrides)
+        cfg = load_config(None, ["task=classification", *cell.overrides])
+        idml = "idml" in cell.name.lower()
+        assert cfg.metric.introspective == cfg.mixup.enabled == idml
+    mixes = expand_grid(parse_grid(["metric=plain,ism", "mix=none,cutmix"]), base)
+    kinds = {load_config(None, ["task=classification", *c.overrides]).mixup.kind for c in mixes}
+    assert len(mixes) == 4 and "cutmix" in kinds
 
 
 # --------------------------------------------------------------------------- training

@@ -19,6 +19,7 @@ from idml.app.config import (
     Config,
     merge_configs,
     read_fragment,
+    reads_key,
     to_overrides,
 )
 
@@ -53,8 +54,14 @@ class ChoicePreset:
         return key
 
     def overrides(self, value: str, base: Config | None) -> tuple[str, ...]:
-        """The config overrides of one (canonical) value."""
-        return self.choices[value][0]
+        """The config overrides of one (canonical) value, less those of keys the base config's
+        task does not read: a component a task does not have is off already (``method=baseline``
+        of a classification config switches no SSR off)."""
+        overrides = self.choices[value][0]
+        if base is None:
+            return overrides
+        reads = base.task.spec.reads
+        return tuple(o for o in overrides if reads_key(reads, o.partition("=")[0]))
 
     def label(self, value: str) -> str:
         """How the value appears in the table."""

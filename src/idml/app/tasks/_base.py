@@ -180,8 +180,16 @@ class LoadedRun:
 
 
 class Task(ABC):
-    """One kind of run (module docstring). Subclass it, then
-    :func:`~idml.app.tasks.register_task` an instance."""
+    """One kind of run: what it learns and how it is judged. Subclass it, then
+    :func:`~idml.app.tasks.register_task` an instance.
+
+    A task owns its config (:attr:`params`, :attr:`reads`, :attr:`defaults`, :meth:`upgrade`,
+    :meth:`check_config`), the split (:meth:`build_data`), the objective (:meth:`build_objective`),
+    the batch augmentations (:meth:`build_augmentations`), evaluation during training
+    (:meth:`evaluate`, :meth:`metric_names`) and finished runs (:meth:`load_run`,
+    :meth:`evaluate_run`, :meth:`analyse`, :meth:`report_section`). The trainer, the CLI and the
+    report call these and never compare task names.
+    """
 
     name: ClassVar[str]
     """The ``task.name`` a config selects this task with (an identifier)."""
