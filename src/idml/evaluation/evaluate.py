@@ -318,7 +318,7 @@ def _retrieve(
             metric=scorer,
             execution=SearchExecution(block_size=s.block_size, device=device, progress=progress),
         )
-        acc = RankAccumulator(n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels))
+        acc = RankAccumulator(n_q, tuple(s.ks), tuple(cutoffs), tuple(s.recall_levels))
         for query_ids, ranks, num_rel in out.rank_chunks:
             acc.add(query_ids, ranks, num_rel)
         return acc, out.neighbors, "exact"
@@ -340,7 +340,12 @@ def _retrieve(
     )
     ranks = ranks_from_neighbors(neighbor_labels, sets.q_labels, num_rel)
     acc = RankAccumulator(
-        n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels), complete=False, known_depth=found.k
+        n_q,
+        tuple(s.ks),
+        tuple(cutoffs),
+        tuple(s.recall_levels),
+        complete=False,
+        known_depth=found.k,
     )
     acc.add(torch.arange(n_q), ranks, num_rel)
     # The lists were made deep enough for the metrics; the report keeps num_neighbors of them.

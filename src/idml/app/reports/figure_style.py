@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -29,7 +30,7 @@ PANEL_COLUMNS = 2
 """Panels per row: more panels wrap onto further rows instead of shrinking the fonts."""
 
 
-def line_style(i: int) -> dict[str, object]:
+def line_style(i: int) -> dict[str, Any]:
     return {
         "linestyle": _LINE_STYLES[i % len(_LINE_STYLES)],
         "marker": _MARKERS[i % len(_MARKERS)],

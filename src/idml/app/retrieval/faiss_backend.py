@@ -54,7 +54,8 @@ def faiss_parameters(index: Any, parameters: str | None) -> None:
     import faiss
 
     try:
-        faiss.ParameterSpace().set_index_parameters(index, parameters)
+        space: Any = faiss.ParameterSpace()  # its stub types only (index, name, value)
+        space.set_index_parameters(index, parameters)
     except RuntimeError as err:
         raise ValueError(
             f"faiss search parameters {parameters!r} do not apply to this index "

@@ -105,7 +105,7 @@ def create_app(
         }
 
     @app.post("/search")
-    async def search(request: fastapi.Request) -> dict[str, Any]:
+    async def search(request: fastapi.Request) -> dict[str, Any]:  # type: ignore[name-defined]
         body = await _read_body(request, max_bytes)
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind == "multipart/form-data":

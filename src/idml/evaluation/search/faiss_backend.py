@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -51,7 +53,8 @@ def faiss_search(
     kind = faiss.METRIC_INNER_PRODUCT if metric == "cosine" else faiss.METRIC_L2
     index = faiss.index_factory(r_np.shape[1], index_factory, kind)
     if search_parameters:
-        faiss.ParameterSpace().set_index_parameters(index, search_parameters)
+        space: Any = faiss.ParameterSpace()  # its stub types only (index, name, value)
+        space.set_index_parameters(index, search_parameters)
     if not index.is_trained:
         index.train(r_np)
     index.add(r_np)
