@@ -424,6 +424,29 @@ def test_presets_validate_and_pick_sgd_with_milestones() -> None:
         load_config(None, ["optim.scheduler=multistep"])
 
 
+def test_presets_are_the_scripts_output_and_resolve_to_its_recipe() -> None:
+    """The committed presets are what scripts/make_classification_presets.py writes: each a
+    method fragment (method/idml means the same as for retrieval) plus the rest of its recipe."""
+    import importlib.util
+
+    import yaml
+
+    from idml.app.config import validate_config
+
+    repo = Path(__file__).resolve().parents[1]
+    path = repo / "scripts" / "make_classification_presets.py"
+    spec = importlib.util.spec_from_file_location("make_classification_presets", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for dataset in script.DATASETS:
+        for method in script.METHODS:
+            numbers = script.PUBLISHED.get((dataset, method))
+            file = repo / "configs" / "classification" / f"{dataset}_{method}.yaml"
+            assert yaml.safe_load(file.read_text()) == script.preset(dataset, method, numbers)
+            assert load_config(file) == validate_config(script.recipe(dataset, method, numbers))
+
+
 def test_trainer_builds_sgd_and_multistep(tmp_path: Path) -> None:
     cfg = load_config(
         None,
