@@ -176,19 +176,18 @@ def evaluation_check(context: Any, run_dir: Path) -> dict[str, Any]:
     from idml.app.tasks.metric_learning import embed_test_set
     from idml.app.training import Trainer
     from idml.embeddings import Embeddings
+    from idml.models import embed_dataset
 
     cfg = load_config(None, [*TINY, "data.samples_per_class=39", "eval.batch_size=64"])
     trainer = Trainer(cfg, run_dir / "eval", progress=False, distributed=context)
     emb, labels = embed_test_set(trainer.evaluation_context())
-    whole, whole_labels = build.embed_dataset(trainer.model, trainer.data.test, 64, trainer.device)
+    whole, whole_labels = embed_dataset(trainer.model, trainer.data.test, 64, trainer.device)
     # The same two contiguous parts embedded one after the other in this process: the batches
     # (and so the kernels oneDNN picks for each batch size) are those of the two ranks, so this
     # reference is bit-identical to the gathered embeddings by construction, on any CPU.
     parts = torch.arange(len(trainer.data.test)).tensor_split(context.world_size)
     layout = [
-        build.embed_dataset(
-            trainer.model, Subset(trainer.data.test, p.tolist()), 64, trainer.device
-        )
+        embed_dataset(trainer.model, Subset(trainer.data.test, p.tolist()), 64, trainer.device)
         for p in parts
     ]
     out: dict[str, Any] = {

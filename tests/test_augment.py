@@ -311,9 +311,9 @@ def test_a_batch_is_checked_once_however_the_augmentations_are_composed(
     # per augmentation and once more per composite.
     import idml.augment.batch as batch_module
 
-    calls: list[str] = []
+    calls: list[torch.Tensor] = []
     real = batch_module.check_images
-    monkeypatch.setattr(batch_module, "check_images", lambda n, x: (calls.append(n), real(n, x)))
+    monkeypatch.setattr(batch_module, "check_images", lambda x: (calls.append(x), real(x)))
     images, labels = torch.rand(8, 3, 8, 8), torch.arange(8) % 4
     steps = (Mixup(fraction=0.5), GaussianBlur(fraction=0.5), LowResolution(fraction=0.5))
     g = torch.Generator().manual_seed(0)

@@ -236,7 +236,7 @@ def test_split_needs_every_class_on_both_sides(tmp_path: Path) -> None:
     _write_images(tmp_path / "train" / "a", 2, 0)
     _write_images(tmp_path / "train" / "b", 2, 9)
     _write_images(tmp_path / "val" / "a", 2, 0)
-    with pytest.raises(ValueError, match=r"val/b holds no images"):
+    with pytest.raises(ValueError, match=r"every class on both sides; only in train: b"):
         load_classification_split("folder", tmp_path)
     with pytest.raises(ValueError, match=r"data\.dataset='cub' has no classification split"):
         load_classification_split("cub", tmp_path)

@@ -532,9 +532,9 @@ def test_config_accepts_lists_and_stays_hashable() -> None:
 @pytest.mark.parametrize(
     ("images", "match"),
     [
-        (torch.rand(2, 3, 8, 8) * 2 - 0.5, "before normalisation"),
+        (torch.rand(2, 3, 8, 8) * 2 - 0.5, "un-normalised floats in \\[0, 1\\]"),
         (torch.rand(2, 4, 8, 8), "1 or 3 channels"),
-        (torch.rand(3, 8, 8), "\\(M, C, H, W\\)"),
+        (torch.rand(3, 8, 8), "\\(batch, channels, height, width\\)"),
         (torch.randint(0, 255, (2, 3, 8, 8), dtype=torch.uint8), "255"),
     ],
 )

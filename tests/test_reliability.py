@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from idml.app import build, checkpoint
+import idml.app.training as training_module
+from idml.app import checkpoint
 from idml.app.cli import main
 from idml.app.config import load_config
 from idml.app.run_folder import LOCK_FILE, claim_run_folder
@@ -199,7 +200,7 @@ def test_a_non_finite_test_set_embedding_names_the_epoch(
 ) -> None:
     cfg = load_config(None, [*TINY, "optim.epochs=2"])
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
-    real = build.embed_dataset
+    real = training_module.embed_dataset
 
     def overflowing(*args, **kwargs):
         emb, labels = real(*args, **kwargs)
@@ -209,7 +210,7 @@ def test_a_non_finite_test_set_embedding_names_the_epoch(
             return Embeddings(semantic, emb.uncertainty), labels
         return emb, labels
 
-    monkeypatch.setattr(build, "embed_dataset", overflowing)
+    monkeypatch.setattr(training_module, "embed_dataset", overflowing)
     with pytest.raises(FloatingPointError) as caught:
         trainer.fit()
     message = str(caught.value)

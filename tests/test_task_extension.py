@@ -42,6 +42,7 @@ from idml.augment import AugmentationPipeline, AugmentedBatch
 from idml.data.classification import load_classification_split
 from idml.data.datasets import TrainTestPair
 from idml.embeddings import Embeddings
+from idml.models import embed_dataset
 from tiny_run import TINY, write_images
 
 
@@ -75,7 +76,7 @@ class PrototypeObjective(Objective):
 
 @torch.no_grad()
 def accuracy(model: Any, prototypes: Prototypes, dataset: Any, device: torch.device) -> float:
-    emb, labels = build.embed_dataset(model, dataset, 64, device)
+    emb, labels = embed_dataset(model, dataset, 64, device)
     predicted = prototypes.logits(emb.semantic.to(device)).argmax(dim=1).cpu()
     return float((predicted == labels).double().mean())
 

@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
+from torch.utils.data import Dataset
 
 from idml.augment import (
     AugmentationPipeline,
@@ -55,7 +54,7 @@ from idml.evaluation.classification import classification_metrics
 from idml.losses.base import check_positive
 from idml.losses.softmax import NormalizedSoftmaxLoss
 from idml.metrics import Metric
-from idml.models import EmbeddingModel
+from idml.models import EmbeddingModel, embed_dataset
 from idml.relations import LabelSets
 
 
@@ -268,36 +267,37 @@ def classify_dataset(
     (:meth:`ClassifierOutputs.metrics`).
     """
     s = settings if settings is not None else ClassifierEvaluationSettings()
-    was_training = model.training, classifier.training
-    model.eval()
-    classifier.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
     generator = torch.Generator().manual_seed(s.seed)
     probes = {"mixup": Mixup(), "cutmix": CutMix(), "lowres": LowResolution(fraction=1.0)}
-    logits, labels, clean = [], [], []
+    logits, clean = [], []
     levels: dict[str, list[Tensor]] = {k: [] for k in probes}
-    for images, batch_labels, _ in tqdm(loader, desc="evaluate", disable=not progress, leave=False):
-        images = images.to(device)
-        out = model(images)
+
+    def classify(images: Tensor, batch_labels: Tensor, out: Embeddings) -> None:
         semantic = out.semantic.float()
         unc = None if out.uncertainty is None else out.uncertainty.float()
         logits.append(classifier.logits(Embeddings(semantic, unc if introspective else None)).cpu())
-        labels.append(torch.as_tensor(batch_labels))
         if unc is None:
-            continue
+            return
         clean.append(model.uncertainty_level(Embeddings(semantic, unc)).cpu())
         if not s.uncertainty_probes:
-            continue
+            return
         for name, probe in probes.items():
-            probed = probe(images, torch.as_tensor(batch_labels).to(device), generator)
+            probed = probe(images, batch_labels, generator)
             altered = probed.images[probed.altered]
             emb = model(altered)
             levels[name].append(model.uncertainty_level(emb.to(torch.float32)).cpu())
-    model.train(was_training[0])
-    classifier.train(was_training[1])
+
+    was_training = classifier.training
+    classifier.eval()
+    try:
+        _, labels = embed_dataset(
+            model, dataset, batch_size, device, progress=progress, on_batch=classify
+        )
+    finally:
+        classifier.train(was_training)
     return ClassifierOutputs(
         torch.cat(logits),
-        torch.cat(labels),
+        labels,
         torch.cat(clean) if clean else None,
         {name: torch.cat(parts) for name, parts in levels.items() if parts},
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -28,7 +29,6 @@ from idml.data import (
     DATASETS,
     DatasetName,
     DMLSplit,
-    ImageDataset,
     build_batch_sampler,
     build_transforms,
     dataset_options,
@@ -48,7 +48,6 @@ from idml.models import (
 )
 from idml.models import build_model as _build_model
 from idml.models.heads import UncertaintyForm
-from idml.progress import Progress
 from idml.ranking import SelfSupervisedRanking
 
 
@@ -150,34 +149,6 @@ def sample_images(dataset: Dataset, count: int, generator: torch.Generator) -> T
     """``count`` random training images (SSR's ``source=separate``)."""
     idx = torch.randperm(len(dataset), generator=generator)[:count]  # type: ignore[arg-type]
     return torch.stack([dataset[int(i)][0] for i in idx])
-
-
-@torch.no_grad()
-def embed_dataset(
-    model: EmbeddingModel,
-    dataset: ImageDataset | Dataset,
-    batch_size: int,
-    device: torch.device,
-    progress: bool = False,
-    num_workers: int = 0,
-) -> tuple[Embeddings, Tensor]:
-    """Semantic (and uncertainty) embeddings of a whole dataset, in dataset order."""
-    was_training = model.training
-    model.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    semantic, uncertainty, labels = [], [], []
-    bar = Progress(len(loader), "embed", enabled=progress, unit="batch")
-    for images, batch_labels, _ in loader:
-        emb = model(images.to(device))
-        bar.update(1)
-        semantic.append(emb.semantic.float().cpu())
-        if emb.uncertainty is not None:
-            uncertainty.append(emb.uncertainty.float().cpu())
-        labels.append(torch.as_tensor(batch_labels))
-    bar.close()
-    model.train(was_training)
-    unc = torch.cat(uncertainty) if uncertainty else None
-    return Embeddings(torch.cat(semantic), unc), torch.cat(labels)
 
 
 # --------------------------------------------------------------------------- model
@@ -326,10 +297,13 @@ def evaluate(
     labels: Tensor,
     device: torch.device,
     progress: bool = False,
+    roles: Sequence[str] | np.ndarray | None = None,
     **settings: Any,
 ) -> EvaluationReport:
     """Test-set evaluation (:func:`idml.evaluation.evaluate_embeddings`) with the run's ``eval.*``
-    settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM).
+    settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM);
+    with the test images' ``roles`` (:attr:`idml.data.ImageDataset.roles`) their queries are
+    searched against their gallery.
 
     ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) are further fields of the
     :class:`~idml.evaluation.EvaluationSettings`; to override an ``eval.*`` key, evaluate a config
@@ -343,6 +317,7 @@ def evaluate(
         embeddings.semantic,
         labels,
         EvaluationSettings(**options, **settings),
+        roles=roles,
         uncertainty=embeddings.uncertainty,
         introspective_metric=ism,
         device=device,

@@ -41,11 +41,12 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor, nn
-from tqdm import tqdm
+from torch.utils.data import Dataset
 
 from idml.data import build_transforms
 from idml.data.datasets import decode_image_file
-from idml.models import EmbeddingModel
+from idml.embeddings import Embeddings
+from idml.models import EmbeddingModel, embed_dataset
 from idml.models.model import UncertaintyKind, global_pool
 
 ImageInput = str | Path | Image.Image | Tensor | np.ndarray
@@ -337,20 +338,44 @@ class Encoder:
             items = [images]
         else:
             items = list(images)
-        semantic, levels = [], []
-        bar = tqdm(total=len(items), desc="embed", unit="img", disable=not progress, leave=False)
-        for start in range(0, len(items), batch_size):
-            batch = torch.stack([self.preprocess(x) for x in items[start : start + batch_size]])
-            s, u = self.net(batch.to(self.device))
-            semantic.append(s.float().cpu())
-            levels.append(u.float().cpu())
-            bar.update(len(batch))
-        bar.close()
-        d = self.info.embedding_dim
-        return EncodedImages(
-            torch.cat(semantic) if semantic else torch.zeros(0, d),
-            torch.cat(levels) if levels else torch.zeros(0),
+        if not items:
+            return EncodedImages(torch.zeros(0, self.info.embedding_dim), torch.zeros(0))
+        emb, _ = embed_dataset(
+            _LevelAsUncertainty(self.net),
+            _Preprocessed(items, self.preprocess),
+            batch_size,
+            self.device,
+            progress=progress,
         )
+        assert emb.uncertainty is not None
+        return EncodedImages(emb.semantic, emb.uncertainty[:, 0])
+
+
+class _Preprocessed(Dataset[tuple[Tensor, int, int]]):
+    """Images given to :meth:`Encoder.embed`, preprocessed as they are loaded (no labels)."""
+
+    def __init__(self, items: Sequence[ImageInput], preprocess: Callable[[ImageInput], Tensor]):
+        self.items, self.preprocess = items, preprocess
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int, int]:
+        return self.preprocess(self.items[index]), 0, index
+
+
+class _LevelAsUncertainty(nn.Module):
+    """An encoder network (images → semantic, level) as :func:`~idml.models.embed_dataset` takes a
+    model: the level ``(B,)`` rides along as a one-column uncertainty, read back unchanged."""
+
+    def __init__(self, net: Callable[[Tensor], tuple[Tensor, Tensor]]) -> None:
+        super().__init__()
+        self.net = net
+        self.training = bool(getattr(net, "training", False))  # restored as it was after the pass
+
+    def forward(self, images: Tensor) -> Embeddings:
+        semantic, level = self.net(images)
+        return Embeddings(semantic, level.unsqueeze(1))
 
 
 def describe_model(

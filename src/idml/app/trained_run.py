@@ -7,7 +7,6 @@ never loaded here.
 
 from __future__ import annotations
 
-import csv
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,11 +27,11 @@ from idml.app.checkpoint import (
     resolve_checkpoint,
 )
 from idml.app.config import Config, validate_config
-from idml.data import IMAGE_EXTENSIONS, FileImageDataset, ImageRecords, build_transforms
+from idml.data import FileImageDataset, ImageRecords, build_transforms, read_images
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.evaluation.clustering import KMeansBackend
-from idml.models import EmbeddingModel
+from idml.models import EmbeddingModel, embed_dataset
 
 
 @dataclass(frozen=True)
@@ -79,55 +78,22 @@ def load_trained_model(path: Path, which: str = "best") -> tuple[Config, Embeddi
     return run.config, run.model
 
 
-def list_images(source: Path, split: str | None = None) -> tuple[list[Path], list[str] | None]:
-    """Image files of a folder (recursively; labels = parent folder names) or of a CSV
-    ``path[,label[,split]]`` (an optional header row names the columns).
-
-    ``split`` keeps the CSV rows whose ``split`` column equals it (a CSV without that column, or a
-    folder, is an error). Relative CSV paths are taken from the CSV's folder; absolute paths and
-    ``..`` are allowed, as for a local dataset (:mod:`idml.data.loaders` documents the policy).
-    """
-    source = Path(source)
-    if split is not None and not (source.is_file() and source.suffix.lower() == ".csv"):
-        raise ValueError(f"--split {split!r} needs a CSV with a split column, not {source}")
-    if source.is_dir():
-        files = sorted(
-            p for p in source.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+def read_split(images: Path, split: str | None = None) -> ImageRecords:
+    """The records of an image folder or CSV (:func:`idml.data.read_images`), only those of
+    ``split`` when given (a CSV's split column, or ``train/``, ``val/``, ``test/`` folders)."""
+    records = read_images(images)
+    if split is None:
+        return records
+    if records.splits is None:
+        raise ValueError(
+            f"--split {split!r} needs a CSV with a split column or a folder of train/, val/ and "
+            f"test/ folders; {images} gives no split"
         )
-        if not files:
-            raise ValueError(
-                f"{source} contains no images with extensions {sorted(IMAGE_EXTENSIONS)}"
-            )
-        return files, [p.parent.name for p in files]
-    if source.is_file() and source.suffix.lower() == ".csv":
-        with open(source, newline="", encoding="utf-8-sig") as fh:  # -sig: drop a BOM
-            rows = [r for r in csv.reader(fh) if r and not r[0].startswith("#")]
-        header = ["path", "label", "split"]
-        if rows and rows[0][0].strip().lower() == "path":
-            header, rows = [c.strip().lower() for c in rows[0]], rows[1:]
-        if split is not None:
-            if "split" not in header:
-                raise ValueError(
-                    f"--split {split!r}: {source} has no split column (header {header[:3]}); "
-                    "add a header path,label,split or drop --split"
-                )
-            column = header.index("split")
-            found = sorted({r[column].strip() for r in rows if len(r) > column})
-            rows = [r for r in rows if len(r) > column and r[column].strip() == split]
-            if not rows:
-                raise ValueError(f"--split {split!r}: {source} has no such rows; splits: {found}")
-        if not rows:
-            raise ValueError(f"{source} lists no images; expected rows of path[,label]")
-        files = [Path(r[0]) if Path(r[0]).is_absolute() else source.parent / r[0] for r in rows]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"{source} lists {len(missing)} missing image(s), e.g. {missing[:3]}; fix the paths "
-                "(relative paths are taken from the CSV's folder)"
-            )
-        labels = [r[1] for r in rows] if all(len(r) > 1 for r in rows) else None
-        return files, labels
-    raise FileNotFoundError(f"{source} is neither an image folder nor a .csv file")
+    found = sorted(set(records.splits.tolist()))
+    keep = records.splits == split
+    if not keep.any():
+        raise ValueError(f"--split {split!r}: {images} has no such images; splits: {found}")
+    return records.take(keep)
 
 
 @torch.no_grad()
@@ -141,12 +107,15 @@ def embed_images(
     progress: bool = True,
     extras: Callable[[Embeddings], tuple[dict[str, Tensor], dict[str, list[str]]]] | None = None,
 ) -> int:
-    """Embed every image under ``images`` and save semantic embeddings and ``||u||`` to ``out``.
+    """Embed the images of a folder or CSV (:func:`read_split`) and save semantic embeddings and
+    ``||u||`` to ``out``.
 
     ``out`` is ``.npz``/``.pt`` (with ``paths`` and ``classes``) or ``.safetensors`` (both in the
     metadata). Keys:
     ``embeddings`` ``(N, d)``, ``uncertainty`` ``(N,)`` (``||u||``; zeros without an uncertainty
-    head), ``labels`` when the source has them (``classes`` names them: the source's labels).
+    head), ``labels`` when the source has them (``classes`` names them: the source's labels, as
+    training reads them) and ``roles`` when it gives query/gallery roles (``idml evaluate`` then
+    searches the queries against the gallery).
 
     ``extras`` adds what a run's task writes besides: arrays with one row per image and lists of
     names, from the embeddings (:meth:`idml.app.tasks.LoadedRun.extra_outputs`; a classification
@@ -157,27 +126,24 @@ def embed_images(
     if suffix not in (".npz", ".pt", ".safetensors"):
         # Checked before embedding: a wrong name must not cost the whole pass.
         raise ValueError(f"--out {out}: use a .npz, .pt or .safetensors file name")
-    files, names = list_images(images, split)
-    paths = [str(f) for f in files]
-    if names:
-        unique, ids = np.unique(np.array(names), return_inverse=True)
-        classes = [str(c) for c in unique]
-    else:
-        classes, ids = [], np.zeros(len(files), int)
-    records = ImageRecords(np.array(paths, dtype=object), ids)
+    records = read_split(Path(images), split)
+    paths = [str(p) for p in records.paths]
     transform = build_transforms(False, cfg.data.image_size, cfg.data.resize_size)
     dataset = FileImageDataset(records, transform)
     device = next(model.parameters()).device
-    emb, _ = build.embed_dataset(model, dataset, batch_size, device, progress=progress)
+    emb, labels = embed_dataset(model, dataset, batch_size, device, progress=progress)
     level = (
         torch.zeros(emb.semantic.shape[0])
         if emb.uncertainty is None  # a baseline without an uncertainty head
         else model.uncertainty_level(emb)
     )
     payload = {"embeddings": emb.semantic, "uncertainty": level}
-    if names:
-        payload["labels"] = torch.as_tensor(ids)
+    classes = list(dataset.class_names) if records.labelled else []
+    if records.labelled:
+        payload["labels"] = labels
     text: dict[str, list[str]] = {"paths": paths, "classes": classes}
+    if records.roles is not None:
+        text["roles"] = [str(r) for r in records.roles]
     if extras is not None:
         arrays, names_of = extras(emb)
         payload.update(arrays)
@@ -192,7 +158,7 @@ def embed_images(
     elif suffix == ".safetensors":
         meta = {k: json.dumps(v) for k, v in text.items()}
         save_file({k: v.contiguous() for k, v in payload.items()}, str(out), metadata=meta)
-    return len(files)
+    return len(records)
 
 
 def evaluate_checkpoint(
@@ -230,5 +196,7 @@ def evaluate_checkpoint(
     device = torch.device(device) if device is not None else torch.device("cpu")
     model.to(device)
     data = build.build_data(cfg)
-    emb, labels = build.embed_dataset(model, data.test, cfg.eval.batch_size, device, progress)
-    return build.evaluate(cfg, emb, labels, device, progress, block_size=block_size, seed=seed)
+    emb, labels = embed_dataset(model, data.test, cfg.eval.batch_size, device, progress=progress)
+    return build.evaluate(
+        cfg, emb, labels, device, progress, data.test.roles, block_size=block_size, seed=seed
+    )

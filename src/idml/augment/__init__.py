@@ -27,7 +27,6 @@ Example:
 """
 
 from idml.augment.batch import (
-    RANGE_TOLERANCE,
     AugmentationPipeline,
     AugmentedBatch,
     BatchAugmentation,
@@ -36,14 +35,12 @@ from idml.augment.batch import (
     MixupMode,
     UncertaintyAugmentation,
     apply_augmentations,
-    check_images,
     sample_beta,
 )
 from idml.augment.degradations import Degradation, GaussianBlur, LowResolution, Occlusion
 from idml.augment.mixing import CutMix, Mixup, cutmix_boxes
 
 __all__ = [
-    "RANGE_TOLERANCE",
     "AugmentationPipeline",
     "AugmentedBatch",
     "BatchAugmentation",
@@ -58,7 +55,6 @@ __all__ = [
     "Occlusion",
     "UncertaintyAugmentation",
     "apply_augmentations",
-    "check_images",
     "cutmix_boxes",
     "sample_beta",
 ]

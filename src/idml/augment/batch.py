@@ -1,6 +1,6 @@
-"""The batch types of :mod:`idml.augment` and what every augmentation shares: the image check,
-the seeded random draws, :class:`AugmentedBatch`, the checked :class:`BatchAugmentation` and their
-composition."""
+"""The batch types of :mod:`idml.augment` and what every augmentation shares: the image check
+(:func:`idml.images.check_images`), the seeded random draws, :class:`AugmentedBatch`, the checked
+:class:`BatchAugmentation` and their composition."""
 
 from __future__ import annotations
 
@@ -16,36 +16,8 @@ import torch
 from torch import Tensor
 
 from idml.embeddings import Embeddings
+from idml.images import check_images
 from idml.relations import LabelSets
-
-RANGE_TOLERANCE = 1e-4
-"""Slack on the ``[0, 1]`` check: ``λ·x + (1 − λ)·y`` may exceed 1 by a rounding error."""
-
-
-def check_images(name: str, images: Tensor) -> None:
-    """Raise a ``ValueError`` naming ``name`` unless ``images`` is a float ``(B, C, H, W)`` batch in ``[0, 1]``.
-
-    NaN fails the range test too. Costs one min/max reduction.
-    """
-    if not isinstance(images, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(images).__name__}")
-    if images.dim() != 4:
-        raise ValueError(
-            f"{name} must have shape (batch, channels, height, width), got {tuple(images.shape)}"
-        )
-    if not images.dtype.is_floating_point:
-        raise ValueError(
-            f"{name} must be floating point in [0, 1], got dtype {images.dtype}; convert with "
-            "images.float() / 255"
-        )
-    if images.numel() == 0:
-        return
-    low, high = (float(v) for v in torch.aminmax(images.detach()))
-    if not (low >= -RANGE_TOLERANCE and high <= 1 + RANGE_TOLERANCE):
-        raise ValueError(
-            f"{name} must be un-normalised floats in [0, 1], got values in [{low:.4g}, {high:.4g}]; "
-            "remove Normalize from the transform (the model normalises internally) and check for NaN"
-        )
 
 
 def _generator_device(generator: torch.Generator | None) -> torch.device:
@@ -207,7 +179,7 @@ class BatchAugmentation(ABC):
         generator: torch.Generator | None = None,
     ) -> AugmentedBatch:
         """Check the batch, then :meth:`augment` it."""
-        check_images("images", images)
+        check_images(images)
         return self.augment(images, _coerce_labels(labels, images), generator)
 
     @abstractmethod

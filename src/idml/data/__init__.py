@@ -1,5 +1,8 @@
 """Data for deep metric learning: class-disjoint splits, datasets, samplers and transforms.
 
+- :func:`read_images`: the one reader of a user's folder or CSV into :class:`ImageRecords`
+  (labels, splits, query/gallery roles; README, "Data layouts"); the split policies of
+  :mod:`idml.data.splits` make sides of them.
 - :func:`load_split` (dispatch on :class:`DatasetName` through :data:`DATASETS`, the one list of
   datasets) returns a :class:`DMLSplit` of two
   :class:`ImageDataset` s yielding ``(image float C×H×W in [0, 1], label, index)``, train and test
@@ -40,7 +43,8 @@ from idml.data.offline import (
     load_fashion_mnist,
     read_idx,
 )
-from idml.data.records import IMAGE_EXTENSIONS, ImageRecords
+from idml.data.reader import read_csv, read_folder, read_images
+from idml.data.records import IMAGE_EXTENSIONS, ROLES, SPLITS, ImageRecords
 from idml.data.registry import (
     DATASETS,
     LOADERS,
@@ -57,6 +61,7 @@ from idml.data.samplers import (
     build_batch_sampler,
     epoch_generator,
 )
+from idml.data.splits import GivenSplit, given_split, holdout_split, split_by_class
 from idml.data.transforms import (
     build_transforms,
     eval_resize_size,
@@ -69,6 +74,8 @@ __all__ = [
     "FASHION_MNIST_ROOT",
     "IMAGE_EXTENSIONS",
     "LOADERS",
+    "ROLES",
+    "SPLITS",
     "ArrayImageDataset",
     "ArrayOptions",
     "ArraySplitOptions",
@@ -83,6 +90,7 @@ __all__ = [
     "FileImageDataset",
     "FileOptions",
     "FolderOptions",
+    "GivenSplit",
     "ImageDataset",
     "ImageFailure",
     "ImageRecords",
@@ -96,6 +104,8 @@ __all__ = [
     "decode_image_file",
     "epoch_generator",
     "eval_resize_size",
+    "given_split",
+    "holdout_split",
     "load_cars",
     "load_csv",
     "load_cub",
@@ -105,7 +115,11 @@ __all__ = [
     "load_sop",
     "load_split",
     "paper_transforms",
+    "read_csv",
+    "read_folder",
     "read_idx",
+    "read_images",
+    "split_by_class",
     "to_float_image",
     "to_float_transform",
 ]

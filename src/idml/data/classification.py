@@ -7,10 +7,14 @@ in train and test. :func:`load_classification_split` knows:
 - ``digits`` (scikit-learn, 1,797 images, no official split): a per-class hold-out of
   ``test_fraction`` of the images, drawn with ``seed``;
 - ``fashion_mnist``: the official 60,000 train / 10,000 test files;
-- ``folder``: ``root/train/<class>/<image>`` with ``root/val/<class>/`` or ``root/test/<class>/``
+- ``folder``: ``root/train/<class>/<image>`` with ``root/test/<class>/`` or ``root/val/<class>/``
   — ImageNet's ``train/<wnid>/`` + ``val/<wnid>/`` layout, and CIFAR-10/100 converted to PNG
-  folders — or a flat ``root/<class>/<image>`` with a per-class hold-out;
-- ``csv``: ``path,label,split`` rows (``train``/``test``), or ``path,label`` with a hold-out.
+  folders — or ``root/<class>/<image>`` with a per-class hold-out;
+- ``csv``: ``path,label,split`` rows (``train``/``val``/``test``), or ``path,label`` with a
+  hold-out.
+
+Both are read by :mod:`idml.data.reader` (labels are folder paths below the root or the split
+folder, however deep); the test side is ``test``, else ``val``.
 
 ``per_class`` / ``test_per_class`` subsample each side (at most that many images per class, drawn
 with ``seed``).
@@ -23,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +48,12 @@ from idml.data.offline import (
     resize_images,
     rows_per_class,
 )
-from idml.data.records import IMAGE_EXTENSIONS, ImageRecords, format_examples, is_int
+from idml.data.reader import read_csv, read_folder
+from idml.data.records import ImageRecords, format_examples
+from idml.data.splits import given_split, holdout_rows, holdout_split
 
 CLASSIFICATION_DATASETS = ("digits", "fashion_mnist", "folder", "csv")
 """The datasets with a classification split (CUB, Cars and SOP are zero-shot retrieval benchmarks)."""
-
-_TEST_FOLDERS = ("val", "test")
 
 
 @dataclass(frozen=True)
@@ -74,24 +77,6 @@ class ClassificationSplit(TrainTestPair):
     @property
     def num_classes(self) -> int:
         return self.train.num_classes
-
-
-def holdout_rows(class_ids: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask of the test rows: ``round(test_fraction·n_c)`` random images of each class
-    (at least one, and at least one left for training)."""
-    if not 0 < test_fraction < 1:
-        raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
-    rng = np.random.default_rng(seed)
-    test = np.zeros(len(class_ids), dtype=bool)
-    for c in np.unique(class_ids):
-        rows = np.flatnonzero(class_ids == c)
-        if len(rows) < 2:
-            raise ValueError(
-                f"class {c} has {len(rows)} image; a hold-out split needs at least 2 per class"
-            )
-        count = min(max(1, round(test_fraction * len(rows))), len(rows) - 1)
-        test[rng.choice(rows, count, replace=False)] = True
-    return test
 
 
 def _subsample(class_ids: np.ndarray, per_class: int | None, seed: int) -> np.ndarray:
@@ -157,33 +142,6 @@ def _fashion_mnist(root: Path | None, seed: int, **kw: object) -> Classification
     return _arrays("fashion_mnist", (parts[0], parts[1]), names, seed=seed, **kw)  # type: ignore[arg-type]
 
 
-def _class_folders(base: Path) -> list[Path]:
-    return sorted(d for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
-
-
-def _folder_records(base: Path, names: list[str]) -> ImageRecords:
-    """Images of ``base/<class>/`` for the given class names (ids = positions in ``names``)."""
-    suffixes = set(IMAGE_EXTENSIONS)
-    paths, ids = [], []
-    for i, name in enumerate(names):
-        folder = base / name
-        files = (
-            sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
-            if folder.is_dir()
-            else []
-        )
-        if not files:
-            raise ValueError(
-                f"{folder} holds no images ({', '.join(sorted(suffixes))}); every class needs "
-                "images in both train and test folders"
-            )
-        paths += [str(p) for p in files]
-        ids += [i] * len(files)
-    return ImageRecords(
-        np.array(paths, dtype=object), np.array(ids, dtype=np.int64), dict(enumerate(names))
-    )
-
-
 def _records_split(
     name: str,
     train: ImageRecords,
@@ -200,6 +158,25 @@ def _records_split(
     )
 
 
+def _user_images(
+    name: str, records: ImageRecords, source: str, test_fraction: float, **kw: object
+) -> ClassificationSplit:
+    """Classification's split policy for a user's images: the split they give (the test side is
+    ``test``, else ``val``), or a per-class hold-out of ``test_fraction``."""
+    records.require_labels(source)
+    if records.roles is not None:
+        raise ValueError(
+            f"{source} has a role column: query/gallery roles are for retrieval evaluation "
+            "(task: metric_learning); a classification run scores every test image, so drop it"
+        )
+    if records.splits is None:
+        train, test = holdout_split(records, test_fraction)
+    else:
+        sides = given_split(records)
+        train, test = sides.train, sides.test if len(sides.test) else sides.val
+    return _records_split(name, train, test, **kw)  # type: ignore[arg-type]
+
+
 def _folder(root: Path, test_fraction: float, **kw: object) -> ClassificationSplit:
     base = Path(root).expanduser()
     if not base.is_dir():
@@ -207,61 +184,12 @@ def _folder(root: Path, test_fraction: float, **kw: object) -> ClassificationSpl
             f"image folder {base} is not a directory; set data.root to a folder with train/ and "
             "val/ (or test/) class folders, or with one folder per class"
         )
-    test_dir = next((base / t for t in _TEST_FOLDERS if (base / t).is_dir()), None)
-    if (base / "train").is_dir():
-        if test_dir is None:
-            raise ValueError(f"{base} has train/ but neither val/ nor test/; add the test images")
-        names = [d.name for d in _class_folders(base / "train")]
-        extra = sorted({d.name for d in _class_folders(test_dir)} - set(names))
-        if extra:
-            raise ValueError(
-                f"{test_dir}: class folder(s) {format_examples(extra)} are not in {base / 'train'}"
-            )
-        train, test = _folder_records(base / "train", names), _folder_records(test_dir, names)
-    else:
-        names = [d.name for d in _class_folders(base)]
-        if not names:
-            raise ValueError(f"{base} has no class folders; expected {base}/<class>/<image files>")
-        records = _folder_records(base, names)
-        held = holdout_rows(records.class_ids, test_fraction, 0)
-        train, test = records.take(~held), records.take(held)
-    return _records_split("folder", train, test, **kw)  # type: ignore[arg-type]
+    return _user_images("folder", read_folder(base), str(base), test_fraction, **kw)
 
 
 def _csv(root: Path, test_fraction: float, **kw: object) -> ClassificationSplit:
     path = Path(root).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"CSV file {path} does not exist; set data.root to the CSV file")
-    with path.open(newline="", encoding="utf-8") as handle:
-        rows = [(n, [c.strip() for c in r]) for n, r in enumerate(csv.reader(handle), 1) if any(r)]
-    if rows and rows[0][1][:1] and rows[0][1][0].lower() == "path":
-        rows = rows[1:]
-    if not rows:
-        raise ValueError(f"{path} has no rows; expected path,label[,split]")
-    width = len(rows[0][1])
-    bad = next((n for n, r in rows if len(r) != width or width not in (2, 3) or not all(r)), None)
-    if bad is not None:
-        raise ValueError(f"{path}:{bad}: expected path,label[,split] with no empty column")
-    labels = [r[1] for _, r in rows]
-    names = sorted(set(labels), key=int) if all(is_int(x) for x in labels) else sorted(set(labels))
-    index = {n: i for i, n in enumerate(names)}
-    records = ImageRecords(
-        np.array([str(path.parent / r[0]) for _, r in rows], dtype=object),
-        np.array([index[x] for x in labels], dtype=np.int64),
-        dict(enumerate(names)),
-    )
-    records.check_files_exist(str(path))
-    if width == 3:
-        split = np.array([r[2].lower() for _, r in rows])
-        wrong = [n for (n, _), s in zip(rows, split) if s not in ("train", "test")]
-        if wrong:
-            raise ValueError(
-                f"{path}: split must be 'train' or 'test' (line(s) {format_examples(wrong)})"
-            )
-        held = split == "test"
-    else:
-        held = holdout_rows(records.class_ids, test_fraction, 0)
-    return _records_split("csv", records.take(~held), records.take(held), **kw)  # type: ignore[arg-type]
+    return _user_images("csv", read_csv(path), str(path), test_fraction, **kw)
 
 
 def load_classification_split(

@@ -175,6 +175,11 @@ class ImageDataset(Dataset[tuple[Tensor, int, int]]):
     def num_classes(self) -> int:
         return len(self.classes)
 
+    @property
+    def roles(self) -> np.ndarray | None:
+        """``"query"``/``"gallery"`` per image when the source gives evaluation roles, else ``None``."""
+        return None
+
     def class_counts(self) -> Tensor:
         """Number of images of each label, ``(C,)``."""
         return torch.bincount(self.labels, minlength=self.num_classes)
@@ -251,6 +256,12 @@ class FileImageDataset(ImageDataset):
     def paths(self) -> np.ndarray:
         """Image file path of each index."""
         return self.records.paths
+
+    @property
+    def roles(self) -> np.ndarray | None:
+        roles = self.records.roles
+        # A CSV's role column may leave a side without roles (its training images).
+        return roles if roles is not None and bool((roles != "").any()) else None
 
     def load_image(self, index: int) -> Tensor:
         box = (
@@ -345,7 +356,7 @@ class TrainTestPair:
     name: str
 
     @property
-    def sides(self) -> tuple[tuple[str, ImageDataset], tuple[str, ImageDataset]]:
+    def sides(self) -> tuple[tuple[str, ImageDataset], ...]:
         """``(("train", train), ("test", test))``: the sides with the names messages give them."""
         return (("train", self.train), ("test", self.test))
 
@@ -375,22 +386,43 @@ class DMLSplit(TrainTestPair):
     """A class-disjoint train/test pair: the zero-shot protocol of deep metric learning
     (test classes unseen in training; e.g. IDML and SSR, "Datasets": CUB's first 100 classes train).
 
-    Construction checks that neither side is empty and that no original class id is on both
-    sides; labels are remapped to ``0..C−1`` independently within each side.
+    Construction checks that neither side is empty and that no original class id is on two
+    sides; labels are remapped to ``0..C−1`` independently within each side. ``val``: the
+    validation images a source names (a ``val`` split), evaluated instead of the test side by
+    :meth:`validation`; ``None`` when it names none.
     """
+
+    val: ImageDataset | None = None
 
     def __post_init__(self) -> None:
         self._check_sides_have_images(
             "; check the dataset root and the class split options (train_classes / "
             "num_train_classes)"
         )
-        shared = sorted(set(self.train.classes) & set(self.test.classes))
-        if shared:
-            raise ValueError(
-                f"{self.name}: train and test share {len(shared)} class(es) (original ids "
-                f"{format_examples(shared)}); a DML split must be class-disjoint — fix the split "
-                "column/files or the train_classes option"
-            )
+        named = [("train", self.train), ("test", self.test)]
+        if self.val is not None:
+            named.insert(1, ("val", self.val))
+        for i, (side, dataset) in enumerate(named):
+            for other, other_dataset in named[i + 1 :]:
+                shared = sorted(set(dataset.classes) & set(other_dataset.classes))
+                if shared:
+                    raise ValueError(
+                        f"{self.name}: {side} and {other} share {len(shared)} class(es) (original "
+                        f"ids {format_examples(shared)}); a DML split must be class-disjoint — "
+                        "fix the split column/files or the train_classes option"
+                    )
+
+    @property
+    def sides(self) -> tuple[tuple[str, ImageDataset], ...]:
+        val = () if self.val is None else (("val", self.val),)
+        return (("train", self.train), *val, ("test", self.test))
+
+    def with_transforms(
+        self, train_transform: Transform | None, test_transform: Transform | None
+    ) -> Self:
+        """The same split with the given transforms (the val side evaluates: the test one)."""
+        val = None if self.val is None else self.val.with_transform(test_transform)
+        return replace(super().with_transforms(train_transform, test_transform), val=val)
 
     @property
     def num_test_classes(self) -> int:
@@ -432,14 +464,16 @@ class DMLSplit(TrainTestPair):
                     "replace the unreadable files"
                 )
             sides[side] = kept
-        return DMLSplit(sides["train"], sides["test"], self.name)
+        return DMLSplit(sides["train"], sides["test"], self.name, sides.get("val"))
 
     def validation(self, fraction: float = 0.25) -> DMLSplit:
-        """A split of the *train* classes alone: the last ``ceil(fraction·C)`` classes (by
-        original class id) become the evaluation side, the others train; the test side is dropped.
-
-        Hyper-parameters are chosen on this split so that the test classes are never looked at.
+        """The split hyper-parameters are chosen on, so that the test classes are never looked at:
+        train against the source's ``val`` side when it has one, else a split of the *train*
+        classes alone — the last ``ceil(fraction·C)`` classes (by original class id) become the
+        evaluation side, the others train. The test side is dropped.
         """
+        if self.val is not None:
+            return DMLSplit(self.train, self.val, f"{self.name}/validation")
         if not 0.0 < fraction < 1.0:
             raise ValueError(f"validation fraction must lie in (0, 1), got {fraction}")
         classes = np.asarray(self.train.classes)
@@ -459,11 +493,9 @@ class DMLSplit(TrainTestPair):
 
     def summary(self) -> dict[str, object]:
         """Counts for logs and reports: images and classes per side, skipped images."""
-        return {
-            "name": self.name,
-            "train_images": len(self.train),
-            "train_classes": self.num_train_classes,
-            "test_images": len(self.test),
-            "test_classes": self.num_test_classes,
-            "skipped_images": len(self.train.skipped) + len(self.test.skipped),
-        }
+        counts: dict[str, object] = {"name": self.name}
+        for side, dataset in self.sides:
+            counts[f"{side}_images"] = len(dataset)
+            counts[f"{side}_classes"] = dataset.num_classes
+        counts["skipped_images"] = sum(len(dataset.skipped) for _, dataset in self.sides)
+        return counts

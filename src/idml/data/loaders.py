@@ -11,21 +11,21 @@ that name the file and the fix) and returns a class-disjoint :class:`~idml.data.
   annotation's ``test`` flag (a classification split) is ignored.
 - **Stanford Online Products** (Oh Song et al. 2016): the split of ``Ebay_train.txt`` /
   ``Ebay_test.txt``.
-- **Folder-per-class** and **CSV** ``path,label[,split]``: split by class, the first half of the
-  sorted classes (``ceil(C/2)``) train unless told otherwise.
+- **a user's folder** or **CSV** ``path,label[,split[,role]]``, read by :mod:`idml.data.reader`:
+  the split they give, or by class, the first half of the sorted classes (``ceil(C/2)``) train
+  unless told otherwise.
 """
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from idml.data.cars import CARS_LAST_TRAIN_CLASS, CARS_NUM_CLASSES, CarsOptions, load_cars
-from idml.data.datasets import DMLSplit
+from idml.data.datasets import DMLSplit, FileImageDataset
 from idml.data.loading import (
     FileOptions,
     build_split,
@@ -33,15 +33,15 @@ from idml.data.loading import (
     check_unique,
     locate_root,
 )
+from idml.data.reader import read_csv, read_folder
 from idml.data.records import (
     IMAGE_EXTENSIONS,
     ImageRecords,
-    first_half,
     format_examples,
-    is_int,
     parse_ints,
     read_table,
 )
+from idml.data.splits import given_split, split_by_class
 
 __all__ = [
     "CARS_LAST_TRAIN_CLASS",
@@ -154,26 +154,7 @@ def load_sop(root: str | Path, options: FileOptions | None = None) -> DMLSplit:
     return build_split("sop", halves[0], halves[1], source, options or FileOptions())
 
 
-# --------------------------------------------------------------------------- generic
-def _train_ids_from_names(
-    train_classes: Sequence[str] | None,
-    ids_by_name: dict[str, int],
-    class_ids: np.ndarray,
-    source: str,
-) -> np.ndarray:
-    if train_classes is None:
-        return first_half(class_ids)
-    if isinstance(train_classes, str):
-        raise ValueError("train_classes must be a list of class names, not a single string")
-    unknown = [str(c) for c in train_classes if str(c) not in ids_by_name]
-    if unknown:
-        raise ValueError(
-            f"train_classes names classes that are not in {source}: {format_examples(unknown)}; "
-            f"known classes include {format_examples(sorted(ids_by_name))}"
-        )
-    return np.array([ids_by_name[str(c)] for c in train_classes], dtype=np.int64)
-
-
+# --------------------------------------------------------------------------- a user's folder or CSV
 @dataclass(frozen=True)
 class FolderOptions(FileOptions):
     """Options of :func:`load_folder`."""
@@ -181,18 +162,20 @@ class FolderOptions(FileOptions):
     check_files: bool = False
     """Off by default: the images were just listed."""
     train_classes: Sequence[str] | None = None
-    """Folder names of the train classes (default: the first half of the sorted names)."""
+    """Labels of the train classes (default: the first half of the sorted labels); not with
+    ``train/``, ``test/`` folders, which give the split."""
     extensions: Sequence[str] = tuple(sorted(IMAGE_EXTENSIONS))
     """File suffixes that count as images."""
 
 
 def load_folder(root: str | Path, options: FolderOptions | None = None) -> DMLSplit:
-    """A folder per class, ``root/<class name>/<image>``, split by class.
+    """The images below ``root``, labelled by the path of their folder below it
+    (:mod:`idml.data.reader`: ``root/<class>/<image>``, or deeper such as
+    ``root/<alphabet>/<character>/<image>``), split by class.
 
-    Train classes are ``options.train_classes`` (folder names) or the first ``ceil(C/2)`` of the
-    sorted folder names; the rest are test. Original class ids are the positions in that sorted
-    list. Only files directly in a class folder whose suffix is in ``options.extensions`` count as
-    images; hidden folders are ignored; an empty class folder is an error.
+    Train classes are ``options.train_classes`` or the first ``ceil(C/2)`` of the sorted labels;
+    the rest are test. A root of ``train/``, ``val/`` and ``test/`` folders gives the split
+    instead (``val``: the side :meth:`~idml.data.DMLSplit.validation` evaluates).
     """
     options = options or FolderOptions()
     base = Path(root).expanduser()
@@ -200,32 +183,8 @@ def load_folder(root: str | Path, options: FolderOptions | None = None) -> DMLSp
         raise FileNotFoundError(
             f"image folder {base} is not a directory; pass root=<folder of class folders>"
         )
-    class_dirs = sorted(d for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if not class_dirs:
-        raise ValueError(f"{base} has no class folders; expected {base}/<class name>/<image files>")
-    suffixes = {s.lower() if s.startswith(".") else f".{s.lower()}" for s in options.extensions}
-    files_per_class = [
-        sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
-        for d in class_dirs
-    ]
-    empty = [d.name for d, files in zip(class_dirs, files_per_class) if not files]
-    if empty:
-        raise ValueError(
-            f"{base}: class folder(s) {format_examples(empty)} contain no images with suffix "
-            f"{sorted(suffixes)}; add images or remove the folders"
-        )
-    counts = [len(files) for files in files_per_class]
-    records = ImageRecords(
-        paths=np.array([str(p) for files in files_per_class for p in files], dtype=object),
-        class_ids=np.repeat(np.arange(len(class_dirs)), counts),
-        class_names={i: d.name for i, d in enumerate(class_dirs)},
-    )
-    ids_by_name = {d.name: i for i, d in enumerate(class_dirs)}
-    train_ids = _train_ids_from_names(
-        options.train_classes, ids_by_name, records.class_ids, str(base)
-    )
-    train, test = records.split_by_class(train_ids)
-    return build_split("folder", train, test, str(base), options)
+    records = read_folder(base, options.extensions)
+    return _split_records("folder", records, str(base), options, options.train_classes)
 
 
 @dataclass(frozen=True)
@@ -239,16 +198,13 @@ class CsvOptions(FileOptions):
 
 
 def load_csv(root: str | Path, options: CsvOptions | None = None) -> DMLSplit:
-    """A CSV file of ``path,label[,split]`` rows (an optional header row names those columns).
+    """A CSV file of ``path,label[,split[,role]]`` rows (:mod:`idml.data.reader`: header, comments,
+    encoding, path policy).
 
-    Paths are relative to ``options.image_root`` (default: the CSV's folder) unless absolute.
-    Absolute paths and ``..`` are allowed on purpose: a CSV is a local dataset index its author
-    controls. Code that builds a CSV from untrusted requests (a service) must check the paths
-    itself, e.g. that ``Path(p).resolve()`` lies under the allowed folder. Labels are class names;
-    when all are integers they are the original class ids, otherwise the ids are the positions in
-    the sorted names. With a ``split`` column (``train``/``test``) the split is taken from it and
-    checked to be class-disjoint; without one, the train classes are ``options.train_classes`` or
-    the first half of the sorted classes.
+    With a ``split`` column (``train``/``val``/``test``) the split is taken from it and checked
+    to be class-disjoint; without one, the train classes are ``options.train_classes`` or the
+    first half of the sorted classes. Roles (``query``/``gallery``) of the test images make
+    evaluation search the queries against the gallery.
     """
     options = options or CsvOptions()
     path = Path(root).expanduser()
@@ -256,60 +212,30 @@ def load_csv(root: str | Path, options: CsvOptions | None = None) -> DMLSplit:
         raise FileNotFoundError(
             f"data.root {path} is a folder; dataset csv needs the CSV file itself (root=<file.csv>)"
         )
-    if not path.is_file():
-        raise FileNotFoundError(f"CSV file {path} does not exist; pass root=<file.csv>")
-    # utf-8-sig: a byte-order mark (spreadsheet exports) must not become part of the header.
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        rows = [
-            (n, [c.strip() for c in row]) for n, row in enumerate(csv.reader(handle), 1) if any(row)
-        ]
-    if not rows:
-        raise ValueError(f"{path} is empty; expected rows path,label[,split]")
-    first = [c.lower() for c in rows[0][1]]
-    if first[:1] == ["path"]:
-        if first not in (["path", "label"], ["path", "label", "split"]):
-            raise ValueError(
-                f"{path}:{rows[0][0]}: header must be path,label[,split], got {','.join(first)}"
-            )
-        rows = rows[1:]
-    num_columns = len(first)
-    if num_columns not in (2, 3):
-        raise ValueError(
-            f"{path}:{rows[0][0]}: expected 2 or 3 columns path,label[,split], got {num_columns}"
-        )
-    bad_row = next(
-        ((n, row) for n, row in rows if len(row) != num_columns or not all(row[:2])), None
-    )
-    if bad_row is not None:
-        raise ValueError(
-            f"{path}:{bad_row[0]}: expected {num_columns} non-empty columns, got {bad_row[1]}"
-        )
-    if not rows:
-        raise ValueError(f"{path} has a header but no rows")
-    image_root = options.image_root
-    image_base = Path(image_root).expanduser() if image_root is not None else path.parent
-    labels = [row[1] for _, row in rows]
-    numeric = all(is_int(label) for label in labels)
-    names = sorted(set(labels), key=int) if numeric else sorted(set(labels))
-    ids_by_name = {name: (int(name) if numeric else i) for i, name in enumerate(names)}
-    records = ImageRecords(
-        paths=np.array([str(image_base / row[0]) for _, row in rows], dtype=object),
-        class_ids=np.array([ids_by_name[label] for label in labels], dtype=np.int64),
-        class_names={i: name for name, i in ids_by_name.items()},
-    )
-    if num_columns == 3:
-        if options.train_classes is not None:
-            raise ValueError(f"{path} has a split column; do not also pass train_classes")
-        split = np.array([row[2].lower() for _, row in rows])
-        bad = [n for (n, _), s in zip(rows, split) if s not in ("train", "test")]
-        if bad:
-            raise ValueError(
-                f"{path}: split must be 'train' or 'test' (line(s) {format_examples(bad)})"
-            )
-        train, test = records.take(split == "train"), records.take(split == "test")
-    else:
-        train_ids = _train_ids_from_names(
-            options.train_classes, ids_by_name, records.class_ids, str(path)
-        )
-        train, test = records.split_by_class(train_ids)
-    return build_split("csv", train, test, str(path), options)
+    records = read_csv(path, image_root=options.image_root, check_files=options.check_files)
+    # The reader checked the files already, naming the CSV lines.
+    checked = replace(options, check_files=False)
+    return _split_records("csv", records, str(path), checked, options.train_classes)
+
+
+def _split_records(
+    name: str,
+    records: ImageRecords,
+    source: str,
+    options: FileOptions,
+    train_classes: Sequence[str] | None,
+) -> DMLSplit:
+    """Metric learning's split policy for a user's images: given, or class-disjoint."""
+    records.require_labels(source)
+    if records.splits is None:
+        train, test = split_by_class(records, train_classes, source)
+        return build_split(name, train, test, source, options)
+    if train_classes is not None:
+        raise ValueError(f"{source} gives the split (train/test); do not also pass train_classes")
+    sides = given_split(records)
+    split = build_split(name, sides.train, sides.test, source, options)
+    if not len(sides.val):
+        return split
+    sides.val.check_min_images_per_class(options.min_images_per_class, f"{source} (val split)")
+    val = FileImageDataset(sides.val, channels=options.channels)
+    return replace(split, val=val)

@@ -1,8 +1,9 @@
 """Image records: the parsed, validated table of a dataset before it becomes a torch ``Dataset``.
 
-Every file-based loader (CUB, Cars196, SOP, folder, CSV) parses its annotation files into one
-:class:`ImageRecords` table — a path, an *original* class id and optionally a bounding box per
-image — and then splits it by class into the train and test halves of a DML split. The
+Every file-based loader (CUB, Cars196, SOP, and a user's folder or CSV through
+:mod:`idml.data.reader`) parses its annotation files into one :class:`ImageRecords` table — a
+path, an *original* class id and optionally a bounding box, a split and an evaluation role per
+image — and then a split policy (:mod:`idml.data.splits`) makes its train and test sides. The
 checks of bad input live here so that every loader applies them the same way, each an error that
 names the file and the fix rather than a silently wrong split: missing files, classes with too few
 images, malformed annotation lines.
@@ -44,19 +45,34 @@ def format_examples(items: Sequence[object], total: int | None = None) -> str:
     return shown if total <= _MAX_LISTED else f"{shown} (and {total - _MAX_LISTED} more)"
 
 
+SPLITS: tuple[str, ...] = ("train", "val", "test")
+"""The values of a split column (or the names of split folders)."""
+
+ROLES: tuple[str, ...] = ("query", "gallery")
+"""The evaluation roles of an image: searched with, or searched in (open-metric-learning's
+``is_query`` / ``is_gallery``)."""
+
+
 @dataclass(frozen=True)
 class ImageRecords:
-    """A columnar table with one row per image: file path, original class id, optional box.
+    """A columnar table with one row per image: file path, original class id, optional box,
+    split and evaluation role.
 
     ``class_ids`` keep the numbering of the source (CUB and Cars classes start at 1, SOP class ids
     are global across its two files); the datasets built from these records remap them to
     ``0..C−1`` and keep the originals. ``boxes`` are ``(x1, y1, x2, y2)`` pixel boxes (Cars196).
+    ``splits`` (one of :data:`SPLITS` per row) and ``roles`` (one of :data:`ROLES`, or ``""`` for
+    none) are given by the source when it has them. ``labelled=False``: the source names no
+    classes (a flat folder of images, a CSV without a label column); ``class_ids`` are then all 0.
     """
 
     paths: np.ndarray
     class_ids: np.ndarray
     class_names: Mapping[int, str] = field(default_factory=dict)
     boxes: np.ndarray | None = None
+    splits: np.ndarray | None = None
+    roles: np.ndarray | None = None
+    labelled: bool = True
 
     def __post_init__(self) -> None:
         paths = np.asarray(self.paths, dtype=object).reshape(-1)
@@ -73,6 +89,17 @@ class ImageRecords:
                 f"boxes must have shape ({len(paths)}, 4) (x1, y1, x2, y2 per image), "
                 f"got {np.asarray(self.boxes).shape}"
             )
+        for name, allowed in (("splits", SPLITS), ("roles", (*ROLES, ""))):
+            column = getattr(self, name)
+            if column is None:
+                continue
+            column = np.asarray(column, dtype=object).reshape(-1)
+            if len(column) != len(paths):
+                raise ValueError(f"{name} must have one entry per path ({len(paths)} paths)")
+            unknown = sorted({str(v) for v in column} - set(allowed))
+            if unknown:
+                raise ValueError(f"{name} must be among {list(allowed)}, got {unknown}")
+            object.__setattr__(self, name, column)
         object.__setattr__(self, "paths", paths)
         object.__setattr__(self, "class_ids", class_ids.astype(np.int64, copy=False))
         if self.boxes is not None:
@@ -88,25 +115,42 @@ class ImageRecords:
             class_ids=self.class_ids[rows],
             class_names=self.class_names,
             boxes=None if self.boxes is None else self.boxes[rows],
+            splits=None if self.splits is None else self.splits[rows],
+            roles=None if self.roles is None else self.roles[rows],
+            labelled=self.labelled,
         )
 
     @staticmethod
     def concat(tables: Sequence[ImageRecords]) -> ImageRecords:
-        """The rows of ``tables`` one after the other (class names merged; boxes kept if all have them)."""
+        """The rows of ``tables`` one after the other (class names merged; boxes, splits and roles
+        kept if all have them)."""
         if not tables:
             raise ValueError("concat needs at least one table")
         names: dict[int, str] = {}
         for table in tables:
             names.update(table.class_names)
-        with_boxes = all(table.boxes is not None for table in tables)
+
+        def column(name: str) -> np.ndarray | None:
+            parts = [getattr(table, name) for table in tables]
+            return None if any(p is None for p in parts) else np.concatenate(parts)
+
         return ImageRecords(
             paths=np.concatenate([table.paths for table in tables]),
             class_ids=np.concatenate([table.class_ids for table in tables]),
             class_names=names,
-            boxes=np.concatenate([t.boxes for t in tables if t.boxes is not None])
-            if with_boxes
-            else None,
+            boxes=column("boxes"),
+            splits=column("splits"),
+            roles=column("roles"),
+            labelled=all(table.labelled for table in tables),
         )
+
+    def require_labels(self, source: str) -> None:
+        """Raise a ``ValueError`` naming ``source`` when its images carry no class labels."""
+        if not self.labelled:
+            raise ValueError(
+                f"{source} gives no class labels: put the images in one folder per class "
+                "(root/<class>/<image>), or give the CSV a label column (path,label[,split])"
+            )
 
     def split_by_class(self, train_class_ids: np.ndarray) -> tuple[ImageRecords, ImageRecords]:
         """``(train, test)``: images whose original class is in ``train_class_ids``, and the rest.
@@ -210,9 +254,3 @@ def is_int(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def first_half(class_ids: np.ndarray) -> np.ndarray:
-    """The first ``ceil(C/2)`` of the sorted distinct class ids: the zero-shot train classes."""
-    classes = np.unique(class_ids)
-    return classes[: (len(classes) + 1) // 2]

@@ -109,10 +109,10 @@ DATASETS: Mapping[DatasetName, DatasetSpec] = MappingProxyType(
         DatasetName.FOLDER: DatasetSpec(
             loaders.load_folder,
             loaders.FolderOptions,
-            "a folder with one sub-folder of images per class",
+            "a folder of class folders (the label is the folder path below it)",
         ),
         DatasetName.CSV: DatasetSpec(
-            loaders.load_csv, loaders.CsvOptions, "a CSV file of path,label[,split] rows"
+            loaders.load_csv, loaders.CsvOptions, "a CSV file of path,label[,split[,role]] rows"
         ),
         DatasetName.DIGITS: DatasetSpec(
             offline.load_digits, offline.ArraySplitOptions, in_memory=True, takes_root=False

@@ -135,6 +135,28 @@ class _Sets:
     ref_unc: Tensor | None
     ref_labels: Tensor
     same_set: bool
+    query_rows: Tensor | None = None
+    """With roles: the rows of the queries among the embeddings given (references likewise)."""
+    ref_rows: Tensor | None = None
+
+
+def role_rows(roles: Sequence[str] | np.ndarray, n: int) -> tuple[Tensor, Tensor]:
+    """``(query_rows, gallery_rows)``: the positions of the ``"query"`` and the ``"gallery"`` rows
+    of ``roles`` (one per embedding; other rows, e.g. ``""``, take no part), each non-empty."""
+    values = np.asarray(roles, dtype=object).reshape(-1)
+    if len(values) != n:
+        raise ValueError(f"roles has {len(values)} entries but there are {n} embeddings")
+    unknown = sorted({str(v) for v in values} - {"query", "gallery", ""})
+    if unknown:
+        raise ValueError(f"roles must be 'query', 'gallery' or '', got {unknown}")
+    rows = {r: torch.from_numpy(np.flatnonzero(values == r)) for r in ("query", "gallery")}
+    for role, found in rows.items():
+        if len(found) == 0:
+            raise ValueError(
+                f"roles mark no {role} row; queries are searched against the gallery, so both "
+                "are needed"
+            )
+    return rows["query"], rows["gallery"]
 
 
 def _sets(
@@ -142,9 +164,26 @@ def _sets(
     labels: ArrayLike | Sequence[int],
     query: tuple[EmbeddingInput, ArrayLike | Sequence[int]] | None,
     uncertainty: ArrayLike | None,
+    roles: Sequence[str] | np.ndarray | None = None,
 ) -> _Sets:
     ref_semantic, ref_unc = _split(embeddings, uncertainty, "embeddings")
     ref_labels = _labels(labels, ref_semantic.shape[0], "labels")
+    if roles is not None:
+        if query is not None:
+            raise ValueError("give either roles or a separate query set, not both")
+        q_rows, g_rows = role_rows(roles, ref_semantic.shape[0])
+        q, g = q_rows.to(ref_semantic.device), g_rows.to(ref_semantic.device)
+        return _Sets(
+            q_semantic=ref_semantic[q],
+            q_unc=None if ref_unc is None else ref_unc[q.to(ref_unc.device)],
+            q_labels=ref_labels[q.to(ref_labels.device)],
+            ref_semantic=ref_semantic[g],
+            ref_unc=None if ref_unc is None else ref_unc[g.to(ref_unc.device)],
+            ref_labels=ref_labels[g.to(ref_labels.device)],
+            same_set=False,
+            query_rows=q_rows,
+            ref_rows=g_rows,
+        )
     if query is None:
         return _Sets(ref_semantic, ref_unc, ref_labels, ref_semantic, ref_unc, ref_labels, True)
     if not isinstance(query, tuple) or len(query) != 2:
@@ -165,6 +204,7 @@ def evaluate_embeddings(
     settings: EvaluationSettings | None = None,
     *,
     query: tuple[EmbeddingInput, ArrayLike | Sequence[int]] | None = None,
+    roles: Sequence[str] | np.ndarray | None = None,
     uncertainty: ArrayLike | None = None,
     introspective_metric: IntrospectiveMetric | None = None,
     device: torch.device | str | None = None,
@@ -180,6 +220,11 @@ def evaluate_embeddings(
         settings: what to compute (:class:`EvaluationSettings`; default: its defaults). Its
             ``num_neighbors`` alone decides how many neighbours the search computes.
         query: a separate query set ``(query_embeddings, query_labels)``.
+        roles: ``(N,)`` ``"query"``, ``"gallery"`` or ``""`` per embedding (open-metric-learning's
+            retrieval format): the query rows are searched against the gallery rows only, by the
+            same blocked search as a separate query set; rows of neither role take no part.
+            The report's neighbour indices and ``query_rows`` then refer to rows of
+            ``embeddings``.
         uncertainty: ``(N, d_u)`` uncertainty embeddings of ``embeddings`` (alternatively inside an
             :class:`~idml.embeddings.Embeddings`); the query set's comes with its
             :class:`~idml.embeddings.Embeddings`.
@@ -203,7 +248,7 @@ def evaluate_embeddings(
     s = EvaluationSettings() if settings is None else settings
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    sets = _sets(embeddings, labels, query, uncertainty)
+    sets = _sets(embeddings, labels, query, uncertainty, roles)
     all_labels = sets.ref_labels if sets.same_set else torch.cat([sets.q_labels, sets.ref_labels])
     classes = torch.unique(all_labels)
     if len(classes) < 2:
@@ -234,6 +279,10 @@ def evaluate_embeddings(
 
     start = time.perf_counter()
     acc, neighbors, backend = _retrieve(sets, scorer, s, device, progress)
+    if sets.ref_rows is not None:  # gallery positions → rows of the embeddings given
+        found = neighbors.indices
+        rows = sets.ref_rows.to(found.device)[found.clamp_min(0)]
+        neighbors = NeighborLists(torch.where(found >= 0, rows, found), neighbors.scores)
     timings["retrieval"] = time.perf_counter() - start
     lone = acc.lone
     if bool(lone.all()):
@@ -259,6 +308,7 @@ def evaluate_embeddings(
         lone_queries=lone.nonzero().flatten(),
         metric_name=scorer.name,
         backend=backend,
+        query_rows=sets.query_rows,
     )
     timings["metrics"] = time.perf_counter() - start
 
@@ -415,6 +465,9 @@ def evaluate_files(
     ``settings``, ``introspective_metric``, ``device`` and ``progress`` are those of
     :func:`evaluate_embeddings`.
 
+    A ``roles`` entry (``idml embed`` of images with query/gallery roles) makes the evaluation
+    search the file's queries against its gallery (``roles`` of :func:`evaluate_embeddings`).
+
     An ``uncertainty`` entry of shape ``(N,)`` holds uncertainty *levels* ``||u||`` (what ``idml
     embed`` writes): they are summarised as they are (as ``(N, 1)`` vectors, whose norm is the level),
     but cannot drive ISM, which needs the uncertainty vectors.
@@ -435,11 +488,17 @@ def evaluate_files(
         )
     elif query_labels_path is not None:
         raise ValueError("query labels were given without query embeddings")
+    if ref.roles is not None and query is not None:
+        raise ValueError(
+            f"{embeddings_path} marks query and gallery images (a 'roles' entry); its queries are "
+            "searched against its gallery, so drop the separate query file"
+        )
     return evaluate_embeddings(
         Embeddings(ref.semantic.float(), _file_uncertainty(ref, ism)),
         labels,
         settings,
         query=query,
+        roles=ref.roles,
         introspective_metric=introspective_metric,
         device=device,
         progress=progress,

@@ -10,9 +10,10 @@
 never arbitrary pickled code.
 
 Text entries are metadata, not arrays: ``idml embed`` stores each image's path (a string array in
-``.npz``, a list in ``.pt``, JSON in the ``.safetensors`` metadata) and, in ``.pt`` and
-``.safetensors``, the class names. They are read into :attr:`EmbeddingFile.paths` and
-:attr:`EmbeddingFile.classes` and never mistaken for numeric entries.
+``.npz``, a list in ``.pt``, JSON in the ``.safetensors`` metadata), the class names and, when the
+images have query/gallery roles, each image's role. They are read into
+:attr:`EmbeddingFile.paths`, :attr:`EmbeddingFile.classes` and :attr:`EmbeddingFile.roles` and
+never mistaken for numeric entries.
 
 Example:
     >>> import tempfile, pathlib, numpy as np
@@ -52,9 +53,10 @@ class EmbeddingFile:
     keys: tuple[str, ...]
     paths: list[str] | None = None  # one per row, when the file records them (``idml embed``)
     classes: list[str] | None = None  # label id -> class name, when recorded
+    roles: list[str] | None = None  # "query", "gallery" or "" per row, when recorded
 
 
-TEXT_KEYS: tuple[str, ...] = ("paths", "classes")
+TEXT_KEYS: tuple[str, ...] = ("paths", "classes", "roles")
 """Entries that hold text (image paths, class names) rather than numbers."""
 
 
@@ -232,20 +234,22 @@ def load_embedding_file(path: str | Path, entry_names: EntryNames = USUAL_ENTRIE
             f"{path}: embeddings must be a floating (N, d) array, got dtype {semantic.dtype} "
             f"and shape {tuple(semantic.shape)}"
         )
-    paths = text.get("paths")
-    if paths is not None and len(paths) != semantic.shape[0]:
-        raise ValueError(
-            f"{path}: 'paths' has {len(paths)} entries but there are {semantic.shape[0]} "
-            "embeddings; the file is inconsistent, write it again"
-        )
+    for key in ("paths", "roles"):
+        rows = text.get(key)
+        if rows is not None and len(rows) != semantic.shape[0]:
+            raise ValueError(
+                f"{path}: {key!r} has {len(rows)} entries but there are {semantic.shape[0]} "
+                "embeddings; the file is inconsistent, write it again"
+            )
     return EmbeddingFile(
         path,
         semantic,
         uncertainty,
         labels,
         tuple(k for k in entries if k),
-        paths=paths,
+        paths=text.get("paths"),
         classes=text.get("classes"),
+        roles=text.get("roles"),
     )
 
 

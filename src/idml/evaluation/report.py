@@ -33,6 +33,8 @@ class RetrievalResult:
         num_queries, num_references: sizes; ``same_set`` when the set was searched against itself.
         lone_queries: indices of the queries with no relevant reference (excluded from metrics).
         metric_name: the ranking metric; ``backend``: ``"exact"`` or ``"faiss:<index>"``.
+        query_rows: with query/gallery roles, the row of each query among the embeddings
+            evaluated (``neighbor_indices`` are rows too); ``None`` otherwise.
     """
 
     ks: tuple[int, ...]
@@ -49,6 +51,7 @@ class RetrievalResult:
     lone_queries: Tensor
     metric_name: str
     backend: str
+    query_rows: Tensor | None = None
 
     @property
     def num_lone_queries(self) -> int:

@@ -3,7 +3,7 @@
 :func:`build_model` is the entry point (:class:`UncertaintyHeadSpec` describes an uncertainty
 head); see :mod:`idml.models.backbones` for the backbone registry
 and :mod:`idml.models.weights` for weight files, :mod:`idml.models.heads` for the heads and
-:mod:`idml.models.model` for :class:`EmbeddingModel`.
+:mod:`idml.models.model` for :class:`EmbeddingModel`; :func:`embed_dataset` embeds a whole dataset.
 """
 
 from idml.models.backbones import (
@@ -17,6 +17,7 @@ from idml.models.backbones import (
     torch_cache_weights_path,
     weights_file_name,
 )
+from idml.models.encode import embed_dataset
 from idml.models.model import (
     EmbeddingModel,
     LogVarianceHead,
@@ -49,6 +50,7 @@ __all__ = [
     "UncertaintyKind",
     "build_backbone",
     "build_model",
+    "embed_dataset",
     "global_pool",
     "load_state_dict_file",
     "timm_available",

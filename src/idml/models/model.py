@@ -51,8 +51,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from idml.augment import check_images
 from idml.embeddings import Embeddings
+from idml.images import check_images
 from idml.models.backbones import (
     Backbone,
     BackboneName,
@@ -188,7 +188,7 @@ class EmbeddingModel(nn.Module):
         """Validate ``[0, 1]`` images, repeat grayscale to RGB if needed, apply ``(x − mean) / std``."""
         channels = self.backbone.in_channels
         if self.validate_inputs:
-            check_images("images", images)
+            check_images(images)
         elif images.dim() != 4:
             raise ValueError(
                 f"images must have shape (batch, channels, height, width), got {tuple(images.shape)}"

@@ -41,7 +41,7 @@ from idml.ranking.transforms import (
     GradedTransformConfig,
     GradedTransforms,
     StrictPositiveInt,
-    check_images,
+    check_ranking_images,
 )
 
 FeaturesFn = Callable[[Tensor], Tensor]
@@ -218,7 +218,7 @@ class SelfSupervisedRanking(nn.Module):
 
     def select_images(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """``M = num_images`` images drawn without replacement from a batch (all of them if fewer)."""
-        check_images(images)
+        check_ranking_images(images)
         return draw_images(images, self.config.num_images, generator)
 
     def views(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Annotated, Any, Literal, NamedTuple
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
+from idml.images import check_images
 from idml.ranking.warps import CORNERS, color_jitter, corner_homographies, warp_grid
 
 Interpolation = Literal["bilinear", "nearest", "bicubic"]
@@ -286,7 +286,7 @@ class GradedTransforms(nn.Module):
 
     def forward(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Views ``(M, N + 1, C, H, W)`` of ``images`` ``(M, C, H, W)``, ``[:, 0]`` = ``images``."""
-        check_images(images)
+        check_ranking_images(images)
         return self._render(images, self.sample_params(images.shape[0], generator))
 
     def sample_params(
@@ -337,7 +337,7 @@ class GradedTransforms(nn.Module):
         Jittering first keeps the filled border at exactly ``fill``; the order hardly matters otherwise
         (the jitter is pointwise except contrast's mean grey level, taken over the whole image).
         """
-        check_images(images)
+        check_ranking_images(images)
         m, n = images.shape[0], self.num_levels
         expected = {
             "crop_centres": (m, n, 2),
@@ -396,30 +396,15 @@ class GradedTransforms(nn.Module):
         return out
 
 
-def check_images(images: Tensor, name: str = "images") -> None:
-    """Raise ``ValueError`` unless ``images`` is a non-empty float ``(M, C, H, W)`` batch in ``[0, 1]``."""
-    if not isinstance(images, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(images).__name__}")
-    if images.dim() != 4 or images.shape[0] < 1:
-        raise ValueError(
-            f"{name} must be a non-empty (M, C, H, W) batch, got shape {tuple(images.shape)}"
-        )
-    if not images.dtype.is_floating_point:
-        raise ValueError(
-            f"{name} must be float in [0, 1], got dtype {images.dtype}; convert uint8 images with "
-            "`images.float() / 255`"
-        )
+def check_ranking_images(images: Tensor) -> None:
+    """:func:`idml.images.check_images`, and what the graded transforms need besides: at least one
+    image, and 1 or 3 channels (the colour jitter's grey level)."""
+    check_images(images)
+    if images.shape[0] < 1:
+        raise ValueError("images must hold at least one image to rank, got an empty batch")
     if images.shape[1] not in (1, 3):
         raise ValueError(
-            f"{name} must have 1 or 3 channels for the colour jitter, got {images.shape[1]}"
-        )
-    low, high = images.min().item(), images.max().item()
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise ValueError(f"{name} contains NaN or inf")
-    if low < -1e-4 or high > 1.0 + 1e-4:
-        raise ValueError(
-            f"{name} must be un-normalised pixels in [0, 1], got values in [{low:.3g}, {high:.3g}]; "
-            "apply the graded transforms before normalisation (the model normalises inside forward)"
+            f"images must have 1 or 3 channels for the colour jitter, got {images.shape[1]}"
         )
 
 

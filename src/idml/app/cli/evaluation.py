@@ -138,7 +138,8 @@ EVALUATE = Command(
     help="retrieval metrics of embeddings or of a trained run",
     description="Recall@K, R-Precision, MAP@R, MAP, MRR, NMI and ||u|| of saved embeddings "
     "(.npy/.npz/.pt/.safetensors), exact and blocked, with the conventions of the DML literature "
-    "(Musgrave et al. 2020).",
+    "(Musgrave et al. 2020). A file whose images have query/gallery roles (`idml embed` of a CSV "
+    "with a role column) searches its queries against its gallery only.",
     arguments=(
         Group(
             "input",

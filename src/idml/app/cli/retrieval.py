@@ -47,11 +47,21 @@ EMBED = Command(
     "run: also its logits and class probabilities)",
     arguments=(
         Option("--checkpoint", type=Path, required=True, help="run folder or checkpoint folder"),
-        Option("--images", type=Path, required=True, help="image folder or CSV (path[,label])"),
+        Option(
+            "--images",
+            type=Path,
+            required=True,
+            help="image folder (label = folder path below it) or CSV (path,label[,split[,role]])",
+        ),
         Option("--out", type=Path, required=True, help=".npz, .pt or .safetensors file"),
         BATCH_SIZE,
         WHICH,
-        Option("--split", default=None, help="CSV only: embed the rows of this split column"),
+        Option(
+            "--split",
+            choices=("train", "val", "test"),
+            default=None,
+            help="embed only this split (a CSV's split column, or train/val/test folders)",
+        ),
         NO_PROGRESS.but(help="no progress (on stderr)"),
     ),
 )
@@ -79,8 +89,8 @@ INDEX = Command(
     "index",
     _run_index,
     help="embed a gallery with a trained run and save a searchable index",
-    description="Embed GALLERY (an image folder, a CSV of path[,label], or an `idml embed` "
-    "file) and write an index folder: embeddings, ||u||, ids/paths/labels, the model, and a "
+    description="Embed GALLERY (an image folder, labelled by the folder path below it; a CSV of "
+    "path[,label]; or an `idml embed` file) and write an index folder: embeddings, ||u||, ids/paths/labels, the model, and a "
     "manifest with checksums. --add extends an existing index with the same model.",
     arguments=(
         Option("gallery", type=Path, help="image folder, CSV or embeddings file"),

@@ -23,9 +23,10 @@ from torch.utils.data import DataLoader, Subset
 
 from idml.app.config import Config, load_config
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
-from idml.embeddings import Embeddings
 from idml.evaluation.evaluate import EvaluationReport
+from idml.evaluation.report import RetrievalResult
 from idml.evaluation.uncertainty import risk_coverage
+from idml.models import embed_dataset
 
 
 # --------------------------------------------------------------------------- run log
@@ -258,10 +259,11 @@ def analyse_retrieval_run(
     cfg, model = run.config, run.model.to(device)
     epoch = int(run.state.get("epoch", -1)) + 1
     test = build.build_data(cfg).test
-    embeddings, labels = build.embed_dataset(model, test, options.batch_size, device, progress)
-    metrics, pr_curve, all_neighbors, curves = _evaluate(
-        cfg, embeddings, labels, device, options.top_k
+    embeddings, labels = embed_dataset(model, test, options.batch_size, device, progress=progress)
+    report = build.evaluate(
+        cfg, embeddings, labels, device, roles=test.roles, num_neighbors=options.top_k
     )
+    metrics, pr_curve, curves = _evaluate(report)
     generator = torch.Generator().manual_seed(options.seed)
 
     uncertainty = mixed = probe = None
@@ -271,7 +273,7 @@ def analyse_retrieval_run(
         mixed = _mixed_uncertainty(cfg, model, test, options, device, generator)
         probe = uncertainty_probe(model, test, seed=options.seed, device=device)
 
-    queries, neighbors = _sample_queries(labels, all_neighbors, options, generator)
+    queries, neighbors = _sample_queries(labels, report.retrieval, options, generator)
     grid = _load_images(test, np.concatenate([queries[:, None], neighbors], axis=1))
 
     tsne, tsne_labels = _tsne(embeddings.semantic, labels, options, generator)
@@ -298,27 +300,19 @@ def analyse_retrieval_run(
 
 
 def _evaluate(
-    cfg: Config,
-    embeddings: Embeddings,
-    labels: Tensor,
-    device: torch.device,
-    num_neighbors: int,
+    report: EvaluationReport,
 ) -> tuple[
     dict[str, float],
     tuple[np.ndarray, np.ndarray],
-    Tensor,
     dict[str, tuple[np.ndarray, np.ndarray]],
 ]:
-    """Retrieval metrics exactly as training computes them (ISM only with
-    ``eval.introspective``), the interpolated precision–recall curve and each test image's
-    ``num_neighbors`` nearest other test images (by the same search, so the retrieval grid shows
-    what Recall@K counted)."""
-    from idml.app import build
-
-    report = build.evaluate(cfg, embeddings, labels, device, num_neighbors=num_neighbors)
+    """The retrieval metrics of a test-set evaluation as training computes them (ISM only with
+    ``eval.introspective``; its ``num_neighbors`` nearest test images per query come from the same
+    search, so the retrieval grid shows what Recall@K counted), the interpolated
+    precision–recall curve and the risk–coverage curves."""
     curve = report.retrieval.pr_curve
     pr = (np.asarray(curve.recall_levels, float), np.asarray(curve.interpolated_precision, float))
-    return dict(report.metrics), pr, report.retrieval.neighbor_indices.cpu(), _curves(report)
+    return dict(report.metrics), pr, _curves(report)
 
 
 def _curves(report: EvaluationReport) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -377,17 +371,21 @@ def _mixed_uncertainty(
 
 
 def _sample_queries(
-    labels: Tensor, neighbors: Tensor, options: AnalysisOptions, generator: torch.Generator
+    labels: Tensor, retrieval: RetrievalResult, options: AnalysisOptions, generator: torch.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``num_queries`` random test images that have another image of their class, and their
-    nearest neighbours (``(Q,)`` and ``(Q, k)``; empty when no image qualifies)."""
+    """``num_queries`` random queries (every test image, or those of role ``query``) that have
+    another image of their class, and their nearest neighbours: test image indices, ``(Q,)`` and
+    ``(Q, k)`` (empty when no image qualifies)."""
+    neighbors = retrieval.neighbor_indices.cpu()
+    rows = retrieval.query_rows
+    rows = torch.arange(len(labels)) if rows is None else rows.cpu()
     k = min(options.top_k, neighbors.shape[1])
-    eligible = torch.nonzero(torch.bincount(labels)[labels] > 1).flatten()
+    eligible = torch.nonzero(torch.bincount(labels)[labels[rows]] > 1).flatten()
     if k < 1 or len(eligible) == 0:
         return np.zeros(0, np.int64), np.zeros((0, max(k, 0)), np.int64)
     pick = torch.randperm(len(eligible), generator=generator)[: options.num_queries]
-    queries = eligible[pick].sort().values
-    return queries.numpy(), neighbors[queries, :k].numpy()
+    chosen = eligible[pick].sort().values
+    return rows[chosen].numpy(), neighbors[chosen, :k].numpy()
 
 
 def _load_images(dataset: torch.utils.data.Dataset, indices: np.ndarray) -> np.ndarray:

@@ -51,9 +51,9 @@ from torch import Tensor
 
 from idml.app.inference import ModelInfo, file_sha256, read_json_file
 from idml.app.retrieval.confidence import confidence
-from idml.app.retrieval.faiss_backend import faiss_build, faiss_parameters
 from idml.evaluation.scoring import PairScorer, PreparedSide
 from idml.evaluation.search import SearchExecution, neighbors_only
+from idml.evaluation.search.faiss_backend import faiss_build, faiss_parameters
 
 FORMAT = "idml-index"
 VERSION = 1

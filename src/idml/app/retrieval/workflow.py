@@ -3,8 +3,10 @@ them with the index's model, and build, extend or search an :class:`~idml.app.re
 
 Galleries and queries are read from
 
-* an image file, an image folder (recursively; label = parent folder name; id = the path relative to
-  the folder) or a CSV of ``path[,label]`` (id = the path as written), or
+* an image file, an image folder or a CSV of ``path[,label]``, read by :mod:`idml.data.reader`
+  as training reads them (a folder's label is the path below it, e.g. ``Alphabet/character01``;
+  images at several depths are an error); an item's id is its path relative to the folder (or to
+  the CSV's folder), or
 * an embeddings file of ``idml embed`` (``.npz``, ``.pt``, ``.safetensors``; ids = its recorded
   paths, else the row numbers).
 
@@ -27,6 +29,7 @@ from idml.app.inference import Encoder, ModelInfo
 from idml.app.retrieval.index import Index, IndexFormatError
 from idml.app.retrieval.output import result_records
 from idml.data import IMAGE_EXTENSIONS
+from idml.data import read_images as read_records
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,11 @@ class ItemSource:
 
 def read_images(source: str | Path) -> ItemSource:
     """An image file, a folder of images or a CSV of ``path[,label]`` (see the module docstring)."""
-    from idml.app.trained_run import list_images
-
     source = Path(source)
     if source.is_file() and source.suffix.lower() in IMAGE_EXTENSIONS:
         return ItemSource([source.name], [str(source.resolve())], [None], [source])
-    files, labels = list_images(source)
+    records = read_records(source)
+    files = [Path(p) for p in records.paths]
     root = source if source.is_dir() else source.parent
     ids = []
     for f in files:
@@ -74,12 +76,10 @@ def read_images(source: str | Path) -> ItemSource:
             ids.append(f.relative_to(root).as_posix())
         except ValueError:  # an absolute CSV path outside the CSV's folder
             ids.append(str(f))
-    return ItemSource(
-        ids,
-        [str(f.resolve()) for f in files],
-        list(labels) if labels is not None else [None] * len(files),
-        list(files),
-    )
+    labels: list[str | None] = [None] * len(files)
+    if records.labelled:
+        labels = [records.class_names[int(c)] for c in records.class_ids]
+    return ItemSource(ids, [str(f.resolve()) for f in files], labels, files)
 
 
 def read_embeddings(path: str | Path) -> ItemSource:

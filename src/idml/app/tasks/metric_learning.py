@@ -36,6 +36,7 @@ from idml.augment import AugmentationPipeline, AugmentedBatch
 from idml.data.datasets import TrainTestPair
 from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
 from idml.losses import MetricLoss
+from idml.models import embed_dataset
 
 if TYPE_CHECKING:
     from idml.app.reports.runs import AnalysisOptions, RunLog
@@ -109,7 +110,11 @@ class MetricLearning(Task):
         emb, labels = embed_test_set(context)
         report = None
         if context.dist.is_main:
-            evaluation = build.evaluate(context.cfg, emb, labels, context.device, context.progress)
+            # A test set with query/gallery roles searches its queries against its gallery.
+            roles = context.data.test.roles
+            evaluation = build.evaluate(
+                context.cfg, emb, labels, context.device, context.progress, roles
+            )
             report = Evaluation(
                 dict(evaluation.metrics), {"nmi_method": evaluation.settings["nmi_method"]}
             )
@@ -165,8 +170,12 @@ def embed_test_set(context: EvaluationContext) -> tuple[Embeddings, Tensor]:
     shard = contiguous_shard(context.data.test, dist)
     error: NonFiniteEmbeddingsError | None = None
     try:
-        emb, labels = build.embed_dataset(
-            context.model, shard, context.cfg.eval.batch_size, context.device, context.progress
+        emb, labels = embed_dataset(
+            context.model,
+            shard,
+            context.cfg.eval.batch_size,
+            context.device,
+            progress=context.progress,
         )
     except NonFiniteEmbeddingsError as err:
         error = err
