@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import idml.app.training as training_module
+import idml.app.tasks.metric_learning as metric_learning_task
 from idml.app import checkpoint
 from idml.app.cli import main
 from idml.app.config import load_config
@@ -200,7 +200,7 @@ def test_a_non_finite_test_set_embedding_names_the_epoch(
 ) -> None:
     cfg = load_config(None, [*TINY, "optim.epochs=2"])
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
-    real = training_module.embed_dataset
+    real = metric_learning_task.embed_dataset
 
     def overflowing(*args, **kwargs):
         emb, labels = real(*args, **kwargs)
@@ -210,7 +210,7 @@ def test_a_non_finite_test_set_embedding_names_the_epoch(
             return Embeddings(semantic, emb.uncertainty), labels
         return emb, labels
 
-    monkeypatch.setattr(training_module, "embed_dataset", overflowing)
+    monkeypatch.setattr(metric_learning_task, "embed_dataset", overflowing)
     with pytest.raises(FloatingPointError) as caught:
         trainer.fit()
     message = str(caught.value)
