@@ -237,39 +237,52 @@ def test_meaningless_settings_are_refused_or_warned(
 
 
 # --------------------------------------------------------------------------- errors name the thing
-@pytest.mark.parametrize("raised_by", ["os", "safetensors"])
 def test_checkpoint_write_failing_half_way_keeps_the_previous_checkpoint(
     trained: Path,
     config: Path,
-    raised_by: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from safetensors import SafetensorError
+    real = checkpoint.write_new_files
 
-    real = checkpoint.save_file
-    calls = []
+    def disk_full(folder: Path, files: dict[str, bytes]) -> None:
+        first = dict(list(files.items())[:1])
+        real(folder, first)  # model.safetensors is written, training.safetensors hits a full disk
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "training.safetensors"))
 
-    def disk_full(tensors, filename, *args, **kwargs):
-        calls.append(filename)
-        if len(calls) == 2:  # model.safetensors is written, training.safetensors hits a full disk
-            if raised_by == "safetensors":  # how the Rust serializer reports ENOSPC
-                raise SafetensorError("Error while serializing: No space left on device (os 28)")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
-        return real(tensors, filename, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    monkeypatch.setattr(checkpoint, "write_new_files", disk_full)
     capsys.readouterr()
     assert main([*_train_args(trained, config, "optim.epochs=3"), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "No space left on device" in err and str(trained / "checkpoints") in err
-    assert "epoch_0001 stays latest" in err
+    assert re.search(
+        r"\(\d[\d.]* (bytes|KiB|MiB) needed, .* free\)", err
+    )  # the bytes the checkpoint needs
+    assert "epoch_0001 stays latest" in err and "--resume" in err
     root = trained / "checkpoints"
     assert (root / "latest").read_text().strip() == "epoch_0001"
     assert not list(root.glob("*.tmp")) and not (root / "epoch_0002").exists()
-    monkeypatch.setattr(checkpoint, "save_file", real)
+    monkeypatch.setattr(checkpoint, "write_new_files", real)
     assert main([*_train_args(trained, config, "optim.epochs=3"), "--resume"]) == 0
     assert (root / "latest").read_text().strip() == "epoch_0002"
+
+
+def test_non_finite_buffers_are_never_checkpointed(
+    tmp_path: Path, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """lr 1e6: the loss and every weight stay finite but BatchNorm's running variances overflow;
+    the checkpoint of that epoch is refused, naming the buffer, and the good one stays latest."""
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(_train_args(out, config, "optim.lr=1e6", "optim.epochs=2")) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"NaN or inf in model\.backbone\.\S+\.running_var", err), err
+    assert "after epoch 2" in err and "(epoch_0000) stays latest" in err and "optim.lr" in err
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == "epoch_0000"
+    assert not (root / "epoch_0001").exists() and not list(root.glob("*.tmp"))
+    state = checkpoint.load_file(str(root / "epoch_0000" / checkpoint.MODEL_FILE))
+    assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
 
 
 @pytest.mark.parametrize("target", ["../../elsewhere", "/tmp", "..", ""])

@@ -152,7 +152,8 @@ def test_a_damaged_index_is_refused(
 ) -> None:
     index_dir = tmp_path / "index"
     assert main(["index", str(gallery), "--out", str(index_dir), "--checkpoint", str(run_dir)]) == 0
-    emb_file, items = index_dir / "embeddings.safetensors", index_dir / "items.json"
+    version = index_dir / (index_dir / "current").read_text().strip()
+    emb_file, items = version / "embeddings.safetensors", version / "items.json"
     if damage == "flip a byte":
         data = bytearray(emb_file.read_bytes())
         data[-3] ^= 0x01  # inside the float data: still a readable safetensors file

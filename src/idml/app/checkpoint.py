@@ -9,6 +9,8 @@ A checkpoint is a folder::
 
 It is written into ``epoch_0007.tmp`` and renamed into place, then ``latest`` (a one-line text file)
 is replaced atomically, so an interrupted write never leaves a half checkpoint where a good one was.
+A full disk is reported with the folder and the bytes needed (:mod:`idml.app.storage`), and a model
+whose parameters or buffers hold NaN or inf is never written (:class:`NonFiniteStateError`).
 """
 
 from __future__ import annotations
@@ -16,15 +18,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
+
+from idml.app.storage import (
+    atomic_write_text,
+    fsync_folder,
+    remove_quietly,
+    write_failure,
+    write_new_files,
+)
 
 MODEL_FILE = "model.safetensors"
 TRAINING_FILE = "training.safetensors"
@@ -45,14 +54,40 @@ class CheckpointWriteError(CheckpointError):
     """A checkpoint that could not be written (disk full, permissions); the previous one stays."""
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+class NonFiniteStateError(ArithmeticError):
+    """Parameters or buffers holding NaN or inf: such a model is never saved as a checkpoint.
+
+    ``names`` lists the tensors (``model.…``, ``loss.…``), the first ones first."""
+
+    def __init__(self, names: list[str]) -> None:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        super().__init__(f"NaN or inf in {shown}")
+        self.names = names
+
+
+def check_finite_state(modules: dict[str, nn.Module]) -> None:
+    """Raise :class:`NonFiniteStateError` when a floating parameter *or buffer* of ``modules``
+    (prefix → module) is NaN or infinite: a BatchNorm running variance can overflow while the loss
+    and every weight stay finite, and such a checkpoint embeds every image as NaN."""
+    named = [
+        (f"{prefix}.{name}", value)
+        for prefix, module in modules.items()
+        for name, value in module.state_dict().items()
+        if value.is_floating_point() or value.is_complex()
+    ]
+    if not named:
+        return
+    # One device sync per device holding state, not one per tensor.
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, value) in enumerate(named):
+        by_device.setdefault(value.device, []).append(i)
+    ok = [True] * len(named)
+    for positions in by_device.values():
+        flags = torch.stack([torch.isfinite(named[i][1]).all() for i in positions]).tolist()
+        for i, flag in zip(positions, flags):
+            ok[i] = flag
+    if not all(ok):
+        raise NonFiniteStateError([name for (name, _), good in zip(named, ok) if not good])
 
 
 def flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -92,59 +127,60 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``run_dir/checkpoints/<name>`` atomically and point ``latest`` at it.
 
-    A failed write (disk full, permissions) removes the partial folder and raises
-    :class:`CheckpointWriteError`; the previous checkpoint stays ``latest``.
+    Refused with :class:`NonFiniteStateError` (nothing written) when a parameter or buffer of
+    ``model`` or ``training_modules`` is NaN or inf. A failed write (disk full, permissions)
+    removes the partial folder and raises :class:`CheckpointWriteError` naming the folder and the
+    bytes needed; the previous checkpoint stays ``latest``.
     """
+    check_finite_state({"model": model, **training_modules})
+    extra: dict[str, torch.Tensor] = {}
+    for prefix, module in training_modules.items():
+        for key, value in module.state_dict().items():
+            extra[f"{prefix}.{key}"] = value
+    opt_structures = {}
+    for prefix, opt in optimizers.items():
+        tensors, structure = flatten_optimizer(opt.state_dict())
+        extra.update({f"{prefix}.{k}": v for k, v in tensors.items()})
+        opt_structures[prefix] = structure
+        for entry in structure["state"].values():
+            for value in entry.values():
+                if isinstance(value, dict) and "tensor" in value:
+                    value["tensor"] = f"{prefix}.{value['tensor']}"
+    payload = {**state, "optimizers": opt_structures}
     root = run_dir / "checkpoints"
-    with _reported_write(root, name):
+    final, tmp = root / name, root / f"{name}.tmp"
+    files: dict[str, bytes] = {}
+    try:
+        # In memory first: the size is known, and no serializer fails half-way through a file.
+        files[MODEL_FILE] = safetensors_bytes(_contiguous(model.state_dict()))
+        files[TRAINING_FILE] = safetensors_bytes(_contiguous(extra))
+    except SafetensorError as err:
+        raise CheckpointWriteError(f"cannot serialize checkpoint {name}: {err}") from err
+    files[STATE_FILE] = json.dumps(payload, indent=1, default=str).encode()
+    needed = sum(len(b) for b in files.values())
+    try:
         root.mkdir(parents=True, exist_ok=True)
-        final = root / name
-        tmp = root / f"{name}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        remove_quietly(tmp)
         tmp.mkdir()
-        save_file(_contiguous(model.state_dict()), str(tmp / MODEL_FILE))
-        extra: dict[str, torch.Tensor] = {}
-        for prefix, module in training_modules.items():
-            for key, value in module.state_dict().items():
-                extra[f"{prefix}.{key}"] = value
-        opt_structures = {}
-        for prefix, opt in optimizers.items():
-            tensors, structure = flatten_optimizer(opt.state_dict())
-            extra.update({f"{prefix}.{k}": v for k, v in tensors.items()})
-            opt_structures[prefix] = structure
-            for entry in structure["state"].values():
-                for value in entry.values():
-                    if isinstance(value, dict) and "tensor" in value:
-                        value["tensor"] = f"{prefix}.{value['tensor']}"
-        save_file(_contiguous(extra), str(tmp / TRAINING_FILE))
-        payload = {**state, "optimizers": opt_structures}
-        atomic_write_text(tmp / STATE_FILE, json.dumps(payload, indent=1, default=str))
+        write_new_files(tmp, files)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fsync_folder(root)
         atomic_write_text(root / LATEST, name + "\n")
-        return final
-
-
-@contextmanager
-def _reported_write(root: Path, name: str) -> Iterator[None]:
-    try:
-        yield
-    except (OSError, RuntimeError, ValueError, SafetensorError) as err:
-        # safetensors reports I/O failures (ENOSPC included) as its own SafetensorError.
-        shutil.rmtree(root / f"{name}.tmp", ignore_errors=True)
+    except OSError as err:
+        remove_quietly(tmp)
         previous = root / LATEST
         kept = (
             f"the previous checkpoint {previous.read_text().strip()} stays latest"
             if previous.is_file()
             else "no earlier checkpoint exists"
         )
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise CheckpointWriteError(
-            f"cannot write checkpoint {name} into {root}: {reason}; {kept}. Free disk space (or "
-            "fix the folder's permissions) and continue with --resume"
-        ) from err
+        failure = write_failure(
+            err, root, f"checkpoint {name}", needed, kept, "continue with --resume"
+        )
+        raise CheckpointWriteError(str(failure)) from err
+    return final
 
 
 def mark_best(run_dir: Path, name: str) -> None:

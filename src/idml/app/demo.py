@@ -52,9 +52,9 @@ DEMO_IDML: list[str] = [
 ``method/idml`` fragment), with the demo's γ, τ and Mixup fraction."""
 
 
-DEMO_METRICS = ("recall@1", "map@r", "nmi", "auroc_top1_cos", "auroc_norm_u")
+DEMO_METRICS = ("recall@1", "map@r", "nmi", "r_auroc_top1", "r_auroc_norm_u")
 """The rows of the demo's table: retrieval (R@1 is near its ceiling on digits, MAP@R and NMI are
-not), then how well the top-1 cosine and ||u|| flag a wrong top-1 neighbour (AUROC)."""
+not), then how well the top-1 cosine and ||u|| rank right top-1 answers above wrong ones (R-AUROC)."""
 
 
 @dataclass
@@ -90,7 +90,9 @@ class DemoResult:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         seeds = len(self.baseline)
-        lines.append(f"mean ± std over {seeds} seed(s), last epoch; auroc_*: wrong top-1 detection")
+        lines.append(
+            f"mean ± std over {seeds} seed(s), last epoch; r_auroc_*: right top-1 vs wrong"
+        )
         return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -265,22 +266,27 @@ class Encoder:
             ),
             redo="export again",
         )
-        info = ModelInfo.from_dict(meta.get("model", {}), str(meta_path))
+        if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+            raise ValueError(
+                f"{meta_path}: not an export description (no 'model' object); export again"
+            )
+        info = ModelInfo.from_dict(meta["model"], str(meta_path))
         # The export is now where these weights live (the run it came from may be elsewhere).
         info = replace(info, source=str(folder.resolve()), checkpoint=None)
-        script = folder / meta.get("torchscript", "model.pt")
-        if not script.is_file():
-            raise FileNotFoundError(
-                f"{script}: the TorchScript file named in {meta_path} is missing; export again "
-                "with --format torchscript"
-            )
+        from idml.app.deploy import verified_file
+
+        # A plain file name inside the folder, whose hash export.json records: never a path out
+        # of the folder, never another export's file.
+        data = verified_file(folder, {"torchscript": "model.pt", **meta}, "torchscript", meta_path)
+        script = folder / str(meta.get("torchscript", "model.pt"))
         dev = _device(device)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation notice
-                net = torch.jit.load(str(script), map_location=dev)
+                net = torch.jit.load(io.BytesIO(data), map_location=dev)
         except RuntimeError as err:
-            raise ValueError(f"{script}: cannot load the TorchScript model ({err})") from err
+            message = str(err).strip().splitlines()[0][:200] if str(err).strip() else "unreadable"
+            raise ValueError(f"{script}: cannot load the TorchScript model ({message})") from None
         net.eval()
         return cls(net, info, dev)
 

@@ -25,7 +25,9 @@ PLAIN = ""
 _PERCENT_KEYS = frozenset(
     {"r_precision", "map@r", "map_at_r", "map", "mrr", "nmi", "ece"},
 )
-_PERCENT_PATTERN = re.compile(r"^(recall@\d+|mrr@\d+|top\d+|aurc(_.+)?)$")
+_PERCENT_PATTERN = re.compile(
+    r"^(recall@\d+|mrr@\d+|top\d+|aurc(_.+)?|selective_recall@1_cov\d+|conformal_(precision|coverage)@.+)$"
+)
 
 _METRIC_LABELS = {
     "r_precision": "RP",
@@ -66,6 +68,8 @@ def metric_label(key: str) -> str:
         return "R@" + key.removeprefix("recall@")
     if key.startswith("u_"):
         return "||u|| " + key.removeprefix("u_")
+    if key.startswith("r_auroc_"):
+        return "R-AUROC " + key.removeprefix("r_auroc_")
     return _METRIC_LABELS.get(key, key)
 
 

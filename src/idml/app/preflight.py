@@ -1,7 +1,8 @@
 """Checks of a run's config that would otherwise fail, or silently mislead, only after training.
 
-:func:`check_run_config` runs before the first optimisation step. It refuses settings that cannot
-work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
+:func:`check_run_config` runs before the first optimisation step (what a config asks of the data
+is checked by its task as soon as the data is loaded, e.g. a top-k accuracy of more classes than
+the dataset has). It refuses settings that cannot work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
 the crop, nothing left to train) and returns warnings for settings that make a run meaningless
 without breaking it (a warm-up that never ends, a test centre crop that sees a small part of each
 image). Every message names the keys involved and what to change.

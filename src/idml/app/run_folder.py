@@ -10,7 +10,9 @@ A folder *holds a run* once it has a non-empty ``metrics.jsonl`` or anything und
 
 While a trainer writes, ``<run>/.lock`` holds its PID, host and start time. A second writer is
 refused with :class:`RunLockedError` naming that process; a lock left behind by a process that no
-longer exists (same host) is taken over, so a ``kill -9`` never blocks the folder for good.
+longer exists (same host) is taken over, so a ``kill -9`` never blocks the folder for good. A lock
+from another host cannot be checked: it is reported with the command that removes it. The same
+lock (:func:`folder_lock`) guards an index folder while ``idml index`` writes it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -78,7 +80,7 @@ def claim_run_folder(
     if resume and overwrite:
         raise RunFolderError("give either --resume or --overwrite, not both")
     make_folder(run_dir)
-    lock = _acquire(run_dir)
+    lock = acquire_lock(run_dir)
     try:
         moved = None
         if not resume and holds_run(run_dir):
@@ -122,8 +124,42 @@ def _describe(run_dir: Path) -> str:
     return "; ".join(parts)
 
 
-def _acquire(run_dir: Path) -> Path:
-    path = run_dir / LOCK_FILE
+_HELD: set[Path] = set()
+"""The locks this process holds (so that one writer may take its own lock again)."""
+
+
+@contextmanager
+def folder_lock(
+    folder: Path,
+    what: str = "run folder",
+    alternative: str = "choose another --out",
+    on_stale: Callable[[str], object] = lambda _: None,
+) -> Iterator[Path]:
+    """Hold ``folder/.lock`` for this process while the block runs (re-entrant in one process);
+    ``on_stale`` hears of a dead writer's lock that was taken over."""
+    path = (Path(folder) / LOCK_FILE).absolute()
+    if path in _HELD:
+        yield path
+        return
+    acquire_lock(folder, what, alternative, on_stale)
+    _HELD.add(path)
+    try:
+        yield path
+    finally:
+        _HELD.discard(path)
+        _release(path)
+
+
+def acquire_lock(
+    folder: Path,
+    what: str = "run folder",
+    alternative: str = "choose another --out",
+    on_stale: Callable[[str], object] = lambda _: None,
+) -> Path:
+    """Create ``folder/.lock`` for this process, or raise :class:`RunLockedError` naming the
+    process that holds it (its PID, host and start time, and the command that removes the lock
+    should that process be gone). A lock whose process no longer runs on this host is taken over."""
+    path = Path(folder) / LOCK_FILE
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
     for _ in range(2):  # a second try after removing a stale lock
         try:
@@ -135,20 +171,24 @@ def _acquire(run_dir: Path) -> Path:
                     "%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(holder.get("started", 0)))
                 )
                 raise RunLockedError(
-                    f"{run_dir} is being written by process {holder.get('pid')} on "
+                    f"{folder} is being written by process {holder.get('pid')} on "
                     f"{holder.get('host')} (since {started}); wait for it to finish, stop it, or "
-                    f"choose another --out. If no such process runs, delete {path}"
+                    f"{alternative}. If no such process runs, remove the lock: rm {path}"
                 ) from None
             path.unlink(missing_ok=True)  # its writer is gone (or the file is unreadable debris)
+            on_stale(
+                f"took over the lock of {what} {folder} from process "
+                f"{(holder or {}).get('pid', '?')}, which no longer runs"
+            )
             continue
         except OSError as err:
             raise RunFolderError(
-                f"cannot write into run folder {run_dir}: {err.strerror or err}"
+                f"cannot write into {what} {folder}: {err.strerror or err}"
             ) from err
         with os.fdopen(fd, "w") as fh:
             json.dump(record, fh)
         return path
-    raise RunLockedError(f"{path} keeps reappearing; another process is claiming {run_dir}")
+    raise RunLockedError(f"{path} keeps reappearing; another process is claiming {folder}")
 
 
 def _release(path: Path) -> None:

@@ -7,6 +7,7 @@ never loaded here.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from idml.app import build
@@ -27,6 +28,7 @@ from idml.app.checkpoint import (
     resolve_checkpoint,
 )
 from idml.app.config import Config, validate_config
+from idml.app.storage import write_file
 from idml.data import FileImageDataset, ImageRecords, build_transforms, read_images
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
@@ -149,15 +151,21 @@ def embed_images(
         payload.update(arrays)
         text.update(names_of)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Serialized in memory, then written atomically (idml.app.storage): a full disk names the
+    # folder and the bytes needed and leaves a previous file of that name as it was.
+    buffer = io.BytesIO()
     if suffix == ".npz":
         columns: dict[str, Any] = {k: v.numpy() for k, v in payload.items()}
         columns |= {k: np.array(v, dtype=str) for k, v in text.items()}
-        np.savez(out, **columns)
+        np.savez(buffer, **columns)
     elif suffix == ".pt":
-        torch.save({**payload, **text}, out)
+        torch.save({**payload, **text}, buffer)
     elif suffix == ".safetensors":
         meta = {k: json.dumps(v) for k, v in text.items()}
-        save_file({k: v.contiguous() for k, v in payload.items()}, str(out), metadata=meta)
+        buffer.write(
+            safetensors_bytes({k: v.contiguous() for k, v in payload.items()}, metadata=meta)
+        )
+    write_file(out, buffer.getvalue(), what=f"embeddings {out.name}")
     return len(records)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from idml.app.cli.command import Command, Group, Option
-from idml.app.cli.options import JSON, NO_PROGRESS, OLD_PROGRESS
+from idml.app.cli.options import JSON, NO_PROGRESS, OLD_PROGRESS, device_name
 
 if TYPE_CHECKING:
     from idml.app.tasks import RunEvaluation
@@ -202,7 +202,9 @@ EVALUATE = Command(
             Option("--seed", type=int, default=None, help="k-means seed (default 1234)"),
             Option("--knn-backend", choices=("exact", "faiss"), default=None, help="default exact"),
             Option("--faiss-index", default=None, help="faiss index factory (default HNSW32)"),
-            Option("--device", default=None, help="cpu, cuda, cuda:N (default: cpu)"),
+            Option(
+                "--device", default=None, type=device_name, help="cpu, cuda, cuda:N (default: cpu)"
+            ),
             Option("--block-size", type=int, default=None, help="tile side of the blocked search"),
         ),
         Group(

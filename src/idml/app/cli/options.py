@@ -38,7 +38,25 @@ SEARCH_PARAMETERS = Option(
 )
 """faiss search parameters of index and search."""
 
-DEVICE = Option("--device", default=None, help="cpu (default), cuda, cuda:N")
+
+def device_name(text: str) -> str:
+    """An argparse ``type`` for ``--device``: ``auto`` or a device torch knows (``cpu``,
+    ``cuda``, ``cuda:1``, ``mps``…), refused at parse time with the valid forms (not a torch
+    traceback once the model is loaded). Whether that device exists is checked where it is used."""
+    import torch
+
+    if text == "auto":
+        return text
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"unknown device {text!r}; use cpu, cuda, cuda:N (or auto where accepted)"
+        ) from None
+    return text
+
+
+DEVICE = Option("--device", default=None, type=device_name, help="cpu (default), cuda, cuda:N")
 """Where the model runs and an index is searched."""
 
 BATCH_SIZE = Option("--batch-size", type=int, default=64)

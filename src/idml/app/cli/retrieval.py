@@ -79,7 +79,10 @@ def _run_index(args: argparse.Namespace) -> int:
         backend=args.backend,
         faiss_factory=args.faiss_index,
         search_parameters=args.search_parameters,
+        root=args.root,
+        allow_outside_root=args.allow_outside_root,
         runtime=runtime(args),
+        log=print,
     )
     print(f"index {args.out}: {len(index)} items, dimension {index.dim}, backend {index.backend}")
     return 0
@@ -90,8 +93,11 @@ INDEX = Command(
     _run_index,
     help="embed a gallery with a trained run and save a searchable index",
     description="Embed GALLERY (an image folder, labelled by the folder path below it; a CSV of "
-    "path[,label]; or an `idml embed` file) and write an index folder: embeddings, ||u||, ids/paths/labels, the model, and a "
-    "manifest with checksums. --add extends an existing index with the same model.",
+    "path[,label]; or an `idml embed` file) and write an index folder: embeddings, ||u||, "
+    "ids/paths/labels, the model, and a manifest with checksums. --add extends an existing "
+    "index with the same model. Paths are recorded relative to the gallery's root folder; items "
+    "outside it are refused unless --allow-outside-root. A second writer of the same index is "
+    "refused.",
     arguments=(
         Option("gallery", type=Path, help="image folder, CSV or embeddings file"),
         Option("--out", type=Path, required=True, help="index folder to write (or extend)"),
@@ -101,6 +107,18 @@ INDEX = Command(
         Option("--backend", choices=["exact", "faiss"], default="exact"),
         Option("--faiss-index", default="HNSW32", help="faiss factory string (Flat, HNSW32…)"),
         SEARCH_PARAMETERS,
+        Option(
+            "--root",
+            type=Path,
+            help="gallery root the paths are recorded under (default: the image folder, the "
+            "CSV's folder, or the folder of an embeddings file's paths)",
+        ),
+        Option(
+            "--allow-outside-root",
+            action="store_true",
+            help="record items outside the root (e.g. ../ rows of a CSV); such an index can "
+            "reveal other folders to whoever it is served to",
+        ),
         *RUNTIME,
     ),
 )
@@ -108,12 +126,18 @@ INDEX = Command(
 
 def _run_search(args: argparse.Namespace) -> int:
     from idml.app.retrieval import Index
+    from idml.app.retrieval.index import check_k
     from idml.app.retrieval.output import format_table, to_json, write_csv, write_html
     from idml.app.retrieval.workflow import encoder_for_index, read_source, search_source
+    from idml.app.storage import write_file
 
     if args.out is not None and args.out.suffix.lower() not in (".json", ".csv"):
         raise ValueError(f"--out {args.out}: use a .json or .csv file name")
     index = Index.load(args.index, search_parameters=args.search_parameters)
+    try:
+        check_k(args.k, len(index))  # before any image is embedded
+    except ValueError as err:
+        raise ValueError(f"-k: {err}") from None
     queries = read_source(args.queries)
     encoder = None
     if queries.embeddings is None:
@@ -128,7 +152,7 @@ def _run_search(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.suffix.lower() == ".csv":
         write_csv(records, args.out)
     elif args.out is not None:
-        args.out.write_text(to_json(records, index, args.k) + "\n")
+        write_file(args.out, (to_json(records, index, args.k) + "\n").encode())
     if args.html is not None:
         write_html(records, args.html, title=f"idml search: {args.index}")
     print(to_json(records, index, args.k) if args.json else format_table(records))
@@ -157,7 +181,8 @@ def _run_export(args: argparse.Namespace) -> int:
     from idml.app.inference import Encoder
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
-    meta = export_model(Encoder.from_run(args.checkpoint, args.which), args.out, formats)
+    encoder = Encoder.from_run(args.checkpoint, args.which)
+    meta = export_model(encoder, args.out, formats, overwrite=args.overwrite)
     written = [meta[f] for f in ("torchscript", "onnx") if f in meta]
     print(f"exported {', '.join(written)} and export.json to {args.out}")
     return 0
@@ -176,6 +201,11 @@ EXPORT = Command(
             default="torchscript,onnx",
             help="comma-separated: torchscript, onnx (default both)",
         ),
+        Option(
+            "--overwrite",
+            action="store_true",
+            help="replace the export already in --out (all its files; nothing else is there)",
+        ),
     ),
 )
 
@@ -189,7 +219,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     encoder = None
     if not args.embeddings_only:
         encoder = encoder_for_index(index, args.checkpoint, args.which, args.device)
-    app = create_app(index, encoder, max_bytes=args.max_bytes, max_k=args.max_k)
+    app = create_app(
+        index,
+        encoder,
+        max_bytes=args.max_bytes,
+        max_k=args.max_k,
+        max_pixels=args.max_pixels,
+        paths=args.paths,
+    )
     print(f"serving {args.index} ({len(index)} items) on http://{args.host}:{args.port}")
     serve(app, args.host, args.port)
     return 0
@@ -206,6 +243,18 @@ SERVE = Command(
         Option("--port", type=int, default=8000),
         Option("--max-bytes", type=int, default=10 * 1024 * 1024, help="request size limit"),
         Option("--max-k", type=int, default=100, help="largest k a request may ask"),
+        Option(
+            "--max-pixels",
+            type=int,
+            default=40_000_000,
+            help="largest uploaded image, width × height (a bigger one is refused from its header)",
+        ),
+        Option(
+            "--paths",
+            choices=["relative", "none"],
+            default="relative",
+            help="neighbours' paths in answers: relative to the gallery root, or none (ids only)",
+        ),
         DEVICE,
     ),
 )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from pathlib import Path
 
 from idml.app.cli.command import Command, Group, Option
-from idml.app.cli.options import NO_PROGRESS, OLD_PROGRESS, OVERRIDES
+from idml.app.cli.options import NO_PROGRESS, OLD_PROGRESS, OVERRIDES, device_name
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -130,6 +131,7 @@ def _run_report(args: argparse.Namespace) -> int:
         )
     options = AnalysisOptions(**{field: value for _, field, value in given if field})
     make_folder(out, "report folder")  # a file in the way is named before any figure is drawn
+    skipped: list[str] = []
     page = write_report(
         args.runs,
         out,
@@ -140,8 +142,17 @@ def _run_report(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         log=print,
         reference=args.reference,
+        on_skip=skipped.append,
     )
+    for line in skipped:
+        print(f"idml report: warning: skipped {line}", file=sys.stderr)
     print(f"report: {page}")
+    if skipped and args.strict:
+        print(
+            f"idml report: error: {len(skipped)} part(s) of the report were skipped (--strict)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -176,6 +187,12 @@ REPORT = Command(
             help="report folder (default: RUN_DIR/report for one run, ./report for several)",
         ),
         Option("--no-test", action="store_true", help="logs only: no test-set analysis"),
+        Option(
+            "--strict",
+            action="store_true",
+            help="exit 1 when a part of the report had to be skipped (e.g. an unreadable "
+            "checkpoint); it is always printed as a warning",
+        ),
         Option("--inline", action="store_true", help="also embed figures in the HTML"),
         # None = not given: the defaults come from AnalysisOptions, and --no-test can refuse them.
         Group(
@@ -185,7 +202,7 @@ REPORT = Command(
             Option("--tsne-points", type=int, help="points in the t-SNE (default 1000)"),
             Option("--batch-size", type=int, help="embedding batch size (default 128)"),
             Option("--seed", type=int, help="seed of all sampling in the report (default 0)"),
-            Option("--device", help="auto (default), cpu, cuda, cuda:N"),
+            Option("--device", type=device_name, help="auto (default), cpu, cuda, cuda:N"),
         ),
         NO_PROGRESS,
     ),

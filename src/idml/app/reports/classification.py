@@ -34,7 +34,7 @@ from torch import Tensor
 from idml.app.reports.runs import AnalysisOptions, _load_images
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.evaluation.classification import CalibrationBins, calibration_bins, confusion_matrix
-from idml.evaluation.uncertainty import (
+from idml.evaluation.confidence import (
     ConfidenceQuality,
     oracle_aurc,
     rank_combination,

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+from idml.app.storage import write_file
 
 CORRECT = "#1a9641"
 WRONG = "#d7191c"
@@ -17,8 +20,10 @@ WRONG = "#d7191c"
 def save_png(figure: Figure, path: Path, dpi: int = 100) -> Path:
     """Write ``figure`` as PNG (the Agg canvas is attached by ``savefig``) and return the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png", dpi=dpi, bbox_inches="tight")
+    buffer = io.BytesIO()  # then one atomic write: a full disk names the folder, no half PNG
+    figure.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
     figure.clear()
+    write_file(path, buffer.getvalue(), what=f"figure {path.name}")
     return path
 
 

@@ -36,6 +36,7 @@ from idml.app.reports.figure_style import (
     wrap_label,
 )
 from idml.app.reports.runs import RunLog
+from idml.evaluation.confidence import is_confidence_metric
 
 __all__ = [
     "CONFUSION_NAMED_CLASSES",
@@ -94,8 +95,8 @@ def training_curves(log: RunLog) -> Figure:
     """Losses, SSR's ranking loss (when on), test metrics and learning rates per epoch."""
     losses = [k for k in log.keys("loss/") if k not in _RANKING_PARTS]
     ranking = [k for k in _RANKING_PARTS if k in log.keys("loss/")]
-    # Confidence scores (auroc_*/aurc_*) have their own figure; here the retrieval metrics.
-    metrics = [k for k in log.keys("test/") if not k.startswith(("test/auroc_", "test/aurc_"))]
+    # Confidence metrics have their own figure; here the retrieval metrics.
+    metrics = [k for k in log.keys("test/") if not is_confidence_metric(k.removeprefix("test/"))]
     rates = log.keys("lr/")
     panels = [("losses", losses, "loss/", False)]
     if ranking:

@@ -69,6 +69,7 @@ def write_report(
     log: Callable[[str], object] = lambda _: None,
     reference: str | None = None,
     sections_per_group: int | None = None,
+    on_skip: Callable[[str], object] = lambda _: None,
 ) -> Path:
     """Write ``out_dir/index.html`` and ``out_dir/figures/*.png`` for the given run folders.
 
@@ -86,6 +87,9 @@ def write_report(
             baseline; see :mod:`idml.app.reports.seeds`).
         sections_per_group: analyse and draw at most this many runs of each seed group (the
             first seeds); every run still counts in the comparison and seed tables (``None``: all).
+        on_skip: hears, in one line each, of every part of the page that could not be made (a
+            run whose checkpoint cannot be read): the page notes it too, but a person reads the
+            terminal (``idml report`` prints them, and fails with ``--strict``).
 
     Returns:
         The path of the HTML page.
@@ -117,6 +121,7 @@ def write_report(
             report.analysis = analyse_run(report.log, options, device, progress)
         except CheckpointError as err:
             report.notes.append(f"No test-set analysis: {err}")
+            on_skip(f"{report.label}: no test-set analysis: {err}")
             continue
         log(
             f"analysed {report.label}: {report.analysis.checkpoint} checkpoint, "
@@ -146,11 +151,11 @@ def write_report(
 
     meta = f"Generated {stamp} by idml {__version__} from {len(reports)} run(s)."
     index = out_dir / "index.html"
-    index.write_text(
+    atomic_write_text(
+        index,
         _PAGE.format(
             title=html.escape(title), style=_STYLE, meta=html.escape(meta), body="\n".join(body)
         ),
-        encoding="utf-8",
     )
     return index
 

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, Subset
 
 from idml.app.config import Config, load_config
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
+from idml.evaluation.confidence import risk_coverage
 from idml.evaluation.evaluate import EvaluationReport
 from idml.evaluation.report import RetrievalResult
-from idml.evaluation.uncertainty import risk_coverage
 from idml.models import embed_dataset
 
 

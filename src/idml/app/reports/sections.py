@@ -74,9 +74,13 @@ def section_slug(index: int, label: str) -> str:
 
 
 _CONFIDENCE_SCORES = {
-    "top1_cos": "top-1 cosine similarity",
+    "calibrated": "calibrated P(top-1 right)",
+    "top1": "top-1 similarity",
+    "margin@10": "margin to the nearest other label (10-NN)",
+    "agreement@5": "5-NN agreement with the top-1 label",
+    "agreement@10": "10-NN agreement with the top-1 label",
+    "csls@10": "hubness-corrected top-1 similarity (CSLS, 10-NN)",
     "norm_u": "−||u|| of the query",
-    "combined": "mean rank of both",
 }
 
 
@@ -118,10 +122,10 @@ def _confidence_table(
 
 
 def _retrieval_confidence(metrics: dict[str, float]) -> str:
-    """The confidence table of a metric-learning run, from its ``auroc_*``/``aurc_*`` metrics."""
+    """The confidence table of a metric-learning run, from its ``r_auroc_*``/``aurc_*`` metrics."""
     qualities = {}
     for key, name in _CONFIDENCE_SCORES.items():
-        auroc, aurc = metrics.get(f"auroc_{key}"), metrics.get(f"aurc_{key}")
+        auroc, aurc = metrics.get(f"r_auroc_{key}"), metrics.get(f"aurc_{key}")
         if auroc is not None and aurc is not None:
             qualities[name] = (auroc, aurc)
     return _confidence_table(

@@ -12,16 +12,35 @@ Search is by cosine similarity of L2-normalised semantic embeddings, ``sim(q, i)
   ``"nprobe=32"`` trade speed for recall (given at creation, ``"efConstruction=200"`` also builds a
   better HNSW graph, raising the recall every ``efSearch`` reaches).
 
-On disk an index is a folder (no pickle anywhere)::
+On disk an index is a folder of versions and a pointer to the current one (no pickle anywhere)::
 
-    manifest.json            format, version, count, dimension, backend, the model, file checksums
-    embeddings.safetensors   "embeddings" (N, d) float32 unit vectors, "uncertainty" (N,) float32
-    items.json               "ids", "paths", "labels" (one per item; paths/labels may be null)
-    faiss.index              only for backend "faiss" (faiss's own binary format)
+    current                  one line: the name of the current version, e.g. "v000002"
+    v000002/                 the current version:
+        manifest.json            format, version, count, dimension, backend, the model, the gallery
+                                 root, file checksums
+        embeddings.safetensors   "embeddings" (N, d) float32 unit vectors, "uncertainty" (N,) float32
+        items.json               "ids", "paths", "labels" (one per item; paths/labels may be null)
+        faiss.index              only for backend "faiss" (faiss's own binary format)
+    v000001/                 the previous version (kept until the next write, then removed)
+    .lock                    while ``idml index`` writes: its PID, host and start time
 
-Every file's SHA-256 and size are in the manifest and checked on load, so a truncated, replaced or
-edited file is refused rather than silently searched. Saving writes a new folder next to the old one
-and swaps it in with renames, so an interrupted save leaves the previous index intact.
+**Writing** (:meth:`Index.save`) holds the lock (a second writer is refused naming the first),
+writes the new version into a hidden folder, flushes it to disk, renames it into place and then
+replaces ``current`` with one atomic rename: a kill at any instant leaves ``current`` naming a
+complete version, the old or the new one. A full disk is reported with the folder and the bytes
+needed; the temporary folder is removed and the old version stays current.
+
+**Reading** (:meth:`Index.load`) distrusts the folder: ``current`` and every file name in the
+manifest must name an entry inside the folder; every file's SHA-256 and size are checked; the
+contents must be what the manifest says (count, dimension, finite unit vectors, ids unique strings,
+a faiss index of the same size); a malformed file is a one-line :class:`IndexFormatError` naming it.
+An index of the first format (the files directly in the folder, absolute paths) still loads.
+
+**Paths**: an index records the gallery's root folder and each item's path relative to it, and
+refuses items outside the root unless built with ``allow_outside_root``; a service can then answer
+with paths relative to the root, or ids only, never a path of the server
+(:func:`idml.app.retrieval.output.result_records`). Images are opened (thumbnails, checks) only
+through :meth:`Index.item_file`, which keeps to the same rule.
 
 Example:
     >>> import torch
@@ -36,32 +55,59 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-from idml.app.inference import ModelInfo, file_sha256, read_json_file
+from idml.app.inference import ModelInfo, read_json_file
 from idml.app.retrieval.confidence import confidence
+from idml.app.run_folder import LOCK_FILE, folder_lock
+from idml.app.storage import (
+    fsync_folder,
+    remove_quietly,
+    write_failure,
+    write_file,
+    write_new_files,
+)
 from idml.evaluation.scoring import PairScorer, PreparedSide
 from idml.evaluation.search import SearchExecution, neighbors_only
 from idml.evaluation.search.faiss_backend import faiss_build, faiss_parameters
 
 FORMAT = "idml-index"
-VERSION = 1
+VERSION = 2
+"""2: versions under a ``current`` pointer, paths relative to the recorded root. 1 (still read):
+the files directly in the index folder, absolute paths."""
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 EMBEDDINGS_FILE = "embeddings.safetensors"
 ITEMS_FILE = "items.json"
 FAISS_FILE = "faiss.index"
+CURRENT = "current"
 BACKENDS = ("exact", "faiss")
+MAX_PADDED_K = 1000
+"""``k`` may exceed the index's size (the answer is padded with "no neighbour") up to this; a
+larger ``k`` than both is refused before anything is allocated."""
+UNIT_NORM_TOLERANCE = 1e-3
+"""How far a stored embedding's norm may be from 1: float32 normalisation leaves ~1e-7; an
+index whose vectors were written unnormalised (an edited file) is refused."""
+_VERSION_NAME = re.compile(r"v\d{6}")
+
+
+def _crash_point(step: str) -> None:
+    """A boundary between two steps of :meth:`Index.save`: the tests take a snapshot of the folder
+    here, which is what a process killed at that instant leaves on disk."""
 
 
 class _UnitCosine(PairScorer):
@@ -114,6 +160,8 @@ class Index:
     ids: list[str]
     """Unique item ids."""
     paths: list[str | None]
+    """Each item's file: relative to :attr:`root` (POSIX separators) when the index has one, else
+    as given."""
     labels: list[str | None]
     model: ModelInfo | None
     """The model that embedded the items (checked when the index is extended or searched)."""
@@ -122,6 +170,10 @@ class Index:
     search_parameters: str | None = None
     faiss_index: Any = None
     """The faiss index of :attr:`embeddings` (backend ``"faiss"``), else ``None``."""
+    root: Path | None = None
+    """The gallery's root folder (absolute), or ``None`` (paths kept as given)."""
+    allow_outside_root: bool = False
+    """Whether items outside :attr:`root` were allowed when the index was built."""
 
     # ----------------------------------------------------------------- building
     @classmethod
@@ -130,23 +182,45 @@ class Index:
         embeddings: Tensor,
         uncertainty: Tensor | None = None,
         ids: Sequence[str] | None = None,
-        paths: Sequence[str | None] | None = None,
+        paths: Sequence[str | os.PathLike | None] | None = None,
         labels: Sequence[str | None] | None = None,
         model: ModelInfo | None = None,
         *,
         backend: str = "exact",
         faiss_factory: str = "HNSW32",
         search_parameters: str | None = None,
+        root: str | os.PathLike | None = None,
+        allow_outside_root: bool = False,
     ) -> Index:
         """An index of ``embeddings`` ``(N, d)`` (normalised here) and their ``||u||`` ``(N,)``.
 
         ``ids`` default to the row numbers; they must be unique. ``model`` is recorded and checked
-        whenever the index is extended or searched with images.
+        whenever the index is extended or searched with images. ``paths`` are the items' files
+        (absolute, or relative to the working directory); with ``root`` (the gallery's folder)
+        they are recorded relative to it, and a path outside it is refused unless
+        ``allow_outside_root``.
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        emb, unc, items = _check_items(embeddings, uncertainty, ids, paths, labels)
-        index = cls(emb, unc, *items, model, backend, faiss_factory, search_parameters)
+        emb, unc, (id_list, path_list, label_list) = _check_items(
+            embeddings, uncertainty, ids, paths, labels
+        )
+        root_path = None if root is None else Path(root).resolve()
+        if root_path is not None:
+            path_list = [relative_to_root(p, root_path, allow_outside_root) for p in path_list]
+        index = cls(
+            emb,
+            unc,
+            id_list,
+            path_list,
+            label_list,
+            model,
+            backend,
+            faiss_factory,
+            search_parameters,
+            root=root_path,
+            allow_outside_root=allow_outside_root,
+        )
         if backend == "faiss":
             index.faiss_index = faiss_build(emb, faiss_factory, search_parameters)
         return index
@@ -156,8 +230,9 @@ class Index:
         ``index.add(Index.create(embeddings, uncertainty, ids, model=model))``.
 
         Refused when ``other``'s model differs from this index's model, when the dimension differs,
-        or when an id is already in the index: the result equals a fresh index of the union, with
-        this index's backend and settings.
+        when an id is already in the index, or when an item lies outside this index's root (unless
+        it was built with ``allow_outside_root``): the result equals a fresh index of the union,
+        with this index's backend, settings and root.
         """
         model = other.model
         if model is not None and self.model is not None and not model.same_model(self.model):
@@ -178,6 +253,12 @@ class Index:
                 f"{len(clash)} id(s) are already in the index, e.g. {sorted(clash)[:3]}; "
                 "an item can be added once (give other ids, or build a new index)"
             )
+        new_paths = other.absolute_paths()
+        if self.root is not None:
+            new_paths = [
+                relative_to_root(p, self.root, self.allow_outside_root, adding=True)
+                for p in new_paths
+            ]
         faiss_index = None
         if self.backend == "faiss":
             import faiss
@@ -189,13 +270,15 @@ class Index:
             torch.cat([self.embeddings, other.embeddings]),
             torch.cat([self.uncertainty, other.uncertainty]),
             self.ids + other.ids,
-            self.paths + other.paths,
+            self.paths + new_paths,
             self.labels + other.labels,
             self.model if self.model is not None else model,
             self.backend,
             self.faiss_factory,
             self.search_parameters,
             faiss_index,
+            self.root,
+            self.allow_outside_root,
         )
 
     def set_search_parameters(self, parameters: str) -> None:
@@ -217,7 +300,8 @@ class Index:
         return int(self.embeddings.shape[1])
 
     def describe(self) -> dict[str, Any]:
-        """Size, dimension, backend and model, as ``idml serve``'s ``/info`` reports them."""
+        """Size, dimension, backend and model, as ``idml search --json`` reports them (``idml
+        serve``'s ``/info`` leaves out the model's folders: see :mod:`~idml.app.retrieval.server`)."""
         return {
             "count": len(self),
             "dim": self.dim,
@@ -227,6 +311,26 @@ class Index:
             "search_parameters": self.search_parameters if self.backend == "faiss" else None,
             "model": None if self.model is None else self.model.to_dict(),
         }
+
+    def absolute_paths(self) -> list[str | None]:
+        """Each item's file as an absolute path (``None`` where the item has none)."""
+        if self.root is None:
+            return [None if p is None else os.path.abspath(p) for p in self.paths]
+        return [None if p is None else os.path.normpath(self.root / p) for p in self.paths]
+
+    def item_file(self, position: int) -> Path | None:
+        """The file of item ``position``, for opening: ``None`` when the item has no path, or
+        when the path leads outside :attr:`root` (through ``..`` or a link) and the index was not
+        built with ``allow_outside_root``."""
+        path = self.paths[position]
+        if path is None:
+            return None
+        if self.root is None:
+            return Path(path)
+        full = (self.root / path).resolve()
+        if not self.allow_outside_root and not full.is_relative_to(self.root):
+            return None
+        return full
 
     # ----------------------------------------------------------------- search
     def search(
@@ -241,7 +345,10 @@ class Index:
         """Top-``k`` items of each query embedding ``(Q, d)`` by cosine similarity.
 
         ``query_uncertainty`` ``(Q,)``: the queries' ``||u||`` (reported, and passed to
-        :func:`~idml.app.retrieval.confidence.confidence`); NaN when not given.
+        :func:`~idml.app.retrieval.confidence.confidence`); NaN when not given. Refused before
+        any work: queries of another dimension, NaN, inf or all zero (a zero vector has no
+        direction to compare), and ``k`` that is not an integer in ``1 ..
+        max(len(index), MAX_PADDED_K)``.
         """
         queries = torch.as_tensor(queries)
         if queries.dim() == 1:
@@ -253,8 +360,13 @@ class Index:
             )
         if not queries.dtype.is_floating_point or not bool(torch.isfinite(queries).all()):
             raise ValueError("query embeddings must be finite floating-point numbers")
-        if k < 1:
-            raise ValueError(f"k (neighbours per query) must be >= 1, got {k}")
+        zero = (queries.float().abs().amax(dim=1) == 0).nonzero().flatten().tolist()
+        if zero:
+            raise ValueError(
+                f"query embedding(s) {zero[:5]} are all zero: a zero vector has no direction, so "
+                "no neighbour would mean anything; check the model or the file that produced them"
+            )
+        check_k(k, len(self))
         q = torch.nn.functional.normalize(queries.float(), dim=1)
         n_q = q.shape[0]
         if query_uncertainty is None:
@@ -288,120 +400,236 @@ class Index:
         return SearchResult(ids, sims, q_unc, score, kind)
 
     # ----------------------------------------------------------------- files
-    def save(self, folder: str | Path, overwrite: bool = False) -> Path:
-        """Write the index folder (see the module docstring); ``overwrite`` replaces one that exists."""
+    def save(
+        self,
+        folder: str | Path,
+        overwrite: bool = False,
+        log: Callable[[str], object] = lambda _: None,
+    ) -> Path:
+        """Write the index as a new version of ``folder`` and make it current (module docstring).
+
+        Without ``overwrite`` a folder that already holds an index is refused. The folder's lock
+        is held throughout (use :func:`writing` to hold it from reading an index to saving its
+        extension); ``log`` hears of a dead writer's lock taken over.
+        """
         folder = Path(folder)
-        if folder.exists() and not overwrite:
-            raise FileExistsError(
-                f"{folder} already exists; pass --add to extend it, or choose another folder"
-            )
-        if folder.exists() and not (folder / MANIFEST).is_file():
-            raise IndexFormatError(
-                f"{folder} exists and is not an index (no {MANIFEST}); refusing to replace it"
-            )
-        tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(
-            {"embeddings": self.embeddings.contiguous(), "uncertainty": self.uncertainty},
-            str(tmp / EMBEDDINGS_FILE),
-        )
-        items = {"ids": self.ids, "paths": self.paths, "labels": self.labels}
-        (tmp / ITEMS_FILE).write_text(json.dumps(items))
-        files = [EMBEDDINGS_FILE, ITEMS_FILE]
+        with writing(folder, log=log):
+            held = holds_index(folder)
+            if held and not overwrite:
+                raise FileExistsError(
+                    f"{folder} already holds an index; pass --add to extend it, or choose another "
+                    "folder"
+                )
+            if not held and folder.exists() and _foreign_entries(folder):
+                raise IndexFormatError(
+                    f"{folder} exists and is not an index (it holds "
+                    f"{', '.join(sorted(_foreign_entries(folder))[:3])}); refusing to write into "
+                    "it. Choose another --out"
+                )
+            self._write_version(folder)
+        return folder
+
+    def _write_version(self, folder: Path) -> None:
+        """Write a new version into ``folder`` (locked by the caller) and switch ``current``."""
+        files = self._files()
+        previous = _current_version(folder)
+        number = max([_version_number(v) for v in _versions(folder)] + [0]) + 1
+        name = f"v{number:06d}"
+        tmp = folder / f".{name}.tmp-{os.getpid()}"
+        needed = sum(len(b) for b in files.values())
+        if previous is not None:
+            kept = f"the index stays at its current version {previous} "
+            kept += f"({_count(folder, previous)} items)"
+        elif (folder / MANIFEST).is_file():
+            kept = f"the index stays as it was ({_count(folder, None)} items, first format)"
+        else:
+            kept = "no index was written"
+        try:
+            remove_quietly(tmp)
+            tmp.mkdir()
+            write_new_files(tmp, files)
+            _crash_point("version written")
+            os.replace(tmp, folder / name)
+            fsync_folder(folder)
+            _crash_point("version in place")
+            write_file(folder / CURRENT, (name + "\n").encode(), kept=kept)
+        except OSError as err:
+            remove_quietly(tmp)
+            if _current_version(folder) != name:
+                remove_quietly(folder / name)
+            raise write_failure(err, folder, f"index version {name}", needed, kept) from err
+        _crash_point("current switched")
+        # The previous version stays until the next write: a reader that read `current` just
+        # before the switch still finds its files. Older versions and first-format files go.
+        keep = {name, previous}
+        for version in _versions(folder):
+            if version not in keep:
+                remove_quietly(folder / version)
+        for entry in (MANIFEST, EMBEDDINGS_FILE, ITEMS_FILE, FAISS_FILE):
+            if (folder / entry).is_file():
+                (folder / entry).unlink()  # a first-format index, now replaced by the versions
+        for stray in folder.glob(".v*.tmp-*"):
+            remove_quietly(stray)  # a dead writer's half version, never current
+        _crash_point("old versions removed")
+
+    def _files(self) -> dict[str, bytes]:
+        """The file contents of one version, the manifest last (it holds the others' hashes)."""
+        files = {
+            EMBEDDINGS_FILE: safetensors_bytes(
+                {"embeddings": self.embeddings.contiguous(), "uncertainty": self.uncertainty}
+            ),
+            ITEMS_FILE: json.dumps(
+                {"ids": self.ids, "paths": self.paths, "labels": self.labels}
+            ).encode(),
+        }
         if self.backend == "faiss":
             import faiss
 
-            faiss.write_index(self.faiss_index, str(tmp / FAISS_FILE))
-            files.append(FAISS_FILE)
+            files[FAISS_FILE] = faiss.serialize_index(self.faiss_index).tobytes()
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **self.describe(),
+            "root": None if self.root is None else str(self.root),
+            "allow_outside_root": self.allow_outside_root,
             "files": {
-                name: {"sha256": file_sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-                for name in files
+                name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                for name, data in files.items()
             },
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-        return folder
+        files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
+        return files
 
     @classmethod
     def load(cls, folder: str | Path, search_parameters: str | None = None) -> Index:
-        """Read and verify an index folder; ``search_parameters`` override the saved faiss ones."""
+        """Read and verify an index folder (module docstring); ``search_parameters`` override the
+        saved faiss ones."""
         folder = Path(folder)
-        manifest = read_manifest(folder)
-        for name, entry in manifest["files"].items():
-            path = folder / name
-            if not path.is_file():
-                raise IndexFormatError(f"{path}: missing; the index is incomplete, rebuild it")
-            size = path.stat().st_size
-            if size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+        for attempt in range(3):
+            version = _current_version(folder)
+            try:
+                return cls._load_version(folder, version, search_parameters)
+            except (FileNotFoundError, IndexFormatError):
+                # Writers switched versions twice and removed the one being read: read the new one.
+                if attempt == 2 or version is None or _current_version(folder) == version:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _load_version(
+        cls, folder: Path, version: str | None, search_parameters: str | None
+    ) -> Index:
+        where = folder if version is None else folder / version
+        manifest = read_manifest(folder, version)
+        data = {
+            name: _verified_bytes(where, name, entry) for name, entry in manifest["files"].items()
+        }
+        for required in (EMBEDDINGS_FILE, ITEMS_FILE) + (
+            (FAISS_FILE,) if manifest["backend"] == "faiss" else ()
+        ):
+            if required not in data:
                 raise IndexFormatError(
-                    f"{path}: checksum mismatch with {folder / MANIFEST} ({size} bytes, "
-                    f"{entry['bytes']} expected); the file was truncated or modified. Rebuild the "
-                    "index with `idml index`"
+                    f"{where / MANIFEST}: lists no {required}; rebuild the index"
                 )
-        tensors = load_file(str(folder / EMBEDDINGS_FILE))
-        items = json.loads((folder / ITEMS_FILE).read_text())
+        emb, unc = _read_embeddings(where / EMBEDDINGS_FILE, data[EMBEDDINGS_FILE], manifest)
+        ids, paths, labels = _read_items(where / ITEMS_FILE, data[ITEMS_FILE], len(emb))
         model = None
         if manifest.get("model") is not None:
-            model = ModelInfo.from_dict(manifest["model"], str(folder / MANIFEST))
+            try:
+                model = ModelInfo.from_dict(manifest["model"], str(where / MANIFEST))
+            except (TypeError, ValueError) as err:
+                raise IndexFormatError(f"{err}; rebuild the index") from None
+            if model.embedding_dim != emb.shape[1]:
+                raise IndexFormatError(
+                    f"{where / MANIFEST}: the model embeds in {model.embedding_dim} dimensions "
+                    f"but the embeddings have {emb.shape[1]}; they are not its embeddings. "
+                    "Rebuild the index"
+                )
         backend = manifest["backend"]
         params = search_parameters or manifest.get("search_parameters")
         faiss_index = None
         if backend == "faiss":
-            try:
-                import faiss
-            except ImportError as err:
-                raise IndexFormatError(
-                    f"{folder} is a faiss index; install the faiss extra (`pip install idml[faiss]`)"
-                ) from err
-            faiss_index = faiss.read_index(str(folder / FAISS_FILE))
+            faiss_index = _read_faiss(where / FAISS_FILE, data[FAISS_FILE], emb.shape)
             faiss_parameters(faiss_index, params)
-        emb, unc = tensors["embeddings"], tensors["uncertainty"]
-        n = emb.shape[0]
-        if any(len(items[key]) != n for key in ("ids", "paths", "labels")) or unc.shape != (n,):
-            raise IndexFormatError(f"{folder}: items and embeddings disagree in length; rebuild it")
+        root = manifest.get("root")
         return cls(
             emb,
             unc,
-            list(items["ids"]),
-            list(items["paths"]),
-            list(items["labels"]),
+            ids,
+            paths,
+            labels,
             model,
             backend,
             manifest.get("faiss_factory") or "HNSW32",
             params,
             faiss_index,
+            None if root is None else Path(root),
+            bool(manifest.get("allow_outside_root", False)),
         )
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest of an index folder, validated for format and version."""
-    path = folder / MANIFEST
+def check_k(k: Any, size: int) -> int:
+    """``k`` if it is an integer in ``1 .. max(size, MAX_PADDED_K)``, else a ValueError that says
+    the range (checked before anything of size ``k`` is allocated)."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"k (neighbours per query) must be an integer, got {k!r}")
+    limit = max(size, MAX_PADDED_K)
+    if not 1 <= k <= limit:
+        raise ValueError(
+            f"k (neighbours per query) must be between 1 and {limit} (the index holds {size} "
+            f"items), got {k}"
+        )
+    return k
+
+
+@contextmanager
+def writing(folder: str | Path, log: Callable[[str], object] = lambda _: None) -> Iterator[Path]:
+    """Hold the lock of index folder ``folder`` (created if missing) while the block runs: read
+    the current index, extend it and :meth:`Index.save` it with no other writer in between. A
+    second writer is refused naming this process; a dead writer's lock is taken over and
+    ``log`` says so. A folder this call created is removed again if no index was written."""
+    from idml.app.run_folder import make_folder
+
+    folder = Path(folder)
+    created = not folder.exists()
+    make_folder(folder, "index folder")
+    try:
+        with folder_lock(folder, "index", "choose another --out", on_stale=log):
+            yield folder
+    finally:
+        if created and not holds_index(folder):
+            remove_quietly(folder)
+
+
+def holds_index(folder: Path) -> bool:
+    """Whether ``folder`` holds an index (of either format)."""
+    return (folder / CURRENT).is_file() or (folder / MANIFEST).is_file()
+
+
+def read_manifest(folder: Path, version: str | None = None) -> dict[str, Any]:
+    """The manifest of an index folder's ``version`` (``None``: a first-format index, whose files
+    are in the folder itself), validated for format, version and keys."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such index folder; build one with `idml index`")
+    where = folder if version is None else folder / version
+    path = where / MANIFEST
     manifest = read_json_file(
         path,
         missing=IndexFormatError(
-            f"{folder}: not an index (no {MANIFEST}); build one with `idml index`"
+            f"{folder}: not an index (no {CURRENT} or {MANIFEST}); build one with `idml index`"
+            if version is None
+            else f"{path}: missing; the index is incomplete, rebuild it"
         ),
         redo="rebuild the index",
         error=IndexFormatError,
     )
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise IndexFormatError(f"{path}: not an idml index manifest (format != {FORMAT!r})")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise IndexFormatError(
-            f"{path}: index format version {manifest.get('version')}, this idml reads {VERSION}; "
-            "rebuild the index with this version"
+            f"{path}: index format version {manifest.get('version')!r}, this idml reads "
+            f"{list(READABLE_VERSIONS)}; rebuild the index with this version"
         )
     for key in ("files", "backend", "count", "dim"):
         if key not in manifest:
@@ -410,7 +638,214 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise IndexFormatError(
             f"{path}: unknown backend {manifest['backend']!r}; valid: {BACKENDS}"
         )
+    files = manifest["files"]
+    known = {EMBEDDINGS_FILE, ITEMS_FILE, FAISS_FILE}
+    if not isinstance(files, dict) or not all(
+        isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("bytes"), int)
+        for e in files.values()
+    ):
+        raise IndexFormatError(f"{path}: 'files' must map file names to sha256 and bytes")
+    strange = sorted(name for name in files if name not in known)
+    if strange:  # a name such as "../x" or "/etc/passwd" never leads out of the folder
+        raise IndexFormatError(
+            f"{path}: lists files {strange[:3]} that are not index files ({sorted(known)}); "
+            "rebuild the index"
+        )
+    for key in ("count", "dim"):
+        if (
+            isinstance(manifest[key], bool)
+            or not isinstance(manifest[key], int)
+            or manifest[key] < 0
+        ):
+            raise IndexFormatError(f"{path}: {key!r} must be a non-negative integer")
+    root = manifest.get("root")
+    if root is not None and (not isinstance(root, str) or not os.path.isabs(root)):
+        raise IndexFormatError(f"{path}: 'root' must be an absolute folder path or null")
     return manifest
+
+
+def _current_version(folder: Path) -> str | None:
+    """The version ``current`` names (a plain ``v000123`` inside ``folder``), or ``None`` for a
+    first-format index (no pointer)."""
+    pointer = folder / CURRENT
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        raise IndexFormatError(f"cannot read {pointer}: {err}; rebuild the index") from None
+    if (
+        not _VERSION_NAME.fullmatch(name)
+        or not (folder / name).is_dir()
+        or (folder / name).is_symlink()
+    ):
+        raise IndexFormatError(
+            f"{pointer} names {name[:40]!r}, which is not a version folder of this index (it must "
+            f"name a folder such as v000001 in {folder}); rebuild the index"
+        )
+    return name
+
+
+def _versions(folder: Path) -> list[str]:
+    return sorted(
+        p.name for p in folder.iterdir() if _VERSION_NAME.fullmatch(p.name) and p.is_dir()
+    )
+
+
+def _version_number(name: str) -> int:
+    return int(name[1:])
+
+
+def _count(folder: Path, version: str | None) -> Any:
+    try:
+        return read_manifest(folder, version)["count"]
+    except (OSError, ValueError):
+        return "?"
+
+
+def _foreign_entries(folder: Path) -> set[str]:
+    """What a folder holds besides an index's own entries."""
+    own = {CURRENT, LOCK_FILE, MANIFEST, EMBEDDINGS_FILE, ITEMS_FILE, FAISS_FILE}
+    return {
+        p.name
+        for p in folder.iterdir()
+        if p.name not in own and not _VERSION_NAME.fullmatch(p.name) and not p.name.startswith(".v")
+    }
+
+
+def _verified_bytes(where: Path, name: str, entry: dict[str, Any]) -> bytes:
+    path = where / name
+    if not path.is_file():
+        if not where.is_dir():
+            raise FileNotFoundError(path)  # the version went away under a reader: read again
+        raise IndexFormatError(f"{path}: missing; the index is incomplete, rebuild it")
+    data = path.read_bytes()
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise IndexFormatError(
+            f"{path}: checksum mismatch with {where / MANIFEST} ({len(data)} bytes, "
+            f"{entry['bytes']} expected); the file was truncated or modified. Rebuild the "
+            "index with `idml index`"
+        )
+    return data
+
+
+def _read_embeddings(path: Path, data: bytes, manifest: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    try:
+        tensors = safetensors_load(data)
+    except Exception as err:  # safetensors raises its own error types for malformed headers
+        raise IndexFormatError(
+            f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]}); "
+            "rebuild the index"
+        ) from None
+    emb, unc = tensors.get("embeddings"), tensors.get("uncertainty")
+    if emb is None or unc is None:
+        raise IndexFormatError(f"{path}: needs tensors 'embeddings' and 'uncertainty'; rebuild it")
+    if (
+        emb.dtype != torch.float32
+        or emb.dim() != 2
+        or unc.dtype != torch.float32
+        or unc.shape != (emb.shape[0],)
+    ):
+        raise IndexFormatError(
+            f"{path}: 'embeddings' must be float32 (N, d) and 'uncertainty' float32 (N,), got "
+            f"{emb.dtype} {tuple(emb.shape)} and {unc.dtype} {tuple(unc.shape)}; rebuild the index"
+        )
+    if (emb.shape[0], emb.shape[1]) != (manifest["count"], manifest["dim"]):
+        raise IndexFormatError(
+            f"{path}: holds {emb.shape[0]} × {emb.shape[1]} embeddings but the manifest says "
+            f"{manifest['count']} × {manifest['dim']}; rebuild the index"
+        )
+    if not bool(torch.isfinite(emb).all()) or not bool(torch.isfinite(unc).all()):
+        raise IndexFormatError(f"{path}: holds NaN or inf; rebuild the index")
+    norms = emb.norm(dim=1)
+    off = ((norms - 1).abs() > UNIT_NORM_TOLERANCE).nonzero().flatten().tolist()
+    if off:
+        raise IndexFormatError(
+            f"{path}: the embeddings of items at positions {off[:5]} are not unit vectors (norm "
+            f"{float(norms[off[0]]):.4g}); an index stores normalised embeddings, so this file "
+            "was not written by `idml index`. Rebuild the index"
+        )
+    return emb, unc
+
+
+def _read_items(
+    path: Path, data: bytes, n: int
+) -> tuple[list[str], list[str | None], list[str | None]]:
+    try:
+        items = json.loads(data)
+    except ValueError as err:
+        raise IndexFormatError(f"{path}: not valid JSON ({err}); rebuild the index") from None
+    if not isinstance(items, dict):
+        raise IndexFormatError(f"{path}: must be a JSON object with ids, paths and labels")
+    columns = []
+    for key, nullable in (("ids", False), ("paths", True), ("labels", True)):
+        column = items.get(key)
+        if not isinstance(column, list) or len(column) != n:
+            raise IndexFormatError(
+                f"{path}: {key!r} must be a list of {n} entries (one per embedding); rebuild it"
+            )
+        bad = [
+            i for i, v in enumerate(column) if not (isinstance(v, str) or (nullable and v is None))
+        ]
+        if bad:
+            kind = "strings or null" if nullable else "strings"
+            raise IndexFormatError(
+                f"{path}: {key!r} must hold {kind}; entry {bad[0]} is {column[bad[0]]!r}. "
+                "Rebuild the index"
+            )
+        columns.append(column)
+    if len(set(columns[0])) != n:
+        raise IndexFormatError(f"{path}: item ids are not unique; rebuild the index")
+    return columns[0], columns[1], columns[2]
+
+
+def _read_faiss(path: Path, data: bytes, shape: torch.Size) -> Any:
+    try:
+        import faiss
+        import numpy as np
+    except ImportError as err:
+        raise IndexFormatError(
+            f"{path.parent} is a faiss index; install the faiss extra (`pip install idml[faiss]`)"
+        ) from err
+    try:
+        index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+    except (RuntimeError, ValueError) as err:
+        raise IndexFormatError(
+            f"{path}: not a faiss index faiss can read ({str(err).strip().splitlines()[-1][:200]}); "
+            "rebuild the index"
+        ) from None
+    if index.ntotal != shape[0] or index.d != shape[1]:
+        raise IndexFormatError(
+            f"{path}: holds {index.ntotal} vectors of dimension {index.d}, the embeddings "
+            f"{shape[0]} of {shape[1]}; rebuild the index"
+        )
+    return index
+
+
+def relative_to_root(
+    path: str | None, root: Path, allow_outside: bool, adding: bool = False
+) -> str | None:
+    """``path`` relative to ``root`` (POSIX separators); a path outside it (through ``..``, an
+    absolute path or a link) is an :class:`IndexFormatError` unless ``allow_outside``."""
+    if path is None:
+        return None
+    full = Path(os.path.abspath(path))
+    inside = full.is_relative_to(root) and Path(os.path.realpath(full)).is_relative_to(
+        os.path.realpath(root)
+    )
+    if not inside and not allow_outside:
+        fix = (
+            "The root was set when the index was built: add items from under it, or build the "
+            "index again with a --root that holds every folder you will add"
+            if adding
+            else "Give a --root that contains every item, or pass --allow-outside-root if the "
+            "index will never be served to people who must not see other folders"
+        )
+        raise IndexFormatError(
+            f"{path} is outside the gallery root {root}; an index records and opens only files "
+            f"under its root. {fix}"
+        )
+    return Path(os.path.relpath(full, root)).as_posix()
 
 
 def _check_items(

@@ -8,7 +8,10 @@ One record per query (the JSON schema of ``idml search --json`` and of ``idml se
      "neighbors": [{"rank", "id", "path", "label", "similarity", "uncertainty"}, ...]}
 
 ``similarity`` is the cosine similarity of the normalised semantic embeddings, ``uncertainty`` the
-item's ``||u||``. Numbers that do not exist (no uncertainty for a bare-embedding query, no
+item's ``||u||``. A neighbour's ``path`` is one of :data:`PATH_STYLES`: the absolute file (``idml
+search``, for a person on the machine that holds the gallery), the path relative to the gallery
+root (``idml serve``'s default: nothing of the server's folders), or ``null`` (ids only). A path
+that leads outside the index's root (unless it was built to allow that) is ``null`` in every style. Numbers that do not exist (no uncertainty for a bare-embedding query, no
 neighbour) are ``null``, never ``NaN``, so every output is valid JSON.
 """
 
@@ -25,6 +28,9 @@ from pathlib import Path
 from typing import Any, SupportsFloat
 
 from idml.app.retrieval.index import Index, SearchResult
+
+PATH_STYLES = ("absolute", "relative", "none")
+"""How a neighbour's path is given (module docstring)."""
 
 CSV_COLUMNS = (
     "query_id",
@@ -51,10 +57,14 @@ def result_records(
     index: Index,
     query_ids: Sequence[str],
     query_paths: Sequence[str | None] | None = None,
+    item_paths: str = "absolute",
 ) -> list[dict[str, Any]]:
-    """One record per query (schema in the module docstring), neighbours best first."""
+    """One record per query (schema in the module docstring), neighbours best first, their
+    ``path`` in the style ``item_paths`` (one of :data:`PATH_STYLES`)."""
     if len(query_ids) != len(result):
         raise ValueError(f"{len(query_ids)} query ids for {len(result)} results")
+    if item_paths not in PATH_STYLES:
+        raise ValueError(f"item_paths must be one of {PATH_STYLES}, got {item_paths!r}")
     paths = list(query_paths) if query_paths is not None else [None] * len(result)
     records = []
     for q in range(len(result)):
@@ -68,7 +78,7 @@ def result_records(
                 {
                     "rank": rank,
                     "id": index.ids[item],
-                    "path": index.paths[item],
+                    "path": _item_path(index, item, item_paths),
                     "label": index.labels[item],
                     "similarity": _num(sim),
                     "uncertainty": _num(index.uncertainty[item]),
@@ -87,6 +97,17 @@ def result_records(
             }
         )
     return records
+
+
+def _item_path(index: Index, item: int, style: str) -> str | None:
+    if style == "none":
+        return None
+    file = index.item_file(item)  # None outside the root: never shown, never opened
+    if file is None:
+        return None
+    if style == "absolute":
+        return str(file)
+    return index.paths[item] if index.root is not None else None
 
 
 def to_json(records: list[dict[str, Any]], index: Index, k: int) -> str:

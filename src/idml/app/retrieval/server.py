@@ -13,18 +13,27 @@ Endpoints:
   - JSON ``{"embedding": [...] or [[...], ...], "k": 10}`` (one or several embeddings).
 
 Bad requests get a 4xx JSON ``{"error": "..."}`` naming what to fix, never a traceback: 400 (not
-JSON, not an image, no query), 413 (body above ``max_bytes``), 415 (another content type), 422
-(wrong embedding dimension, ``k`` out of range). An unexpected failure is a 500 with a JSON error
-and the traceback goes to the server's log only. The server binds to the loopback interface
-unless told otherwise: an index reveals its gallery.
+JSON, JSON nested deeper than :data:`MAX_JSON_DEPTH`, not an image, no query), 413 (body above
+``max_bytes``, an image above ``max_pixels``: "too large"), 415 (another content type), 422
+(wrong embedding dimension, NaN, inf or all-zero query, ``k`` not an integer in ``1..max_k``). An
+unexpected failure is a 500 with a JSON error and the traceback goes to the server's log only.
+
+Trust boundary: a request is untrusted. Its size, nesting, pixel count and numbers are bounded
+before they are used; nothing in it names a file of the server. Answers give each neighbour's path
+relative to the gallery root, or no path at all (``paths="none"``), and ``/info`` leaves out the
+model's folders, so no answer reveals the server's file system. The server binds to the loopback
+interface unless told otherwise: an index reveals its gallery.
 """
 
 import base64
 import binascii
 import io
+import json
 import logging
+import re
 from typing import Any
 
+import numpy as np
 import torch
 
 from idml.app.inference import Encoder
@@ -34,6 +43,15 @@ from idml.app.retrieval.output import result_records
 LOG = logging.getLogger("idml.serve")
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 DEFAULT_MAX_K = 100
+DEFAULT_MAX_PIXELS = 40_000_000
+"""The largest image (width × height) a request may upload: a 40 Mpx photo decodes to 120 MB of
+RGB; a small file that decodes to far more (a decompression bomb) is refused from its header."""
+MAX_JSON_DEPTH = 8
+"""The deepest nesting of a JSON body (a batch of embeddings needs 3); deeper is refused before
+parsing, which would otherwise recurse once per level."""
+PATH_STYLES = ("relative", "none")
+"""What answers give as a neighbour's path: relative to the gallery root, or nothing."""
+_JSON_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*"')
 
 
 class BadRequest(Exception):
@@ -59,10 +77,22 @@ def create_app(
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_k: int = DEFAULT_MAX_K,
-    default_k: int = 10,
+    default_k: int | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    paths: str = "relative",
 ) -> Any:
     """The FastAPI application over ``index``; ``encoder`` embeds uploaded images (``None``: only
-    embedding queries are accepted)."""
+    embedding queries are accepted); ``default_k`` (default ``min(10, max_k)``) answers a request
+    without ``k``. ``paths`` is what answers give as a neighbour's path
+    (:data:`PATH_STYLES`); the limits are checked here, before the service starts."""
+    for name, value in (("max_bytes", max_bytes), ("max_k", max_k), ("max_pixels", max_pixels)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    default_k = min(10, max_k) if default_k is None else default_k
+    if not 1 <= default_k <= max_k:
+        raise ValueError(f"default_k must be between 1 and max_k={max_k}, got {default_k}")
+    if paths not in PATH_STYLES:
+        raise ValueError(f"paths must be one of {PATH_STYLES}, got {paths!r}")
     fastapi = _require_fastapi()
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -97,11 +127,20 @@ def create_app(
 
     @app.get("/info")
     async def info() -> dict[str, Any]:
+        described = index.describe()
+        if described["model"] is not None:  # its run folder and checkpoint are the server's
+            described["model"] = {
+                key: value
+                for key, value in described["model"].items()
+                if key not in ("source", "checkpoint")
+            }
         return {
-            **index.describe(),
+            **described,
             "accepts_images": encoder is not None,
             "max_bytes": max_bytes,
             "max_k": max_k,
+            "max_pixels": max_pixels,
+            "paths": paths,
         }
 
     @app.post("/search")
@@ -148,13 +187,32 @@ def create_app(
 
         try:
             with Image.open(io.BytesIO(data)) as opened:
+                width, height = opened.size  # from the header: nothing is decoded yet
+                if width * height > max_pixels:
+                    raise BadRequest(
+                        413,
+                        f"the uploaded image is too large: {width}×{height} = "
+                        f"{width * height} pixels, the limit is {max_pixels}",
+                    )
                 opened.load()
                 image = opened.copy()
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        except Image.DecompressionBombError:
+            raise BadRequest(
+                413, "the uploaded image is too large (a decompression bomb)"
+            ) from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
             raise BadRequest(400, "the uploaded file is not an image PIL can decode") from None
         out = encoder.embed([image])
-        result = index.search(out.embeddings, k, out.uncertainty)
-        return {"k": k, "results": result_records(result, index, [query_id])}
+        return {"k": k, "results": _answer(out.embeddings, k, [query_id], out.uncertainty)}
+
+    def _answer(
+        queries: torch.Tensor, k: int, ids: list[str], uncertainty: torch.Tensor | None = None
+    ) -> list[dict[str, Any]]:
+        try:
+            result = index.search(queries, k, uncertainty)
+        except ValueError as err:  # a query the index refuses (zero, non-finite, k)
+            raise BadRequest(422, str(err)) from None
+        return result_records(result, index, ids, item_paths=paths)
 
     def _search_embedding(value: Any, k: int) -> dict[str, Any]:
         try:
@@ -169,11 +227,10 @@ def create_app(
                 f"'embedding' must have {index.dim} numbers per query (the index's dimension), "
                 f"got shape {list(emb.shape)}",
             )
-        if not bool(torch.isfinite(emb).all()) or bool((emb.norm(dim=1) == 0).any()):
+        if not bool(torch.isfinite(emb).all()) or bool((emb.abs().amax(dim=1) == 0).any()):
             raise BadRequest(422, "'embedding' values must be finite and not all zero")
-        result = index.search(emb, k)
         ids = [f"query{i}" for i in range(len(emb))]
-        return {"k": k, "results": result_records(result, index, ids)}
+        return {"k": k, "results": _answer(emb, k, ids)}
 
     return app
 
@@ -194,12 +251,24 @@ async def _read_body(request: Any, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _json(body: bytes) -> dict[str, Any]:
-    import json
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of brackets in a JSON text, strings skipped (vectorised: a 10 MB body
+    of ``[`` is a few array passes, and nothing recurses)."""
+    skeleton = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
+    steps = ((skeleton == ord("[")) | (skeleton == ord("{"))).astype(np.int64)
+    steps -= (skeleton == ord("]")) | (skeleton == ord("}"))
+    return int(np.cumsum(steps).max(initial=0))
 
+
+def _json(body: bytes) -> dict[str, Any]:
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise BadRequest(
+            400, f"the JSON body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are read"
+        )
     try:
         payload = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise BadRequest(400, "the body is not valid JSON") from None
     if not isinstance(payload, dict):
         raise BadRequest(400, "the JSON body must be an object")
@@ -207,15 +276,20 @@ def _json(body: bytes) -> dict[str, Any]:
 
 
 def _k(value: Any, default: int, max_k: int) -> int:
+    """``k`` of a request: a JSON integer or a form field of digits, in ``1..max_k`` (``1e400``,
+    ``3.5``, ``true`` and a 5000-digit number are refused before any arithmetic on them)."""
     if value is None:
         return default
-    try:
-        k = int(value)
-    except (TypeError, ValueError):
-        raise BadRequest(422, f"'k' must be an integer, got {value!r}") from None
-    if not 1 <= k <= max_k:
-        raise BadRequest(422, f"'k' must be between 1 and {max_k}, got {k}")
-    return k
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and text.isascii() and text.isdigit() and len(text) <= 18:
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"
+        raise BadRequest(422, f"'k' must be an integer between 1 and {max_k}, got {shown}")
+    if not 1 <= value <= max_k:
+        shown = str(value) if len(str(value)) <= 40 else f"a {len(str(value))}-digit number"
+        raise BadRequest(422, f"'k' must be between 1 and {max_k}, got {shown}")
+    return value
 
 
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

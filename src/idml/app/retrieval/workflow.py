@@ -13,20 +13,33 @@ Galleries and queries are read from
 Images are embedded with the model the index was built with: the run (or export) folder recorded
 in its manifest, or one given explicitly, whose weights must hash to the manifest's
 ``weights_sha256``. Embeddings of another model are refused, as their similarities to the gallery
-would be meaningless. Where and how fast that goes (device, batch size, progress) is a
-:class:`Runtime`.
+would be meaningless; and since a manifest can be edited, a few gallery images are embedded again
+and compared with their stored embeddings (:func:`check_embeddings`). Where and how fast that goes
+(device, batch size, progress) is a :class:`Runtime`.
+
+Every source has a root folder (the image folder, the CSV's folder, the folder of an image file,
+or for an embeddings file the deepest folder holding all its recorded paths); an index records
+paths relative to it and refuses items outside it unless built with ``allow_outside_root``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from idml.app.inference import Encoder, ModelInfo
-from idml.app.retrieval.index import Index, IndexFormatError
+from idml.app.retrieval.index import (
+    Index,
+    IndexFormatError,
+    holds_index,
+    relative_to_root,
+    writing,
+)
 from idml.app.retrieval.output import result_records
 from idml.data import IMAGE_EXTENSIONS
 from idml.data import read_images as read_records
@@ -57,6 +70,8 @@ class ItemSource:
     images: list[Path] | None = None
     embeddings: Tensor | None = None
     uncertainty: Tensor | None = None  # ||u|| per item, when read from a file
+    root: Path | None = None
+    """The folder the items' paths are taken relative to in an index (module docstring)."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -66,20 +81,19 @@ def read_images(source: str | Path) -> ItemSource:
     """An image file, a folder of images or a CSV of ``path[,label]`` (see the module docstring)."""
     source = Path(source)
     if source.is_file() and source.suffix.lower() in IMAGE_EXTENSIONS:
-        return ItemSource([source.name], [str(source.resolve())], [None], [source])
+        return ItemSource(
+            [source.name], [str(source.resolve())], [None], [source], root=source.resolve().parent
+        )
     records = read_records(source)
     files = [Path(p) for p in records.paths]
-    root = source if source.is_dir() else source.parent
-    ids = []
-    for f in files:
-        try:
-            ids.append(f.relative_to(root).as_posix())
-        except ValueError:  # an absolute CSV path outside the CSV's folder
-            ids.append(str(f))
+    root = (source if source.is_dir() else source.parent).resolve()
+    # The id is the path relative to the root, as written (an outside CSV row keeps its ``..``:
+    # an id never reveals an absolute path).
+    ids = [Path(os.path.relpath(os.path.abspath(f), root)).as_posix() for f in files]
     labels: list[str | None] = [None] * len(files)
     if records.labelled:
         labels = [records.class_names[int(c)] for c in records.class_ids]
-    return ItemSource(ids, [str(f.resolve()) for f in files], labels, files)
+    return ItemSource(ids, [os.path.abspath(f) for f in files], labels, files, root=root)
 
 
 def read_embeddings(path: str | Path) -> ItemSource:
@@ -98,7 +112,14 @@ def read_embeddings(path: str | Path) -> ItemSource:
         labels = [names[i] if names and 0 <= i < len(names) else str(i) for i in ids]
     paths: list[str | None] = list(f.paths) if f.paths is not None else [None] * n
     item_ids = list(f.paths) if f.paths is not None else [str(i) for i in range(n)]
-    return ItemSource(item_ids, paths, labels, embeddings=f.semantic.float(), uncertainty=unc)
+    root = None
+    if f.paths is not None and n:
+        root = Path(os.path.commonpath([os.path.abspath(p) for p in f.paths]))
+        if len(f.paths) == 1 or not root.is_dir():
+            root = root.parent
+    return ItemSource(
+        item_ids, paths, labels, embeddings=f.semantic.float(), uncertainty=unc, root=root
+    )
 
 
 def read_source(path: str | Path) -> ItemSource:
@@ -133,7 +154,7 @@ def encoder_for_index(
         if index.model is None:
             raise IndexFormatError(
                 "this index was built from embeddings without a model; give --checkpoint RUN to "
-                "embed query images, or query with --embeddings FILE"
+                "embed query images, or give an embeddings file of `idml embed` as the queries"
             )
         checkpoint = index.model.source
         if not Path(checkpoint).exists():
@@ -143,7 +164,45 @@ def encoder_for_index(
             )
     encoder = Encoder.load(checkpoint, which=which, device=device)
     check_model(index, encoder.info)
+    check_embeddings(index, encoder)
     return encoder
+
+
+SPOT_CHECK_ITEMS = 4
+"""Gallery items :func:`check_embeddings` embeds again."""
+SPOT_CHECK_MIN_COSINE = 0.999
+"""The same model on the same image gives the same unit vector up to float32 summation order
+(cosine ≥ 1 − 1e-6 in practice); another model's, or an edited file's, is far below this."""
+
+
+def check_embeddings(index: Index, encoder: Encoder, sample: int = SPOT_CHECK_ITEMS) -> None:
+    """Embed up to ``sample`` gallery images (the first that can be opened, inside the index's
+    root) and refuse the index when their stored embeddings are not the model's: a manifest's
+    model and checksums can be rewritten after an edit, the images' embeddings cannot."""
+    picked = []
+    for position in range(len(index)):
+        path = index.item_file(position)
+        if path is not None and path.is_file():
+            picked.append((position, path))
+        if len(picked) == sample:
+            break
+    if not picked:
+        return  # an index of embeddings without files: nothing to compare
+    try:
+        fresh = encoder.embed([p for _, p in picked], batch_size=len(picked))
+    except (OSError, ValueError):
+        return  # an unreadable image is the search's concern, not evidence against the index
+    stored = index.embeddings[[i for i, _ in picked]]
+    cosine = (fresh.embeddings.float() * stored).sum(dim=1)
+    worst = int(torch.argmin(cosine))
+    if float(cosine[worst]) < SPOT_CHECK_MIN_COSINE:
+        position, path = picked[worst]
+        raise IndexFormatError(
+            f"the index's embedding of item {index.ids[position]!r} is not what model "
+            f"{encoder.info.source} (weights {encoder.info.weights_sha256[:12]}) gives for "
+            f"{path} (cosine {float(cosine[worst]):.3f}): the index was built with another model, "
+            "or edited, or its images changed since. Rebuild it with `idml index`"
+        )
 
 
 def check_model(index: Index, info: ModelInfo) -> None:
@@ -171,56 +230,74 @@ def build_index(
     backend: str = "exact",
     faiss_factory: str = "HNSW32",
     search_parameters: str | None = None,
+    root: str | Path | None = None,
+    allow_outside_root: bool = False,
     runtime: Runtime | None = None,
     log: Callable[[str], object] = lambda _: None,
 ) -> Index:
     """Embed ``gallery`` with ``checkpoint`` and write an index to ``out`` (or extend it: ``add``).
 
-    ``backend``, ``faiss_factory`` and ``search_parameters`` are those of
-    :meth:`Index.create <idml.app.retrieval.index.Index.create>` (an extended index keeps its
-    own); ``runtime`` [``Runtime()``] says on which device the model runs, in which batches.
+    ``backend``, ``faiss_factory``, ``search_parameters`` and ``allow_outside_root`` are those of
+    :meth:`Index.create <idml.app.retrieval.index.Index.create>`, ``root`` its gallery root
+    (default: the source's, see the module docstring); an extended index keeps its own.
+    ``runtime`` [``Runtime()``] says on which device the model runs, in which batches. The
+    folder's lock is held from reading the index to writing the new version, so two writers
+    never drop each other's items: the second is refused.
     """
     runtime = runtime if runtime is not None else Runtime()
     out = Path(out)
-    existing = Index.load(out) if add else None
-    if not add and out.exists():
-        raise FileExistsError(f"{out} already exists; pass --add to extend it, or remove it first")
-    source = read_source(gallery)
-    encoder = None
-    if checkpoint is not None:
-        encoder = Encoder.load(checkpoint, which=which, device=runtime.device)
+    if add and not holds_index(out):
+        Index.load(out)  # the error that says what ``out`` is not
+    if not add and holds_index(out):
+        raise FileExistsError(f"{out} already holds an index; pass --add to extend it")
+    with writing(out, log=log):
+        existing = Index.load(out) if add else None
+        source = read_source(gallery)
+        encoder = None
+        if checkpoint is not None:
+            encoder = Encoder.load(checkpoint, which=which, device=runtime.device)
+            if existing is not None:
+                check_model(existing, encoder.info)
+                check_embeddings(existing, encoder)
+        elif existing is not None and source.embeddings is None:
+            encoder = encoder_for_index(existing, device=runtime.device)
+        if (
+            source.embeddings is not None
+            and encoder is not None
+            and source.embeddings.shape[1] != encoder.info.embedding_dim
+        ):
+            raise ValueError(
+                f"{gallery}: embeddings of dimension {source.embeddings.shape[1]}, but model "
+                f"{encoder.info.source} has {encoder.info.embedding_dim}; they are not its "
+                "embeddings"
+            )
+        item_root = Path(root).resolve() if root is not None else source.root
         if existing is not None:
-            check_model(existing, encoder.info)
-    elif existing is not None and source.embeddings is None:
-        encoder = encoder_for_index(existing, device=runtime.device)
-    if (
-        source.embeddings is not None
-        and encoder is not None
-        and source.embeddings.shape[1] != encoder.info.embedding_dim
-    ):
-        raise ValueError(
-            f"{gallery}: embeddings of dimension {source.embeddings.shape[1]}, but model "
-            f"{encoder.info.source} has {encoder.info.embedding_dim}; they are not its embeddings"
-        )
-    log(f"embedding {len(source)} items from {gallery}")
-    emb, unc = encode(source, encoder, runtime.batch_size, runtime.progress)
-    model = encoder.info if encoder is not None else None
-    if existing is not None:
-        new_items = Index.create(emb, unc, source.ids, source.paths, source.labels, model)
-        index = existing.add(new_items)
-    else:
-        index = Index.create(
-            emb,
-            unc,
-            source.ids,
-            source.paths,
-            source.labels,
-            model,
-            backend=backend,
-            faiss_factory=faiss_factory,
-            search_parameters=search_parameters,
-        )
-    index.save(out, overwrite=add)
+            item_root, allow_outside_root = existing.root, existing.allow_outside_root
+        if item_root is not None:  # before the embedding pass: an outside item must not cost it
+            for path in source.paths:
+                relative_to_root(path, item_root, allow_outside_root, adding=existing is not None)
+        log(f"embedding {len(source)} items from {gallery}")
+        emb, unc = encode(source, encoder, runtime.batch_size, runtime.progress)
+        model = encoder.info if encoder is not None else None
+        if existing is not None:
+            new_items = Index.create(emb, unc, source.ids, source.paths, source.labels, model)
+            index = existing.add(new_items)
+        else:
+            index = Index.create(
+                emb,
+                unc,
+                source.ids,
+                source.paths,
+                source.labels,
+                model,
+                backend=backend,
+                faiss_factory=faiss_factory,
+                search_parameters=search_parameters,
+                root=item_root,
+                allow_outside_root=allow_outside_root,
+            )
+        index.save(out, overwrite=add, log=log)
     return index
 
 
@@ -249,6 +326,7 @@ __all__ = [
     "ItemSource",
     "Runtime",
     "build_index",
+    "check_embeddings",
     "check_model",
     "encode",
     "encoder_for_index",

@@ -198,6 +198,23 @@ _OLD_KEYS = {
 they live now."""
 
 
+def _check_class_count(cfg: Config, num_classes: int) -> None:
+    """Refuse ``eval.ks`` asking for a top-k accuracy of more classes than the dataset has: that
+    accuracy would be dropped from every evaluation, and an ``eval.select`` naming it would fail
+    only once the first epoch is trained."""
+    ks = list(cfg.eval.ks)
+    too_large = [k for k in ks if k > num_classes]
+    if too_large:
+        fitting = [k for k in ks if k <= num_classes] or [1]
+        selected = cfg.eval.select in {f"top{k}" for k in too_large}
+        raise ConfigError(
+            f"eval.ks={ks} asks for top-{too_large[0]} accuracy but {cfg.data.dataset} has "
+            f"{num_classes} classes, so top{too_large[0]} cannot be measured"
+            + (f" (and eval.select={cfg.eval.select!r} names it)" if selected else "")
+            + f"; use values up to {num_classes}, e.g. eval.ks={fitting}"
+        )
+
+
 class Classification(Task):
     """Image classification with the introspective cosine classifier (module docstring)."""
 
@@ -289,7 +306,7 @@ class Classification(Task):
         """The standard split of ``data.dataset`` with the run's train and test pixel pipelines."""
         d, s = cfg.data, settings(cfg)
         train_transform, test_transform = build.data_transforms(cfg)
-        return load_classification_split(
+        split = load_classification_split(
             d.dataset,
             d.root,
             per_class=d.samples_per_class,
@@ -299,6 +316,8 @@ class Classification(Task):
             train_transform=train_transform,
             test_transform=test_transform,
         )
+        _check_class_count(cfg, split.num_classes)  # before any step
+        return split
 
     def build_objective(self, cfg: Config, data: TrainTestPair) -> ClassifierObjective:
         return ClassifierObjective(

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from idml.app import build
+from idml.app.checkpoint import NonFiniteStateError
 from idml.app.config import Config, config_to_dict, dump_config
 from idml.app.distributed import (
     DistributedContext,
@@ -238,7 +239,10 @@ class Trainer:
             "metrics": self.history[-1] if self.history else {},
             **self.task.checkpoint_state(self.data),
         }
-        self.checkpoints.save(epoch, self.weights(), state, self.best.epoch)
+        try:
+            self.checkpoints.save(epoch, self.weights(), state, self.best.epoch)
+        except NonFiniteStateError as err:  # parameters or buffers (BatchNorm statistics)
+            raise self.monitor.non_finite(str(err), after_epoch=True) from None
 
     def generator(self, epoch: int, stream: int) -> torch.Generator:
         """The random stream ``stream`` of ``epoch`` (0: batches, 1: augmentations, 2: SSR)."""

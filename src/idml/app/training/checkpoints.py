@@ -109,7 +109,12 @@ class Checkpointing:
 
     def save(self, epoch: int, weights: TrainingWeights, state: dict[str, Any], best: int) -> None:
         """Write ``epoch``'s checkpoint, point ``best`` at it when ``best == epoch``, and delete
-        every older one but the best (rank 0 only)."""
+        every older one but the best (rank 0 only).
+
+        Raises:
+            idml.app.checkpoint.NonFiniteStateError: a weight or buffer is NaN or infinite (nothing
+                is written; the previous checkpoint stays latest).
+        """
         if not self.dist.is_main:
             return
         name = f"epoch_{epoch:04d}"
@@ -120,7 +125,7 @@ class Checkpointing:
             dict(weights.modules),
             dict(weights.optimizers),
             state,
-        )
+        )  # NonFiniteStateError for NaN/inf parameters or buffers (BatchNorm statistics)
         if best == epoch:
             mark_best(self.run_dir, name)
         _prune(self.run_dir / "checkpoints", keep={name, f"epoch_{best:04d}"})
