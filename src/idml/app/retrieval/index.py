@@ -852,7 +852,7 @@ def _check_items(
     embeddings: Tensor,
     uncertainty: Tensor | None,
     ids: Sequence[str] | None,
-    paths: Sequence[str | None] | None,
+    paths: Sequence[str | os.PathLike[Any] | None] | None,
     labels: Sequence[str | None] | None,
 ) -> tuple[Tensor, Tensor, tuple[list[str], list[str | None], list[str | None]]]:
     embeddings = torch.as_tensor(embeddings)
