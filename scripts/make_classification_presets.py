@@ -32,7 +32,12 @@ REPO = Path(__file__).resolve().parents[1]
 # The recipe keys of this checkout, not those of some other installed idml.
 sys.path.insert(0, str(REPO / "src"))
 
-from idml.app.config import config_to_dict, validate_config  # noqa: E402
+from idml.app.config import (  # noqa: E402
+    config_to_dict,
+    load_config,
+    read_fragment,
+    validate_config,
+)
 from idml.app.paper import recipe_of  # noqa: E402
 
 OUT = REPO / "configs" / "classification"
@@ -86,6 +91,16 @@ DATASETS: dict[str, dict[str, Any]] = {
 }
 # CIFAR-10 follows the CIFAR-100 recipe of the CutMix code; only the folder differs.
 DATASETS["cifar10"] = {**DATASETS["cifar100"], "classes": 10, "root": "data/cifar10"}
+# Method → (mixing, ISM) and the packaged method fragment that switches those components on: the
+# same fragments as the metric-learning presets, so `method/idml` means one thing everywhere.
+FRAGMENT = {
+    ("none", False): "method/plain",
+    ("none", True): "method/ism",
+    ("mixup", False): "method/mixup",
+    ("mixup", True): "method/idml",
+    ("cutmix", False): "method/mixup",
+    ("cutmix", True): "method/idml",
+}
 METHODS: dict[str, tuple[str, bool]] = {
     "baseline": ("none", False),
     "ism_baseline": ("none", True),
@@ -96,12 +111,13 @@ METHODS: dict[str, tuple[str, bool]] = {
 }
 
 
-def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+def recipe(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+    """The whole recipe of one row, every key it sets spelled out."""
     d = DATASETS[dataset]
     mix, ism = METHODS[method]
     cfg: dict[str, Any] = {
         "name": f"{dataset}-{method}",
-        "task": "classification",
+        "task": {"name": "classification", "scale": 20.0},
         "data": {
             "dataset": "folder",
             "root": d["root"],
@@ -117,7 +133,11 @@ def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[
             "embedding_dim": 2048,
             "pooling": "avg",
             "freeze_bn": False,
+            # The library's bounded uncertainty head: ISM starts as the plain softmax.
+            "uncertainty": {"enabled": ism},
         },
+        "metric": {"introspective": ism, "gamma": 0.0, "tau": 5.0},
+        "mixup": {"enabled": mix != "none"},
         "optim": {
             "optimizer": "sgd",
             "momentum": 0.9,
@@ -131,13 +151,10 @@ def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[
             "step_gamma": 0.1,
             "grad_clip": None,
         },
-        "classification": {"scale": 20.0, "mix": mix, "mix_alpha": 1.0, "mix_prob": d["mix_prob"]},
         "eval": {"every": d["eval_every"]},
     }
-    if ism:
-        # The library's bounded uncertainty head: ISM starts as the plain softmax.
-        cfg["model"]["uncertainty"] = {"enabled": True}
-        cfg["metric"] = {"introspective": True, "gamma": 0.0, "tau": 5.0}
+    if mix != "none":
+        cfg["mixup"] |= {"kind": mix, "alpha": 1.0, "probability": d["mix_prob"]}
     if numbers:
         # The data is a folder, so the number of classes tells CIFAR-10, CIFAR-100 and ImageNet
         # from any other folder of images.
@@ -148,6 +165,28 @@ def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[
             "classes": d["classes"],
         }
     return cfg
+
+
+def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+    """The row as its method fragment plus the keys the fragment does not give."""
+    full = recipe(dataset, method, numbers)
+    mix, ism = METHODS[method]
+    fragment = FRAGMENT[(mix, ism)]
+    given = read_fragment(fragment)
+    return {"include": [fragment], **_without(full, given)}
+
+
+def _without(full: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``full`` less the values ``given`` already sets (sections emptied by it are dropped)."""
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        if isinstance(value, dict) and isinstance(given.get(key), dict):
+            rest = _without(value, given[key])
+            if rest:
+                out[key] = rest
+        elif given.get(key, object()) != value:
+            out[key] = value
+    return out
 
 
 def main() -> None:
@@ -165,6 +204,9 @@ def main() -> None:
             )
             path = OUT / f"{dataset}_{method}.yaml"
             path.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+            full = recipe(dataset, method, numbers.get((dataset, method)))
+            if load_config(path) != validate_config(full):
+                raise SystemExit(f"{path} does not resolve to the recipe {full}")
             print(path.relative_to(REPO))
 
 

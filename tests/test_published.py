@@ -112,17 +112,17 @@ def test_presets_and_fragments_that_disagree_are_caught(
 ) -> None:
     import shutil
 
-    import idml.app.config.io
+    from idml.app.config import _io as config_io
 
     presets = _script("make_presets")
     preset = presets.presets()[Path("idml") / "cub_triplet_idml.yaml"]
     wanted = config_to_dict(validate_config(preset.recipe))
     # A fragment edited without regenerating: the committed preset no longer resolves to its recipe.
     fragments = tmp_path / "fragments"
-    shutil.copytree(idml.app.config.io.FRAGMENTS, fragments)
+    shutil.copytree(config_io.FRAGMENTS, fragments)
     cub = fragments / "dataset" / "cub.yaml"
     cub.write_text(cub.read_text().replace("image_size: 224", "image_size: 256"))
-    monkeypatch.setattr(idml.app.config.io, "FRAGMENTS", fragments)  # where include: reads them
+    monkeypatch.setattr(config_io, "FRAGMENTS", fragments)  # where include: reads them
     resolved = config_to_dict(load_config(REPO / "configs" / "idml" / "cub_triplet_idml.yaml"))
     assert config_difference(resolved, wanted, ignore=()) == ["data.image_size: 256 -> 224"]
     # Regenerating writes the recipe's value into the preset rather than trusting the fragment,
@@ -252,7 +252,7 @@ def test_preset_recipes_are_the_presets_own_values() -> None:
         config = config_to_dict(cfg)
         assert cfg.published.recipe == recipe_of(config), path
         assert recipe_differences(cfg.published.recipe, config, cfg.published.classes) == []
-        assert (cfg.published.classes is not None) == (cfg.task == "classification"), path
+        assert (cfg.published.classes is not None) == (cfg.task.name == "classification"), path
         checked += 1
     assert checked == 30 + 18
     # The two cases: a Table I preset on a folder, a CIFAR-10 preset on another folder.

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import idml.app.training as training_module
+import idml.app.tasks.metric_learning as metric_learning_task
 from idml.app import checkpoint
 from idml.app.cli import main
 from idml.app.config import load_config
@@ -180,10 +180,10 @@ def test_divergence_after_a_good_epoch_leaves_that_epoch_latest(
 
     def poisoned(*args, **kwargs):
         parts = real(*args, **kwargs)
-        if trainer._position == (1, 1):
+        if trainer.monitor.position == (1, 1):
             with torch.no_grad():
                 next(trainer.model.parameters()).fill_(float("nan"))
-            trainer._check_finite_weights()
+            trainer.check_finite_weights()
         return parts
 
     monkeypatch.setattr(trainer, "train_step", poisoned)
@@ -200,17 +200,17 @@ def test_a_non_finite_test_set_embedding_names_the_epoch(
 ) -> None:
     cfg = load_config(None, [*TINY, "optim.epochs=2"])
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
-    real = training_module.embed_dataset
+    real = metric_learning_task.embed_dataset
 
     def overflowing(*args, **kwargs):
         emb, labels = real(*args, **kwargs)
-        if trainer._position[0] == 1:  # the second epoch's evaluation
+        if trainer.monitor.position[0] == 1:  # the second epoch's evaluation
             semantic = emb.semantic.clone()
             semantic[3] = float("inf")
             return Embeddings(semantic, emb.uncertainty), labels
         return emb, labels
 
-    monkeypatch.setattr(training_module, "embed_dataset", overflowing)
+    monkeypatch.setattr(metric_learning_task, "embed_dataset", overflowing)
     with pytest.raises(FloatingPointError) as caught:
         trainer.fit()
     message = str(caught.value)

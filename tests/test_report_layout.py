@@ -67,7 +67,7 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         made["demo"] = write_report(runs, root / "demo-report", options, sections_per_group=1)
         # A classification run with an uncertainty head.
         extra = ["optim.epochs=2", "optim.max_steps_per_epoch=2", "model.uncertainty.enabled=true",
-                 "metric.introspective=true", "classification.mix=cutmix",
+                 "metric.introspective=true", "mixup.enabled=true", "mixup.kind=cutmix",
                  "data.samples_per_class=30"]  # fmt: skip
         run = root / "classification"
         assert main(["train", str(config), "--out", str(run), "--no-progress",

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from idml.app.config import Config, fragment_overrides, load_config
 from idml.app.metric_display import beyond_spread
-from idml.app.training import Trainer, TrainResult
+from idml.app.training import Trainer
+from idml.app.training.epoch_log import TrainResult
 
 DEMO_BASE: list[str] = [
     "name=demo",

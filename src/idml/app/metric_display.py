@@ -180,7 +180,7 @@ def metric_family(key: str) -> str:
         return "classification"
     if key.startswith("u_"):
         return "uncertainty"
-    if key.startswith("auroc"):
+    if key.startswith(("auroc", "r_auroc")):
         return "auroc"
     if key.startswith("aurc"):
         return "aurc"
@@ -214,3 +214,15 @@ def metric_sort_key(key: str) -> tuple[int, float, str]:
             score = key.removeprefix(kind)
             return (kind_rank, float(scores.index(score)) if score in scores else 99.0, key)
     return (rank, 0.0, key)
+
+
+def format_metrics(title: str, metrics: dict[str, float]) -> str:
+    """``title`` over a two-column table of metric values (as ``idml train`` prints them).
+
+    >>> print(format_metrics("run", {"recall@1": 0.5}))
+    run
+      recall@1  0.5000
+    """
+    width = max((len(k) for k in metrics), default=6)
+    lines = [title] + [f"  {k.ljust(width)}  {v:.4f}" for k, v in metrics.items()]
+    return "\n".join(lines)

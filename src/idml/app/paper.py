@@ -142,8 +142,9 @@ def compare_with_paper(
     rows = []
     for key, paper in published.items():
         value = metrics.get(key)
-        finite = value is not None and math.isfinite(float(value))
-        run = metric_scale(key) * float(value) if finite else None
+        run = None
+        if value is not None and math.isfinite(float(value)):
+            run = metric_scale(key) * float(value)
         rows.append(PaperRow(key, float(paper), run))
     return rows
 

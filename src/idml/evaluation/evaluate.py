@@ -413,7 +413,7 @@ def _retrieve(
             metric=scorer,
             execution=execution,
         )
-        acc = RankAccumulator(n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels))
+        acc = RankAccumulator(n_q, tuple(s.ks), tuple(cutoffs), tuple(s.recall_levels))
         for query_ids, ranks, num_rel_chunk in out.rank_chunks:
             acc.add(query_ids, ranks, num_rel_chunk)
         return _Retrieved(acc, out.neighbors, "exact", out.neighbors if same_set else None)
@@ -460,7 +460,12 @@ def _retrieve(
     )
     ranks = ranks_from_neighbors(neighbor_labels, sets.q_labels, num_rel)
     acc = RankAccumulator(
-        n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels), complete=False, known_depth=found.k
+        n_q,
+        tuple(s.ks),
+        tuple(cutoffs),
+        tuple(s.recall_levels),
+        complete=False,
+        known_depth=found.k,
     )
     acc.add(torch.arange(n_q), ranks, num_rel)
     return _Retrieved(acc, found, backend, gallery_neighbors)

@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from idml import __version__
 from idml.app.cli.command import INTERRUPTED, Parser
 from idml.app.cli.evaluation import EVALUATE
-from idml.app.cli.options import format_metrics
 from idml.app.cli.retrieval import EMBED, EXPORT, INDEX, SEARCH, SERVE
 from idml.app.cli.training import ABLATE, DEMO, REPORT, TRAIN
 
-__all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "format_metrics", "main"]
+__all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "main"]
 
 
 COMMANDS = (TRAIN, EVALUATE, EMBED, DEMO, REPORT, ABLATE, INDEX, SEARCH, EXPORT, SERVE)

@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 from idml.app.cli.command import INTERRUPTED, Command, Group, Option
-from idml.app.cli.options import NO_PROGRESS, OLD_PROGRESS, OVERRIDES, device_name, format_metrics
+from idml.app.cli.options import NO_PROGRESS, OLD_PROGRESS, OVERRIDES, device_name
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from idml.app.classification_task import make_trainer
     from idml.app.config import load_config
     from idml.app.distributed import destroy_distributed, init_distributed
+    from idml.app.training import Trainer
     from idml.progress import echo
 
     cfg = load_config(args.config, args.overrides)
@@ -22,7 +22,7 @@ def _run_train(args: argparse.Namespace) -> int:
     # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
     context = init_distributed(device=cfg.device)
     try:
-        trainer = make_trainer(
+        trainer = Trainer(
             cfg,
             out,
             progress=not args.no_progress,
@@ -43,6 +43,8 @@ def _run_train(args: argparse.Namespace) -> int:
         destroy_distributed(context)
     if not context.is_main:
         return 0
+    from idml.app.metric_display import format_metrics
+
     print(format_metrics(f"{cfg.name}: final", result.final_metrics))
     if result.best_epoch > 0:
         print(format_metrics(f"best epoch {result.best_epoch}", result.best_metrics))

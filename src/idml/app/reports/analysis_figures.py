@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 from matplotlib import colormaps
@@ -52,7 +53,7 @@ def risk_coverage_curves(
     axes.set_title("risk–coverage")
     axes.set_xlim(0, 100)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc=legend)
+    axes.legend(fontsize=8, loc=cast(Any, legend))  # one of matplotlib's location names
     figure.tight_layout()
     return figure
 
@@ -81,7 +82,7 @@ def uncertainty_histogram(original: np.ndarray, mixed: np.ndarray | None) -> Fig
     figure = Figure(figsize=(5.0, 3.4))
     axes = figure.subplots()
     pooled = original if mixed is None else np.concatenate([original, mixed])
-    bins = np.histogram_bin_edges(pooled, bins=40)
+    bins = np.histogram_bin_edges(pooled, bins=40).tolist()
     axes.hist(original, bins=bins, alpha=0.6, density=True, label=f"original ({len(original)})")
     if mixed is not None:
         axes.hist(mixed, bins=bins, alpha=0.6, density=True, label=f"mixed ({len(mixed)})")
@@ -162,11 +163,13 @@ def tsne_scatter(points: np.ndarray, labels: np.ndarray, class_names: Sequence[s
         palette = colormaps["tab10" if len(classes) <= 10 else "tab20"]
         for i, cls in enumerate(classes):
             here = labels == cls
-            axes.scatter(*points[here].T, s=8, color=palette(i), label=class_names[int(cls)])
+            xs, ys = points[here].T
+            axes.scatter(xs, ys, s=8, color=palette(i), label=class_names[int(cls)])
         axes.legend(fontsize=7, title="class", loc="center left", bbox_to_anchor=(1.0, 0.5))
     else:
         codes = np.searchsorted(classes, labels)
-        axes.scatter(*points.T, s=6, c=codes, cmap="hsv", vmin=0, vmax=len(classes))
+        xs, ys = points.T
+        axes.scatter(xs, ys, s=6, c=codes, cmap="hsv", vmin=0, vmax=len(classes))
     axes.set_xticks([])
     axes.set_yticks([])
     axes.set_title(f"t-SNE of {len(labels)} test embeddings ({len(classes)} classes)")

@@ -7,6 +7,7 @@ import io
 import itertools
 import math
 from pathlib import Path
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -49,7 +50,7 @@ def line_groups(count: int, size: int = MAX_LINES) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
-def line_style(i: int) -> dict[str, object]:
+def line_style(i: int) -> dict[str, Any]:
     return {
         "linestyle": _LINE_STYLES[i % len(_LINE_STYLES)],
         "marker": _MARKERS[i % len(_MARKERS)],

@@ -49,7 +49,7 @@ table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
 caption { text-align: left; font-size: 0.85em; color: #555; padding-bottom: 0.2em; }
 th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; white-space: nowrap;
          overflow-wrap: normal; }
-th { background: #f3f3f3; }
+th { background: #f3f3f3; white-space: normal; }  /* a long heading wraps; numbers never */
 td.text, th.text { text-align: left; white-space: normal; max-width: 24em;
                    overflow-wrap: break-word; }
 td.beyond { font-weight: bold; }
@@ -132,13 +132,8 @@ def write_report(
     for report in reports:
         if report.log.run_dir not in detailed:
             continue
-        classification = report.log.config.task == "classification"
         if not analyse:
-            missing = (
-                "no confusion matrix, reliability diagram or mistakes"
-                if classification
-                else "no retrieval grid, test uncertainty or t-SNE"
-            )
+            missing = report.log.config.task.spec.without_analysis()
             report.notes.append(
                 "Test-set analysis was not requested (--no-test): metrics are those of the last "
                 f"logged evaluation; {missing}."
@@ -261,9 +256,14 @@ def _comparison(reports: Sequence[RunReport], page: PageFigures) -> str:
             html_table([text_cell("run"), *(Cell(metric_heading(k)) for k in chunk)], rows, caption)
         )
     parts = ["\n".join(tables)]
-    # Recall@K and precision–recall are retrieval results: a report of classification runs alone
-    # has none to miss.
-    retrieval = any(r.log.config.task != "classification" for r in reports)
+    # Recall@K and precision–recall are retrieval results: a report of runs whose tasks report
+    # no Recall@K (classification) has none to miss.
+    retrieval = any(
+        any(
+            name.startswith("recall@") for name in r.log.config.task.spec.metric_names(r.log.config)
+        )
+        for r in reports
+    )
     names = [r.label for r in reports]
     if any(k.startswith("recall@") for k in keys):
         dots = figures.recall_dots(names, [r.metrics for r in reports])

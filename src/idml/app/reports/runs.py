@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,9 +29,6 @@ from idml.evaluation.confidence import risk_coverage
 from idml.evaluation.evaluate import EvaluationReport
 from idml.evaluation.report import RetrievalResult
 from idml.models import embed_dataset
-
-if TYPE_CHECKING:
-    from idml.app.reports.classification import ClassificationAnalysis
 
 
 # --------------------------------------------------------------------------- run log
@@ -87,11 +84,7 @@ class RunLog:
 
     @property
     def mixup_enabled(self) -> bool:
-        """The run trained on mixed images: Mixup with set labels, or for a classification run
-        its ``classification.mix`` (Mixup or CutMix)."""
-        mix = self.config.classification
-        if self.config.task == "classification" and mix is not None:
-            return mix.mix != "none"
+        """The run trained on mixed images (Mixup or CutMix, ``mixup.enabled``)."""
         return self.config.mixup.enabled
 
     @property
@@ -233,23 +226,26 @@ def analyse_run(
     options: AnalysisOptions | None = None,
     device: torch.device | None = None,
     progress: bool = False,
-) -> TestAnalysis | ClassificationAnalysis:
-    """Load the run's checkpoint and measure the test split (see :class:`TestAnalysis`; a
-    classification run's is a :class:`~idml.app.reports.classification.ClassificationAnalysis`,
-    by :func:`~idml.app.reports.classification.analyse_classification_run`), on ``device``
-    (default CPU) with ``options`` (default ``AnalysisOptions()``).
+) -> Any:
+    """Load the run's checkpoint and measure the test split as the run's task does it
+    (:meth:`idml.app.tasks.Task.analyse`: a :class:`TestAnalysis` for metric learning), on
+    ``device`` (default CPU) with ``options`` (default ``AnalysisOptions()``).
 
     Raises:
         idml.app.checkpoint.CheckpointError: the run folder holds no (readable) checkpoint.
     """
-    from idml.app import build
-    from idml.app.reports.classification import analyse_classification_run
-    from idml.app.trained_run import load_trained_run
-
     options = options or AnalysisOptions()
     device = device or torch.device("cpu")
-    if log.config.task == "classification":
-        return analyse_classification_run(log, options, device, progress)
+    return log.config.task.spec.analyse(log, options, device, progress)
+
+
+def analyse_retrieval_run(
+    log: RunLog, options: AnalysisOptions, device: torch.device, progress: bool = False
+) -> TestAnalysis:
+    """A metric-learning run's :class:`TestAnalysis` (module docstring)."""
+    from idml.app import build
+    from idml.app.trained_run import load_trained_run
+
     run = load_trained_run(log.run_dir, which=options.which)
     cfg, model = run.config, run.model.to(device)
     epoch = int(run.state.get("epoch", 0))

@@ -1,6 +1,8 @@
 """The pieces of the report page (:mod:`idml.app.reports.page`): the figure writer, and one section per
-run — training curves, uncertainty, retrieval and t-SNE figures of a metric-learning run, or the
-test-set analysis of a classification run — saying in words what a run cannot show."""
+run — training curves and uncertainty, then the test-set analysis its task draws
+(:meth:`idml.app.tasks.Task.report_section`: retrieval, uncertainty and t-SNE figures of a
+metric-learning run, :func:`retrieval_section`; calibration, confusion and mistakes of a
+classification run, :func:`classification_section`) — saying in words what a run cannot show."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import html
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from matplotlib.figure import Figure
 
@@ -35,9 +38,9 @@ class RunReport:
 
     log: RunLog
     label: str
-    analysis: TestAnalysis | ClassificationAnalysis | None
-    """:class:`TestAnalysis` of a metric-learning run, :class:`ClassificationAnalysis` of a
-    classification run (``config.task``)."""
+    analysis: Any
+    """What the run's task analysed (:meth:`idml.app.tasks.Task.analyse`; a :class:`TestAnalysis`
+    for metric learning), or ``None``."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -220,12 +223,15 @@ def _run_body(index: int, report: RunReport, page: PageFigures) -> str:
             )
         )
 
-    if analysis is None:
-        return "\n".join(parts)
-    if isinstance(analysis, ClassificationAnalysis):
-        parts.append(_classification_section(analysis, slug, page))
-        return "\n".join(parts)
-    parts.append("<h3>Test-set uncertainty</h3>")
+    if analysis is not None:
+        parts.append(cfg.task.spec.report_section(analysis, slug, page))
+    return "\n".join(parts)
+
+
+def retrieval_section(analysis: TestAnalysis, slug: str, page: PageFigures) -> str:
+    """Test-set uncertainty, confidence, the retrieval grid and the t-SNE of a metric-learning
+    run's checkpoint."""
+    parts = ["<h3>Test-set uncertainty</h3>"]
     if analysis.uncertainty is not None:
         parts.append(
             page.figure(
@@ -290,7 +296,7 @@ _CLASSIFICATION_METRICS = {
 }
 
 
-def _classification_section(analysis: ClassificationAnalysis, slug: str, page: PageFigures) -> str:
+def classification_section(analysis: ClassificationAnalysis, slug: str, page: PageFigures) -> str:
     """Metrics, reliability diagram, confusion matrix, risk–coverage, ``||u||`` by condition and
     the most confident mistakes of a classification run's checkpoint."""
     names = analysis.class_names

@@ -43,7 +43,7 @@ from idml.app.reports.tables import Cell, html_table, split_columns, text_cell
 
 BEYOND = "*"
 """The mark of a Δ beyond the seed spread."""
-SEED_METRICS_PER_TABLE = 5
+SEED_METRICS_PER_TABLE = 4
 """Metrics per HTML seed table (two columns each, mean ± std and Δ): fits 1400 px."""
 
 GROUP_IGNORED_KEYS = RUNTIME_KEYS | {"seed", "name"}
@@ -281,7 +281,7 @@ def seed_table(
     metrics: Sequence[str] | None = None,
 ) -> SeedTable:
     """Group ``runs`` by recipe and compare the groups (see the module docstring)."""
-    from idml.app.ablation import metric_sort_key
+    from idml.app.metric_display import metric_sort_key
 
     groups = group_runs(runs, labels)
     keys = (

@@ -47,7 +47,7 @@ FAMILY_CAPTIONS = {
     "retrieval": "retrieval",
     "classification": "classification",
     "uncertainty": "uncertainty level ||u||",
-    "auroc": "confidence — AUROC: detecting a wrong answer (0.5 = chance)",
+    "auroc": "confidence — R-AUROC: ranking right answers above wrong ones (0.5 = chance)",
     "aurc": "confidence — AURC: error rate over the coverage (lower is better)",
     "other": "other",
 }

@@ -25,7 +25,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat
 
 from idml.app.retrieval.index import Index, SearchResult
 
@@ -47,7 +47,7 @@ CSV_COLUMNS = (
 )
 
 
-def _num(value: float) -> float | None:
+def _num(value: SupportsFloat) -> float | None:
     value = float(value)
     return None if math.isnan(value) or math.isinf(value) else value
 

@@ -166,7 +166,7 @@ def create_app(
         summary="neighbours of an image or of embeddings",
         openapi_extra=search_openapi(max_k, max_bytes, max_pixels, default_k, encoder is not None),
     )
-    async def search(request: fastapi.Request) -> dict[str, Any]:
+    async def search(request: fastapi.Request) -> dict[str, Any]:  # type: ignore[name-defined]
         body = await _read_body(request, max_bytes)
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind == "multipart/form-data":

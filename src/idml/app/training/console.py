@@ -7,7 +7,7 @@ history and a log file (``idml train … > log``) holds the same lines, per-epoc
 included. Epochs are numbered from 1, as in ``metrics.jsonl`` and the checkpoint folders.
 
 Example:
-    >>> from idml.app.training.records import EpochRecord
+    >>> from idml.app.training.epoch_log import EpochRecord
     >>> record = EpochRecord(3, {"total": 0.43125}, {}, {}, {"recall@1": 0.512, "map": 0.2},
     ...                      seconds=41.23, steps=49, eval_seconds=3.1)
     >>> epoch_line(record, 60, best="recall@1")
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from idml.app.config import Config
-    from idml.app.training.records import EpochRecord
+    from idml.app.training.epoch_log import EpochRecord
 
 
 EPOCH_LINE_RANKS = frozenset({0, 2, 3, 4, 5, 6})
@@ -36,19 +36,16 @@ the confidence scores stay in ``metrics.jsonl`` and the final table."""
 
 
 def describe_method(cfg: Config) -> str:
-    """Short description: loss (or classifier), metric (plain / ISM variant), Mixup, SSR."""
-    parts = [cfg.loss.name]
-    if cfg.task == "classification" and cfg.classification is not None:
-        parts = ["cosine classifier"]
-        if cfg.classification.mix != "none":
-            parts.append({"mixup": "Mixup", "cutmix": "CutMix"}[cfg.classification.mix])
+    """Short description: what the task trains (the loss, the classifier), metric (plain / ISM
+    variant), Mixup or CutMix, SSR."""
+    parts = cfg.task.spec.describe(cfg)
     if cfg.metric.introspective:
         variant = {"soft": "ISM", "dissimilar": "ISM-Dis", "strict": "ISM-strict"}
         parts.append(
             f"{variant[cfg.metric.variant]} (γ={cfg.metric.gamma:g}, τ={cfg.metric.tau:g})"
         )
     if cfg.mixup.enabled:
-        parts.append("Mixup")
+        parts.append({"mixup": "Mixup", "cutmix": "CutMix"}[cfg.mixup.kind])
     if cfg.ssr.enabled:
         parts.append("SSR")
     return " + ".join(parts)

@@ -1,17 +1,21 @@
-"""What a run records each epoch: :class:`EpochRecord` lines of ``metrics.jsonl``, the
-:class:`TrainResult` of a run, and the writing of both to the log and the run's loggers."""
+"""A training run's epoch log (:class:`EpochLog`): one :class:`EpochRecord` per epoch in
+``metrics.jsonl``, mirrored to the run's loggers and summarised in one printed line; and the
+:class:`TrainResult` of a run. Epochs are numbered from 1, in the file as on the screen."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from idml.app.config import config_to_dict
-from idml.app.loggers import MLflowLogger, TensorBoardLogger, tensorboard_available
+from idml.app.config import Config, config_to_dict
+from idml.app.distributed import DistributedContext
+from idml.app.loggers import MLflowLogger, RunLogger, TensorBoardLogger, tensorboard_available
 from idml.app.run_folder import log_epochs_from_one
-from idml.app.training.console import epoch_line
+
+LOG_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -51,7 +55,7 @@ class EpochRecord:
 
 @dataclass
 class TrainResult:
-    """Outcome of :meth:`Trainer.fit`."""
+    """Outcome of :meth:`~idml.app.training.Trainer.fit`."""
 
     run_dir: Path
     final_metrics: dict[str, float]
@@ -61,50 +65,82 @@ class TrainResult:
     history: list[dict[str, Any]]
 
 
-class NonFiniteError(FloatingPointError):
-    """Training produced a NaN or infinite loss or weight; the message names the epoch and step."""
+class EpochLog:
+    """``metrics.jsonl`` of a run folder and the loggers that mirror it (files: rank 0 only).
 
+    ``history`` holds every logged line (on every rank); ``echo`` receives one line per epoch
+    (rank 0; :func:`~idml.app.training.console.epoch_line`): kept above the progress bars on a
+    terminal and printed in a pipe.
+    """
 
-class EpochLogging:
-    """The :class:`~idml.app.training.Trainer`'s epoch log: ``metrics.jsonl``, the loggers and the
-    per-epoch line (uses the trainer's ``cfg``, ``run_dir``, ``dist``, ``history``, ``best_epoch``,
-    ``echo`` and ``_loggers``)."""
+    def __init__(
+        self,
+        run_dir: Path,
+        dist: DistributedContext,
+        echo: Callable[[str], None] | None = None,
+    ) -> None:
+        self.path = Path(run_dir) / LOG_FILE
+        self.dist = dist
+        self.echo = echo
+        self.history: list[dict[str, Any]] = []
+        self.loggers: list[RunLogger] = []
 
-    @property
-    def _log_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+    def start(self) -> None:
+        """A new run: an empty log."""
+        if self.dist.is_main:
+            self.path.write_text("")
 
-    def _log(self, record: EpochRecord) -> None:
-        line = record.to_json()
-        self.history.append(line)
-        if self.echo is not None and self.dist.is_main:
-            best = self.cfg.eval.select if self.best_epoch == record.epoch else None
-            self.echo(epoch_line(record, self.cfg.optim.epochs, best))
-        if not self.dist.is_main:
-            return
-        with open(self._log_path, "a") as fh:
-            fh.write(json.dumps(line) + "\n")
-        for logger in self._loggers:
-            logger.log(line, record.epoch)
+    def restore(self, epochs: int) -> None:
+        """A resumed run: keep the first ``epochs`` lines (those with a checkpoint), drop the rest."""
+        self.history = read_log(self.path, epochs)
+        self.dist.barrier()  # every rank has read the log before rank 0 truncates it
+        if self.dist.is_main:
+            self.path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
 
-    def _open_loggers(self, resume: bool) -> None:
+    def open_loggers(self, cfg: Config, resume: bool) -> None:
         """TensorBoard when installed and ``tensorboard``; MLflow when ``mlflow.enabled``."""
         if not self.dist.is_main:
             return
-        if self.cfg.tensorboard and tensorboard_available():  # tensorboard is optional
-            self._loggers.append(TensorBoardLogger(self.run_dir / "tensorboard"))
-        m = self.cfg.mlflow
+        if cfg.tensorboard and tensorboard_available():  # tensorboard is optional
+            self.loggers.append(TensorBoardLogger(self.path.parent / "tensorboard"))
+        m = cfg.mlflow
         if m.enabled:
-            self._loggers.append(
+            self.loggers.append(
                 MLflowLogger(
-                    self.run_dir,
-                    self.cfg.name,
-                    config_to_dict(self.cfg),
+                    self.path.parent,
+                    cfg.name,
+                    config_to_dict(cfg),
                     tracking_uri=m.tracking_uri,
                     experiment=m.experiment,
                     resume=resume,
                 )
             )
+
+    def write(self, record: EpochRecord, epochs: int, best: str | None = None) -> None:
+        """Log one finished epoch of a run of ``epochs`` epochs; ``best`` names the selection
+        metric when this epoch is the best so far (the printed line says so)."""
+        from idml.app.training.console import epoch_line
+
+        line = record.to_json()
+        self.history.append(line)
+        if not self.dist.is_main:
+            return
+        if self.echo is not None:
+            self.echo(epoch_line(record, epochs, best))
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+        for logger in self.loggers:
+            logger.log(line, record.epoch)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+    def last_test_metrics(self) -> dict[str, float]:
+        """The ``test/*`` metrics of the last logged line (without the prefix)."""
+        if not self.history:
+            return {}
+        return {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
 
 
 def read_log(path: Path, epochs: int) -> list[dict[str, Any]]:
