@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from idml.app.config import Config, fragment_overrides, load_config
-from idml.app.training import Trainer, TrainResult
+from idml.app.training import Trainer
+from idml.app.training.epoch_log import TrainResult
 from idml.statistics import compare_paired, holm
 
 DEMO_BASE: list[str] = [
