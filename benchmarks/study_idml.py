@@ -22,8 +22,8 @@ Arms (:data:`ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
 - the controls of ``idml``: ``idml_frozen_u`` (the head never trains: ``u`` stays at its start),
   ``idml_uniform`` (no head, ``u ≡ 0``, and ``γ`` chosen so that the uniform weakening
   ``e^{−γ/(τδ)}`` has the same median over positive pairs as ``idml``'s learned one) and, for
-  Contrastive, ``mixup_margin`` (Mixup with the positive margin raised by the median
-  ``α(1 − e^{−y})`` that ``idml``'s ISM takes off positive distances: the margin ISM acts as);
+  Contrastive, ``mixup_margin`` (Mixup with the positive margin moved by the median amount ISM
+  moves positive pairs in ``idml``: the margin ISM acts as, :func:`matched_controls`);
 - ``idml_ext``: ``idml`` plus the Mixup-supervised uncertainty *extension*
   (``mixup.uncertainty_weight``, :mod:`idml.losses.ambiguity`), never the default.
 
@@ -397,8 +397,11 @@ def matched_controls(cfg: Any, model: Any, data: Any, batches: int = 8) -> dict[
 
     - ``gamma``: the ``γ`` whose uniform weakening ``e^{−γ/(τδ)}`` has the same median over the
       positive pairs as the learned ``e^{−y}`` (bisection; ``δ`` the semantic chord);
-    - ``pos_margin``: the loss's positive margin plus the median ``α·(1 − e^{−y})`` (``α = δ``):
-      how much closer ISM makes positive pairs look, i.e. the margin it acts as.
+    - ``pos_margin``: the margin ISM acts as on Contrastive's positive term. The distance form
+      ``D_IN = δ·e^{−y}`` takes ``δ(1 − e^{−y})`` off a positive distance, which ``[D − m_pos]₊``
+      reads as ``m_pos`` raised by that much; the similarity form ``S_IN = 1 − (δ²/2)·e^{−y}``
+      adds ``(δ²/2)(1 − e^{−y})`` to a positive similarity, which ``[m_pos − S]₊`` reads as
+      ``m_pos`` lowered by that much. The median over the positive pairs is taken.
     """
     import torch
 
@@ -436,12 +439,12 @@ def matched_controls(cfg: Any, model: Any, data: Any, batches: int = 8) -> dict[
             low = mid
         else:
             high = mid
-    base_margin = getattr(loss, "pos_margin", 0.0) or 0.0
-    return {
-        "gamma": (low + high) / 2,
-        "median_weakening": target,
-        "pos_margin": float(base_margin) + float((delta * (1 - weakening)).median()),
-    }
+    base_margin = float(getattr(loss, "pos_margin", 0.0) or 0.0)
+    if loss.metric.is_similarity:
+        pos_margin = base_margin - float((delta**2 / 2 * (1 - weakening)).median())
+    else:
+        pos_margin = base_margin + float((delta * (1 - weakening)).median())
+    return {"gamma": (low + high) / 2, "median_weakening": target, "pos_margin": pos_margin}
 
 
 # --------------------------------------------------------------------------- commands
