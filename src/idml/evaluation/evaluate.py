@@ -278,7 +278,7 @@ def evaluate_embeddings(
     timings["validate"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    acc, neighbors, backend = _retrieve(sets, scorer, s, device, progress)
+    acc, neighbors, backend, kernels = _retrieve(sets, scorer, s, device, progress)
     if sets.ref_rows is not None:  # gallery positions → rows of the embeddings given
         found = neighbors.indices
         rows = sets.ref_rows.to(found.device)[found.clamp_min(0)]
@@ -335,6 +335,7 @@ def evaluate_embeddings(
         "normalize": s.normalize,
         "ks": list(s.ks),
         "knn_backend": backend,
+        "score_kernels": kernels,
         "block_size": s.block_size,
         "nmi_backend": kmeans,
         "nmi_method": describe_backend(kmeans, s.kmeans_iterations),
@@ -352,8 +353,9 @@ def _retrieve(
     s: EvaluationSettings,
     device: torch.device | str | None,
     progress: bool | Callable[[int], object],
-) -> tuple[RankAccumulator, NeighborLists, str]:
-    """Search, and accumulate the ranks of the relevant items: exact, or from faiss's lists."""
+) -> tuple[RankAccumulator, NeighborLists, str, str | None]:
+    """Search, and accumulate the ranks of the relevant items: exact, or from faiss's lists; the
+    backend, and for the exact search the products that computed its scores."""
     same_set = sets.same_set
     num_ranked = sets.ref_semantic.shape[0] - (1 if same_set else 0)
     cutoffs = s.pr_cutoffs if s.pr_cutoffs is not None else default_cutoffs(num_ranked)
@@ -366,12 +368,14 @@ def _retrieve(
             None if same_set else Embeddings(sets.ref_semantic, sets.ref_unc),
             None if same_set else sets.ref_labels,
             metric=scorer,
-            execution=SearchExecution(block_size=s.block_size, device=device, progress=progress),
+            execution=SearchExecution(
+                block_size=s.block_size, device=device, progress=progress, kernel=s.score_kernel
+            ),
         )
         acc = RankAccumulator(n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels))
         for query_ids, ranks, num_rel in out.rank_chunks:
             acc.add(query_ids, ranks, num_rel)
-        return acc, out.neighbors, "exact"
+        return acc, out.neighbors, "exact", out.kernels
     if scorer.kind == "metric":
         raise ValueError("the faiss backend supports only the plain cosine/euclidean metrics")
     num_rel = _num_relevant(sets.q_labels, sets.ref_labels, same_set)
@@ -396,7 +400,7 @@ def _retrieve(
     # The lists were made deep enough for the metrics; the report keeps num_neighbors of them.
     k = s.num_neighbors
     neighbors = NeighborLists(found.indices[:, :k], found.scores[:, :k])
-    return acc, neighbors, f"faiss:{s.faiss_index}"
+    return acc, neighbors, f"faiss:{s.faiss_index}", None
 
 
 def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: str, graph: Tensor | None) -> float:

@@ -11,6 +11,7 @@ import numpy as np
 from idml.evaluation.clustering import KMeansBackend
 from idml.evaluation.retrieval_metrics import DEFAULT_RECALL_LEVELS
 from idml.evaluation.scoring import MetricSpec
+from idml.evaluation.search.kernels import KERNEL_NAMES, KernelName
 
 KnnBackend = Literal["exact", "faiss"]
 
@@ -38,6 +39,10 @@ class EvaluationSettings:
         knn_backend: ``"exact"`` (default) or ``"faiss"`` (approximate index ``faiss_index`` with
             ``faiss_parameters``; metrics then come from the neighbour lists, which are made long
             enough for R-Precision and MAP@R, and MAP/MRR over the whole gallery are not reported).
+        score_kernel: the products of the exact search (:mod:`idml.evaluation.search.kernels`):
+            ``"auto"`` (default) measures the candidates on this machine for a large search;
+            ``"torch"``, ``"openblas"``, ``"faiss"`` or ``"bf16"`` force one. Results are exact
+            with every kernel.
 
     Example:
         >>> EvaluationSettings(ks=8, nmi=False).ks
@@ -58,6 +63,7 @@ class EvaluationSettings:
     knn_backend: KnnBackend = "exact"
     faiss_index: str = "HNSW32"
     faiss_parameters: str | None = None
+    score_kernel: KernelName = "auto"
 
     def __post_init__(self) -> None:
         # Sequences become tuples so that settings are immutable and compare by value.
@@ -72,6 +78,10 @@ class EvaluationSettings:
             raise ValueError(f"num_neighbors must be >= 0, got {self.num_neighbors}")
         if self.knn_backend not in ("exact", "faiss"):
             raise ValueError(f"knn_backend must be 'exact' or 'faiss', got {self.knn_backend!r}")
+        if self.score_kernel not in KERNEL_NAMES:
+            raise ValueError(
+                f"score_kernel must be one of {KERNEL_NAMES}, got {self.score_kernel!r}"
+            )
 
 
 def _check_ks(ks: Sequence[int] | int) -> tuple[int, ...]:
