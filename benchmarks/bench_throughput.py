@@ -10,7 +10,8 @@ and grain, ~53 KiB each, like CUB's photographs):
    torchvision's ``decode_jpeg``, the per-image train crop + flip + float conversion, a read from
    the ``uint8`` cache, and the batched crop of ``idml.data.batches`` (on ``--device``);
 2. **loader ceiling** per data path (``--workers`` loader processes, no model): the train loader
-   the trainer uses (``idml.app.build.train_loader``), iterated for ``--loader-batches`` batches;
+   the trainer uses (``idml.app.build.train_loader``), ``--loader-batches`` batches at the steady
+   rate (each epoch's first batch, which waits for the workers to start, is not timed);
 3. **model step** per method: ``Trainer.train_step`` on one batch already on the device
    (ResNet-50 from scratch, ``--image-size``, batch ``--batch`` as 30 classes × 4 images at the
    default 120; the presets ``configs/idml/cub_proxy_anchor_{baseline,idml}.yaml``);
@@ -191,23 +192,30 @@ def config(method: str, args: argparse.Namespace, root: Path, cache: Path, path:
 
 
 def loader_ceiling(cfg: object, batches: int, device: torch.device) -> float:
-    """Images per second of the train loader alone (epochs chained until ``batches``)."""
+    """Steady images per second of the train loader alone: each epoch's first batch (which
+    waits for the workers to start) is not timed; epochs are chained until ``batches`` are."""
     from idml.app import build
 
     data = build.build_data(cfg)  # type: ignore[arg-type]
-    seen, epoch = 0, 0
-    start = time.perf_counter()
-    while seen < batches:
+    timed, seconds, epoch = 0, 0.0, 0
+    while timed < batches:
         gen = torch.Generator().manual_seed(epoch)
         loader = build.train_loader(cfg, data, epoch, gen, device=device)  # type: ignore[arg-type]
-        for images, _, _ in loader:
-            images = images.to(device, non_blocking=True)
-            seen += 1
-            if seen >= batches:
+        if len(loader) < 2:
+            raise ValueError("an epoch holds fewer than 2 batches; write more --images")
+        batches_of_epoch = iter(loader)
+        next(batches_of_epoch)[0].to(device)
+        sync(device)
+        start = time.perf_counter()
+        for images, _, _ in batches_of_epoch:
+            images.to(device, non_blocking=True)
+            timed += 1
+            if timed >= batches:
                 break
+        sync(device)
+        seconds += time.perf_counter() - start
         epoch += 1
-    sync(device)
-    return seen * cfg.sampler.effective_batch_size / (time.perf_counter() - start)  # type: ignore[attr-defined]
+    return timed * cfg.sampler.effective_batch_size / seconds  # type: ignore[attr-defined]
 
 
 def model_step(cfg: object, steps: int, device: torch.device, run_dir: Path) -> tuple[float, int]:
