@@ -269,7 +269,9 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=1920, help="synthetic JPEGs written")
     parser.add_argument("--classes", type=int, default=None, help="default: images / 8")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
-    parser.add_argument("--steps", type=int, default=10, help="timed model steps per method")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed model steps per method (0: no model step)"
+    )
     parser.add_argument("--loader-batches", type=int, default=12)
     parser.add_argument("--paths", default=",".join(PATHS), help="data paths to measure")
     parser.add_argument("--methods", default="baseline,idml")
@@ -323,7 +325,7 @@ def main() -> None:
             f"\n3. model step (ResNet-50, {args.image_size} px, batch {args.batch}, amp {args.amp})\n"
         )
         print("| method | rows per step | unique images/s |\n| --- | --- | --- |")
-        for method in methods:
+        for method in methods if args.steps > 0 else []:
             cfg = config(method, args, root, cache, "reference")
             value, rows = model_step(cfg, args.steps, device, work / f"run-{method}")
             print(f"| {method} | {rows} | {value:,.1f} |", flush=True)
