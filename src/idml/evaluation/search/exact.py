@@ -36,7 +36,13 @@ from idml.evaluation.search.execution import (
     run_tiles,
     search_workers,
 )
-from idml.evaluation.search.kernels import MEASURE_MIN_WORK, ScoreKernels, Screen, choose_kernels
+from idml.evaluation.search.kernels import (
+    MEASURE_MIN_WORK,
+    SCREEN_MIN_QUERIES,
+    ScoreKernels,
+    Screen,
+    choose_kernels,
+)
 from idml.evaluation.search.layout import (
     Layout,
     PreparedSearch,
@@ -179,7 +185,8 @@ def _kernels(
 ) -> ScoreKernels:
     """The kernels of :attr:`SearchExecution.kernel`; ``"auto"`` measures only when the search
     is large enough for the choice to matter (:data:`MEASURE_MIN_WORK` multiply-adds) and its
-    scores are plain products."""
+    scores are plain products, and screens only a search of many queries
+    (:data:`SCREEN_MIN_QUERIES`)."""
     requested = execution.kernel
     if scorer.kind == "metric":
         return ScoreKernels()
@@ -187,7 +194,7 @@ def _kernels(
     work = n_q * refs.vectors.shape[0] * dim
     if requested == "auto" and work < MEASURE_MIN_WORK:
         return ScoreKernels()
-    return choose_kernels(dev, dim, block_size, requested)
+    return choose_kernels(dev, dim, block_size, requested, screen=n_q >= SCREEN_MIN_QUERIES)
 
 
 def _chunking(

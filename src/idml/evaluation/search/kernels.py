@@ -56,7 +56,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -87,6 +87,10 @@ MEASURE_MIN_WORK = 10**10
 """``kernel="auto"`` measures only for a search of at least this many multiply-adds
 (``queries × references × dim``; SOP's test set is 1.9·10¹²): below it the choice saves less than
 the measurement costs, and torch computes."""
+
+SCREEN_MIN_QUERIES = 1024
+"""The screen converts the references to bfloat16 at every search: it is considered only when at
+least this many queries share that conversion (an evaluation, not a few queries of a gallery)."""
 
 MEASURE_REPEATS = 3
 BF16_UNIT_ROUNDOFF = 2.0**-8
@@ -199,16 +203,21 @@ _LOCK = threading.Lock()
 
 
 def choose_kernels(
-    device: torch.device, dim: int, block: int, requested: KernelName = "auto"
+    device: torch.device,
+    dim: int,
+    block: int,
+    requested: KernelName = "auto",
+    screen: bool = True,
 ) -> ScoreKernels:
     """The kernels for tiles of ``block`` rows of dimension ``dim`` on ``device``.
 
     ``requested="auto"``: on CUDA, torch; on CPU, each available kernel is timed once per process
     on a test product of this shape, single-threaded as the tile workers run it, and the fastest
     fp32 kernel computes, with the bf16 screen when it gains at least :data:`SCREEN_MIN_GAIN`
-    and stays within its error bound. A named kernel is used as asked (``bf16``: screened, exact
-    by the fastest fp32 kernel); a kernel this machine lacks (faiss not installed, or anything
-    but torch on CUDA) is a ``ValueError``.
+    and stays within its error bound (``screen=False``: never, e.g. for a search of fewer than
+    :data:`SCREEN_MIN_QUERIES` queries). A named kernel is used as asked (``bf16``: screened,
+    exact by the fastest fp32 kernel); a kernel this machine lacks (faiss not installed, or
+    anything but torch on CUDA) is a ``ValueError``.
     """
     if requested not in KERNEL_NAMES:
         raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {requested!r}")
@@ -223,7 +232,10 @@ def choose_kernels(
     with _LOCK:
         if key not in _CHOSEN:
             _CHOSEN[key] = _measure_and_choose(dim, min(block, MEASURE_SIDE), requested)
-        return _CHOSEN[key]
+        chosen = _CHOSEN[key]
+    if not screen and requested == "auto" and chosen.screen is not None:
+        return replace(chosen, screen=None, margin=0.0)
+    return chosen
 
 
 def _measure_and_choose(dim: int, side: int, requested: str) -> ScoreKernels:
@@ -287,11 +299,19 @@ class ScreenedRows:
     error: Tensor
 
     @classmethod
-    def of(cls, rows: Tensor) -> ScreenedRows:
+    def of(cls, rows: Tensor, chunk: int = 1 << 16) -> ScreenedRows:
+        """The screen's copy of ``rows``, the norms computed a slice at a time (no float32
+        temporaries of the whole set)."""
         low = rows.to(torch.bfloat16)
-        wide = low.float()
-        # x̃ − x is exact in fp32 (Sterbenz: the two are within a factor 2 of each other).
-        return cls(low, rows.norm(dim=1), wide.norm(dim=1), (wide - rows).norm(dim=1))
+        norm, low_norm, error = (rows.new_empty(len(rows)) for _ in range(3))
+        for start in range(0, len(rows), chunk):
+            part = slice(start, start + chunk)
+            wide = low[part].float()
+            norm[part] = rows[part].norm(dim=1)
+            low_norm[part] = wide.norm(dim=1)
+            # x̃ − x is exact in fp32 (Sterbenz: the two are within a factor 2 of each other).
+            error[part] = (wide - rows[part]).norm(dim=1)
+        return cls(low, norm, low_norm, error)
 
 
 @dataclass(frozen=True)
