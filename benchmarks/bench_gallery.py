@@ -79,15 +79,26 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def single_query_ms(search, queries: torch.Tensor, count: int, as_numpy: bool = False) -> float:
-    """Median milliseconds of ``search(query, 10)`` for one query at a time."""
-    times = []
-    for q in queries[:count]:
-        one = q.unsqueeze(0).numpy() if as_numpy else q.unsqueeze(0)
+def sweep(search, set_parameters, queries: torch.Tensor, truth: torch.Tensor, args) -> list[str]:
+    """Per ``nprobe``: ``nprobe | recall@10 | batch queries/s | median single-query ms`` of
+    ``search(queries, 10)`` (whose result, or its ``.indices``, are item positions)."""
+    lines = []
+    for nprobe in args.nprobe.split(","):
+        set_parameters(f"nprobe={nprobe}")
         start = time.perf_counter()
-        search(one, 10)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        found = search(queries, 10)
+        batch_s = time.perf_counter() - start
+        found = getattr(found, "indices", found)
+        times = []
+        for q in queries[: args.single]:
+            start = time.perf_counter()
+            search(q.unsqueeze(0), 10)
+            times.append(time.perf_counter() - start)
+        lines.append(
+            f"{nprobe} | {recall_at_10(found, truth):.4f} | {len(queries) / batch_s:,.0f} | "
+            f"{1000 * statistics.median(times):.2f}"
+        )
+    return lines
 
 
 def main() -> None:
@@ -149,42 +160,30 @@ def main() -> None:
             disk = folder_bytes(work / "index")
             shutil.rmtree(work / "index")
             print(f"idml {factory}: built in {build_s:.0f} s", flush=True)
-            for nprobe in args.nprobe.split(","):
-                index.set_search_parameters(f"nprobe={nprobe}")
-                start = time.perf_counter()
-                found = index.search(queries, 10).indices
-                batch_s = time.perf_counter() - start
-                single = single_query_ms(index.search, queries, args.single)
-                rows.append(
-                    f"| {factory} | idml Index | {build_s:.0f} s | {faiss_bytes / args.n:.1f} "
-                    f"({disk / args.n:.1f} saved) | {nprobe} | {recall_at_10(found, truth):.4f} "
-                    f"| {args.queries / batch_s:,.0f} | {single:.2f} |"
-                )
+            size = f"{faiss_bytes / args.n:.1f} ({disk / args.n:.1f} saved)"
+            for line in sweep(index.search, index.set_search_parameters, queries, truth, args):
+                rows.append(f"| {factory} | idml Index | {build_s:.0f} s | {size} | {line} |")
                 print(rows[-1], flush=True)
             del index
             if args.no_faiss:
                 continue
             start = time.perf_counter()
             raw = faiss.index_factory(args.dim, factory, faiss.METRIC_INNER_PRODUCT)
-            sample = gallery[training_positions(args.n, raw)].numpy()
-            raw.train(sample)
+            raw.train(gallery[training_positions(args.n, raw)].numpy())
             for s in range(0, args.n, 1 << 20):
                 raw.add(gallery[s : s + (1 << 20)].numpy())
             build_s = time.perf_counter() - start
-            faiss_bytes = len(faiss.serialize_index(raw))
+            size = f"{len(faiss.serialize_index(raw)) / args.n:.1f}"
             ivf = faiss.extract_index_ivf(raw)
-            for nprobe in args.nprobe.split(","):
-                ivf.nprobe = int(nprobe)
-                start = time.perf_counter()
-                _, found_np = raw.search(queries.numpy(), 10)
-                batch_s = time.perf_counter() - start
-                single = single_query_ms(raw.search, queries, args.single, as_numpy=True)
-                found = torch.from_numpy(found_np)
-                rows.append(
-                    f"| {factory} | faiss directly | {build_s:.0f} s | "
-                    f"{faiss_bytes / args.n:.1f} | {nprobe} | {recall_at_10(found, truth):.4f} | "
-                    f"{args.queries / batch_s:,.0f} | {single:.2f} |"
-                )
+
+            def search_numpy(q: torch.Tensor, k: int, raw=raw) -> torch.Tensor:
+                return torch.from_numpy(raw.search(q.numpy(), k)[1])
+
+            def set_nprobe(text: str, ivf=ivf) -> None:
+                ivf.nprobe = int(text.split("=")[1])
+
+            for line in sweep(search_numpy, set_nprobe, queries, truth, args):
+                rows.append(f"| {factory} | faiss directly | {build_s:.0f} s | {size} | {line} |")
                 print(rows[-1], flush=True)
             del raw
     finally:

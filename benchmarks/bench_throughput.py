@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -250,17 +249,6 @@ def end_to_end(cfg: object, steps: int, run_dir: Path) -> float:
     return record.steps * cfg.sampler.effective_batch_size / record.seconds  # type: ignore[attr-defined]
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
@@ -279,6 +267,8 @@ def main() -> None:
     parser.add_argument("--end-to-end", action="store_true", help="also loader + step together")
     parser.add_argument("--data", type=Path, default=None, help="reuse this synthetic folder")
     args = parser.parse_args()
+    from bench_evaluation import cpu_model  # the one reading of the CPU's model name
+
     if args.batch % 4:
         parser.error("--batch must be a multiple of 4 (P classes × 4 images)")
     device = torch.device(args.device)

@@ -5,7 +5,6 @@ sharded over two ``torchrun`` processes give what one process gives."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from idml.evaluation.search.faiss_backend import (
     new_index,
     training_positions,
 )
-from tiny_run import IDML, train_tiny, write_images
+from tiny_run import IDML, subprocess_env, train_tiny, write_images
 
 pytest.importorskip("faiss")
 
@@ -114,22 +113,13 @@ def test_compressed_index_round_trips_through_save_load_search_and_serve(
     assert grown.ids[-3:] == ["0.png", "1.png", "2.png"]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 def _idml(args: list[str], processes: int, cwd: Path) -> None:
     launch = [sys.executable]
     if processes > 1:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     done = subprocess.run(
         [*launch, "-m", "idml", *args],
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=600,
