@@ -110,7 +110,7 @@ SETTINGS: dict[str, list[str]] = {
 }
 LOSSES = "loss=multi_similarity,proxy_anchor,contrastive"
 GRID = [LOSSES, "metric=plain,ism", "mixup=off,on"]
-METRICS = ["recall@1", "map@r", "nmi", "auroc_top1_cos", "auroc_norm_u"]
+METRICS = ["recall@1", "map@r", "nmi", "r_auroc_top1", "r_auroc_norm_u"]
 VALIDATION_GRIDS: dict[str, list[str]] = {
     # The bounded head's starting level (0.02 chosen and kept as the default).
     "init_level": [

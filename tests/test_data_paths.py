@@ -30,7 +30,7 @@ from idml.data.batches import (
 )
 from idml.data.cache import CacheError, CacheSettings, open_cache, stored_size, write_cache
 from idml.data.decoding import decode_image_file, jpeg_components, jpeg_decodable
-from tiny_run import TINY
+from tiny_run import CLASSIFICATION, TINY
 
 ONE_LEVEL = 1 / 255
 """The per-image pipeline resizes ``uint8`` in two separable passes, rounding after each: at most
@@ -287,6 +287,25 @@ def test_config_keys_choose_the_path(tmp_path: Path) -> None:
     )
     for (a, la, _), (b, lb, _) in zip(first, again, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_every_task_reads_its_images_by_the_data_keys(tmp_path: Path) -> None:
+    # The classification task builds its own split: data.decode and data.augment_on reach it too.
+    root = next(item for item in _folder_config(tmp_path) if item.startswith("data.root="))
+    folder = [*CLASSIFICATION, "data.dataset=folder", root, "sampler.batch_size=8"]
+    cfg = load_config(None, [*folder, "data.decode=torchvision"])
+    split = cfg.task.spec.build_data(cfg)
+    assert {name: side.decoder for name, side in split.sides} == {
+        "train": "torchvision",
+        "test": "torchvision",
+    }
+    cfg = load_config(None, [*folder, "data.augment_on=device"])
+    data = cfg.task.spec.build_data(cfg)
+    generator = torch.Generator().manual_seed(1)
+    loader = build.train_loader(cfg, data, 0, generator, device=torch.device("cpu"))
+    assert isinstance(loader, DeviceBatches)
+    images, labels, _ = next(iter(loader))
+    assert images.shape == (8, 3, 16, 16) and labels.shape == (8,)
 
 
 @pytest.mark.slow

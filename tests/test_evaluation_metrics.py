@@ -167,7 +167,7 @@ def test_knn_graph_kmeans_close_to_lloyd_and_reproducible() -> None:
         assert other.retrieval.neighbor_indices.shape == (500, num_neighbors)
 
 
-def test_search_depth_is_num_neighbors_whatever_the_nmi_backend(
+def test_search_depth_is_num_neighbors_or_the_confidence_depth_whatever_the_nmi_backend(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import idml.evaluation.evaluate as evaluate_module
@@ -184,7 +184,14 @@ def test_search_depth_is_num_neighbors_whatever_the_nmi_backend(
     for backend in ("knn", "sklearn"):
         for num_neighbors in (0, 3, 25):
             settings = EvaluationSettings(nmi_backend=backend, num_neighbors=num_neighbors)
-            evaluate_embeddings(x, y, settings)
+            report = evaluate_embeddings(x, y, settings)
+            # The confidence scores read 10 neighbours (margin@10, agreement@10, csls@10).
+            assert depths.pop() == max(num_neighbors, 10)
+            assert report.retrieval.neighbor_indices.shape == (120, num_neighbors)
+            unscored = EvaluationSettings(
+                nmi_backend=backend, num_neighbors=num_neighbors, confidence=None
+            )
+            evaluate_embeddings(x, y, unscored)
             assert depths.pop() == num_neighbors
 
 
@@ -271,6 +278,9 @@ def test_report_carries_uncertainty_from_embeddings() -> None:
 
 
 # ----------------------------------------------------------------------------- report
+SCORES_WITHOUT_U = ("top1", "margin@10", "agreement@5", "agreement@10", "csls@10")
+
+
 def test_report_json_and_table() -> None:
     x, y = clustered(50, 5, 6, 0.8, seed=8)
     report = evaluate_embeddings(x, y, EvaluationSettings(ks=(1, 4), nmi_backend="sklearn", seed=0))
@@ -283,10 +293,13 @@ def test_report_json_and_table() -> None:
         "map",
         "mrr",
         "nmi",
-        # How well the top-1 cosine flags a wrong top-1 neighbour, and the floor of its AURC.
-        "auroc_top1_cos",
-        "aurc_top1_cos",
+        # How well each confidence score ranks right top-1 answers above wrong ones (R-AUROC),
+        # their AURC and its floor, and selective R@1 of the (uncalibrated) top-1 similarity.
+        *(f"{m}_{s}" for m in ("r_auroc", "aurc") for s in SCORES_WITHOUT_U),
         "aurc_oracle",
+        "selective_recall@1_cov50",
+        "selective_recall@1_cov80",
+        "selective_recall@1_cov90",
     }
     assert data["metrics"]["recall@1"] == report.metrics["recall@1"]
     assert len(data["per_class"]) == 5

@@ -8,7 +8,6 @@ not an equality.
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 from pathlib import Path
@@ -21,7 +20,6 @@ from idml.app.config import ConfigError, load_config
 from idml.app.training import Trainer
 from idml.app.training.monitoring import WeakeningMonitor
 from idml.embeddings import Embeddings
-from idml.evaluation.uncertainty import aurc, confidence_quality, error_auroc, oracle_aurc
 from idml.losses import LOSSES as REGISTERED_LOSSES
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 from idml.models.model import BoundedUncertaintyHead
@@ -221,86 +219,6 @@ def test_bounded_form_refuses_linear_only_keys() -> None:
         ],
     )
     assert cfg.model.uncertainty.normalize
-
-
-# --------------------------------------------------------------------------- AUROC / AURC
-def _brute_auroc(uncertainty: list[float], errors: list[bool]) -> float:
-    wrong = [u for u, e in zip(uncertainty, errors, strict=True) if e]
-    right = [u for u, e in zip(uncertainty, errors, strict=True) if not e]
-    wins = sum((a > b) + 0.5 * (a == b) for a, b in itertools.product(wrong, right))
-    return wins / (len(wrong) * len(right))
-
-
-def _brute_aurc(confidence: list[float], errors: list[bool]) -> float:
-    """mean_i (errors among {j: c_j ≥ c_i}) / |{j: c_j ≥ c_i}|."""
-    total = 0.0
-    for c in confidence:
-        kept = [e for d, e in zip(confidence, errors, strict=True) if d >= c]
-        total += sum(kept) / len(kept)
-    return total / len(confidence)
-
-
-def test_auroc_and_aurc_hand_cases() -> None:
-    # Perfect, reversed and uninformative scores.
-    errors = torch.tensor([True, True, False, False])
-    assert error_auroc(torch.tensor([3.0, 2.0, 1.0, 0.0]), errors) == 1.0
-    assert error_auroc(torch.tensor([0.0, 1.0, 2.0, 3.0]), errors) == 0.0
-    assert error_auroc(torch.ones(4), errors) == 0.5
-    # Answer the two right ones first: risks 0, 0, 1/3, 1/2.
-    # float64 mean of 4 risks (cumulative counts over counts): a few ε, 1e-15 (was approx's rel 1e-6).
-    assert aurc(torch.tensor([0.0, 0.1, 0.9, 0.8]), errors) == pytest.approx(
-        (1 / 3 + 1 / 2) / 4, abs=1e-15
-    )
-    assert oracle_aurc(errors) == pytest.approx((1 / 3 + 1 / 2) / 4, abs=1e-15)
-    # All tied: every coverage level is the whole set, risk 1/2.
-    assert aurc(torch.ones(4), errors) == pytest.approx(0.5)
-    assert math.isnan(error_auroc(torch.rand(3), torch.zeros(3, dtype=torch.bool)))
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_auroc_and_aurc_against_brute_force_with_ties(seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    n = 37
-    scores = torch.randint(0, 6, (n,), generator=g).double()  # many ties
-    errors = torch.rand(n, generator=g) < 0.4
-    s, e = scores.tolist(), errors.tolist()
-    # Integer-valued float64 scores, so ties are exact on both sides; both are float64 ratios of
-    # counts (ours via rank sums, brute force pairwise) or means of 37 such ratios: ≲ 37ε, 1e-12.
-    assert error_auroc(scores, errors) == pytest.approx(_brute_auroc(s, e), abs=1e-12)
-    assert aurc(scores, errors) == pytest.approx(_brute_aurc(s, e), abs=1e-12)
-    assert oracle_aurc(errors) <= aurc(scores, errors) + 1e-12
-    quality = confidence_quality(errors, scores, uncertainty_level=-scores)
-    # −||u|| is the confidence; here it equals the similarity, so all three scores agree (the same
-    # float64 computation on equal inputs: 1e-12 only covers a reordered sum).
-    assert quality["norm_u"].auroc == pytest.approx(quality["top1_cos"].auroc, abs=1e-12)
-    assert quality["combined"].aurc == pytest.approx(quality["top1_cos"].aurc, abs=1e-12)
-
-
-def test_evaluation_reports_confidence_scores() -> None:
-    from idml.evaluation import EvaluationSettings, evaluate_embeddings
-
-    g = torch.Generator().manual_seed(0)
-    labels = torch.arange(120) % 6
-    x = torch.randn(120, 8, generator=g) + 2 * torch.nn.functional.one_hot(labels, 8)
-    u = torch.randn(120, 3, generator=g)
-    report = evaluate_embeddings(x, labels, EvaluationSettings(nmi=False), uncertainty=u)
-    metrics = report.metrics
-    for key in ("auroc_top1_cos", "aurc_top1_cos", "auroc_norm_u", "auroc_combined", "aurc_oracle"):
-        assert key in metrics
-    errors = report.retrieval.per_query["recall@1"] == 0
-    top1 = report.retrieval.neighbor_values[:, 0].double()
-    # AUROC/AURC depend only on the order of the scores and are float64 ratios of counts: the same
-    # top-1 values here, and the same float32 norms below (continuous random norms have no near-ties,
-    # and a flipped pair would move AUROC by ≥ 1/(#wrong·#right) ≈ 1e-4): 1e-12 for both.
-    assert metrics["auroc_top1_cos"] == pytest.approx(
-        _brute_auroc((-top1).tolist(), errors.tolist()), abs=1e-12
-    )
-    assert metrics["auroc_norm_u"] == pytest.approx(
-        _brute_auroc(u.norm(dim=1).double().tolist(), errors.tolist()), abs=1e-12
-    )
-    assert (
-        "auroc_norm_u" not in evaluate_embeddings(x, labels, EvaluationSettings(nmi=False)).metrics
-    )
 
 
 @pytest.mark.slow

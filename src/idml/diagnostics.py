@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from idml.augment import GaussianBlur, LowResolution, Mixup, Occlusion
-from idml.evaluation.uncertainty import error_auroc
+from idml.evaluation.confidence import error_auroc
 from idml.models.model import EmbeddingModel
 
 

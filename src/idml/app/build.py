@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -20,9 +20,11 @@ from idml.app.config import Config, ConfigError
 from idml.app.distributed import resolve_device
 from idml.augment import (
     AugmentationPipeline,
+    CutMix,
     GaussianBlur,
     LowResolution,
     Mixup,
+    MixupMode,
     Occlusion,
     UncertaintyAugmentation,
 )
@@ -38,6 +40,7 @@ from idml.data import (
 )
 from idml.data.batches import BatchCrops, DeviceBatches, UncroppedImages, collate_uncropped
 from idml.data.cache import open_cache
+from idml.data.datasets import TrainTestPair
 from idml.data.decoding import Decoder
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
@@ -45,12 +48,16 @@ from idml.losses import LossContext, MetricLoss
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
 from idml.models import (
     EmbeddingModel,
+    UncertaintyActivation,
     UncertaintyHeadSpec,
     UncertaintyHeadSpecError,
     UncertaintyKind,
 )
 from idml.models import build_model as _build_model
+from idml.models.heads import UncertaintyForm
 from idml.ranking import SelfSupervisedRanking
+
+SplitT = TypeVar("SplitT", bound=TrainTestPair)
 
 
 # --------------------------------------------------------------------------- data
@@ -105,21 +112,23 @@ def build_data(cfg: Config) -> DMLSplit:
         verify=d.verify,
         **options,
     )
-    split = _reading(split, cfg)
+    split = reading_images(split, cfg)
     if d.protocol == "validation":
         split = split.validation(d.validation_classes)
     return split
 
 
-def _reading(split: DMLSplit, cfg: Config) -> DMLSplit:
-    """The split reading its images as ``data.decode`` and ``data.cache`` say (image files only)."""
+def reading_images(split: SplitT, cfg: Config) -> SplitT:
+    """``split`` reading its images as ``data.decode`` and ``data.cache`` say (image files only):
+    every task's split goes through here, so neither key is dropped for one of them."""
     d = cfg.data
     if d.decode == "pil" and d.cache is None:
         return split
     keys = ", ".join(
         k for k, on in (("data.decode", d.decode != "pil"), ("data.cache", d.cache)) if on
     )
-    if not all(isinstance(side, FileImageDataset) for _, side in split.sides):
+    files = {name: side for name, side in split.sides if isinstance(side, FileImageDataset)}
+    if len(files) < len(split.sides):
         raise ConfigError(
             f"{keys} apply to datasets of image files, not to {d.dataset!r} (held in memory); "
             "remove them"
@@ -127,13 +136,14 @@ def _reading(split: DMLSplit, cfg: Config) -> DMLSplit:
     cache = open_cache(d.cache) if d.cache is not None else None
     # Test images are decoded per image by the workers: with decode=device, by torchvision.
     decoder: Decoder = "pil" if d.decode == "pil" else "torchvision"
-    sides = {name: side.reading(decoder, cache) for name, side in split.sides}  # type: ignore[attr-defined]
-    return replace(split, train=sides["train"], test=sides["test"], val=sides.get("val"))
+    # The sides' names are the split's field names (train, val, test).
+    reading: dict[str, Any] = {name: side.reading(decoder, cache) for name, side in files.items()}
+    return replace(split, **reading)
 
 
 def train_loader(
     cfg: Config,
-    data: DMLSplit,
+    data: TrainTestPair,
     epoch: int,
     generator: torch.Generator,
     num_replicas: int = 1,
@@ -225,10 +235,10 @@ def uncertainty_head(cfg: Config) -> UncertaintyHeadSpec | None:
     return UncertaintyHeadSpec(
         kind,
         dim=u.dim,
-        form=u.form,
+        form=UncertaintyForm(u.form),
         max_norm=u.max_norm,
         init_level=u.init_level,
-        activation=u.activation,
+        activation=UncertaintyActivation(u.activation),
         normalize=u.normalize,
         init_std=u.init_std,
     )
@@ -262,11 +272,12 @@ def _config_value(value: object) -> str:
 
 
 # --------------------------------------------------------------------------- metric and loss
-def build_metric(cfg: Config) -> Metric:
-    """The loss's natural metric (``default_metric`` of its class), wrapped in ISM when
-    ``metric.introspective`` is on: ISM's similarity form ``S_IN`` around cosine for a similarity,
-    its distance form around the plain Euclidean distance otherwise."""
-    natural = cfg.loss.spec.natural_metric()
+def build_metric(cfg: Config, natural: Metric | None = None) -> Metric:
+    """The metric a run trains with: ``natural`` (default: the loss's natural metric, the
+    ``default_metric`` of its class), wrapped in ISM when ``metric.introspective`` is on: ISM's
+    similarity form ``S_IN`` around cosine for a similarity, its distance form around the plain
+    Euclidean distance otherwise."""
+    natural = natural if natural is not None else cfg.loss.spec.natural_metric()
     if not cfg.metric.introspective:
         return natural
     mc = cfg.metric
@@ -291,7 +302,8 @@ def build_loss(cfg: Config, num_classes: int) -> MetricLoss:
 
 
 # --------------------------------------------------------------------------- augmentations and SSR
-def build_augmentations(cfg: Config) -> AugmentationPipeline:
+def build_degradations(cfg: Config) -> AugmentationPipeline:
+    """The ``degradations.*`` of a batch (paper Table 3): low resolution, blur, occlusion."""
     steps: list[UncertaintyAugmentation] = []
     dg = cfg.degradations
     if dg.low_resolution_fraction > 0:
@@ -302,9 +314,20 @@ def build_augmentations(cfg: Config) -> AugmentationPipeline:
         steps.append(GaussianBlur(fraction=dg.blur_fraction, sigma=dg.blur_sigma))
     if dg.occlusion_fraction > 0:
         steps.append(Occlusion(fraction=dg.occlusion_fraction, area=dg.occlusion_area))
-    if cfg.mixup.enabled:
+    return AugmentationPipeline(tuple(steps))
+
+
+def build_augmentations(cfg: Config) -> AugmentationPipeline:
+    """Degradations, then Mixup (or CutMix, ``mixup.kind``) images with set labels appended to the
+    batch (``mixup.fraction`` of it): the batch augmentations of metric learning."""
+    steps = list(build_degradations(cfg).augmentations)
+    m = cfg.mixup
+    if m.enabled:
         # Mixup last: degradations act on originals, and mixed rows are the appended ones.
-        steps.append(Mixup(alpha=cfg.mixup.alpha, fraction=cfg.mixup.fraction, mode=cfg.mixup.mode))
+        if m.kind == "cutmix":
+            steps.append(CutMix(alpha=m.alpha, fraction=m.fraction))
+        else:
+            steps.append(Mixup(alpha=m.alpha, fraction=m.fraction, mode=MixupMode(m.mode)))
     return AugmentationPipeline(tuple(steps))
 
 

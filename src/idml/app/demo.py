@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from idml.app.config import Config, fragment_overrides, load_config
-from idml.app.training import Trainer, TrainResult
+from idml.app.metric_display import beyond_spread
+from idml.app.training import Trainer
+from idml.app.training.epoch_log import TrainResult
 
 DEMO_BASE: list[str] = [
     "name=demo",
@@ -51,9 +53,9 @@ DEMO_IDML: list[str] = [
 ``method/idml`` fragment), with the demo's γ, τ and Mixup fraction."""
 
 
-DEMO_METRICS = ("recall@1", "map@r", "nmi", "auroc_top1_cos", "auroc_norm_u")
+DEMO_METRICS = ("recall@1", "map@r", "nmi", "r_auroc_top1", "r_auroc_norm_u")
 """The rows of the demo's table: retrieval (R@1 is near its ceiling on digits, MAP@R and NMI are
-not), then how well the top-1 cosine and ||u|| flag a wrong top-1 neighbour (AUROC)."""
+not), then how well the top-1 cosine and ||u|| rank right top-1 answers above wrong ones (R-AUROC)."""
 
 
 @dataclass
@@ -79,17 +81,15 @@ class DemoResult:
                 continue
             (ma, sa), (mb, sb) = _mean_std(a), _mean_std(b)
             delta = "" if math.isnan(ma) else f"{mb - ma:+.4f}"
-            spread = max(sa, sb)
-            if math.isnan(ma) or math.isnan(spread):
-                beyond = "n/a"
-            else:
-                beyond = "yes" if abs(mb - ma) > spread else "no"
+            beyond = {None: "n/a", True: "yes", False: "no"}[beyond_spread(mb - ma, (sa, sb))]
             rows.append((key, _cell(ma, sa), _cell(mb, sb), delta, beyond))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         seeds = len(self.baseline)
-        lines.append(f"mean ± std over {seeds} seed(s), last epoch; auroc_*: wrong top-1 detection")
+        lines.append(
+            f"mean ± std over {seeds} seed(s), last epoch; r_auroc_*: right top-1 vs wrong"
+        )
         return "\n".join(lines)
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from torch import Tensor
 
-from idml.app import build
 from idml.app.config import Config, ConfigError
 from idml.data import FileImageDataset
 from idml.data.cache import CacheSettings, write_cache
@@ -28,7 +27,7 @@ def cache_dataset(
     # Every side of the source (the validation protocol would leave the test side out).
     data = cfg.data.model_copy(update={"cache": None, "decode": "pil", "protocol": "test"})
     plain = cfg.model_copy(update={"data": data})
-    split = build.build_data(plain)
+    split = plain.task.spec.build_data(plain)  # the split the run's task trains and tests on
     sides = [side for _, side in split.sides]
     if not all(isinstance(side, FileImageDataset) for side in sides):
         raise ConfigError(

@@ -6,7 +6,9 @@ Entry point: :func:`evaluate_embeddings` (what to compute: :class:`EvaluationSet
 plus the rank of every relevant item, never an N×N matrix), :func:`faiss_search` (approximate,
 optional ``faiss`` extra), :class:`RankAccumulator` (Recall@K, R-Precision, MAP@R, MAP, MRR,
 precision–recall from ranks), :func:`nmi_score` (with :class:`KMeansSettings`), :func:`summarize_uncertainty` and the file readers
-:func:`load_embedding_file` / :func:`load_labels`. Conventions: those of the DML
+:func:`load_embedding_file` / :func:`load_labels`. How sure each answer is (confidence scores, a
+calibrated confidence, abstention thresholds, R-AUROC/AURC/ECE): :mod:`idml.evaluation.confidence`;
+re-ranking shortlists (k-reciprocal, αQE/DBA): :mod:`idml.evaluation.reranking`. Conventions: those of the DML
 literature (Musgrave et al. 2020, "A Metric Learning Reality Check"), listed in :mod:`idml.evaluation.search`.
 """
 

@@ -8,7 +8,8 @@
   its mean confidence (``M = 15`` as in Guo et al.).
   The per-bin pairs ``(conf(B_m), acc(B_m))`` drawn against each other are the reliability
   diagram (Guo et al. 2017, Fig. 1; DeGroot & Fienberg 1983): a calibrated classifier's bars lie on
-  the diagonal. :func:`calibration_bins` computes both, so ECE and the diagram share one binning.
+  the diagonal. :func:`calibration_bins` computes both, so ECE and the diagram share one binning
+  (:mod:`idml.evaluation.reliability`, which bins any probability of being right).
 - NLL: the mean cross-entropy ``−log softmax(z_i)_{y_i}``, in nats.
 - Confusion matrix: ``M[t, p]`` = number of images of true class ``t`` predicted as ``p``.
 
@@ -22,11 +23,22 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from idml.evaluation.reliability import CalibrationBins, probability_bins
+
+__all__ = [
+    "CalibrationBins",
+    "calibration_bins",
+    "classification_metrics",
+    "confusion_matrix",
+    "expected_calibration_error",
+    "negative_log_likelihood",
+    "topk_accuracy",
+]
 
 
 def _check(logits: Tensor, labels: Tensor) -> None:
@@ -56,57 +68,13 @@ def topk_accuracy(logits: Tensor, labels: Tensor, ks: Sequence[int] = (1, 5)) ->
     return {k: float(hit[:, :k].any(dim=1).double().mean()) for k in ks}
 
 
-@dataclass(frozen=True)
-class CalibrationBins:
-    """Softmax confidences in ``M`` equal-width bins ``B_m = ((m−1)/M, m/M]`` (float64 tensors).
-
-    ``conf(B_m) = confidence_sum[m] / counts[m]`` and ``acc(B_m) = correct_sum[m] / counts[m]``
-    (Guo et al. 2017, eq. 2–3); empty bins have no mean (NaN in :attr:`mean_confidence`).
-    """
-
-    edges: Tensor
-    """``(M + 1,)``: ``0, 1/M, …, 1``."""
-    counts: Tensor
-    """``(M,)``: images per bin."""
-    confidence_sum: Tensor
-    """``(M,)``: sum of the bin's confidences ``max_c softmax(z_i)_c``."""
-    correct_sum: Tensor
-    """``(M,)``: how many of the bin's images are classified right."""
-
-    @property
-    def mean_confidence(self) -> Tensor:
-        """``conf(B_m)`` (NaN for an empty bin)."""
-        return self.confidence_sum / self.counts
-
-    @property
-    def accuracy(self) -> Tensor:
-        """``acc(B_m)`` (NaN for an empty bin)."""
-        return self.correct_sum / self.counts
-
-    @property
-    def ece(self) -> float:
-        """``Σ_m |B_m|/N · |acc(B_m) − conf(B_m)| = Σ_m |Σ_{B_m} 1[ŷ=y] − Σ_{B_m} p̂| / N``."""
-        total = max(int(self.counts.sum()), 1)
-        return float((self.confidence_sum - self.correct_sum).abs().sum() / total)
-
-
 def calibration_bins(logits: Tensor, labels: Tensor, num_bins: int = 15) -> CalibrationBins:
     """The confidences ``max_c softmax(z_i)_c`` of the rows of ``logits`` in ``num_bins``
     equal-width bins, with each bin's correct count (module docstring)."""
     _check(logits, labels)
-    if num_bins < 1:
-        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
     probs = torch.softmax(logits.double(), dim=1)
     confidence, predicted = probs.max(dim=1)
-    correct = (predicted == labels).double()
-    # Bin m holds confidences in ((m−1)/M, m/M]; a confidence is > 0, so ceil(p·M) − 1 ∈ [0, M).
-    bins = (confidence * num_bins).ceil().long().clamp(1, num_bins) - 1
-    return CalibrationBins(
-        edges=torch.linspace(0.0, 1.0, num_bins + 1, dtype=torch.float64),
-        counts=torch.bincount(bins, minlength=num_bins).double(),
-        confidence_sum=torch.bincount(bins, weights=confidence, minlength=num_bins),
-        correct_sum=torch.bincount(bins, weights=correct, minlength=num_bins),
-    )
+    return probability_bins(confidence, predicted == labels, num_bins)
 
 
 def expected_calibration_error(logits: Tensor, labels: Tensor, num_bins: int = 15) -> float:

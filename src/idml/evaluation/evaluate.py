@@ -44,6 +44,12 @@ from idml.evaluation.clustering import (
     nmi_score,
     resolve_backend,
 )
+from idml.evaluation.confidence import (
+    AnswerNeighbors,
+    ConfidenceCalibration,
+    ReferenceHubness,
+)
+from idml.evaluation.confidence.assessment import assess_confidence
 from idml.evaluation.io import (
     USUAL_ENTRIES,
     EmbeddingFile,
@@ -67,12 +73,7 @@ from idml.evaluation.search import (
     neighbors_only,
 )
 from idml.evaluation.settings import EvaluationSettings, KnnBackend
-from idml.evaluation.uncertainty import (
-    ConfidenceQuality,
-    confidence_quality,
-    oracle_aurc,
-    summarize_uncertainty,
-)
+from idml.evaluation.uncertainty import summarize_uncertainty
 from idml.metrics import IntrospectiveMetric
 
 __all__ = [
@@ -207,10 +208,12 @@ def evaluate_embeddings(
     roles: Sequence[str] | np.ndarray | None = None,
     uncertainty: ArrayLike | None = None,
     introspective_metric: IntrospectiveMetric | None = None,
+    calibration: ConfidenceCalibration | None = None,
     device: torch.device | str | None = None,
     progress: bool | Callable[[int], object] = False,
 ) -> EvaluationReport:
-    """Evaluate embeddings for retrieval (Recall@K, R-Precision, MAP@R, MAP, MRR, PR), NMI and ``||u||``.
+    """Evaluate embeddings for retrieval (Recall@K, R-Precision, MAP@R, MAP, MRR, PR), NMI,
+    ``||u||`` and the confidence of the top-1 answers.
 
     Args:
         embeddings: ``(N, d)`` reference (gallery) embeddings — an array, a tensor or an
@@ -230,6 +233,9 @@ def evaluate_embeddings(
             :class:`~idml.embeddings.Embeddings`.
         introspective_metric: rank with this ISM on semantic + uncertainty embeddings instead
             (IDML Table 5 ablation); needs uncertainty on both sides.
+        calibration: a calibrated confidence fitted on *other* queries (e.g. the validation split
+            of the training classes; :func:`~idml.evaluation.confidence.fit_calibration`): adds
+            its R-AUROC, ECE, reliability diagram and abstention thresholds to the report.
         device: where to search (default: the embeddings' device); CPU and CUDA.
         progress: ``True`` for progress (a bar on a terminal, plain lines in a log; see
             :mod:`idml.progress`), or a callback receiving tile counts.
@@ -277,12 +283,21 @@ def evaluate_embeddings(
     )
     timings["validate"] = time.perf_counter() - start
 
+    with_u = sets.q_unc is not None
+    depth = s.num_neighbors
+    if s.confidence is not None:
+        depth = max(depth, s.confidence.depth(with_u, calibration))
+    elif calibration is not None:
+        raise ValueError("a calibration was given but settings.confidence is None; pass both")
     start = time.perf_counter()
-    acc, neighbors, backend, kernels = _retrieve(sets, scorer, s, device, progress)
+    retrieved = _retrieve(sets, scorer, s, depth, device, progress)
+    acc, neighbors, backend = retrieved.ranks, retrieved.neighbors, retrieved.backend
+    # The confidence reads gallery positions (the gallery's labels); the report shows rows.
+    reported = neighbors
     if sets.ref_rows is not None:  # gallery positions → rows of the embeddings given
         found = neighbors.indices
         rows = sets.ref_rows.to(found.device)[found.clamp_min(0)]
-        neighbors = NeighborLists(torch.where(found >= 0, rows, found), neighbors.scores)
+        reported = NeighborLists(torch.where(found >= 0, rows, found), neighbors.scores)
     timings["retrieval"] = time.perf_counter() - start
     lone = acc.lone
     if bool(lone.all()):
@@ -291,15 +306,18 @@ def evaluate_embeddings(
             "query and reference labels share classes"
         )
     start = time.perf_counter()
-    values = scorer.values(neighbors.scores)
-    values = torch.where(neighbors.indices >= 0, values, torch.full_like(values, math.nan))
+    kept = NeighborLists(
+        reported.indices[:, : s.num_neighbors], reported.scores[:, : s.num_neighbors]
+    )
+    values = scorer.values(kept.scores)
+    values = torch.where(kept.indices >= 0, values, torch.full_like(values, math.nan))
     retrieval = RetrievalResult(
         ks=s.ks,  # type: ignore[arg-type]
         metrics=acc.means(),
         per_query=acc.per_query_values(),
         per_class=acc.per_class(sets.q_labels),
         pr_curve=acc.pr_curve(),
-        neighbor_indices=neighbors.indices.cpu(),
+        neighbor_indices=kept.indices.cpu(),
         neighbor_values=values.cpu(),
         values_are_similarities=scorer.is_similarity,
         num_queries=n_q,
@@ -317,9 +335,10 @@ def evaluate_embeddings(
         start = time.perf_counter()
         # The search's lists serve as the k-means graph when they are plain-metric neighbours
         # within the query set and long enough; the search depth never depends on k-means.
-        reuse = sets.same_set and scorer.kind != "metric"
-        reuse = reuse and s.num_neighbors >= KNN_GRAPH_NEIGHBORS
-        graph = neighbors.indices[:, :KNN_GRAPH_NEIGHBORS].cpu() if reuse else None
+        own = retrieved.gallery_neighbors if sets.same_set else None
+        reuse = own is not None and scorer.kind != "metric"
+        reuse = reuse and own.k >= min(KNN_GRAPH_NEIGHBORS, n_q - 1)  # type: ignore[union-attr]
+        graph = own.indices[:, :KNN_GRAPH_NEIGHBORS].cpu() if reuse else None  # type: ignore[union-attr]
         nmi_value = _nmi(sets, s, kmeans, graph)
         timings["nmi"] = time.perf_counter() - start
 
@@ -329,78 +348,134 @@ def evaluate_embeddings(
         summary = summarize_uncertainty(
             levels, sets.q_labels, recall_at_1=retrieval.per_query.get("recall@1")
         )
-    confidence, oracle = _confidence(retrieval, values, scorer, levels)
+    confidence = None
+    if s.confidence is not None:
+        start = time.perf_counter()
+        hubness = _hubness(sets, scorer, s, retrieved.gallery_neighbors, calibration, device)
+        answers = AnswerNeighbors.from_search(neighbors, sets.ref_labels, hubness, levels)
+        confidence = assess_confidence(answers, sets.q_labels, lone, s.confidence, calibration)
+        timings["confidence"] = time.perf_counter() - start
     report_settings: dict[str, Any] = {
         "metric": scorer.name,
         "normalize": s.normalize,
         "ks": list(s.ks),
         "knn_backend": backend,
-        "score_kernels": kernels,
+        "score_kernels": retrieved.kernels,
         "block_size": s.block_size,
         "nmi_backend": kmeans,
         "nmi_method": describe_backend(kmeans, s.kmeans_iterations),
         "seed": s.seed,
         "kmeans_iterations": s.kmeans_iterations,
+        "reranking": None if s.reranking is None else s.reranking.name,
     }
+    if confidence is not None:
+        report_settings["confidence_kind"] = confidence.kind
     return EvaluationReport(
-        retrieval, nmi_value, summary, timings, report_settings, confidence, oracle, levels
+        retrieval, nmi_value, summary, timings, report_settings, confidence, levels
     )
+
+
+@dataclass
+class _Retrieved:
+    """What the search (and re-ranking) found: the metrics' ranks, each query's final lists, the
+    backend's name, and the gallery's own lists when they were computed on the way."""
+
+    ranks: RankAccumulator
+    neighbors: NeighborLists
+    backend: str
+    gallery_neighbors: NeighborLists | None = None
+    kernels: str | None = None
+    """What computed the exact search's scores (:mod:`idml.evaluation.search.kernels`)."""
 
 
 def _retrieve(
     sets: _Sets,
     scorer: PairScorer,
     s: EvaluationSettings,
+    depth: int,
     device: torch.device | str | None,
     progress: bool | Callable[[int], object],
-) -> tuple[RankAccumulator, NeighborLists, str, str | None]:
-    """Search, and accumulate the ranks of the relevant items: exact, or from faiss's lists; the
-    backend, and for the exact search the products that computed its scores."""
+) -> _Retrieved:
+    """Search ``depth`` neighbours per query, and accumulate the ranks of the relevant items:
+    exact (with the products that computed its scores), exact then re-ranked, or from faiss's
+    lists."""
     same_set = sets.same_set
     num_ranked = sets.ref_semantic.shape[0] - (1 if same_set else 0)
     cutoffs = s.pr_cutoffs if s.pr_cutoffs is not None else default_cutoffs(num_ranked)
     n_q = sets.q_semantic.shape[0]
-    if s.knn_backend == "exact":
+    num_rel = _num_relevant(sets.q_labels, sets.ref_labels, same_set)
+    # Metrics from lists need every relevant item's place: lists at least R_max deep.
+    list_depth = min(max(max(s.ks), int(num_rel.max()), depth), num_ranked)
+    execution = SearchExecution(
+        block_size=s.block_size, device=device, progress=progress, kernel=s.score_kernel
+    )
+    if s.knn_backend == "exact" and s.reranking is None:
         out = exact_search(
             Embeddings(sets.q_semantic, sets.q_unc),
             sets.q_labels,
-            s.num_neighbors,
+            depth,
             None if same_set else Embeddings(sets.ref_semantic, sets.ref_unc),
             None if same_set else sets.ref_labels,
             metric=scorer,
-            execution=SearchExecution(
-                block_size=s.block_size, device=device, progress=progress, kernel=s.score_kernel
-            ),
+            execution=execution,
         )
-        acc = RankAccumulator(n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels))
-        for query_ids, ranks, num_rel in out.rank_chunks:
-            acc.add(query_ids, ranks, num_rel)
-        return acc, out.neighbors, "exact", out.kernels
-    if scorer.kind == "metric":
-        raise ValueError("the faiss backend supports only the plain cosine/euclidean metrics")
-    num_rel = _num_relevant(sets.q_labels, sets.ref_labels, same_set)
-    depth = max(max(s.ks), int(num_rel.max()), s.num_neighbors)
-    found = faiss_search(
-        sets.q_semantic,
-        min(depth, num_ranked),
-        None if same_set else sets.ref_semantic,
-        metric=scorer.kind,
-        normalize=s.normalize,
-        index_factory=s.faiss_index,
-        search_parameters=s.faiss_parameters,
-    )
+        acc = RankAccumulator(n_q, tuple(s.ks), tuple(cutoffs), tuple(s.recall_levels))
+        for query_ids, ranks, num_rel_chunk in out.rank_chunks:
+            acc.add(query_ids, ranks, num_rel_chunk)
+        gallery = out.neighbors if same_set else None
+        return _Retrieved(acc, out.neighbors, "exact", gallery, out.kernels)
+    if s.knn_backend == "exact":
+        assert s.reranking is not None
+        reranker = s.reranking
+        shortlist_depth = min(max(list_depth, reranker.depth, reranker.gallery_depth), num_ranked)
+        shortlist = neighbors_only(
+            sets.q_semantic,
+            shortlist_depth,
+            None if same_set else sets.ref_semantic,
+            metric=scorer,
+            execution=execution,
+        )
+        graph = shortlist
+        if not same_set and reranker.gallery_depth > 0:
+            graph = neighbors_only(
+                sets.ref_semantic,
+                min(reranker.gallery_depth, sets.ref_semantic.shape[0] - 1),
+                metric=scorer,
+                execution=replace(execution, progress=False),
+            )
+        prepared = reranker.prepare(
+            sets.ref_semantic, graph if reranker.gallery_depth > 0 or same_set else None
+        )
+        found = reranker.rerank(shortlist, prepared, None if same_set else sets.q_semantic)
+        backend = f"exact, re-ranked by {reranker.name}"
+        gallery_neighbors = shortlist if same_set else (graph if graph is not shortlist else None)
+    else:
+        if scorer.kind == "metric":
+            raise ValueError("the faiss backend supports only the plain cosine/euclidean metrics")
+        found = faiss_search(
+            sets.q_semantic,
+            list_depth,
+            None if same_set else sets.ref_semantic,
+            metric=scorer.kind,
+            normalize=s.normalize,
+            index_factory=s.faiss_index,
+            search_parameters=s.faiss_parameters,
+        )
+        backend, gallery_neighbors = f"faiss:{s.faiss_index}", None
     neighbor_labels = torch.where(
         found.indices >= 0, sets.ref_labels[found.indices.clamp_min(0)], -1
     )
     ranks = ranks_from_neighbors(neighbor_labels, sets.q_labels, num_rel)
     acc = RankAccumulator(
-        n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels), complete=False, known_depth=found.k
+        n_q,
+        tuple(s.ks),
+        tuple(cutoffs),
+        tuple(s.recall_levels),
+        complete=False,
+        known_depth=found.k,
     )
     acc.add(torch.arange(n_q), ranks, num_rel)
-    # The lists were made deep enough for the metrics; the report keeps num_neighbors of them.
-    k = s.num_neighbors
-    neighbors = NeighborLists(found.indices[:, :k], found.scores[:, :k])
-    return acc, neighbors, f"faiss:{s.faiss_index}", None
+    return _Retrieved(acc, found, backend, gallery_neighbors)
 
 
 def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: str, graph: Tensor | None) -> float:
@@ -414,25 +489,31 @@ def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: str, graph: Tensor | None) 
     return nmi_score(x, sets.q_labels, settings, graph)
 
 
-def _confidence(
-    retrieval: RetrievalResult, values: Tensor, scorer: PairScorer, levels: Tensor | None
-) -> tuple[dict[str, ConfidenceQuality], float | None]:
-    """How well the confidence scores predict a wrong top-1 neighbour, and the oracle AURC."""
-    recall_at_1 = retrieval.per_query.get("recall@1")
-    if recall_at_1 is None or values.shape[1] == 0:
-        return {}, None
-    # Lone queries have no right answer; queries with no neighbour at all have no answer.
-    top1 = values[:, 0].double().cpu()
-    answered = ~torch.isnan(recall_at_1) & ~torch.isnan(top1)
-    if not bool(answered.any()):
-        return {}, None
-    errors = recall_at_1[answered] == 0
-    confidence = confidence_quality(
-        errors,
-        top1[answered] if scorer.is_similarity else -top1[answered],
-        None if levels is None else levels[answered],
+def _hubness(
+    sets: _Sets,
+    scorer: PairScorer,
+    s: EvaluationSettings,
+    gallery_neighbors: NeighborLists | None,
+    calibration: ConfidenceCalibration | None,
+    device: torch.device | str | None,
+) -> ReferenceHubness | None:
+    """The references' hubness when a confidence score needs it: from the gallery's own lists when
+    the search computed them (deep enough), else from one search of the gallery against itself.
+    With re-ranking it is still the plain metric's: a property of the gallery, not of a query."""
+    assert s.confidence is not None
+    k = s.confidence.hubness_k(sets.q_unc is not None, calibration)
+    if k is None:
+        return None
+    n_r = sets.ref_semantic.shape[0]
+    if gallery_neighbors is not None and gallery_neighbors.k >= min(k, n_r - 1):
+        return ReferenceHubness.from_neighbors(gallery_neighbors, k)
+    gallery = neighbors_only(
+        Embeddings(sets.ref_semantic, sets.ref_unc),
+        k,
+        metric=scorer,
+        execution=SearchExecution(block_size=s.block_size, device=device),
     )
-    return confidence, oracle_aurc(errors)
+    return ReferenceHubness.from_neighbors(gallery, k)
 
 
 def _num_relevant(q_labels: Tensor, ref_labels: Tensor, same_set: bool) -> Tensor:
@@ -453,6 +534,7 @@ def evaluate_files(
     entry_names: EntryNames = USUAL_ENTRIES,
     settings: EvaluationSettings | None = None,
     introspective_metric: IntrospectiveMetric | None = None,
+    calibration: ConfidenceCalibration | None = None,
     device: torch.device | str | None = None,
     progress: bool | Callable[[int], object] = False,
 ) -> EvaluationReport:
@@ -461,15 +543,17 @@ def evaluate_files(
     Labels come from ``labels_path`` or, if it is omitted, from the ``labels`` entry of the
     embeddings file; uncertainty from the file's ``uncertainty`` entry (``entry_names`` names
     other entries, for the query file too). ``query_*`` name a separate query set the same way.
-    ``settings``, ``introspective_metric``, ``device`` and ``progress`` are those of
-    :func:`evaluate_embeddings`.
+    ``settings``, ``introspective_metric``, ``calibration``, ``device`` and ``progress`` are those
+    of :func:`evaluate_embeddings`.
 
     A ``roles`` entry (``idml embed`` of images with query/gallery roles) makes the evaluation
     search the file's queries against its gallery (``roles`` of :func:`evaluate_embeddings`).
 
     An ``uncertainty`` entry of shape ``(N,)`` holds uncertainty *levels* ``||u||`` (what ``idml
     embed`` writes): they are summarised as they are (as ``(N, 1)`` vectors, whose norm is the level),
-    but cannot drive ISM, which needs the uncertainty vectors.
+    but cannot drive ISM, which needs the uncertainty vectors. Levels that are all zero are what
+    ``idml embed`` writes for a model without an uncertainty head: the report then has no
+    uncertainty rows (no ``||u||`` summary, quartiles or ``auroc_norm_u`` of a constant).
     """
     ism = introspective_metric is not None
     # With a separate labels file the labels entry name is that file's, not the embeddings file's.
@@ -499,16 +583,20 @@ def evaluate_files(
         query=query,
         roles=ref.roles,
         introspective_metric=introspective_metric,
+        calibration=calibration,
         device=device,
         progress=progress,
     )
 
 
 def _file_uncertainty(source: EmbeddingFile, ism: bool) -> Tensor | None:
-    """The file's uncertainty as ``(N, d_u)`` vectors; levels ``(N,)`` become ``(N, 1)``."""
+    """The file's uncertainty as ``(N, d_u)`` vectors; levels ``(N,)`` become ``(N, 1)``;
+    all-zero levels (a model without an uncertainty head) are no uncertainty."""
     u = source.uncertainty
     if u is None or u.dim() != 1:
         return None if u is None else u.float()
+    if u.numel() and not bool(u.any()):
+        return None
     if ism:
         raise ValueError(
             f"{source.path}: 'uncertainty' holds one level ||u|| per image (as `idml embed` writes), "

@@ -9,8 +9,9 @@ from typing import Any
 
 from torch import Tensor
 
+from idml.evaluation.confidence.assessment import ConfidenceReport
 from idml.evaluation.retrieval_metrics import PRCurve
-from idml.evaluation.uncertainty import ConfidenceQuality, UncertaintySummary
+from idml.evaluation.uncertainty import UncertaintySummary
 
 
 @dataclass
@@ -86,27 +87,25 @@ class EvaluationReport:
     uncertainty: UncertaintySummary | None
     timings: dict[str, float] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
-    confidence: dict[str, ConfidenceQuality] = field(default_factory=dict)
-    """How well each confidence score predicts a wrong top-1 neighbour
-    (:func:`~idml.evaluation.uncertainty.confidence_quality`): ``top1_cos`` always, ``norm_u`` and
-    ``combined`` when the queries carry uncertainty."""
-    oracle_aurc: float | None = None
-    """The AURC of a perfect confidence score at this error rate (the floor of every ``aurc_*``)."""
+    confidence: ConfidenceReport | None = None
+    """How well each confidence score (and a calibrated confidence, when given) predicts a right
+    top-1 neighbour, with each query's values
+    (:class:`~idml.evaluation.confidence.assessment.ConfidenceReport`); ``None`` when not asked
+    for."""
     uncertainty_levels: Tensor | None = None
     """``||u||`` of every query (``None`` without uncertainty embeddings)."""
 
     @property
     def metrics(self) -> dict[str, float]:
-        """Retrieval metric means, ``nmi`` (when computed), then ``auroc_<score>`` /
-        ``aurc_<score>`` of each confidence score and ``aurc_oracle``, in report order."""
+        """Retrieval metric means, ``nmi`` (when computed), then the confidence metrics
+        (``r_auroc_<score>``, ``aurc_<score>``, ``aurc_oracle``, selective R@1, and ECE and
+        abstention outcomes of a calibrated confidence:
+        :meth:`~idml.evaluation.confidence.assessment.ConfidenceReport.metrics`), in report order."""
         out = dict(self.retrieval.metrics)
         if self.nmi is not None:
             out["nmi"] = self.nmi
-        for name, quality in self.confidence.items():
-            out[f"auroc_{name}"] = quality.auroc
-            out[f"aurc_{name}"] = quality.aurc
-        if self.oracle_aurc is not None:
-            out["aurc_oracle"] = self.oracle_aurc
+        if self.confidence is not None:
+            out.update(self.confidence.metrics())
         return out
 
     @property
@@ -115,9 +114,12 @@ class EvaluationReport:
         return self.retrieval.pr_curve
 
     def to_dict(self, per_class: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict: metrics (with NMI), counts, PR curve, ``||u||``, timings, settings."""
+        """A JSON-ready dict: metrics (with NMI), counts, PR curve, ``||u||``, the confidence's kind,
+        reliability diagram and thresholds, timings, settings."""
         out = self.retrieval.to_dict(per_class)
         out["metrics"] = {k: _clean(v) for k, v in self.metrics.items()}
+        if self.confidence is not None:
+            out["confidence"] = self.confidence.to_dict()
         if self.uncertainty is not None:
             out["uncertainty"] = self.uncertainty.to_dict(per_class)
         out["timings_s"] = {k: round(v, 4) for k, v in self.timings.items()}
@@ -171,14 +173,14 @@ class EvaluationReport:
         metrics = self.metrics
         width = max(len(k) for k in metrics)
         lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  ------"]
-        lines += [f"{k.ljust(width)}  {_fmt(v)}" for k, v in metrics.items()]
+        # How NMI was computed (or that it was not) stands on the NMI row: the approximation
+        # reads differently.
         method = self.settings.get("nmi_method")
-        if method is not None:
-            # Say how NMI was computed (or that it was not): the approximation reads differently.
-            if "nmi" in metrics:
-                lines[-1] += f"  {method}"
-            else:
-                lines.append(f"{'nmi'.ljust(width)}  {method}")
+        for key, value in metrics.items():
+            note = f"  {method}" if key == "nmi" and method is not None else ""
+            lines.append(f"{key.ljust(width)}  {_fmt(value)}{note}")
+        if method is not None and "nmi" not in metrics:
+            lines.append(f"{'nmi'.ljust(width)}  {method}")
         return "\n".join(lines)
 
 

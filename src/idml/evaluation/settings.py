@@ -9,6 +9,8 @@ from typing import Literal
 import numpy as np
 
 from idml.evaluation.clustering import KMeansBackend
+from idml.evaluation.confidence.assessment import ConfidenceSettings
+from idml.evaluation.reranking import Reranker
 from idml.evaluation.retrieval_metrics import DEFAULT_RECALL_LEVELS
 from idml.evaluation.scoring import MetricSpec
 from idml.evaluation.search.kernels import KERNEL_NAMES, KernelName
@@ -26,9 +28,10 @@ class EvaluationSettings:
         normalize: L2-normalise semantic embeddings (the literature's convention); also for NMI.
         block_size: tile side of the blocked search (default per device); memory
             ``O(block² + N·(k + R_max))``.
-        num_neighbors: how many nearest neighbours the search computes and returns per query. It
-            alone decides: metrics never depend on the lists, and the k-NN-graph k-means reuses
-            them only when they are long enough (else it runs its own search).
+        num_neighbors: how many nearest neighbours the report keeps per query. The search goes
+            deeper when the confidence scores read more; metrics never depend on the lists, and
+            the k-NN-graph k-means reuses them only when they are long enough (else it runs its
+            own search).
         nmi: compute NMI of k-means (#clusters = #query classes) on the query embeddings.
         nmi_backend, seed, kmeans_iterations: k-means settings (see
             :mod:`idml.evaluation.clustering`; with faiss the defaults reproduce
@@ -43,6 +46,14 @@ class EvaluationSettings:
             ``"auto"`` (default) measures the candidates on this machine for a large search;
             ``"torch"``, ``"openblas"``, ``"faiss"`` or ``"bf16"`` force one. Results are exact
             with every kernel.
+        reranking: re-order each query's shortlist before metrics and confidence
+            (:mod:`idml.evaluation.reranking`: k-reciprocal, αQE/DBA); exact search with the cosine
+            metric only. Metrics then come from the re-ranked lists, searched deep enough for
+            R-Precision and MAP@R (the first ``max(reranking.depth, R)`` neighbours are
+            re-ranked), and MAP/MRR over the whole gallery are not reported.
+        confidence: which confidence scores to judge and how (R-AUROC, AURC, selective R@1,
+            ECE and abstention thresholds of a calibrated confidence;
+            :class:`~idml.evaluation.confidence.assessment.ConfidenceSettings`); ``None`` for none.
 
     Example:
         >>> EvaluationSettings(ks=8, nmi=False).ks
@@ -64,6 +75,8 @@ class EvaluationSettings:
     faiss_index: str = "HNSW32"
     faiss_parameters: str | None = None
     score_kernel: KernelName = "auto"
+    reranking: Reranker | None = None
+    confidence: ConfidenceSettings | None = ConfidenceSettings()  # noqa: RUF009 (frozen, immutable)
 
     def __post_init__(self) -> None:
         # Sequences become tuples so that settings are immutable and compare by value.
@@ -76,12 +89,28 @@ class EvaluationSettings:
             object.__setattr__(self, "pr_cutoffs", cutoffs)
         if self.num_neighbors < 0:
             raise ValueError(f"num_neighbors must be >= 0, got {self.num_neighbors}")
+        if self.confidence is not None and not isinstance(self.confidence, ConfidenceSettings):
+            raise ValueError(
+                f"confidence must be a ConfidenceSettings or None, got {type(self.confidence).__name__}"
+            )
         if self.knn_backend not in ("exact", "faiss"):
             raise ValueError(f"knn_backend must be 'exact' or 'faiss', got {self.knn_backend!r}")
         if self.score_kernel not in KERNEL_NAMES:
             raise ValueError(
                 f"score_kernel must be one of {KERNEL_NAMES}, got {self.score_kernel!r}"
             )
+        if self.reranking is not None:
+            if not isinstance(self.reranking, Reranker):
+                raise ValueError(
+                    "reranking must be an idml.evaluation.reranking.Reranker (KReciprocal, "
+                    f"QueryExpansion) or None, got {type(self.reranking).__name__}"
+                )
+            if self.knn_backend != "exact" or self.metric != "cosine" or not self.normalize:
+                raise ValueError(
+                    "re-ranking works on the exact search's cosine similarities of normalised "
+                    f"embeddings; got knn_backend={self.knn_backend!r}, metric={self.metric!r}, "
+                    f"normalize={self.normalize}"
+                )
 
 
 def _check_ks(ks: Sequence[int] | int) -> tuple[int, ...]:

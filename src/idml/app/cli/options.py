@@ -79,10 +79,3 @@ def runtime(args: argparse.Namespace) -> Runtime:
     from idml.app.retrieval.workflow import Runtime
 
     return Runtime(args.batch_size, args.device, progress=not args.no_progress)
-
-
-def format_metrics(title: str, metrics: dict[str, float]) -> str:
-    """A two-column table of metric values."""
-    width = max((len(k) for k in metrics), default=6)
-    lines = [title] + [f"  {k.ljust(width)}  {v:.4f}" for k, v in metrics.items()]
-    return "\n".join(lines)

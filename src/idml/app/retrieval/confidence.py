@@ -4,8 +4,8 @@ One function decides it, so that a calibrated score can replace it in one place.
 confidence of a query's answer is its top-1 cosine similarity ``ŝ_q · ŝ_{n_1}`` (in ``[-1, 1]``;
 higher = closer match), labelled ``"top1_cosine"`` in every output. The query's uncertainty level
 ``||u_q||`` (Wang et al. 2022, IDML §IV) is reported beside it, uncombined: measured as detectors
-of a wrong top-1 neighbour (:func:`idml.evaluation.uncertainty.confidence_quality`, reported by every
-evaluation as ``auroc_*``/``aurc_*``), ``||u||`` is at chance and the rank average of both scores
+of a wrong top-1 neighbour (:mod:`idml.evaluation.confidence`, reported by every evaluation as
+``r_auroc_*``/``aurc_*``), ``||u||`` is at chance and the rank average of both scores
 below the cosine alone, so the cosine is the confidence until a score that beats it is measured.
 
 Example:

@@ -301,6 +301,8 @@ def build_index(
                 None if encoder is None else encoder.info.source
             )
             if encoder is None:
+                # Rank 0's encoder_for_index found the index's model or raised.
+                assert model_source is not None
                 encoder = Encoder.load(model_source, which=which, device=device)
         if (
             source.embeddings is not None

@@ -340,9 +340,9 @@ def _update_side_screened(state: QueryState, tile: _Tile, transposed: bool, chun
 
 
 def neighbors_only(
-    query: Tensor,
+    query: Tensor | Embeddings,
     k: int,
-    reference: Tensor | None = None,
+    reference: Tensor | Embeddings | None = None,
     **kwargs: object,
 ) -> NeighborLists:
     """Exact k-nearest neighbours without labels (no ranks): a convenience over :func:`exact_search`.
@@ -352,10 +352,12 @@ def neighbors_only(
         >>> neighbors_only(torch.eye(3), k=1, metric="euclidean").indices.flatten().tolist()
         [1, 0, 0]
     """
-    n_q = query.shape[0]
-    labels = torch.arange(n_q, device=query.device)
+    rows = side_rows(query)[0]
+    n_q = rows.shape[0]
+    labels = torch.arange(n_q, device=rows.device)
     ref_labels = None
     if reference is not None:
         # Distinct labels on both sides: nothing is relevant, only neighbours are computed.
-        ref_labels = torch.arange(n_q, n_q + reference.shape[0], device=query.device)
+        n_r = side_rows(reference)[0].shape[0]
+        ref_labels = torch.arange(n_q, n_q + n_r, device=rows.device)
     return exact_search(query, labels, k, reference, ref_labels, **kwargs).neighbors  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 
-from idml.app.ablation.grid import Cell, GridAxis
+from idml.app.ablation._grid import Cell, GridAxis
 from idml.app.checkpoint import atomic_write_text
 from idml.app.metric_display import (
     PERCENT,
@@ -22,6 +22,7 @@ from idml.app.metric_display import (
     metric_sort_key,
     metric_unit,
 )
+from idml.evaluation.confidence import is_confidence_metric
 
 Selection = Literal["final", "best"]
 
@@ -89,7 +90,7 @@ class AblationResult:
     @property
     def metric_keys(self) -> list[str]:
         """Columns: the requested metrics, else every retrieval metric any run reports, in paper
-        order (the confidence scores ``auroc_*``/``aurc_*`` only when asked for by name)."""
+        order (confidence metrics, ``r_auroc_*``, ``aurc_*``, …, only when asked for by name)."""
         if self.metrics is not None:
             return list(self.metrics)
         keys = {
@@ -97,7 +98,7 @@ class AblationResult:
             for c in self.cells
             for r in c.runs
             for k in r.metrics(self.select)
-            if not k.startswith(("auroc_", "aurc_"))
+            if not is_confidence_metric(k)
         }
         return sorted(keys, key=metric_sort_key)
 
