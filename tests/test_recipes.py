@@ -8,10 +8,10 @@ started where no pair could count as a match). Each registered loss trains on sc
 MAP@R of the untrained network by at least 5 points. Measured: the untrained features give MAP@R
 31.4; the losses reach 40–50 (about ten points above it, where a seed's spread is about two).
 
-Contrastive's packaged margins are the paper's (``m_pos`` 0 and ``m_neg`` 0.5 as distances, i.e.
-similarities 1 and 0.875); on digits they reach MAP@R 35.1, under the bar. Its recipe here adds the
-positive margin chosen on held-out *training* digits (``benchmarks/study_idml.py validate --setting
-demo``: ``m_pos`` 0.4 as a similarity, validation MAP@R 74.5 ± 3.6 against 61.3 ± 3.2 at 0;
+Contrastive's packaged margins are the paper's (it compares Euclidean distances: ``m_pos`` 0,
+``m_neg`` 0.5); on digits they reach MAP@R 35.1, under the bar. Its recipe here adds the positive
+margin chosen on held-out *training* digits (``benchmarks/study_idml.py validate --setting demo``:
+``m_pos`` 0.4, validation MAP@R 74.5 ± 3.6 against 61.3 ± 3.2 at 0;
 ``benchmarks/study/idml_validation_demo.md``), never on the test digits.
 """
 
