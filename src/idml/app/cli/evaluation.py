@@ -7,7 +7,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from idml.app.cli.command import Command, Group, Option
-from idml.app.cli.options import JSON, NO_PROGRESS, OLD_PROGRESS, device_name, format_metrics
+from idml.app.cli.options import (
+    JSON,
+    NO_PROGRESS,
+    OLD_PROGRESS,
+    RERANKING,
+    device_name,
+    format_metrics,
+    reranker,
+)
 
 if TYPE_CHECKING:
     from idml.evaluation import EvaluationReport
@@ -23,6 +31,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _run_evaluate(args: argparse.Namespace) -> int:
     from idml.evaluation import EntryNames, EvaluationSettings, evaluate_files
+    from idml.evaluation.confidence import ConfidenceCalibration
     from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 
     if args.checkpoint is not None:
@@ -68,6 +77,8 @@ def _run_evaluate(args: argparse.Namespace) -> int:
                     ("--introspective", args.introspective),
                     ("--no-nmi", args.no_nmi),
                     ("--nmi-backend", args.nmi_backend is not None),
+                    ("--rerank", args.rerank is not None),
+                    ("--calibration", args.calibration is not None),
                 )
                 if given
             ]
@@ -95,6 +106,8 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             nmi_backend=args.nmi_backend,
             block_size=args.block_size,
             seed=args.seed,
+            reranking=reranker(args),
+            calibration=args.calibration,
         )
         _print_report(report, args)
         return 0
@@ -123,8 +136,12 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             knn_backend=args.knn_backend,
             faiss_index=args.faiss_index,
             block_size=args.block_size,
+            reranking=reranker(args),
         ),
         introspective_metric=ism,
+        calibration=None
+        if args.calibration is None
+        else ConfidenceCalibration.load(args.calibration),
         device=args.device,
         progress=not args.no_progress,
     )
@@ -138,8 +155,11 @@ EVALUATE = Command(
     help="retrieval metrics of embeddings or of a trained run",
     description="Recall@K, R-Precision, MAP@R, MAP, MRR, NMI and ||u|| of saved embeddings "
     "(.npy/.npz/.pt/.safetensors), exact and blocked, with the conventions of the DML literature "
-    "(Musgrave et al. 2020). A file whose images have query/gallery roles (`idml embed` of a CSV "
-    "with a role column) searches its queries against its gallery only.",
+    "(Musgrave et al. 2020), and how well each confidence score tells right top-1 answers from "
+    "wrong ones (R-AUROC, AURC, selective R@1 at 50/80/90%% coverage); with a calibration (the "
+    "run's calibration.json, or --calibration) also its ECE and the precision and coverage of "
+    "its abstention thresholds. A file whose images have query/gallery roles (`idml embed` of a "
+    "CSV with a role column) searches its queries against its gallery only.",
     arguments=(
         Group(
             "input",
@@ -195,7 +215,14 @@ EVALUATE = Command(
                 "--device", default=None, type=device_name, help="cpu, cuda, cuda:N (default: cpu)"
             ),
             Option("--block-size", type=int, default=None, help="tile side of the blocked search"),
+            Option(
+                "--calibration",
+                type=Path,
+                help="calibration.json whose calibrated confidence to judge (default with "
+                "--checkpoint: the run's own, when it applies)",
+            ),
         ),
+        RERANKING,
         Group(
             "output",
             JSON,
@@ -217,5 +244,7 @@ def _print_report(report: EvaluationReport, args: argparse.Namespace) -> None:
     """JSON (every class when ``--per-class N > 0``) or a table (the N worst classes)."""
     if args.json:
         print(report.to_json(per_class=args.per_class > 0))
-    else:
-        print(report.format_table(per_class=args.per_class))
+        return
+    print(report.format_table(per_class=args.per_class))
+    if "calibration" in report.settings:
+        print(f"confidence: {report.settings['calibration']}")

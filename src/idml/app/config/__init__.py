@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from idml.app.config.calibration import CalibrationConfig
 from idml.app.config.io import (
     FRAGMENTS,
     INCLUDE_KEY,
@@ -359,7 +360,7 @@ class ClassificationConfig(Section):
 
 Task = Literal["metric_learning", "classification"]
 
-_METRIC_ONLY_SECTIONS = ("loss", "mixup", "ssr")
+_METRIC_ONLY_SECTIONS = ("loss", "mixup", "ssr", "calibration")
 _METRIC_ONLY_EVAL_KEYS = ("ks", "nmi", "nmi_backend", "introspective")
 
 
@@ -394,6 +395,7 @@ class Config(Section):
     ssr: SSRSection = SSRSection()
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
+    calibration: CalibrationConfig = CalibrationConfig()
     tensorboard: bool = Field(True, description="also log to TensorBoard when it is installed")
     mlflow: MLflowConfig = MLflowConfig()
     published: PublishedNumbers | None = Field(
@@ -477,6 +479,7 @@ __all__ = [
     "LOSS_CONFIGS",
     "PUBLISHED_METRIC",
     "RUNTIME_KEYS",
+    "CalibrationConfig",
     "Config",
     "ConfigError",
     "LossConfig",

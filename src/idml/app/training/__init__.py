@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from idml.app import build
+from idml.app.calibration import calibrate_run
 from idml.app.config import (
     Config,
     dump_config,
@@ -224,6 +225,9 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
             self._checkpoint(epoch)
         for logger in self._loggers:
             logger.close()
+        if self.dist.is_main:  # the run's calibrated confidence, on its held-out classes if any
+            say = self.epoch_log or (print if self.progress else None)
+            calibrate_run(self.run_dir, self.data, device=self.device, log=say)
         self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
         if not metrics and self.history:
             metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
