@@ -491,7 +491,9 @@ class DMLSplit(TrainTestPair):
         the test side's transform (it is evaluated, never trained on); ``key`` names the setting
         in errors."""
         if not 0.0 < fraction < 1.0:
-            raise ValueError(f"{key}: the share of train classes must lie in (0, 1), got {fraction}")
+            raise ValueError(
+                f"{key}: the share of train classes must lie in (0, 1), got {fraction}"
+            )
         classes = np.asarray(self.train.classes)
         held_out = int(np.ceil(fraction * len(classes)))
         if not 1 <= held_out < len(classes):
