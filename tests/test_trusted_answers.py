@@ -435,3 +435,21 @@ def test_serve_answers_carry_the_calibrated_confidence(setting: dict[str, Path])
         # The same float32 search and float64 calibrator in both: identical.
         assert record["confidence"] == float(expected.confidence[q])
         assert record["answered"] == bool(expected.answered[q]) == (record["confidence"] >= 0.5)
+
+
+def test_report_of_a_calibrated_run_shows_its_reliability_and_thresholds(
+    setting: dict[str, Path], tmp_path: Path
+) -> None:
+    from idml.app.reports import AnalysisOptions, analyse_run, read_run
+
+    analysis = analyse_run(read_run(setting["run"]), AnalysisOptions(tsne_points=10))
+    assert analysis.calibration_note.startswith("calibrated confidence from")
+    assert analysis.reliability is not None and analysis.reliability.counts.sum() > 0
+    assert set(analysis.thresholds) == {0.8, 0.9, 0.95}
+    assert "calibrated P(top-1 right)" in analysis.risk_coverage
+    assert {"ece", "r_auroc_calibrated", "conformal_coverage@0.9"} <= set(analysis.metrics)
+    out = tmp_path / "report"
+    assert main(["report", str(setting["run"]), "--out", str(out), "--no-progress"]) == 0
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert "Reliability diagram of the calibrated confidence" in page
+    assert "<th>target precision</th>" in page and "calibrated P(top-1 right)" in page

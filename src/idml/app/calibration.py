@@ -253,6 +253,8 @@ def calibrate_run(
     log = log if log is not None else _silent
     run = load_trained_run(Path(run_dir), which)
     cfg = run.config
+    if cfg.task != "metric_learning":
+        return None  # a classifier's answers carry its softmax probability, judged by its ECE
     data = build.build_data(cfg) if data is None else data
     if data.val is None:
         log(NO_HELD_OUT)
