@@ -29,6 +29,7 @@ whose ``provenance`` records here: ``model_weights_sha256``, ``model``, ``querie
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,16 +122,15 @@ def recipe_for(
     base = CalibrationRecipe()
     if config.is_file():
         base = CalibrationRecipe.from_config(load_config(config).calibration)
-    changes: dict[str, object] = {"reranker": reranker}
+    recipe = replace(base, reranker=reranker)
     if features is not None:
-        changes["features"] = tuple(score_from_key(key) for key in features)
+        recipe = replace(recipe, features=tuple(score_from_key(key) for key in features))
     if calibrator is not None:
         if calibrator not in CALIBRATORS:
             raise ValueError(f"calibrator must be one of {sorted(CALIBRATORS)}, got {calibrator!r}")
-        changes["calibrator"] = CALIBRATORS[calibrator]
+        recipe = replace(recipe, calibrator=CALIBRATORS[calibrator])
     if threshold_share is not None:
-        changes["threshold_share"] = threshold_share
-    recipe = replace(base, **changes)
+        recipe = replace(recipe, threshold_share=threshold_share)
     if recipe.calibrator is not LogisticCalibrator and len(recipe.features) != 1:
         raise ValueError(
             f"the {recipe.calibrator.kind} calibrator reads one score; give one with --features "
@@ -213,15 +213,19 @@ def describe_outcome(report: ConfidenceReport, where: str) -> str:
     similarity's, ECE, and the precision and coverage at each target)."""
     metrics = report.metrics()
     parts = [
-        f"on {where}: R-AUROC {metrics.get('r_auroc_calibrated', float('nan')):.3f} "
-        f"(top-1 similarity {metrics.get('r_auroc_top1', float('nan')):.3f})",
+        f"calibrated confidence on {where}: R-AUROC "
+        f"{metrics.get('r_auroc_calibrated', float('nan')):.3f} (top-1 similarity "
+        f"{metrics.get('r_auroc_top1', float('nan')):.3f})",
         f"ECE {metrics.get('ece', float('nan')):.3f}",
     ]
     for target, outcome in report.thresholds.items():
-        parts.append(
-            f"precision {outcome.precision:.3f} at coverage {outcome.coverage:.3f} for target "
-            f"{target:g}"
-        )
+        if outcome.coverage == 0:
+            parts.append(f"every query abstains at target precision {target:g}")
+        else:
+            parts.append(
+                f"precision {outcome.precision:.3f} at coverage {outcome.coverage:.3f} for "
+                f"target {target:g}"
+            )
     return ", ".join(parts)
 
 
@@ -327,7 +331,7 @@ def calibrate_images(
             f"with a label column); {unlabelled[0]} has none"
         )
     encoder = Encoder.load(model, which=which, device=runtime.device)
-    names = [str(label) for label in source.labels]
+    names = [str(label) for label in source.labels]  # every one labelled (checked above)
     gallery_names: list[str] = []
     gallery_vectors = None
     gallery_note = "the queries themselves (each searched among the others)"
@@ -339,7 +343,8 @@ def calibrate_images(
                 f"index {index}: calibrating against a gallery needs each item's label; build "
                 "the index from a labelled folder or CSV"
             )
-        inside = set(gallery.absolute_paths()) & {str(Path(p).resolve()) for p in source.paths}
+        mine = {os.path.realpath(p) for p in source.paths if p is not None}
+        inside = {os.path.realpath(p) for p in gallery.absolute_paths() if p is not None} & mine
         if inside:
             raise ValueError(
                 f"{len(inside)} calibration image(s) are items of index {index} (e.g. "

@@ -130,7 +130,7 @@ class AnswerPolicy:
         """The ``k`` of the gallery's hubness the confidence reads (``None``: none)."""
         if self.calibration is None:
             return None
-        ks = {score.hubness_k for score in self.calibration.features} - {None}
+        ks = [k for score in self.calibration.features if (k := score.hubness_k) is not None]
         return min(ks) if ks else None
 
     @property
