@@ -21,6 +21,7 @@ demo: setup
 lint: setup
 	ruff format --check src tests benchmarks scripts
 	ruff check src tests benchmarks scripts
+	$(PYTHON) -m mypy
 
 test: lint
 	$(PYTHON) -m pytest -q --timeout=900

@@ -30,7 +30,7 @@ SETTINGS = [
     "task=classification",
     "data.dataset=fashion_mnist",
     "data.samples_per_class=120",
-    "classification.test_samples_per_class=50",
+    "task.test_samples_per_class=50",
     "data.image_size=32",
     "data.resize_size=null",
     "data.train_crop_scale=[0.7, 1.0]",
@@ -45,8 +45,8 @@ SETTINGS = [
     "model.uncertainty.form=linear",
     "model.uncertainty.init_std=0.001",
     "optim.uncertainty_lr_mult=0.01",
-    "classification.scale=16",
-    "classification.mix_prob=0.5",
+    "task.scale=16",
+    "mixup.probability=0.5",
     "optim.epochs=1",
     "optim.lr=0.0003",
     "optim.head_lr_mult=10",
@@ -56,7 +56,7 @@ SETTINGS = [
     "tensorboard=false",
 ]
 MIXES = ("none", "mixup", "cutmix")
-GRID = ["metric=plain,ism", "classification.mix=" + ",".join(MIXES)]
+GRID = ["metric=plain,ism", "mix=" + ",".join(MIXES)]
 METRICS = ["top1", "top5", "ece", "nll", "u_clean", "u_mixup", "u_cutmix", "u_lowres"]
 
 
@@ -72,7 +72,7 @@ def summary(out: Path) -> str:
     runs: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     for path in sorted(out.glob("cells/*/seed*/result.json")):
         record = json.loads(path.read_text())
-        arm = (record["assignment"]["metric"], record["assignment"]["classification.mix"])
+        arm = (record["assignment"]["metric"], record["assignment"]["mix"])
         runs.setdefault(arm, {})[int(record["seed"])] = {
             **record["final_metrics"],
             "seconds": record["wall_seconds"],

@@ -22,12 +22,24 @@ as the cosine classifier. The backbone trains from scratch (BatchNorm trains), a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+# The recipe keys of this checkout, not those of some other installed idml.
+sys.path.insert(0, str(REPO / "src"))
+
+from idml.app.config import (  # noqa: E402
+    config_to_dict,
+    load_config,
+    read_fragment,
+    validate_config,
+)
+from idml.app.paper import recipe_of  # noqa: E402
+
 OUT = REPO / "configs" / "classification"
 # The authors' README table (top-1, top-5 in %; CIFAR-10 has no top-5 there).
 PUBLISHED: dict[tuple[str, str], dict[str, float]] = {
@@ -53,6 +65,7 @@ PUBLISHED: dict[tuple[str, str], dict[str, float]] = {
 
 DATASETS: dict[str, dict[str, Any]] = {
     "imagenet1k": {
+        "classes": 1000,
         "root": "data/imagenet",
         "image_size": 224,
         "resize_size": 256,
@@ -64,6 +77,7 @@ DATASETS: dict[str, dict[str, Any]] = {
         "eval_every": 5,
     },
     "cifar100": {
+        "classes": 100,
         "root": "data/cifar100",
         "image_size": 32,
         "resize_size": None,
@@ -76,7 +90,17 @@ DATASETS: dict[str, dict[str, Any]] = {
     },
 }
 # CIFAR-10 follows the CIFAR-100 recipe of the CutMix code; only the folder differs.
-DATASETS["cifar10"] = {**DATASETS["cifar100"], "root": "data/cifar10"}
+DATASETS["cifar10"] = {**DATASETS["cifar100"], "classes": 10, "root": "data/cifar10"}
+# Method → (mixing, ISM) and the packaged method fragment that switches those components on: the
+# same fragments as the metric-learning presets, so `method/idml` means one thing everywhere.
+FRAGMENT = {
+    ("none", False): "method/plain",
+    ("none", True): "method/ism",
+    ("mixup", False): "method/mixup",
+    ("mixup", True): "method/idml",
+    ("cutmix", False): "method/mixup",
+    ("cutmix", True): "method/idml",
+}
 METHODS: dict[str, tuple[str, bool]] = {
     "baseline": ("none", False),
     "ism_baseline": ("none", True),
@@ -87,12 +111,13 @@ METHODS: dict[str, tuple[str, bool]] = {
 }
 
 
-def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+def recipe(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+    """The whole recipe of one row, every key it sets spelled out."""
     d = DATASETS[dataset]
     mix, ism = METHODS[method]
     cfg: dict[str, Any] = {
         "name": f"{dataset}-{method}",
-        "task": "classification",
+        "task": {"name": "classification", "scale": 20.0},
         "data": {
             "dataset": "folder",
             "root": d["root"],
@@ -108,7 +133,11 @@ def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[
             "embedding_dim": 2048,
             "pooling": "avg",
             "freeze_bn": False,
+            # The library's bounded uncertainty head: ISM starts as the plain softmax.
+            "uncertainty": {"enabled": ism},
         },
+        "metric": {"introspective": ism, "gamma": 0.0, "tau": 5.0},
+        "mixup": {"enabled": mix != "none"},
         "optim": {
             "optimizer": "sgd",
             "momentum": 0.9,
@@ -122,19 +151,42 @@ def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[
             "step_gamma": 0.1,
             "grad_clip": None,
         },
-        "classification": {"scale": 20.0, "mix": mix, "mix_alpha": 1.0, "mix_prob": d["mix_prob"]},
         "eval": {"every": d["eval_every"]},
     }
-    if ism:
-        # The library's bounded uncertainty head: ISM starts as the plain softmax.
-        cfg["model"]["uncertainty"] = {"enabled": True}
-        cfg["metric"] = {"introspective": True, "gamma": 0.0, "tau": 5.0}
+    if mix != "none":
+        cfg["mixup"] |= {"kind": mix, "alpha": 1.0, "probability": d["mix_prob"]}
     if numbers:
+        # The data is a folder, so the number of classes tells CIFAR-10, CIFAR-100 and ImageNet
+        # from any other folder of images.
         cfg["published"] = {
             "source": f"IDML authors' README, classification table, row '{dataset} {method}'",
             "metrics": numbers,
+            "recipe": recipe_of(config_to_dict(validate_config(cfg))),
+            "classes": d["classes"],
         }
     return cfg
+
+
+def preset(dataset: str, method: str, numbers: dict[str, float] | None) -> dict[str, Any]:
+    """The row as its method fragment plus the keys the fragment does not give."""
+    full = recipe(dataset, method, numbers)
+    mix, ism = METHODS[method]
+    fragment = FRAGMENT[(mix, ism)]
+    given = read_fragment(fragment)
+    return {"include": [fragment], **_without(full, given)}
+
+
+def _without(full: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``full`` less the values ``given`` already sets (sections emptied by it are dropped)."""
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        if isinstance(value, dict) and isinstance(given.get(key), dict):
+            rest = _without(value, given[key])
+            if rest:
+                out[key] = rest
+        elif given.get(key, object()) != value:
+            out[key] = value
+    return out
 
 
 def main() -> None:
@@ -146,11 +198,15 @@ def main() -> None:
             header = (
                 f"# IDML classification table: {dataset}, {method} (ResNet-50, CutMix setting)\n"
                 "# Generated by scripts/make_classification_presets.py (recipe and sources in its\n"
-                "# docstring); `published` is the authors' top-1/top-5 in %, documentation only.\n"
+                "# docstring); `published` is the authors' top-1/top-5 in %, documentation only, compared\n"
+                "# with a run that keeps `published.recipe` and `published.classes`.\n"
                 f"# data.root: train/<class>/ and val/<class>/ (README, classification data).\n"
             )
             path = OUT / f"{dataset}_{method}.yaml"
             path.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+            full = recipe(dataset, method, numbers.get((dataset, method)))
+            if load_config(path) != validate_config(full):
+                raise SystemExit(f"{path} does not resolve to the recipe {full}")
             print(path.relative_to(REPO))
 
 

@@ -28,6 +28,7 @@ from idml.app.config import (  # noqa: E402
     read_fragment,
     validate_config,
 )
+from idml.app.paper import recipe_of  # noqa: E402
 
 DATASETS: dict[str, dict[str, Any]] = {
     "cub": {
@@ -233,6 +234,16 @@ def ssr_recipe(dataset: str, loss: str, dim: int, with_ssr: bool = True) -> dict
     return cfg
 
 
+def with_recipe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` whose ``published`` block (if any) records the recipe its numbers belong to
+    (:func:`idml.app.paper.recipe_of`), so that a run trained with other data, backbone, embedding
+    size or schedule is not compared with them."""
+    if cfg.get("published"):
+        full = config_to_dict(validate_config({k: v for k, v in cfg.items() if k != "published"}))
+        cfg["published"]["recipe"] = recipe_of(full)
+    return cfg
+
+
 @dataclass(frozen=True)
 class Preset:
     """One preset: its title, the fragments it includes and the full recipe it must resolve to."""
@@ -290,7 +301,7 @@ def presets() -> dict[Path, Preset]:
                 out[Path("idml") / f"{dataset}_{loss}_{variant}.yaml"] = Preset(
                     f"IDML paper Table I: {dataset.upper()}, {loss}, {variant}",
                     components(dataset, loss, variant),
-                    recipe(dataset, loss, variant),
+                    with_recipe(recipe(dataset, loss, variant)),
                 )
         for ds, loss, dim in SSR_ROWS:
             if ds == dataset:
@@ -299,13 +310,13 @@ def presets() -> dict[Path, Preset]:
                     out[Path("ssr") / f"{dataset}_{loss}_{dim}_{tag}.yaml"] = Preset(
                         f"SSR paper Tables 1-3: {dataset.upper()}, {loss}, {dim}-d, {what}",
                         components(dataset, loss, tag),
-                        ssr_recipe(dataset, loss, dim, with_ssr),
+                        with_recipe(ssr_recipe(dataset, loss, dim, with_ssr)),
                     )
         out[Path("official") / f"{dataset}_proxy_anchor_official.yaml"] = Preset(
             f"Official IDML-ProxyAnchor code on {dataset.upper()} (L2-normalised u, γ=4, τ=5, "
             "squared)",
             components(dataset, "proxy_anchor", "idml"),
-            official(dataset),
+            with_recipe(official(dataset)),
         )
     return out
 
@@ -315,8 +326,8 @@ HEADER = (
     "# `include` names fragments packaged with idml (src/idml/app/config/fragments/); they merge in order,\n"
     '# then the keys below (README, "Composing configs"). A run\'s config.yaml holds the result.\n'
     "# `published` records a source's numbers (%) for this recipe and names the source (null: no\n"
-    "# source states them); `idml train` and `idml report` compare the run with them. It does\n"
-    "# not change training.\n"
+    "# source states them); `idml train` and `idml report` compare the run with them while the\n"
+    "# run keeps `published.recipe` (else they name what differs). It does not change training.\n"
 )
 
 

@@ -51,8 +51,9 @@ CASES: dict[str, list[str]] = {
     "classification_cutmix": [
         "task=classification",
         *ISM,
-        "classification.mix=cutmix",
-        "classification.mix_prob=1.0",
+        "mixup.enabled=true",
+        "mixup.kind=cutmix",
+        "mixup.probability=1.0",
     ],
 }
 METRIC_LEARNING_ONLY = ("eval.nmi",)
@@ -74,7 +75,7 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def state_of(trainer: Any) -> dict[str, torch.Tensor]:
     """Weights, and the gradients the last step applied (Adam is blind to a gradient's scale)."""
-    modules = {"model": trainer.model, **trainer._training_modules()}
+    modules = {"model": trainer.model, **trainer.training_modules()}
     state = {
         f"{name}.{key}": value.detach().clone()
         for name, module in modules.items()
@@ -88,20 +89,20 @@ def state_of(trainer: Any) -> dict[str, torch.Tensor]:
 
 
 def run_case(name: str, context: Any, shards: int | None, run_dir: Path) -> dict[str, Any]:
-    from idml.app.classification_task import make_trainer
     from idml.app.config import load_config
+    from idml.app.training import Trainer
 
     base = TINY
     if "task=classification" in CASES[name]:
         base = [item for item in TINY if not item.startswith(METRIC_LEARNING_ONLY)]
     cfg = load_config(None, [*base, *CASES[name]])
-    trainer = make_trainer(cfg, run_dir / name, progress=False, distributed=context, shards=shards)
+    trainer = Trainer(cfg, run_dir / name, progress=False, distributed=context, shards=shards)
     for param in trainer.model.backbone_parameters():  # as train_epoch does in a warm-up epoch
         param.requires_grad_(cfg.optim.warmup_epochs == 0)
     initial = state_of(trainer)
     one_lambda = cfg.mixup.mode == "interpolate"
-    aug = trainer.plan.generators(trainer._generator(0, 1), shared=one_lambda)
-    ssr = trainer.plan.generators(trainer._generator(0, 2))
+    aug = trainer.plan.generators(trainer.generator(0, 1), shared=one_lambda)
+    ssr = trainer.plan.generators(trainer.generator(0, 2))
     parts = []
     for images, labels in global_batches():
         rows = torch.arange(BATCH).tensor_split(context.world_size)[context.rank]
@@ -172,13 +173,14 @@ def evaluation_check(context: Any, run_dir: Path) -> dict[str, Any]:
 
     from idml.app import build
     from idml.app.config import load_config
+    from idml.app.tasks.metric_learning import embed_test_set
     from idml.app.training import Trainer
     from idml.embeddings import Embeddings
     from idml.models import embed_dataset
 
     cfg = load_config(None, [*TINY, "data.samples_per_class=39", "eval.batch_size=64"])
     trainer = Trainer(cfg, run_dir / "eval", progress=False, distributed=context)
-    emb, labels = trainer.embed_test()
+    emb, labels = embed_test_set(trainer.evaluation_context())
     whole, whole_labels = embed_dataset(trainer.model, trainer.data.test, 64, trainer.device)
     # The same two contiguous parts embedded one after the other in this process: the batches
     # (and so the kernels oneDNN picks for each batch size) are those of the two ranks, so this

@@ -21,14 +21,13 @@ from idml.app.ablation import (
     ChoicePreset,
     GridAxis,
     SeedResult,
-    config_difference,
     expand_grid,
     parse_grid,
     run_ablation,
     split_values,
 )
 from idml.app.cli import main
-from idml.app.config import dump_config, load_config
+from idml.app.config import config_difference, dump_config, load_config
 from idml.app.reports.seeds import expand_run_dirs
 from idml.app.run_folder import RunLockedError
 from idml.app.training import Trainer

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from idml.app.config import ConfigError, load_config
+from idml.app.training import Trainer
 from idml.augment import AugmentedBatch, CutMix, Mixup, cutmix_boxes
 from idml.classification import BatchMixing, IntrospectiveClassifier, mixed_targets
 from idml.data.classification import load_classification_split
@@ -245,21 +246,23 @@ def test_split_needs_every_class_on_both_sides(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        (["task.scale=8"], r"^unknown key 'task\.scale'"),
         (
-            ["classification.scale=8"],
-            r"^classification: this section applies to task: classification",
+            ["task=classification", "loss.name=multi_similarity"],
+            r"^loss\.name: task classification does not read this key \(it reads no loss\.\* "
+            r"key\); remove it or set task\.name to metric_learning",
         ),
-        (["task=classification", "loss.name=multi_similarity"], r"^loss\.name: loss\.\* applies"),
-        (["task=classification", "loss.alpha=8"], r"^loss\.alpha: loss\.\* applies"),
-        (["task=classification", "mixup.enabled=true"], r"^mixup\.enabled: mixup\.\*"),
-        (["task=classification", "ssr.enabled=true"], r"^ssr\.enabled: ssr\.\*"),
-        (["task=classification", "eval.nmi=false"], r"^eval\.nmi applies to task: metric_learning"),
+        (["task=classification", "loss.alpha=8"], r"^loss\.alpha: task classification does not"),
+        (["task=classification", "mixup.fraction=0.5"], r"^mixup\.fraction: .*mixup\.probability"),
+        (["task=classification", "ssr.enabled=true"], r"^ssr\.enabled: task classification"),
+        (["task=classification", "eval.nmi=false"], r"^eval\.nmi: task classification"),
+        (["task=classification", "data.protocol=validation"], r"^data\.protocol: task class"),
         (["task=classification", "data.dataset=cub"], r"^data\.dataset=cub: a zero-shot"),
-        (
-            ["task=classification", "classification.mixx=cutmix"],
-            r"unknown key 'classification\.mixx'",
-        ),
-        (["task=classification", "classification.mix=cutout"], r"^classification\.mix: "),
+        (["mixup.probability=0.5"], r"^mixup\.probability: task metric_learning does not read"),
+        (["task=classification", "task.scalee=3"], r"unknown key 'task\.scalee'"),
+        (["task=classification", "mixup.kind=cutout"], r"^mixup\.kind: "),
+        (["task=regression"], r"^task\.name: .*\n  valid task names: metric_learning, classif"),
+        (["classification.mix=cutmix"], r"classification\.mix -> mixup\.enabled and mixup\.kind"),
     ],
 )
 def test_config_errors_name_the_key(overrides: list[str], message: str) -> None:
@@ -271,13 +274,81 @@ def test_classification_defaults_round_trip() -> None:
     from idml.app.config import config_to_dict, validate_config
 
     cfg = load_config(None, ["task=classification"])
-    assert (cfg.eval.select, cfg.sampler.kind) == ("top1", "random")
-    assert cfg.classification is not None and cfg.classification.mix == "none"
-    assert validate_config(config_to_dict(cfg)) == cfg  # a run's config.yaml reloads (resume)
+    # The task's defaults fragment: random batches, top-1/top-5, the best epoch by top-1.
+    assert (cfg.eval.select, cfg.sampler.kind, cfg.eval.ks) == ("top1", "random", [1, 5])
+    assert cfg.task.name == "classification" and cfg.mixup.enabled is False
+    stored = config_to_dict(cfg)
+    assert "loss" not in stored and "ssr" not in stored and "fraction" not in stored["mixup"]
+    assert validate_config(stored) == cfg  # a run's config.yaml reloads (resume)
     explicit = load_config(None, ["task=classification", "sampler.kind=balanced"])
     assert explicit.sampler.kind == "balanced"
     metric = load_config(None)
-    assert metric.classification is None and validate_config(config_to_dict(metric)) == metric
+    assert (
+        metric.task.name == "metric_learning" and validate_config(config_to_dict(metric)) == metric
+    )
+    assert "probability" not in config_to_dict(metric)["mixup"]
+
+
+def test_a_run_stored_before_tasks_had_a_section_still_loads() -> None:
+    """A config.yaml of the old schema wrote every key, the classification section included."""
+    from idml.app.config import validate_config
+
+    old = {
+        "name": "old",
+        "task": "classification",
+        "data": {"dataset": "digits", "protocol": "test", "validation_classes": 0.25},
+        "loss": {"name": "proxy_anchor", "alpha": 32.0, "margin": 0.1},
+        "mixup": {"enabled": False, "alpha": 1.0, "fraction": 1.0, "mode": "set"},
+        "ssr": {"enabled": False},
+        "eval": {"ks": [1, 2, 4, 8], "nmi": True, "select": "top1", "batch_size": 64},
+        "classification": {
+            "scale": 20.0,
+            "mix": "cutmix",
+            "mix_alpha": 0.5,
+            "mix_prob": 0.5,
+            "keep_originals": True,
+            "test_fraction": 0.3,
+            "test_samples_per_class": None,
+            "ks": [1, 3],
+            "ece_bins": 10,
+            "uncertainty_probes": False,
+        },
+    }
+    cfg = validate_config(old)
+    assert (cfg.task.name, cfg.task.scale, cfg.task.ece_bins) == ("classification", 20.0, 10)
+    m = cfg.mixup
+    assert (m.enabled, m.kind, m.alpha, m.probability, m.keep_originals) == (
+        True,
+        "cutmix",
+        0.5,
+        0.5,
+        True,
+    )
+    assert (cfg.eval.ks, cfg.eval.batch_size) == ([1, 3], 64)
+    metric = validate_config({"task": "metric_learning", "classification": None})
+    assert metric.task.name == "metric_learning"
+
+
+def test_method_fragments_mean_the_same_for_both_tasks() -> None:
+    from idml.app.ablation import expand_grid, parse_grid
+    from idml.app.config import fragment_overrides
+
+    idml = fragment_overrides("method/idml")
+    for task in ("metric_learning", "classification"):
+        cfg = load_config(None, [f"task={task}", *idml])
+        assert cfg.mixup.enabled and cfg.metric.introspective and cfg.model.uncertainty.enabled
+    # An ablation's method axis on a classification config: SSR, which the task does not have,
+    # is left alone rather than switched off.
+    base = load_config(None, ["task=classification"])
+    cells = expand_grid(parse_grid(["method=baseline,idml"]), base)
+    for cell in cells:
+        assert not any(o.startswith("ssr.") for o in cell.overrides)
+        cfg = load_config(None, ["task=classification", *cell.overrides])
+        idml = "idml" in cell.name.lower()
+        assert cfg.metric.introspective == cfg.mixup.enabled == idml
+    mixes = expand_grid(parse_grid(["metric=plain,ism", "mix=none,cutmix"]), base)
+    kinds = {load_config(None, ["task=classification", *c.overrides]).mixup.kind for c in mixes}
+    assert len(mixes) == 4 and "cutmix" in kinds
 
 
 # --------------------------------------------------------------------------- training
@@ -292,10 +363,8 @@ TINY = [
 
 @pytest.mark.slow
 def test_tiny_run_beats_chance_on_digits(tmp_path: Path) -> None:
-    from idml.app.classification_task import make_trainer
-
-    cfg = load_config(None, [*TINY, "optim.epochs=3", "classification.mix=cutmix"])
-    result = make_trainer(cfg, tmp_path / "run", progress=False).fit()
+    cfg = load_config(None, [*TINY, "optim.epochs=3", "mixup.enabled=true", "mixup.kind=cutmix"])
+    result = Trainer(cfg, tmp_path / "run", progress=False).fit()
     # Chance is 10 % on the 10 balanced digit classes (359 test images: one chance-level run
     # reaches 15 % with probability < 1e-2). Three epochs of a small CNN reach far above 50 %.
     assert result.final_metrics["top1"] > 0.5, result.final_metrics
@@ -305,8 +374,6 @@ def test_tiny_run_beats_chance_on_digits(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from idml.app.classification_task import make_trainer
-
     base = [
         *TINY,
         "data.samples_per_class=12",
@@ -315,21 +382,16 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFi
         "model.uncertainty.form=linear",
         "model.uncertainty.init_std=0.001",
         "metric.introspective=true",
-        "classification.mix=cutmix",
-        "classification.mix_prob=0.5",
+        "mixup.enabled=true",
+        "mixup.kind=cutmix",
+        "mixup.probability=0.5",
         "degradations.blur_fraction=0.25",
     ]
-    whole = make_trainer(
-        load_config(None, [*base, "optim.epochs=2"]), tmp_path / "a", progress=False
-    )
+    whole = Trainer(load_config(None, [*base, "optim.epochs=2"]), tmp_path / "a", progress=False)
     expected = whole.fit()
-    first = make_trainer(
-        load_config(None, [*base, "optim.epochs=1"]), tmp_path / "b", progress=False
-    )
+    first = Trainer(load_config(None, [*base, "optim.epochs=1"]), tmp_path / "b", progress=False)
     first.fit()
-    resumed = make_trainer(
-        load_config(None, [*base, "optim.epochs=2"]), tmp_path / "b", progress=False
-    )
+    resumed = Trainer(load_config(None, [*base, "optim.epochs=2"]), tmp_path / "b", progress=False)
     result = resumed.fit(resume=True)
     assert result.final_metrics == expected.final_metrics
     assert {"u_clean", "u_mixup", "u_cutmix", "u_lowres", "top1", "top5"} <= set(
@@ -346,7 +408,15 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFi
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == result.final_metrics
     assert main(["evaluate", "--checkpoint", str(tmp_path / "b"), "--ks", "1,2"]) != 0
-    assert "--ks apply to retrieval runs" in capsys.readouterr().err
+    assert "--ks do not apply to classification runs" in capsys.readouterr().err
+    calibration = ["--rerank", "k-reciprocal", "--calibration", str(tmp_path / "c.json")]
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "b"), *calibration]) != 0
+    assert "--rerank, --calibration do not apply to classification runs" in capsys.readouterr().err
+    # A classifier's answers carry its softmax probability: training fitted no retrieval
+    # calibration, and `idml calibrate` without labelled images says why.
+    assert not (tmp_path / "b" / "calibration.json").exists()
+    assert main(["calibrate", str(tmp_path / "b"), "--no-progress"]) != 0
+    assert "does not read the calibration section" in capsys.readouterr().err
 
 
 def test_presets_validate_and_pick_sgd_with_milestones() -> None:
@@ -354,16 +424,38 @@ def test_presets_validate_and_pick_sgd_with_milestones() -> None:
     assert len(presets) == 18
     for path in presets:
         cfg = load_config(path)
-        assert cfg.task == "classification" and cfg.published and "top1" in cfg.published.metrics
+        assert cfg.task.name == "classification" and cfg.published
+        assert "top1" in cfg.published.metrics
         assert "IDML authors' README" in cfg.published.source
         assert cfg.optim.optimizer == "sgd" and cfg.optim.scheduler == "multistep"
     with pytest.raises(ConfigError, match=r"optim\.scheduler=multistep needs optim\.milestones"):
         load_config(None, ["optim.scheduler=multistep"])
 
 
-def test_trainer_builds_sgd_and_multistep(tmp_path: Path) -> None:
-    from idml.app.classification_task import make_trainer
+def test_presets_are_the_scripts_output_and_resolve_to_its_recipe() -> None:
+    """The committed presets are what scripts/make_classification_presets.py writes: each a
+    method fragment (method/idml means the same as for retrieval) plus the rest of its recipe."""
+    import importlib.util
 
+    import yaml
+
+    from idml.app.config import validate_config
+
+    repo = Path(__file__).resolve().parents[1]
+    path = repo / "scripts" / "make_classification_presets.py"
+    spec = importlib.util.spec_from_file_location("make_classification_presets", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for dataset in script.DATASETS:
+        for method in script.METHODS:
+            numbers = script.PUBLISHED.get((dataset, method))
+            file = repo / "configs" / "classification" / f"{dataset}_{method}.yaml"
+            assert yaml.safe_load(file.read_text()) == script.preset(dataset, method, numbers)
+            assert load_config(file) == validate_config(script.recipe(dataset, method, numbers))
+
+
+def test_trainer_builds_sgd_and_multistep(tmp_path: Path) -> None:
     cfg = load_config(
         None,
         [
@@ -375,11 +467,11 @@ def test_trainer_builds_sgd_and_multistep(tmp_path: Path) -> None:
             "optim.milestones=[2, 4]",
         ],
     )
-    trainer = make_trainer(cfg, tmp_path, progress=False)
+    trainer = Trainer(cfg, tmp_path, progress=False)
     assert isinstance(trainer.optimizer, torch.optim.SGD)
     assert trainer.optimizer.defaults["nesterov"] is True
     assert isinstance(trainer.scheduler, torch.optim.lr_scheduler.MultiStepLR)
-    assert type(trainer).__name__ == "ClassificationTrainer"
+    assert type(trainer.objective.module).__name__ == "IntrospectiveClassifier"
 
 
 def test_cifar_conversion_needs_the_pickle_opt_in(tmp_path: Path) -> None:
@@ -410,13 +502,12 @@ def test_cifar_conversion_needs_the_pickle_opt_in(tmp_path: Path) -> None:
 def test_report_of_a_classification_run_with_and_without_the_test_analysis(
     tmp_path: Path, capsys
 ) -> None:
-    from idml.app.classification_task import make_trainer
     from idml.app.cli import main
 
     cfg = load_config(
         None, [*TINY, "data.samples_per_class=8", "sampler.batch_size=16", "optim.epochs=1"]
     )
-    make_trainer(cfg, tmp_path / "run", progress=False).fit()
+    Trainer(cfg, tmp_path / "run", progress=False).fit()
     args = ["report", str(tmp_path / "run"), "--no-progress", "--out"]
     assert main([*args, str(tmp_path / "rep")]) == 0, capsys.readouterr().err
     page = (tmp_path / "rep" / "index.html").read_text()
@@ -427,3 +518,17 @@ def test_report_of_a_classification_run_with_and_without_the_test_analysis(
     page = (tmp_path / "logs" / "index.html").read_text()
     assert "cosine classifier" in page and "top1 (%)" in page and "Confusion matrix" not in page
     assert "no confusion matrix, reliability diagram or mistakes" in page
+
+
+def test_milestones_the_run_never_reaches_are_warned() -> None:
+    from idml.app.preflight import check_run_config
+
+    preset = Path(__file__).resolve().parents[1] / "configs/classification/cifar10_baseline.yaml"
+    assert check_run_config(load_config(preset)) == []  # 300 epochs: [150, 225] both act
+    (short,) = check_run_config(load_config(preset, ["optim.epochs=3"]))
+    assert short.startswith("optim.milestones=[150, 225] with optim.epochs=3: the learning rate ")
+    assert "never drops at [150, 225]" in short and "e.g. [2]" in short
+    (partly,) = check_run_config(load_config(preset, ["optim.epochs=200"]))
+    assert "never drops at [225]" in partly and "e.g. [100, 150]" in partly
+    (one,) = check_run_config(load_config(preset, ["optim.epochs=1"]))
+    assert one.endswith("set optim.scheduler=none")

@@ -238,7 +238,7 @@ def test_torchrun_cli_trains_on_two_processes_and_resumes_on_one(tmp_path: Path)
     assert done.stdout.count("tiny-ddp: final") == 1, done.stdout
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["steps"] == 2
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "epoch_0000"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "epoch_0001"
 
     # Resume the 2-process run in one process for a second epoch: the global batches are the same.
     resumed = subprocess.run(
@@ -251,8 +251,8 @@ def test_torchrun_cli_trains_on_two_processes_and_resumes_on_one(tmp_path: Path)
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["epoch"] for x in lines] == [0, 1]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "epoch_0001"
+    assert [json.loads(x)["epoch"] for x in lines] == [1, 2]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "epoch_0002"
 
 
 # --------------------------------------------------------------------------- single process

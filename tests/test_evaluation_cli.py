@@ -179,3 +179,38 @@ def test_fast_nmi_backend_flag(tmp_path: Path, data, capsys) -> None:
     assert result["metrics"]["nmi"] == pytest.approx(
         evaluate_embeddings(x, labels, EvaluationSettings(nmi_backend="knn")).nmi, abs=1e-12
     )
+
+
+def test_a_baseline_embedding_file_has_no_uncertainty_rows(tmp_path: Path, data, capsys) -> None:
+    """``idml embed`` of a model without an uncertainty head writes ``||u||`` = 0 for every image:
+    the report must not summarise that constant (quartiles of nothing, an AUROC of 0.5)."""
+    x, labels, u = data
+    levels = np.linalg.norm(u, axis=1).astype(np.float32)
+    baseline = _write(tmp_path / "baseline.npz", "npz", {
+        "embeddings": x, "uncertainty": np.zeros(len(x), np.float32), "labels": labels,
+    })  # fmt: skip
+    idml = _write(tmp_path / "idml.npz", "npz", {
+        "embeddings": x, "uncertainty": levels, "labels": labels,
+    })  # fmt: skip
+    code, out, _ = _run(capsys, "evaluate", "--embeddings", str(baseline))
+    assert code == 0
+    assert "||u||" not in out and "r_auroc_norm_u" not in out and "aurc_norm_u" not in out
+    assert "r_auroc_top1" in out  # the uncertainty-free confidence score stays
+    code, out, _ = _run(capsys, "evaluate", "--embeddings", str(idml), "--json")
+    report = json.loads(out)
+    assert "r_auroc_norm_u" in report["metrics"] and "uncertainty" in report
+    code, out, _ = _run(capsys, "evaluate", "--embeddings", str(baseline), "--json")
+    report = json.loads(out)
+    assert "r_auroc_norm_u" not in report["metrics"] and "uncertainty" not in report
+
+
+def test_the_nmi_method_stands_on_the_nmi_row(tmp_path: Path, data, capsys) -> None:
+    x, labels, _ = data
+    path = _write(tmp_path / "e.npz", "npz", {"embeddings": x, "labels": labels})
+    code, out, _ = _run(capsys, "evaluate", "--embeddings", str(path))
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "k-means" in rows["nmi"]
+    assert "k-means" not in rows["aurc_oracle"] and rows["aurc_oracle"].split()[1:] == [
+        rows["aurc_oracle"].split()[1]
+    ]

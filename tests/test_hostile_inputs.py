@@ -708,7 +708,7 @@ def test_report_says_what_it_skipped_and_strict_fails(
     world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = Path(shutil.copytree(world["run"], tmp_path / "run"))
-    model = run / "checkpoints" / "epoch_0000" / "model.safetensors"
+    model = run / "checkpoints" / "epoch_0001" / "model.safetensors"
     model.write_bytes(model.read_bytes()[:100])  # truncated
     args = ["report", str(run), "--out", str(tmp_path / "rep"), "--no-progress"]
     capsys.readouterr()
@@ -726,13 +726,13 @@ def test_classification_ks_above_the_classes_is_refused_before_training(
     config = tmp_path / "c.yaml"
     config.write_text("name: c\n")
     args = ["train", str(config), "--out", str(tmp_path / "run"), "--no-progress"]
-    for item in [*CLASSIFICATION, "classification.ks=[1, 20]", "eval.select=top20"]:
+    for item in [*CLASSIFICATION, "eval.ks=[1, 20]", "eval.select=top20"]:
         args += ["--set", item]
     capsys.readouterr()
     assert main(args) == 2
     err = _error(capsys)
-    assert "classification.ks=[1, 20] asks for top-20 accuracy but digits has 10 classes" in err
-    assert "eval.select='top20'" in err and "classification.ks=[1]" in err
+    assert "eval.ks=[1, 20] asks for top-20 accuracy but digits has 10 classes" in err
+    assert "eval.select='top20'" in err and "eval.ks=[1]" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -128,7 +128,7 @@ def test_margin_with_distance_weighted_triplets_matches_pml(kind: str, seed: int
     miner = DistanceWeightedMiner(generator=torch.Generator().manual_seed(seed))
     triplets = miner.mine_embeddings(emb, labels, EuclideanDistance())
     assert isinstance(triplets, TripletIndices)
-    assert triplets.count > 0
+    assert triplets.size > 0
     ours = MarginLoss(miner=FixedMiner(triplets))(emb, labels)
     oracle = pml_losses.MarginLoss(margin=0.2, beta=1.2)(emb, labels, indices_tuple=tuple(triplets))
     assert_same(ours, oracle, [emb])

@@ -79,7 +79,7 @@ def test_semihard_matches_pml(kind: str, seed: int, similarity: bool) -> None:
     )
     ours = SemiHardMiner(0.1).mine_embeddings(emb, labels, metric)
     assert isinstance(ours, TripletIndices)
-    assert ours.count > 0
+    assert ours.size > 0
     assert triplet_set(ours) == triplet_set(oracle(emb, labels))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,13 @@ def test_train_under_a_pipe_writes_plain_epoch_lines(tmp_path: Path) -> None:
         assert lines[0].startswith(f"{epoch}: step 3/3 (100%), loss ")
         assert "step/s" in lines[0]
     assert any(line.startswith("embed: batch ") for line in done.stderr.splitlines())
+    # What a log file of stdout keeps: one line per epoch with its test metric (not only with
+    # --no-progress), numbered as in metrics.jsonl.
+    epochs = [line for line in done.stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"], done.stdout
+    assert all(
+        re.search(r", recall@1 [01]\.\d{4}, ", line) and "3 steps" in line for line in epochs
+    )
 
 
 def test_evaluate_under_a_pipe_shows_progress_by_default(tmp_path: Path) -> None:

@@ -112,17 +112,17 @@ def test_presets_and_fragments_that_disagree_are_caught(
 ) -> None:
     import shutil
 
-    import idml.app.config.io
+    from idml.app.config import _io as config_io
 
     presets = _script("make_presets")
     preset = presets.presets()[Path("idml") / "cub_triplet_idml.yaml"]
     wanted = config_to_dict(validate_config(preset.recipe))
     # A fragment edited without regenerating: the committed preset no longer resolves to its recipe.
     fragments = tmp_path / "fragments"
-    shutil.copytree(idml.app.config.io.FRAGMENTS, fragments)
+    shutil.copytree(config_io.FRAGMENTS, fragments)
     cub = fragments / "dataset" / "cub.yaml"
     cub.write_text(cub.read_text().replace("image_size: 224", "image_size: 256"))
-    monkeypatch.setattr(idml.app.config.io, "FRAGMENTS", fragments)  # where include: reads them
+    monkeypatch.setattr(config_io, "FRAGMENTS", fragments)  # where include: reads them
     resolved = config_to_dict(load_config(REPO / "configs" / "idml" / "cub_triplet_idml.yaml"))
     assert config_difference(resolved, wanted, ignore=()) == ["data.image_size: 256 -> 224"]
     # Regenerating writes the recipe's value into the preset rather than trusting the fragment,
@@ -182,13 +182,25 @@ def test_comparison_rows_put_the_run_in_percent() -> None:
     assert "| recall@1 | 66.5 | 67.2 | +0.8 |" in paper_table_markdown("SSR Table 1", rows)
 
 
-def test_train_ends_with_paper_vs_this_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    source = "{source: Test table, metrics: {recall@1: 50.0, recall@2: 60.0, nmi: 40.0}}"
+# The recipe keys of the TINY run: digits, the small CNN from scratch, 16-d, one epoch, step.
+TINY_RECIPE = (
+    "{data.dataset: digits, model.backbone: small_cnn, model.pretrained: false, "
+    "model.embedding_dim: 16, optim.epochs: 1, optim.scheduler: step, optim.step_size: 10, "
+    "optim.step_gamma: 0.5}"
+)
+
+
+def _train_with(tmp_path: Path, published: str) -> None:
     (tmp_path / "run.yaml").write_text("name: tiny\n")
     args = ["train", str(tmp_path / "run.yaml"), "--no-progress", "--out", str(tmp_path / "run")]
-    for override in [*TINY, "eval.ks=[1, 2]", f"published={source}"]:
+    for override in [*TINY, "eval.ks=[1, 2]", f"published={published}"]:
         args += ["--set", override]
     assert main(args) == 0
+
+
+def test_train_ends_with_paper_vs_this_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    metrics = "{recall@1: 50.0, recall@2: 60.0, nmi: 40.0}"
+    _train_with(tmp_path, f"{{source: Test table, metrics: {metrics}, recipe: {TINY_RECIPE}}}")
     out = capsys.readouterr().out
     log = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -197,3 +209,69 @@ def test_train_ends_with_paper_vs_this_run(tmp_path: Path, capsys: pytest.Captur
     assert "paper vs this run (final epoch) (Test table; %)" in out
     assert re.search(rf"recall@1 +50\.0 +{r1:.1f} +{re.escape(f'{r1 - 50:+.1f}')}\n", out)
     assert re.search(r"nmi +40\.0 +n/a +n/a", out)  # TINY switches NMI off
+
+
+def test_train_on_another_recipe_names_what_differs_and_prints_no_delta(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A preset's numbers next to a run on other data would be a meaningless Δ (a Table I preset
+    on another folder of images printed Δ −23.7): the keys that differ are named instead."""
+    recipe = TINY_RECIPE.replace("digits", "cub").replace("optim.epochs: 1", "optim.epochs: 60")
+    published = (
+        f"{{source: Test table, metrics: {{recall@1: 50.0}}, recipe: {recipe}, classes: 100}}"
+    )
+    _train_with(tmp_path, published)
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("paper vs this run")]
+    assert line.startswith("paper vs this run (final epoch): not compared; this run is not the ")
+    assert "data.dataset: digits (source: cub)" in line and "optim.epochs: 1 (source: 60)" in line
+    assert "training classes: 5 (source: 100)" in line  # digits 0-4 train, TINY
+    assert "Δ" not in out and "50.0" not in out
+
+
+def test_a_published_block_without_recipe_is_compared_but_says_it_was_not_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _train_with(tmp_path, "{source: Test table, metrics: {recall@1: 50.0}}")
+    out = capsys.readouterr().out
+    assert "paper vs this run (final epoch) (the source's recipe is not recorded: not " in out
+    assert re.search(r"recall@1 +50\.0 +\d+\.\d +[+-]\d+\.\d", out)
+
+
+def test_preset_recipes_are_the_presets_own_values() -> None:
+    """Every preset with numbers records its recipe (classification ones their class count too),
+    and the preset resolves to it: the preset run itself is compared."""
+    from idml.app.paper import recipe_differences, recipe_of
+
+    presets = sorted(glob.glob(str(REPO / "configs" / "*" / "*.yaml")))
+    checked = 0
+    for path in presets:
+        cfg = load_config(path)
+        if cfg.published is None:
+            continue
+        config = config_to_dict(cfg)
+        assert cfg.published.recipe == recipe_of(config), path
+        assert recipe_differences(cfg.published.recipe, config, cfg.published.classes) == []
+        assert (cfg.published.classes is not None) == (cfg.task.name == "classification"), path
+        checked += 1
+    assert checked == 30 + 18
+    # The issue's two cases: a Table I preset on a folder, a CIFAR-10 preset on another folder.
+    table1 = load_config(REPO / "configs/idml/cub_proxy_anchor_idml.yaml", ["data.dataset=folder"])
+    assert recipe_differences(table1.published.recipe, config_to_dict(table1)) == [
+        "data.dataset: folder (source: cub)"
+    ]
+    cifar = load_config(REPO / "configs/classification/cifar10_baseline.yaml", ["optim.epochs=3"])
+    assert recipe_differences(cifar.published.recipe, config_to_dict(cifar), 10, 964) == [
+        "optim.epochs: 3 (source: 300)",
+        "training classes: 964 (source: 10)",
+    ]
+
+
+def test_a_recipe_naming_no_config_key_is_refused_before_training() -> None:
+    from idml.app.preflight import check_run_config
+
+    cfg = load_config(
+        None, [*TINY, "published={source: x, metrics: {recall@1: 1.0}, recipe: {data.datset: cub}}"]
+    )
+    with pytest.raises(ConfigError, match=r"published.recipe names 'data.datset'"):
+        check_run_config(cfg)

@@ -271,7 +271,7 @@ def test_t0_is_identity_and_shape(digits: Tensor) -> None:
 
 def test_identity_params_give_the_input_back(digits: Tensor) -> None:
     images = digits[:3]
-    views = GradedTransforms().apply(images, identity_params(3, 4))
+    views = GradedTransforms().apply_params(images, identity_params(3, 4))
     for n in range(5):
         assert torch.equal(views[:, n], images)
 
@@ -375,7 +375,7 @@ def test_nested_crops_nest() -> None:
     coords = torch.stack(
         [ramp.expand(size, size), ramp.view(size, 1).expand(size, size), torch.zeros(size, size)]
     )
-    views = transforms.apply(coords.expand(100, 3, size, size), params)
+    views = transforms.apply_params(coords.expand(100, 3, size, size), params)
     seen_low = views[:, :, :2].amin(dim=(-2, -1))
     seen_high = views[:, :, :2].amax(dim=(-2, -1))
     # 1e-6: float32 bilinear reads of a [0, 1] ramp carry a few ε (~4e-7); equal extremes (both
@@ -415,7 +415,7 @@ def test_crop_matches_torchvision_resized_crop(digits: Tensor) -> None:
         centre = [(left + width / 2) / 16 - 1, (top + height / 2) / 16 - 1]
         params.crop_centres[m, 0] = torch.tensor(centre)
         params.crop_half_sizes[m, 0] = torch.tensor([width / 32, height / 32])
-    views = GradedTransforms().apply(images, params)
+    views = GradedTransforms().apply_params(images, params)
     for m, (top, left, height, width) in enumerate(boxes):
         reference = TF.resized_crop(images[m], top, left, height, width, [32, 32], antialias=False)
         # torchvision crops first, so samples within half a pixel outside the box repeat the box's
@@ -441,7 +441,9 @@ def test_perspective_matches_torchvision(digits: Tensor) -> None:
     reference = TF.perspective(image, start, end)  # zero fill
     params = identity_params(1, 4)
     params.corner_offsets[0, 0] = (torch.tensor(end) - torch.tensor(start)).double() * 2 / size
-    views = GradedTransforms(GradedTransformConfig(fill=0.0)).apply(image.unsqueeze(0), params)
+    views = GradedTransforms(GradedTransformConfig(fill=0.0)).apply_params(
+        image.unsqueeze(0), params
+    )
     # float32 bilinear: torchvision evaluates the homography on its grid in float32 (a few roundings
     # of coordinates up to 32 pixels, ~1e-5 pixel), ours in float64 before one cast: times pixel
     # steps ≤ 1, ≲ 5e-6 on values in [0, 1]: atol 1e-5.
@@ -449,7 +451,9 @@ def test_perspective_matches_torchvision(digits: Tensor) -> None:
     # Outside the distorted quadrilateral the view holds the fill value.
     outside = TF.perspective(torch.ones(1, size, size), start, end)[0] == 0.0
     assert outside.sum() > 50
-    filled = GradedTransforms(GradedTransformConfig(fill=0.5)).apply(image.unsqueeze(0), params)
+    filled = GradedTransforms(GradedTransformConfig(fill=0.5)).apply_params(
+        image.unsqueeze(0), params
+    )
     assert bool((filled[0, 1][:, outside] == 0.5).all())
 
 
@@ -458,7 +462,7 @@ def test_color_jitter_matches_torchvision(digits: Tensor) -> None:
     factors = torch.tensor([[1.3, 0.7, 1.4], [0.6, 1.2, 0.8], [1.1, 1.1, 0.0]], dtype=torch.float64)
     params = identity_params(3, 4)
     params.jitter_factors[:, 2] = factors
-    views = GradedTransforms().apply(images, params)
+    views = GradedTransforms().apply_params(images, params)
     for m in range(3):
         b, c, s = factors[m].tolist()
         reference = TF.adjust_saturation(
@@ -541,7 +545,7 @@ def test_transforms_reject_bad_images(images: Tensor, match: str) -> None:
 
 def test_params_shape_is_checked(digits: Tensor) -> None:
     with pytest.raises(ValueError, match=r"params.crop_centres must have shape"):
-        GradedTransforms().apply(digits[:2], identity_params(3, 4))
+        GradedTransforms().apply_params(digits[:2], identity_params(3, 4))
 
 
 def test_configs_nest_in_pydantic_models() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import idml.app.training as training_module
+import idml.app.tasks.metric_learning as metric_learning_task
 from idml.app import checkpoint
 from idml.app.cli import main
 from idml.app.config import load_config
@@ -62,7 +62,7 @@ def test_training_into_a_run_needs_resume_or_overwrite(
     assert main(_train_args(trained, config, "optim.epochs=2")) == 2
     err = capsys.readouterr().err
     assert str(trained) in err and "--resume" in err and "--overwrite" in err
-    assert "epoch_0001" in err  # says what is there
+    assert "epoch_0002" in err  # says what is there
     assert _snapshot(trained) == before
 
 
@@ -180,17 +180,17 @@ def test_divergence_after_a_good_epoch_leaves_that_epoch_latest(
 
     def poisoned(*args, **kwargs):
         parts = real(*args, **kwargs)
-        if trainer._position == (1, 1):
+        if trainer.monitor.position == (1, 1):
             with torch.no_grad():
                 next(trainer.model.parameters()).fill_(float("nan"))
-            trainer._check_finite_weights()
+            trainer.check_finite_weights()
         return parts
 
     monkeypatch.setattr(trainer, "train_step", poisoned)
-    with pytest.raises(FloatingPointError, match=r"epoch 2, step 2.*epoch_0000\) stays latest"):
+    with pytest.raises(FloatingPointError, match=r"epoch 2, step 2.*epoch_0001\) stays latest"):
         trainer.fit()
     root = tmp_path / "run" / "checkpoints"
-    assert (root / "latest").read_text().strip() == "epoch_0000"
+    assert (root / "latest").read_text().strip() == "epoch_0001"
     again = Trainer(cfg, tmp_path / "run", progress=False).fit(resume=True)
     assert len(again.history) == 2
 
@@ -200,22 +200,22 @@ def test_a_non_finite_test_set_embedding_names_the_epoch(
 ) -> None:
     cfg = load_config(None, [*TINY, "optim.epochs=2"])
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
-    real = training_module.embed_dataset
+    real = metric_learning_task.embed_dataset
 
     def overflowing(*args, **kwargs):
         emb, labels = real(*args, **kwargs)
-        if trainer._position[0] == 1:  # the second epoch's evaluation
+        if trainer.monitor.position[0] == 1:  # the second epoch's evaluation
             semantic = emb.semantic.clone()
             semantic[3] = float("inf")
             return Embeddings(semantic, emb.uncertainty), labels
         return emb, labels
 
-    monkeypatch.setattr(training_module, "embed_dataset", overflowing)
+    monkeypatch.setattr(metric_learning_task, "embed_dataset", overflowing)
     with pytest.raises(FloatingPointError) as caught:
         trainer.fit()
     message = str(caught.value)
     assert "NaN or inf in the test-set embeddings" in message and "rows [3]" in message
-    assert "after epoch 2; training stopped and the last good checkpoint (epoch_0000)" in message
+    assert "after epoch 2; training stopped and the last good checkpoint (epoch_0001)" in message
 
 
 def test_meaningless_settings_are_refused_or_warned(
@@ -258,13 +258,13 @@ def test_checkpoint_write_failing_half_way_keeps_the_previous_checkpoint(
     assert re.search(
         r"\(\d[\d.]* (bytes|KiB|MiB) needed, .* free\)", err
     )  # the bytes the checkpoint needs
-    assert "epoch_0001 stays latest" in err and "--resume" in err
+    assert "epoch_0002 stays latest" in err and "--resume" in err
     root = trained / "checkpoints"
-    assert (root / "latest").read_text().strip() == "epoch_0001"
-    assert not list(root.glob("*.tmp")) and not (root / "epoch_0002").exists()
+    assert (root / "latest").read_text().strip() == "epoch_0002"
+    assert not list(root.glob("*.tmp")) and not (root / "epoch_0003").exists()
     monkeypatch.setattr(checkpoint, "write_new_files", real)
     assert main([*_train_args(trained, config, "optim.epochs=3"), "--resume"]) == 0
-    assert (root / "latest").read_text().strip() == "epoch_0002"
+    assert (root / "latest").read_text().strip() == "epoch_0003"
 
 
 def test_non_finite_buffers_are_never_checkpointed(
@@ -277,11 +277,11 @@ def test_non_finite_buffers_are_never_checkpointed(
     assert main(_train_args(out, config, "optim.lr=1e6", "optim.epochs=2")) == 2
     err = capsys.readouterr().err
     assert re.search(r"NaN or inf in model\.backbone\.\S+\.running_var", err), err
-    assert "after epoch 2" in err and "(epoch_0000) stays latest" in err and "optim.lr" in err
+    assert "after epoch 2" in err and "(epoch_0001) stays latest" in err and "optim.lr" in err
     root = out / "checkpoints"
-    assert (root / "latest").read_text().strip() == "epoch_0000"
-    assert not (root / "epoch_0001").exists() and not list(root.glob("*.tmp"))
-    state = checkpoint.load_file(str(root / "epoch_0000" / checkpoint.MODEL_FILE))
+    assert (root / "latest").read_text().strip() == "epoch_0001"
+    assert not (root / "epoch_0002").exists() and not list(root.glob("*.tmp"))
+    state = checkpoint.load_file(str(root / "epoch_0001" / checkpoint.MODEL_FILE))
     assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
 
 
@@ -311,7 +311,7 @@ def test_a_pointer_through_a_link_out_of_the_run_is_refused(trained: Path) -> No
 def test_state_without_config_and_out_below_a_file(
     trained: Path, config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    state = trained / "checkpoints" / "epoch_0001" / checkpoint.STATE_FILE
+    state = trained / "checkpoints" / "epoch_0002" / checkpoint.STATE_FILE
     data = json.loads(state.read_text())
     del data["config"]
     state.write_text(json.dumps(data))
@@ -338,16 +338,16 @@ def test_resume_names_a_corrupt_log_line_and_drops_a_cut_last_one(
 ) -> None:
     log = trained / "metrics.jsonl"
     good = log.read_text()
-    log.write_text(good + '{"epoch": 2, "ste')  # killed while logging an epoch never checkpointed
+    log.write_text(good + '{"epoch": 3, "ste')  # killed while logging an epoch never checkpointed
     assert main([*_train_args(trained, config, "optim.epochs=3"), "--resume"]) == 0
-    assert [json.loads(x)["epoch"] for x in log.read_text().splitlines()] == [0, 1, 2]
+    assert [json.loads(x)["epoch"] for x in log.read_text().splitlines()] == [1, 2, 3]
     lines = log.read_text().splitlines()
     log.write_text("\n".join([lines[0][:10], *lines[1:]]) + "\n")
     capsys.readouterr()
     assert main([*_train_args(trained, config, "optim.epochs=4"), "--resume"]) == 2
     err = capsys.readouterr().err
     assert f"line 1 of {log}" in err
-    assert (trained / "checkpoints" / "latest").read_text().strip() == "epoch_0002"
+    assert (trained / "checkpoints" / "latest").read_text().strip() == "epoch_0003"
 
 
 def test_no_progress_prints_one_line_per_epoch(

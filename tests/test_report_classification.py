@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from idml.app.metric_display import format_delta, format_metric, metric_heading, metric_unit
+from idml.app.metric_display import (
+    format_delta,
+    format_metric,
+    metric_heading,
+    metric_unit,
+    table_decimals,
+)
 from idml.app.reports.classification import selective_classification
 from idml.evaluation.classification import calibration_bins, confusion_matrix
 from tiny_run import CLASSIFICATION
@@ -142,11 +148,11 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def classification_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from idml.app.classification_task import make_trainer
     from idml.app.config import load_config
+    from idml.app.training import Trainer
 
     run = tmp_path_factory.mktemp("cls") / "run"
-    make_trainer(load_config(None, TINY), run, progress=False).fit()
+    Trainer(load_config(None, TINY), run, progress=False).fit()
     return run
 
 
@@ -158,9 +164,8 @@ def test_a_classification_run_mixes_images_through_its_own_settings(tmp_path: Pa
     def mixes(*overrides: str) -> bool:
         return RunLog(tmp_path, load_config(None, [*CLASSIFICATION, *overrides]), ()).mixup_enabled
 
-    # CutMix / Mixup of the classification task count as mixing; the retrieval Mixup section
-    # does not apply to that task at all.
-    assert mixes("classification.mix=cutmix") and mixes("classification.mix=mixup")
+    # CutMix / Mixup of the classification task count as mixing: the one mixup section.
+    assert mixes("mixup.enabled=true", "mixup.kind=cutmix") and mixes("mixup.enabled=true")
     assert not mixes()
     assert RunLog(tmp_path, load_config(None, ["mixup.enabled=true"]), ()).mixup_enabled
 
@@ -168,11 +173,12 @@ def test_a_classification_run_mixes_images_through_its_own_settings(tmp_path: Pa
 def test_report_of_a_classification_run_has_its_section_and_figures(
     classification_run: Path, tmp_path: Path
 ) -> None:
-    from idml.app.classification_task import evaluate_classification_run
     from idml.app.reports import AnalysisOptions, analyse_run, read_run, write_report
     from idml.app.reports.classification import ClassificationAnalysis
+    from idml.app.tasks import TASKS, EvaluationRequest
 
-    expected = evaluate_classification_run(classification_run, "best")
+    task = TASKS["classification"]
+    expected = task.evaluate_run(classification_run, "best", EvaluationRequest()).metrics
     analysis = analyse_run(read_run(classification_run), AnalysisOptions())
     assert isinstance(analysis, ClassificationAnalysis)
     assert analysis.metrics == expected  # the same pass with the run's own settings: exact
@@ -194,9 +200,11 @@ def test_report_of_a_classification_run_has_its_section_and_figures(
     for part in ("reliability", "confusion", "risk-coverage", "uncertainty-conditions", "mistakes"):
         name = f"figures/01-run-{part}.png"
         assert (page.parent / name).is_file() and f'src="{name}"' in text
-    # Every metric is on the page as evaluate_classification_run computes it, in its unit.
+    # Every metric is on the page as the task's evaluate_run computes it, in its unit, the
+    # ||u|| levels with one precision that tells them apart.
+    digits = table_decimals({key: [value] for key, value in expected.items()})
     for key, value in expected.items():
-        assert f"<td>{format_metric(key, value)}</td>" in text
+        assert f"<td>{format_metric(key, value, **digits[key])}</td>" in text
     assert f"<td>{100 * expected['nll']:.2f}</td>" not in text  # NLL is not a percentage
     assert "NLL (nats)" in text
 
@@ -205,8 +213,8 @@ def test_report_of_a_classification_run_has_its_section_and_figures(
 def test_cli_report_and_embed_of_a_classification_run(
     classification_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from idml.app.classification_task import load_classification_run
     from idml.app.cli import main
+    from idml.app.tasks.classification import Classification
     from idml.classification import ClassifierEvaluationSettings, classify_dataset
     from idml.data import FileImageDataset, build_transforms, read_images
     from idml.evaluation.io import read_entries, read_text_entries
@@ -218,7 +226,7 @@ def test_cli_report_and_embed_of_a_classification_run(
     assert "<h3>Confusion matrix</h3>" in (out / "index.html").read_text()
 
     images = write_images(tmp_path / "images", classes=3, per_class=4)
-    loaded = load_classification_run(classification_run)
+    loaded = Classification().load_run(classification_run)
     cfg = loaded.config
     dataset = FileImageDataset(
         read_images(images), build_transforms(False, cfg.data.image_size, cfg.data.resize_size)

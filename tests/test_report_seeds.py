@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from idml.app.cli import main
 from idml.app.config import dump_config, load_config
 from idml.app.reports import read_run
 from idml.app.reports.seeds import expand_run_dirs, seed_table
-from tiny_run import TINY
+from tiny_run import IDML, TINY
 
 
 def _logged(run: Path, metric: str) -> float:
@@ -110,6 +111,53 @@ def test_run_folders_that_differ_by_seed_form_one_group_with_the_paper_beside(
     page = (out / "index.html").read_text()
     assert "Paper vs this run: fake" in page and "Test paper Table 9" in page
     assert "<td>60.0</td><td>62.0</td><td>+2.0</td>" in page
+
+
+def test_the_paper_is_compared_only_with_its_own_recipe(tmp_path: Path) -> None:
+    """A group that keeps the source's recipe gets the paper table with Δ; one that changed the
+    dataset or embedding size gets what differs and no Δ."""
+    kept = "published.recipe={data.dataset: digits, model.embedding_dim: 16}"
+    changed = "published.recipe={data.dataset: cub, model.embedding_dim: 512}"
+    same = _fake(tmp_path / "same", 0, 0.61, [kept])
+    other = _fake(tmp_path / "other", 0, 0.55, [changed, "optim.lr=0.01"])
+    out = tmp_path / "report"
+    assert main(["report", str(same), str(other), "--no-test", "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    sections = page.split("<h3>Paper vs this run: ")[1:]
+    assert [section.split("</h3>")[0] for section in sections] == ["fake", "fake (other)"]
+    assert "<td>60.0</td><td>61.0</td><td>+1.0</td>" in sections[0]
+    assert "not recorded" not in sections[0]
+    assert "Not compared" in sections[1] and "<td>" not in sections[1].split("</ul>")[0]
+    assert "data.dataset: digits (source: cub)" in sections[1]
+    assert "model.embedding_dim: 16 (source: 512)" in sections[1]
+
+
+def test_the_reference_comes_first_and_deltas_beyond_the_seed_spread_are_marked(
+    tmp_path: Path,
+) -> None:
+    idml = [*IDML, "name=fake-idml"]
+    # IDML runs first on the command line; the baseline is the reference and leads the table.
+    runs = [
+        _fake(tmp_path / "i0", 0, 0.70, idml),
+        _fake(tmp_path / "i1", 1, 0.71, idml),
+        _fake(tmp_path / "b0", 0, 0.60),
+        _fake(tmp_path / "b1", 1, 0.62),
+        _fake(tmp_path / "one", 0, 0.90, ["optim.lr=0.01"]),
+    ]
+    logs = [read_run(r) for r in runs]
+    table = seed_table(logs, [x.config.name for x in logs])
+    assert [g.label for g in table.groups] == ["fake", "fake-idml", "fake (one)"]
+    assert table.reference is table.groups[0]
+    # Δ 0.095 against stds of 0.014 and 0.007: beyond; one seed has no spread to compare.
+    assert table.beyond(table.groups[1], "recall@1") is True
+    assert table.beyond(table.groups[2], "recall@1") is None
+    assert table.beyond(table.groups[0], "recall@1") is None
+    rows = table.rows()
+    assert rows[0][0] == "fake (reference)" and rows[1][3] == "+9.50 *" and rows[2][3] == "+29.00"
+    assert "*: beyond the seed spread" in table.markdown()
+    lines = list(csv.DictReader(io.StringIO(table.csv())))
+    assert [x["recall@1_beyond_spread"] for x in lines] == ["", "1", ""]
+    assert 'class="beyond">+9.50 *</td>' in table.html()
 
 
 def test_an_ablation_folder_without_runs_is_refused(tmp_path: Path) -> None:

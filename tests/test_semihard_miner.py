@@ -62,5 +62,5 @@ def test_semihard_without_positives_or_negatives_mines_nothing() -> None:
     matrix = torch.rand(4, 4)
     for labels in (torch.arange(4), torch.zeros(4, dtype=torch.long)):
         mined = SemiHardMiner(0.5)(matrix, labels, similarity=True)
-        assert mined.count == 0
+        assert mined.size == 0
         assert all(t.dtype == torch.long for t in mined)

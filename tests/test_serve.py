@@ -179,3 +179,21 @@ def test_an_unexpected_failure_is_a_json_500_without_traceback(served) -> None:
     assert response.status_code == 500
     body = response.json()
     assert body == {"error": "internal error (RuntimeError); see the server log"}
+
+
+def test_openapi_document_and_its_offline_page(served) -> None:
+    server, _, _ = served
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    assert schema["info"]["title"] == "idml search"
+    assert set(schema["paths"]) == {"/health", "/info", "/search"}
+    search = schema["paths"]["/search"]["post"]
+    body = search["requestBody"]["content"]
+    assert set(body) == {"multipart/form-data", "application/json"}
+    assert body["multipart/form-data"]["schema"]["properties"]["k"]["maximum"] == 8  # max_k
+    assert {"200", "400", "413", "415", "422", "500"} <= set(search["responses"])
+    page = httpx.get(f"{server.url}/docs", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    text = page.text
+    assert "POST /search" in text and "GET /info" in text and "multipart/form-data" in text
+    # Offline: no script, and nothing fetched from another host.
+    assert "<script" not in text and "https://" not in text and "http://" not in text

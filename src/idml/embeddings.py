@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -73,7 +74,7 @@ class Embeddings:
         unc = None if self.uncertainty is None else self.uncertainty.detach()
         return Embeddings(self.semantic.detach(), unc)
 
-    def to(self, *args: object, **kwargs: object) -> Embeddings:
+    def to(self, *args: Any, **kwargs: Any) -> Embeddings:
         unc = None if self.uncertainty is None else self.uncertainty.to(*args, **kwargs)
         return Embeddings(self.semantic.to(*args, **kwargs), unc)
 

@@ -95,8 +95,8 @@ class TripletIndices(NamedTuple):
         return cls(anchor, pos, neg)
 
     @property
-    def count(self) -> int:
-        """Number of triplets."""
+    def size(self) -> int:
+        """Number of triplets (``count`` would shadow ``tuple.count``)."""
         return int(self.anchor.numel())
 
 

@@ -6,6 +6,10 @@ CI, a cluster scheduler — a redrawn bar becomes thousands of carriage-return f
 the loop ends, each with the same facts (``step 120/500 (24%), loss 0.4321, 12.5 step/s, ETA
 0:00:30``) and no carriage return. Training, evaluation, embedding, reports and ablations all use
 it, so every long command behaves the same; ``--no-progress`` switches it off.
+
+A bar is transient (it disappears when its loop ends); what a user keeps — a start-up summary, one
+line per epoch with its test metrics — is written with :func:`echo`: a plain line on stdout, printed
+above any live bar on a terminal, so the history stays on screen and reads the same in a log file.
 """
 
 from __future__ import annotations
@@ -17,6 +21,31 @@ from typing import IO, Any
 
 DEFAULT_INTERVAL = 10.0
 """Seconds between plain progress lines off a terminal."""
+
+_LIVE_BARS = 0
+"""tqdm bars open now: :func:`echo` writes above them instead of through them."""
+
+
+def echo(line: str, stream: IO[str] | None = None) -> None:
+    """Write ``line`` to ``stream`` (default ``sys.stdout``) as a line to keep: above any live bar
+    on a terminal (the bar is redrawn below it), a plain line anywhere else, flushed at once so a
+    log file is current while the run goes on.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> echo("epoch 1/2: loss 0.5000", out)
+        >>> out.getvalue()
+        'epoch 1/2: loss 0.5000\\n'
+    """
+    stream = stream if stream is not None else sys.stdout
+    if _LIVE_BARS:
+        from tqdm.auto import tqdm
+
+        tqdm.write(line, file=stream)
+    else:
+        stream.write(line + "\n")
+    stream.flush()
 
 
 def _clock_text(seconds: float) -> str:
@@ -78,7 +107,9 @@ class Progress:
         if _is_terminal(self._stream):
             from tqdm.auto import tqdm
 
+            global _LIVE_BARS
             self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=self._stream)
+            _LIVE_BARS += 1
 
     def update(self, n: int = 1, **facts: Any) -> None:
         """Advance by ``n`` units; ``facts`` (``loss=0.43``) are shown with the next line or frame."""
@@ -102,7 +133,9 @@ class Progress:
             return
         self._closed = True
         if self._bar is not None:
+            global _LIVE_BARS
             self._bar.close()
+            _LIVE_BARS -= 1
             return
         self._write(self._clock(), final=True)
 

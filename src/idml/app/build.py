@@ -17,9 +17,11 @@ from torch.utils.data import DataLoader, Dataset
 from idml.app.config import Config, ConfigError
 from idml.augment import (
     AugmentationPipeline,
+    CutMix,
     GaussianBlur,
     LowResolution,
     Mixup,
+    MixupMode,
     Occlusion,
     UncertaintyAugmentation,
 )
@@ -32,6 +34,7 @@ from idml.data import (
     dataset_options,
     load_split,
 )
+from idml.data.datasets import TrainTestPair
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.evaluation.confidence import ConfidenceCalibration
@@ -39,11 +42,13 @@ from idml.losses import LossContext, MetricLoss
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
 from idml.models import (
     EmbeddingModel,
+    UncertaintyActivation,
     UncertaintyHeadSpec,
     UncertaintyHeadSpecError,
     UncertaintyKind,
 )
 from idml.models import build_model as _build_model
+from idml.models.heads import UncertaintyForm
 from idml.ranking import SelfSupervisedRanking
 
 
@@ -109,7 +114,7 @@ def build_data(cfg: Config) -> DMLSplit:
 
 def train_loader(
     cfg: Config,
-    data: DMLSplit,
+    data: TrainTestPair,
     epoch: int,
     generator: torch.Generator,
     num_replicas: int = 1,
@@ -170,10 +175,10 @@ def uncertainty_head(cfg: Config) -> UncertaintyHeadSpec | None:
     return UncertaintyHeadSpec(
         kind,
         dim=u.dim,
-        form=u.form,
+        form=UncertaintyForm(u.form),
         max_norm=u.max_norm,
         init_level=u.init_level,
-        activation=u.activation,
+        activation=UncertaintyActivation(u.activation),
         normalize=u.normalize,
         init_std=u.init_std,
     )
@@ -207,11 +212,12 @@ def _config_value(value: object) -> str:
 
 
 # --------------------------------------------------------------------------- metric and loss
-def build_metric(cfg: Config) -> Metric:
-    """The loss's natural metric (``default_metric`` of its class), wrapped in ISM when
-    ``metric.introspective`` is on: ISM's similarity form ``S_IN`` around cosine for a similarity,
-    its distance form around the plain Euclidean distance otherwise."""
-    natural = cfg.loss.spec.natural_metric()
+def build_metric(cfg: Config, natural: Metric | None = None) -> Metric:
+    """The metric a run trains with: ``natural`` (default: the loss's natural metric, the
+    ``default_metric`` of its class), wrapped in ISM when ``metric.introspective`` is on: ISM's
+    similarity form ``S_IN`` around cosine for a similarity, its distance form around the plain
+    Euclidean distance otherwise."""
+    natural = natural if natural is not None else cfg.loss.spec.natural_metric()
     if not cfg.metric.introspective:
         return natural
     mc = cfg.metric
@@ -236,7 +242,8 @@ def build_loss(cfg: Config, num_classes: int) -> MetricLoss:
 
 
 # --------------------------------------------------------------------------- augmentations and SSR
-def build_augmentations(cfg: Config) -> AugmentationPipeline:
+def build_degradations(cfg: Config) -> AugmentationPipeline:
+    """The ``degradations.*`` of a batch (paper Table 3): low resolution, blur, occlusion."""
     steps: list[UncertaintyAugmentation] = []
     dg = cfg.degradations
     if dg.low_resolution_fraction > 0:
@@ -247,9 +254,20 @@ def build_augmentations(cfg: Config) -> AugmentationPipeline:
         steps.append(GaussianBlur(fraction=dg.blur_fraction, sigma=dg.blur_sigma))
     if dg.occlusion_fraction > 0:
         steps.append(Occlusion(fraction=dg.occlusion_fraction, area=dg.occlusion_area))
-    if cfg.mixup.enabled:
+    return AugmentationPipeline(tuple(steps))
+
+
+def build_augmentations(cfg: Config) -> AugmentationPipeline:
+    """Degradations, then Mixup (or CutMix, ``mixup.kind``) images with set labels appended to the
+    batch (``mixup.fraction`` of it): the batch augmentations of metric learning."""
+    steps = list(build_degradations(cfg).augmentations)
+    m = cfg.mixup
+    if m.enabled:
         # Mixup last: degradations act on originals, and mixed rows are the appended ones.
-        steps.append(Mixup(alpha=cfg.mixup.alpha, fraction=cfg.mixup.fraction, mode=cfg.mixup.mode))
+        if m.kind == "cutmix":
+            steps.append(CutMix(alpha=m.alpha, fraction=m.fraction))
+        else:
+            steps.append(Mixup(alpha=m.alpha, fraction=m.fraction, mode=MixupMode(m.mode)))
     return AugmentationPipeline(tuple(steps))
 
 

@@ -248,8 +248,13 @@ def calibrate_run(
 
     Returns ``None``, logging why, when the run has no held-out classes or they give too few
     right or wrong answers to fit: its answers then carry the label-free top-1 similarity.
+
+    Raises:
+        ValueError: the run's task does not read the ``calibration`` section (a classification
+            run; :attr:`idml.app.tasks.Task.reads`).
     """
     from idml.app import build
+    from idml.app.config import reads_key
     from idml.app.inference import weights_sha256
     from idml.app.trained_run import load_trained_run
     from idml.models import embed_dataset
@@ -257,8 +262,13 @@ def calibrate_run(
     log = log if log is not None else _silent
     run = load_trained_run(Path(run_dir), which)
     cfg = run.config
-    if cfg.task != "metric_learning":
-        return None  # a classifier's answers carry its softmax probability, judged by its ECE
+    if not reads_key(cfg.task.spec.reads, "calibration"):
+        # e.g. a classifier: its answers carry its softmax probability, judged by its ECE.
+        raise ValueError(
+            f"{run_dir}: task {cfg.task.name} does not read the calibration section, so the run "
+            "has no held-out classes to calibrate on; give --images LABELLED to fit a calibrated "
+            "retrieval confidence on labelled images"
+        )
     data = build.build_data(cfg) if data is None else data
     if data.val is None:
         log(NO_HELD_OUT)

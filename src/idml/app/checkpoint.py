@@ -7,6 +7,11 @@ A checkpoint is a folder::
         training.safetensors    # loss (proxies...), SSR head, optimizer tensors
         state.json              # epoch, metrics, best, config, optimizer/scheduler structure
 
+Epochs are numbered from 1 in every file and on screen: ``epoch_0007`` holds the model after the
+7th epoch, its ``state.json`` says ``"epoch": 7`` and the terminal said ``epoch 7/60``.
+Checkpoints written before (``epoch_0006`` for that same epoch, numbered from 0) carry no
+:data:`EPOCH_BASE` entry; :func:`read_state` renumbers them, so every reader sees one convention.
+
 It is written into ``epoch_0007.tmp`` and renamed into place, then ``latest`` (a one-line text file)
 is replaced atomically, so an interrupted write never leaves a half checkpoint where a good one was.
 A full disk is reported with the folder and the bytes needed (:mod:`idml.app.storage`), and a model
@@ -40,6 +45,14 @@ TRAINING_FILE = "training.safetensors"
 STATE_FILE = "state.json"
 LATEST = "latest"
 BEST = "best"
+EPOCH_BASE = "epoch_base"
+"""``state.json`` entry saying what the first epoch is called (1); absent in checkpoints written when
+epochs were numbered from 0."""
+
+
+def checkpoint_name(epoch: int) -> str:
+    """The folder of the checkpoint after epoch ``epoch`` (numbered from 1): ``epoch_0007``."""
+    return f"epoch_{epoch:04d}"
 
 
 class CheckpointError(ValueError):
@@ -228,12 +241,23 @@ def _pointer_target(pointer: Path) -> Path:
 
 
 def read_state(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's ``state.json``, its epochs numbered from 1 (``epoch``, ``best_epoch``, whose
+    0 means "never evaluated", and the log line under ``metrics``) whenever it was written."""
     try:
-        return json.loads((ckpt / STATE_FILE).read_text())
+        state = json.loads((ckpt / STATE_FILE).read_text())
     except FileNotFoundError as err:
         raise CheckpointError(f"checkpoint {ckpt} has no {STATE_FILE}") from err
     except json.JSONDecodeError as err:
         raise CheckpointError(f"checkpoint {ckpt}/{STATE_FILE} is corrupt: {err}") from err
+    if isinstance(state, dict) and EPOCH_BASE not in state:  # numbered from 0: renumber
+        for key in ("epoch", "best_epoch"):
+            if isinstance(state.get(key), int):
+                state[key] = max(0, state[key] + 1)  # best_epoch −1 (none) becomes 0
+        line = state.get("metrics")
+        if isinstance(line, dict) and isinstance(line.get("epoch"), int):
+            line["epoch"] += 1
+        state[EPOCH_BASE] = 1
+    return state
 
 
 def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:

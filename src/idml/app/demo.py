@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from idml.app.config import Config, fragment_overrides, load_config
-from idml.app.training import Trainer, TrainResult
+from idml.app.metric_display import beyond_spread
+from idml.app.training import Trainer
+from idml.app.training.epoch_log import TrainResult
 
 DEMO_BASE: list[str] = [
     "name=demo",
@@ -79,11 +81,7 @@ class DemoResult:
                 continue
             (ma, sa), (mb, sb) = _mean_std(a), _mean_std(b)
             delta = "" if math.isnan(ma) else f"{mb - ma:+.4f}"
-            spread = max(sa, sb)
-            if math.isnan(ma) or math.isnan(spread):
-                beyond = "n/a"
-            else:
-                beyond = "yes" if abs(mb - ma) > spread else "no"
+            beyond = {None: "n/a", True: "yes", False: "no"}[beyond_spread(mb - ma, (sa, sb))]
             rows.append((key, _cell(ma, sa), _cell(mb, sb), delta, beyond))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

@@ -243,12 +243,13 @@ def _export_onnx(net: RetrievalNet, example: torch.Tensor, opset: int) -> bytes:
         ) from err
     batch = {0: "batch"}
     buffer = io.BytesIO()
+    target: Any = buffer  # torch's stub lists file names only; export writes to a buffer too
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             net,
             (example,),
-            buffer,
+            target,
             input_names=[INPUT_NAME],
             output_names=list(OUTPUT_NAMES),
             dynamic_axes={INPUT_NAME: batch, OUTPUT_NAMES[0]: batch, OUTPUT_NAMES[1]: batch},

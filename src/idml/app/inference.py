@@ -141,6 +141,9 @@ class RetrievalNet(nn.Module):
     the parameters of the :class:`~idml.models.EmbeddingModel` it wraps.
     """
 
+    input_mean: Tensor
+    input_std: Tensor
+
     def __init__(self, model: EmbeddingModel) -> None:
         super().__init__()
         self.backbone = model.backbone

@@ -1,11 +1,11 @@
 """Checks of a run's config that would otherwise fail, or silently mislead, only after training.
 
-:func:`check_run_config` runs before the first optimisation step, and :func:`check_class_count`
-as soon as the data is loaded (what a config asks of the data is known only then). They refuse
-settings that cannot work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
+:func:`check_run_config` runs before the first optimisation step (what a config asks of the data
+is checked by its task as soon as the data is loaded, e.g. a top-k accuracy of more classes than
+the dataset has). It refuses settings that cannot work (``eval.select`` naming a metric the evaluation does not report, a test resize smaller than
 the crop, nothing left to train) and returns warnings for settings that make a run meaningless
 without breaking it (a warm-up that never ends, a test centre crop that sees a small part of each
-image). Every message names the keys involved and what to change.
+image, learning-rate milestones the run never reaches). Every message names the keys involved and what to change.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from idml.app.config import Config, ConfigError
+from idml.app.config import Config, ConfigError, config_to_dict
+from idml.app.paper import config_value
 from idml.data.transforms import eval_resize_size
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -22,28 +23,13 @@ MIN_CROP_AREA = 0.25
 (Resize 256, CenterCrop 224) keeps 77 %."""
 
 
-def training_metric_names(cfg: Config) -> list[str]:
-    """The test metrics a training run logs and ``eval.select`` may name, in report order.
-
-    Training evaluates with the exact search, so the full-ranking ``map`` and ``mrr`` are always
-    there; ``nmi`` only with ``eval.nmi``.
-    """
-    if cfg.task == "classification" and cfg.classification is not None:
-        # Larger is better for eval.select: the top-k accuracies (not ECE or NLL).
-        return [f"top{k}" for k in cfg.classification.ks]
-    names = [f"recall@{k}" for k in cfg.eval.ks] + ["r_precision", "map@r", "map", "mrr"]
-    if cfg.eval.nmi:
-        names.append("nmi")
-    return names
-
-
 def check_run_config(cfg: Config) -> list[str]:
     """Raise :class:`~idml.app.config.ConfigError` for a run that cannot work; return warnings."""
-    names = training_metric_names(cfg)
+    names = cfg.task.spec.metric_names(cfg)
     if cfg.eval.select not in names:
         raise ConfigError(
-            f"eval.select={cfg.eval.select!r} is not a metric this run reports; choose one of "
-            f"{', '.join(names)} (recall@K for K in eval.ks, nmi only with eval.nmi=true)"
+            f"eval.select={cfg.eval.select!r} is not a metric this {cfg.task.name} run reports; "
+            f"choose one of {', '.join(names)}"
         )
     d, o = cfg.data, cfg.optim
     resize = eval_resize_size(d.image_size) if d.resize_size is None else d.resize_size
@@ -53,6 +39,16 @@ def check_run_config(cfg: Config) -> list[str]:
             "centre crop would not fit; set data.resize_size >= data.image_size (or null for the "
             f"recipe's {eval_resize_size(d.image_size)})"
         )
+    if cfg.published is not None and cfg.published.recipe:
+        config = config_to_dict(cfg)
+        for key in cfg.published.recipe:
+            try:
+                config_value(config, key)
+            except KeyError:
+                raise ConfigError(
+                    f"published.recipe names {key!r}, which is not a config key; use dotted keys "
+                    "such as data.dataset or optim.epochs"
+                ) from None
     warnings: list[str] = []
     area = (d.image_size / resize) ** 2
     if area < MIN_CROP_AREA:
@@ -81,29 +77,22 @@ def check_run_config(cfg: Config) -> list[str]:
             "frozen for the whole run; lower optim.warmup_epochs (or raise optim.epochs), or set "
             "optim.backbone_lr_mult=0 to freeze it on purpose"
         )
-    return warnings
-
-
-def check_class_count(cfg: Config, num_classes: int, dataset: str) -> None:
-    """Refuse a classification run whose ``classification.ks`` asks for a top-k accuracy of more
-    classes than ``dataset`` has: that accuracy would be dropped from every evaluation, and an
-    ``eval.select`` naming it would fail only once the first epoch is trained."""
-    if cfg.task != "classification" or cfg.classification is None:
-        return
-    ks = list(cfg.classification.ks)
-    too_large = [k for k in ks if k > num_classes]
-    if too_large:
-        fitting = [k for k in ks if k <= num_classes] or [1]
-        raise ConfigError(
-            f"classification.ks={ks} asks for top-{too_large[0]} accuracy but {dataset} has "
-            f"{num_classes} classes, so top{too_large[0]} cannot be measured"
-            + (
-                f" (and eval.select={cfg.eval.select!r} names it)"
-                if cfg.eval.select in {f"top{k}" for k in too_large}
-                else ""
+    if o.scheduler == "multistep":
+        # MultiStepLR lowers the rate after epoch m: a milestone at or past the last epoch never acts.
+        unreached = [m for m in o.milestones if m >= o.epochs]
+        if unreached:
+            halves = sorted({min(o.epochs - 1, max(1, round(f * o.epochs))) for f in (0.5, 0.75)})
+            fix = (
+                f"set optim.milestones below {o.epochs}, e.g. {halves} (half and three quarters "
+                "of the run), or optim.scheduler=none"
+                if o.epochs > 1
+                else "a one-epoch run has none to reach: set optim.scheduler=none"
             )
-            + f"; use values up to {num_classes}, e.g. classification.ks={fitting}"
-        )
+            warnings.append(
+                f"optim.milestones={o.milestones} with optim.epochs={o.epochs}: the learning rate "
+                f"never drops at {unreached} (a milestone m acts after epoch m); {fix}"
+            )
+    return warnings
 
 
 def check_model_input(model: nn.Module, cfg: Config, channels: int = 3) -> None:

@@ -31,6 +31,18 @@ LOG_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 
 
+def log_epochs_from_one(history: list[dict]) -> list[dict]:
+    """``metrics.jsonl`` lines with their ``epoch`` numbered from 1, as the terminal and the
+    checkpoints number them. A log always starts with its run's first epoch, so one whose first
+    line says ``"epoch": 0`` was written when epochs were numbered from 0: each of its lines is
+    renumbered (in place; the lines are returned)."""
+    if history and history[0].get("epoch") == 0:
+        for line in history:
+            if isinstance(line.get("epoch"), int):
+                line["epoch"] += 1
+    return history
+
+
 class RunFolderError(ValueError):
     """A run folder that cannot be used as asked (holds a run, is a file, is not writable)."""
 

@@ -30,7 +30,7 @@ class WriteError(OSError):
 
     def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
-        self.errno = code  # type: ignore[misc]
+        self.errno = code
         self.message = message
 
     def __str__(self) -> str:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import save as safetensors_bytes
+from torch import Tensor
 
 from idml.app import build
 from idml.app.checkpoint import (
@@ -34,9 +35,6 @@ from idml.evaluation import EvaluationReport
 from idml.evaluation.clustering import KMeansBackend
 from idml.evaluation.reranking import Reranker
 from idml.models import EmbeddingModel, embed_dataset
-
-if TYPE_CHECKING:
-    from idml.classification import IntrospectiveClassifier
 
 
 @dataclass(frozen=True)
@@ -110,8 +108,7 @@ def embed_images(
     batch_size: int = 64,
     split: str | None = None,
     progress: bool = True,
-    classifier: IntrospectiveClassifier | None = None,
-    logit_classes: Sequence[str] | None = None,
+    extras: Callable[[Embeddings], tuple[dict[str, Tensor], dict[str, list[str]]]] | None = None,
 ) -> int:
     """Embed the images of a folder or CSV (:func:`read_split`) and save semantic embeddings and
     ``||u||`` to ``out``.
@@ -123,21 +120,10 @@ def embed_images(
     training reads them) and ``roles`` when it gives query/gallery roles (``idml evaluate`` then
     searches the queries against the gallery).
 
-    With the ``classifier`` of a classification run, also ``logits`` ``(N, C)`` (``u`` fed to it
-    when the run trained with ISM, as in its evaluation), ``probabilities`` ``(N, C)`` (their
-    softmax) and ``logit_classes``: the class of each of the ``C`` columns (the run's classes,
-    not necessarily those of the source's labels).
+    ``extras`` adds what a run's task writes besides: arrays with one row per image and lists of
+    names, from the embeddings (:meth:`idml.app.tasks.LoadedRun.extra_outputs`; a classification
+    run's ``logits``, ``probabilities`` and ``logit_classes``).
     """
-    if (classifier is None) != (logit_classes is None):
-        raise ValueError(
-            "give both classifier and logit_classes (a classification run), or neither"
-        )
-    column_names = [] if logit_classes is None else [str(c) for c in logit_classes]
-    if classifier is not None and len(column_names) != classifier.num_classes:
-        raise ValueError(
-            f"logit_classes names {len(column_names)} classes but the classifier has "
-            f"{classifier.num_classes}"
-        )
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in (".npz", ".pt", ".safetensors"):
@@ -161,25 +147,18 @@ def embed_images(
     text: dict[str, list[str]] = {"paths": paths, "classes": classes}
     if records.roles is not None:
         text["roles"] = [str(r) for r in records.roles]
-    if classifier is not None:
-        was_training = classifier.training
-        classifier.eval()
-        unc = emb.uncertainty if cfg.metric.introspective else None
-        logits = classifier.to(emb.semantic.device).logits(Embeddings(emb.semantic, unc))
-        classifier.train(was_training)
-        payload["logits"] = logits.float()
-        payload["probabilities"] = torch.softmax(logits.double(), dim=1).float()
-        text["logit_classes"] = column_names
+    if extras is not None:
+        arrays, names_of = extras(emb)
+        payload.update(arrays)
+        text.update(names_of)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Serialized in memory, then written atomically (idml.app.storage): a full disk names the
     # folder and the bytes needed and leaves a previous file of that name as it was.
     buffer = io.BytesIO()
     if suffix == ".npz":
-        np.savez(
-            buffer,
-            **{k: v.numpy() for k, v in payload.items()},
-            **{k: np.array(v, dtype=str) for k, v in text.items()},
-        )
+        columns: dict[str, Any] = {k: v.numpy() for k, v in payload.items()}
+        columns |= {k: np.array(v, dtype=str) for k, v in text.items()}
+        np.savez(buffer, **columns)
     elif suffix == ".pt":
         torch.save({**payload, **text}, buffer)
     elif suffix == ".safetensors":

@@ -229,5 +229,5 @@ def load_classification_split(
         if image_size is not None:
             raise ValueError("image_size resizes in-memory datasets only; use the transform")
         loader = _folder if name == "folder" else _csv
-        split = loader(Path(root), test_fraction, channels=channels, **common)  # type: ignore[arg-type]
+        split = loader(Path(root), test_fraction, channels=channels, **common)
     return split.with_transforms(train_transform, test_transform)

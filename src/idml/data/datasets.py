@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ from torchvision.transforms.v2 import functional as TF
 from idml.data.decoding import Channels, CorruptImageError, decode_image_file
 from idml.data.decoding import convert_mode as convert_mode
 from idml.data.records import ImageRecords, format_examples
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11; idml supports 3.10
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +166,8 @@ class ImageDataset(Dataset[tuple[Tensor, int, int]]):
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} images")
         index %= len(self)
-        image = self.load_image(index)
-        if self.transform is not None:
-            image = self.transform(image)
+        decoded = self.load_image(index)
+        image = decoded if self.transform is None else self.transform(decoded)
         return to_float_image(image), int(self.labels[index]), index
 
     # ----------------------------------------------------------------- views

@@ -215,6 +215,11 @@ class ClassBalancedBatchSampler(EpochBatchSampler):
         return self.classes_per_batch * self.images_per_class // self.num_replicas
 
     def __len__(self) -> int:
+        return self._num_batches
+
+    @property
+    def _num_batches(self) -> int:
+        assert self.num_batches is not None  # resolved in __post_init__
         return self.num_batches
 
     def global_batches(self, epoch: int) -> list[Tensor]:
@@ -225,9 +230,9 @@ class ClassBalancedBatchSampler(EpochBatchSampler):
         generator = epoch_generator(self.seed, epoch)
         num_classes, p, k = len(self.classes), self.classes_per_batch, self.images_per_class
         batches_per_round = num_classes // p
-        rounds = math.ceil(self.num_batches / batches_per_round)
+        rounds = math.ceil(self._num_batches / batches_per_round)
         class_rounds = torch.rand(rounds, num_classes, generator=generator).argsort(dim=1)
-        batch_classes = class_rounds[:, : batches_per_round * p].reshape(-1, p)[: self.num_batches]
+        batch_classes = class_rounds[:, : batches_per_round * p].reshape(-1, p)[: self._num_batches]
 
         # Images grouped by class, in a fresh random order within each class: a random
         # permutation, then a stable sort by class.
@@ -245,7 +250,7 @@ class ClassBalancedBatchSampler(EpochBatchSampler):
         positions = occurrence.unsqueeze(1) * k + torch.arange(k)
         positions = positions % self._counts[drawn].unsqueeze(1)
         indices = cycles[self._starts[drawn].unsqueeze(1) + positions]
-        return indices.reshape(self.num_batches, p * k)
+        return indices.reshape(self._num_batches, p * k)
 
 
 class SamplerKind(str, Enum):

@@ -413,7 +413,7 @@ def _retrieve(
             metric=scorer,
             execution=execution,
         )
-        acc = RankAccumulator(n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels))
+        acc = RankAccumulator(n_q, tuple(s.ks), tuple(cutoffs), tuple(s.recall_levels))
         for query_ids, ranks, num_rel_chunk in out.rank_chunks:
             acc.add(query_ids, ranks, num_rel_chunk)
         return _Retrieved(acc, out.neighbors, "exact", out.neighbors if same_set else None)
@@ -460,7 +460,12 @@ def _retrieve(
     )
     ranks = ranks_from_neighbors(neighbor_labels, sets.q_labels, num_rel)
     acc = RankAccumulator(
-        n_q, s.ks, tuple(cutoffs), tuple(s.recall_levels), complete=False, known_depth=found.k
+        n_q,
+        tuple(s.ks),
+        tuple(cutoffs),
+        tuple(s.recall_levels),
+        complete=False,
+        known_depth=found.k,
     )
     acc.add(torch.arange(n_q), ranks, num_rel)
     return _Retrieved(acc, found, backend, gallery_neighbors)
@@ -539,7 +544,9 @@ def evaluate_files(
 
     An ``uncertainty`` entry of shape ``(N,)`` holds uncertainty *levels* ``||u||`` (what ``idml
     embed`` writes): they are summarised as they are (as ``(N, 1)`` vectors, whose norm is the level),
-    but cannot drive ISM, which needs the uncertainty vectors.
+    but cannot drive ISM, which needs the uncertainty vectors. Levels that are all zero are what
+    ``idml embed`` writes for a model without an uncertainty head: the report then has no
+    uncertainty rows (no ``||u||`` summary, quartiles or ``auroc_norm_u`` of a constant).
     """
     ism = introspective_metric is not None
     # With a separate labels file the labels entry name is that file's, not the embeddings file's.
@@ -576,10 +583,13 @@ def evaluate_files(
 
 
 def _file_uncertainty(source: EmbeddingFile, ism: bool) -> Tensor | None:
-    """The file's uncertainty as ``(N, d_u)`` vectors; levels ``(N,)`` become ``(N, 1)``."""
+    """The file's uncertainty as ``(N, d_u)`` vectors; levels ``(N,)`` become ``(N, 1)``;
+    all-zero levels (a model without an uncertainty head) are no uncertainty."""
     u = source.uncertainty
     if u is None or u.dim() != 1:
         return None if u is None else u.float()
+    if u.numel() and not bool(u.any()):
+        return None
     if ism:
         raise ValueError(
             f"{source.path}: 'uncertainty' holds one level ||u|| per image (as `idml embed` writes), "

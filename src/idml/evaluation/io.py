@@ -30,6 +30,7 @@ import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,8 +145,8 @@ def _split_text(
     text: dict[str, list[str]] = {}
     for key, value in values.items():
         if _is_text(value):
-            items = value.reshape(-1) if isinstance(value, np.ndarray) else value
-            text[key] = [str(v) for v in items]  # type: ignore[union-attr]
+            items: Any = value.reshape(-1) if isinstance(value, np.ndarray) else value
+            text[key] = [str(v) for v in items]
         else:
             entries[key] = _as_tensor(value, path, key)
     return entries, text

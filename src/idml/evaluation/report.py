@@ -173,14 +173,14 @@ class EvaluationReport:
         metrics = self.metrics
         width = max(len(k) for k in metrics)
         lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  ------"]
-        lines += [f"{k.ljust(width)}  {_fmt(v)}" for k, v in metrics.items()]
+        # How NMI was computed (or that it was not) stands on the NMI row: the approximation
+        # reads differently.
         method = self.settings.get("nmi_method")
-        if method is not None:
-            # Say how NMI was computed (or that it was not): the approximation reads differently.
-            if "nmi" in metrics:
-                lines[-1] += f"  {method}"
-            else:
-                lines.append(f"{'nmi'.ljust(width)}  {method}")
+        for key, value in metrics.items():
+            note = f"  {method}" if key == "nmi" and method is not None else ""
+            lines.append(f"{key.ljust(width)}  {_fmt(value)}{note}")
+        if method is not None and "nmi" not in metrics:
+            lines.append(f"{'nmi'.ljust(width)}  {method}")
         return "\n".join(lines)
 
 

@@ -142,7 +142,7 @@ class ProxyLoss(MetricLoss):
             (initialised at zero); by default proxies have zero uncertainty, as in the official code.
     """
 
-    repr_fields = ("num_classes", "embedding_dim")
+    repr_fields: ClassVar[tuple[str, ...]] = ("num_classes", "embedding_dim")
 
     def __init__(
         self,

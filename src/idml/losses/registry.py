@@ -82,10 +82,10 @@ class LossSpec:
         """A new instance of the metric the loss is written for (``default_metric``)."""
         return self.loss.default_metric()
 
-    def build(self, params: LossParams | Mapping[str, Any], context: LossContext) -> MetricLoss:
+    def build(self, params: BaseModel | Mapping[str, Any], context: LossContext) -> MetricLoss:
         """The loss with these hyper-parameters (a params model, a config section that extends
         it, or a mapping of its fields) in ``context``."""
-        if isinstance(params, LossParams):
+        if isinstance(params, BaseModel):
             values = {name: getattr(params, name) for name in self.params.model_fields}
         else:
             values = dict(params)

@@ -241,7 +241,8 @@ class _EfficientNetFeatures(nn.Module):
         self.net = net
 
     def forward(self, images: Tensor) -> Tensor:
-        return self.net.extract_features(images)
+        features: Tensor = self.net.extract_features(images)  # type: ignore[operator]
+        return features
 
 
 def _build_lite0(spec: BackboneSpec, weights: Path | None, in_channels: int) -> Backbone:
@@ -297,7 +298,7 @@ class _TimmFeatures(nn.Module):
         self.net = net
 
     def forward(self, images: Tensor) -> Tensor:
-        out = self.net.forward_features(images)
+        out: Tensor = self.net.forward_features(images)  # type: ignore[operator]
         if out.dim() == 3:
             # Transformers return tokens; pooling over the token axis plays the role of spatial pooling.
             return out.transpose(1, 2).unsqueeze(-1)

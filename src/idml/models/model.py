@@ -115,6 +115,11 @@ class EmbeddingModel(nn.Module):
         validate_inputs: check that images are floats in ``[0, 1]`` (one reduction per batch).
     """
 
+    input_mean: Tensor
+    """``(1, C, 1, 1)`` the backbone's input mean (a buffer)."""
+    input_std: Tensor
+    """``(1, C, 1, 1)`` the backbone's input standard deviation (a buffer)."""
+
     def __init__(
         self,
         backbone: Backbone,
@@ -174,7 +179,9 @@ class EmbeddingModel(nn.Module):
         """``d_u``, or ``None`` without an uncertainty head."""
         if self.uncertainty_head is None:
             return None
-        return self.uncertainty_head.linear.out_features  # type: ignore[union-attr]
+        linear = getattr(self.uncertainty_head, "linear", None)
+        assert isinstance(linear, nn.Linear)  # the ISM and PEL heads both end in one
+        return linear.out_features
 
     # ----------------------------------------------------------------- forward
     def normalize_images(self, images: Tensor) -> Tensor:

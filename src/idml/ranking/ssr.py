@@ -74,7 +74,9 @@ class RankingHead(nn.Module):
     @property
     def out_dim(self) -> int:
         """``d_r``, the dimension of the ranking embedding."""
-        return self.layers[-1].out_features
+        last = self.layers[-1]
+        assert isinstance(last, nn.Linear)
+        return last.out_features
 
     def forward(self, features: Tensor) -> Tensor:
         """Unit-norm ranking embeddings ``(B, out_dim)`` of backbone features ``(B, in_dim)``."""

@@ -267,7 +267,8 @@ class GradedTransforms(nn.Module):
     ``forward(images (M, C, H, W) in [0, 1]) → (M, N + 1, C, H, W)`` with ``[:, 0]`` the input itself
     (``T_0`` is the identity exactly) and ``[:, n]`` the view at level ``n``. ``C`` is 1 or 3 (grey
     images have no saturation to jitter). Randomness comes from ``generator`` (CPU or the images'
-    device); :meth:`sample_params` and :meth:`apply` split drawing from applying, for replay and tests.
+    device); :meth:`sample_params` and :meth:`apply_params` split drawing from applying (``apply`` would
+    shadow :meth:`torch.nn.Module.apply`), for replay and tests.
     """
 
     def __init__(self, config: GradedTransformConfig | None = None) -> None:
@@ -300,7 +301,7 @@ class GradedTransforms(nn.Module):
             raise ValueError(f"num_images must be >= 1, got {num_images}")
         m, n, cfg, lv = num_images, self.num_levels, self.config, self.levels
         device = generator.device if generator is not None else torch.device("cpu")
-        f64 = {"dtype": torch.float64, "device": device}
+        f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
 
         def uniform(*shape: int) -> Tensor:
             return torch.rand(*shape, generator=generator, **f64)
@@ -330,7 +331,7 @@ class GradedTransforms(nn.Module):
             factors.contiguous(),
         )
 
-    def apply(self, images: Tensor, params: GradedViewParams) -> Tensor:
+    def apply_params(self, images: Tensor, params: GradedViewParams) -> Tensor:
         """Apply given draws: colour jitter, then crop and perspective fused in one resampling.
 
         Jittering first keeps the filled border at exactly ``fill``; the order hardly matters otherwise

@@ -3,6 +3,8 @@ the perspective warp (corner homographies and their sampling grid), Fu et al. 20
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -93,7 +95,7 @@ def warp_grid(
         ``grid (B, H, W, 2)`` and ``inside (B, H, W)`` in ``[0, 1]``, float32 on ``device``.
     """
     dev = torch.device(device) if device is not None else homographies.device
-    f32 = {"dtype": torch.float32, "device": dev}
+    f32: dict[str, Any] = {"dtype": torch.float32, "device": dev}
     # Pixel centres; kept separable, (1, 1, W) and (1, H, 1), so that every affine combination
     # a·x + b·y + c costs a single full-size addition.
     xs = ((2.0 * torch.arange(width, **f32) + 1.0) / width - 1.0).view(1, 1, width)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from idml.app.ablation.grid import (
+from idml.app.ablation._grid import (
     IGNORED_KEYS,
     PRESETS,
     AliasPreset,
@@ -60,7 +60,7 @@ from idml.app.ablation.grid import (
     parse_grid,
     split_values,
 )
-from idml.app.ablation.results import (
+from idml.app.ablation._results import (
     AblationResult,
     CellResult,
     SeedResult,
@@ -97,10 +97,8 @@ __all__ = [
     "SeedResult",
     "Selection",
     "canonical_value",
-    "config_difference",
     "describe_presets",
     "expand_grid",
-    "metric_sort_key",
     "parse_grid",
     "run_ablation",
     "split_values",
@@ -159,7 +157,7 @@ def run_ablation(
     Returns:
         The :class:`AblationResult` (already written to ``ablation.md``/``ablation.csv``).
     """
-    from idml.app.classification_task import make_trainer
+    from idml.app.training import Trainer
 
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
@@ -208,7 +206,7 @@ def run_ablation(
     results: list[CellResult] = []
     for number, runs in enumerate(plans, start=1):
         if train_missing:
-            done = [_run_one(plan, progress, make_trainer, log) for plan in runs]
+            done = [_run_one(plan, progress, Trainer, log) for plan in runs]
         else:
             done = [r for r in (_finished(plan) for plan in runs) if r is not None]
             if not done:

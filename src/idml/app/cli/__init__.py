@@ -14,12 +14,13 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from idml import __version__
+from idml.app.cli.command import INTERRUPTED, Parser
 from idml.app.cli.evaluation import EVALUATE
-from idml.app.cli.options import format_metrics
 from idml.app.cli.retrieval import CALIBRATE, EMBED, EXPORT, INDEX, SEARCH, SERVE
 from idml.app.cli.training import ABLATE, DEMO, REPORT, TRAIN
 
-__all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "format_metrics", "main"]
+__all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "main"]
 
 
 COMMANDS = (TRAIN, EVALUATE, EMBED, DEMO, REPORT, ABLATE, INDEX, SEARCH, CALIBRATE, EXPORT, SERVE)
@@ -28,10 +29,11 @@ retrieval for applications (index, search, export, serve)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="idml", description="Deep metric learning with IDML and SSR."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The parser of every sub-command. Building it imports no torch: each sub-command imports
+    what it needs when it runs, so ``idml --help`` and ``idml --version`` answer at once."""
+    parser = Parser(prog="idml", description="Deep metric learning with IDML and SSR.")
+    parser.add_argument("--version", action="version", version=f"idml {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS:
         command.add_to(sub)
     return parser
@@ -57,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"idml {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: one line and the shell's exit status for SIGINT, not a traceback.
+        print(f"\nidml {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def _one_line(err: BaseException) -> str:

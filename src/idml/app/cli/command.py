@@ -14,6 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+INTERRUPTED = 130
+"""The exit status after Ctrl-C (128 + SIGINT, as a shell reports a process stopped by it)."""
+
 
 class Option:
     """One argument of a sub-command: the flags and keywords of
@@ -57,8 +60,9 @@ class Command:
     """The paragraph under the usage of ``idml NAME --help``."""
     arguments: Sequence[Option | Group] = ()
     epilog: Callable[[], str] | None = None
-    """The text after the arguments, made when the parser is built; with one, the description and
-    the epilog are printed as written (their line breaks kept)."""
+    """The text after the arguments, made only when ``idml NAME --help`` prints it (it may import
+    what the parser must not: ``idml --help`` stays fast); with one, the description and the
+    epilog are printed as written (their line breaks kept)."""
 
     def add_to(self, sub: argparse._SubParsersAction) -> None:
         raw = self.epilog is not None
@@ -66,9 +70,23 @@ class Command:
             self.name,
             help=self.help,
             description=self.description,
-            epilog=self.epilog() if self.epilog is not None else None,
+            epilog_factory=self.epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter,
         )
         for argument in self.arguments:
             argument.add_to(parser)
         parser.set_defaults(run=self.run)
+
+
+class Parser(argparse.ArgumentParser):
+    """An :class:`argparse.ArgumentParser` whose epilog is made when the help is formatted
+    (``epilog_factory``), not when the parser is built."""
+
+    def __init__(self, *args: Any, epilog_factory: Callable[[], str] | None = None, **kw: Any):
+        super().__init__(*args, **kw)
+        self._epilog_factory = epilog_factory
+
+    def format_help(self) -> str:
+        if self._epilog_factory is not None and self.epilog is None:
+            self.epilog = self._epilog_factory()
+        return super().format_help()

@@ -13,12 +13,11 @@ from idml.app.cli.options import (
     OLD_PROGRESS,
     RERANKING,
     device_name,
-    format_metrics,
     reranker,
 )
 
 if TYPE_CHECKING:
-    from idml.evaluation import EvaluationReport
+    from idml.app.tasks import RunEvaluation
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -29,88 +28,43 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers like 1,2,4,8, got {text!r}") from None
 
 
+_RUN_OPTIONS = (  # EvaluationRequest field, flag
+    ("ks", "--ks"),
+    ("introspective", "--introspective"),
+    ("nmi", "--no-nmi"),
+    ("nmi_backend", "--nmi-backend"),
+    ("block_size", "--block-size"),
+    ("seed", "--seed"),
+    ("reranking", "--rerank"),
+    ("calibration", "--calibration"),
+)
+"""The evaluation options a run's task may honour with ``--checkpoint``."""
+
+_FILE_OPTIONS = (  # argparse destination, flag
+    ("labels", "--labels"),
+    ("query_embeddings", "--query-embeddings"),
+    ("query_labels", "--query-labels"),
+    ("embeddings_key", "--embeddings-key"),
+    ("uncertainty_key", "--uncertainty-key"),
+    ("labels_key", "--labels-key"),
+    ("metric", "--metric"),
+    ("normalize", "--no-normalize"),
+    ("gamma", "--gamma"),
+    ("tau", "--tau"),
+    ("knn_backend", "--knn-backend"),
+    ("faiss_index", "--faiss-index"),
+)
+"""Options of embeddings files only (``None``: not given): with ``--checkpoint`` the run's own
+config decides them."""
+
+
 def _run_evaluate(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        return _evaluate_run(args)
     from idml.evaluation import EntryNames, EvaluationSettings, evaluate_files
     from idml.evaluation.confidence import ConfidenceCalibration
     from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 
-    if args.checkpoint is not None:
-        from idml.app.trained_run import evaluate_checkpoint
-
-        if args.embeddings is not None:
-            raise ValueError("give either --checkpoint RUN or --embeddings FILE, not both")
-        # A run is scored with its own config's metric and ISM; file-only options would be
-        # silently ignored, so they are refused.
-        file_only = [
-            flag
-            for flag, given in (
-                ("--labels", args.labels is not None),
-                ("--query-embeddings", args.query_embeddings is not None),
-                ("--query-labels", args.query_labels is not None),
-                ("--embeddings-key", args.embeddings_key is not None),
-                ("--uncertainty-key", args.uncertainty_key is not None),
-                ("--labels-key", args.labels_key is not None),
-                ("--metric", args.metric != "cosine"),
-                ("--no-normalize", args.no_normalize),
-                ("--gamma", args.gamma != 0.0),
-                ("--tau", args.tau != 5.0),
-                ("--knn-backend", args.knn_backend != "exact"),
-                ("--faiss-index", args.faiss_index != "HNSW32"),
-            )
-            if given
-        ]
-        if file_only:
-            raise ValueError(
-                f"{', '.join(file_only)} only apply to --embeddings files; with --checkpoint the "
-                "run's own config decides (metric.*, eval.*). Drop them, or export embeddings "
-                "with `idml embed` and evaluate the file"
-            )
-        import json
-
-        from idml.app.classification_task import evaluate_classification_run, run_task
-
-        if run_task(args.checkpoint, args.which) == "classification":
-            retrieval_only = [
-                flag
-                for flag, given in (
-                    ("--ks", args.ks is not None),
-                    ("--introspective", args.introspective),
-                    ("--no-nmi", args.no_nmi),
-                    ("--nmi-backend", args.nmi_backend is not None),
-                    ("--rerank", args.rerank is not None),
-                    ("--calibration", args.calibration is not None),
-                )
-                if given
-            ]
-            if retrieval_only:
-                raise ValueError(
-                    f"{', '.join(retrieval_only)} apply to retrieval runs; {args.checkpoint} is a "
-                    "classification run (its classification.* settings decide)"
-                )
-            metrics = evaluate_classification_run(
-                args.checkpoint, args.which, device=args.device, progress=not args.no_progress
-            )
-            print(
-                json.dumps(metrics) if args.json else format_metrics(str(args.checkpoint), metrics)
-            )
-            return 0
-        report = evaluate_checkpoint(
-            args.checkpoint,
-            args.which,
-            ks=args.ks,
-            introspective=True if args.introspective else None,
-            device=args.device,
-            progress=not args.no_progress,
-            # Naming a k-means backend asks for NMI, even where the run's eval.nmi is off.
-            nmi=False if args.no_nmi else (True if args.nmi_backend else None),
-            nmi_backend=args.nmi_backend,
-            block_size=args.block_size,
-            seed=args.seed,
-            reranking=reranker(args),
-            calibration=args.calibration,
-        )
-        _print_report(report, args)
-        return 0
     if args.embeddings is None:
         raise ValueError(
             "give --embeddings FILE (and --labels FILE unless the file has 'labels'), "
@@ -118,26 +72,29 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         )
     ism = None
     if args.introspective:
-        base = CosineSimilarity() if args.metric == "cosine" else EuclideanDistance()
-        ism = IntrospectiveMetric(base, gamma=args.gamma, tau=args.tau)
+        base = CosineSimilarity() if args.metric in (None, "cosine") else EuclideanDistance()
+        given = {k: v for k, v in (("gamma", args.gamma), ("tau", args.tau)) if v is not None}
+        ism = IntrospectiveMetric(base, **given)
+    settings = {
+        "ks": args.ks or None,
+        "metric": args.metric,
+        "normalize": args.normalize,
+        "nmi": False if args.no_nmi else None,
+        "nmi_backend": args.nmi_backend,
+        "seed": args.seed,
+        "knn_backend": args.knn_backend,
+        "faiss_index": args.faiss_index,
+        "block_size": args.block_size,
+        "reranking": reranker(args),
+    }
     report = evaluate_files(
         args.embeddings,
         args.labels,
         query_embeddings_path=args.query_embeddings,
         query_labels_path=args.query_labels,
         entry_names=EntryNames(args.embeddings_key, args.uncertainty_key, args.labels_key),
-        settings=EvaluationSettings(
-            ks=args.ks or (1, 2, 4, 8),
-            metric=args.metric,
-            normalize=not args.no_normalize,
-            nmi=not args.no_nmi,
-            nmi_backend=args.nmi_backend or "auto",
-            seed=args.seed,
-            knn_backend=args.knn_backend,
-            faiss_index=args.faiss_index,
-            block_size=args.block_size,
-            reranking=reranker(args),
-        ),
+        # Options not given keep the library's defaults.
+        settings=EvaluationSettings(**{k: v for k, v in settings.items() if v is not None}),
         introspective_metric=ism,
         calibration=None
         if args.calibration is None
@@ -146,6 +103,48 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     _print_report(report, args)
+    return 0
+
+
+def _evaluate_run(args: argparse.Namespace) -> int:
+    """``--checkpoint RUN``: the run's task evaluates it with its own config's settings, changed
+    only where a flag the task honours asks."""
+    from idml.app.tasks import EvaluationRequest, task_of_run
+
+    if args.embeddings is not None:
+        raise ValueError("give either --checkpoint RUN or --embeddings FILE, not both")
+    # A run is scored with its own config's metric and ISM; file-only options would be silently
+    # ignored, so they are refused.
+    file_only = [flag for dest, flag in _FILE_OPTIONS if getattr(args, dest) is not None]
+    if file_only:
+        raise ValueError(
+            f"{', '.join(file_only)} only apply to --embeddings files; with --checkpoint the "
+            "run's own config decides (metric.*, eval.*). Drop them, or export embeddings "
+            "with `idml embed` and evaluate the file"
+        )
+    task = task_of_run(args.checkpoint, args.which)
+    request = EvaluationRequest(
+        ks=args.ks or None,
+        introspective=True if args.introspective else None,
+        # Naming a k-means backend asks for NMI, even where the run's eval.nmi is off.
+        nmi=False if args.no_nmi else (True if args.nmi_backend else None),
+        nmi_backend=args.nmi_backend,
+        block_size=args.block_size,
+        seed=args.seed,
+        reranking=reranker(args),
+        calibration=args.calibration,
+    )
+    given, honoured = request.given(), task.evaluation_options
+    refused = [flag for name, flag in _RUN_OPTIONS if name in given and name not in honoured]
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)} do not apply to {task.name} runs, and {args.checkpoint} is one "
+            "(its config decides); drop them"
+        )
+    evaluation = task.evaluate_run(
+        args.checkpoint, args.which, request, device=args.device, progress=not args.no_progress
+    )
+    _print_report(evaluation, args)
     return 0
 
 
@@ -190,15 +189,26 @@ EVALUATE = Command(
                 default=None,
                 help="K of Recall@K, e.g. 1,10,100,1000 (default 1,2,4,8, or the run's eval.ks)",
             ),
-            Option("--metric", choices=("cosine", "euclidean"), default="cosine"),
-            Option("--no-normalize", action="store_true", help="do not L2-normalise embeddings"),
+            Option(
+                "--metric", choices=("cosine", "euclidean"), default=None, help="default cosine"
+            ),
+            Option(
+                "--no-normalize",
+                dest="normalize",
+                action="store_const",
+                const=False,
+                default=None,
+                help="do not L2-normalise embeddings",
+            ),
             Option(
                 "--introspective",
                 action="store_true",
                 help="rank with ISM on semantic + uncertainty (ablation)",
             ),
-            Option("--gamma", type=float, default=0.0, help="ISM introspective bias γ"),
-            Option("--tau", type=float, default=5.0, help="ISM weakening degree τ"),
+            Option(
+                "--gamma", type=float, default=None, help="ISM introspective bias γ (default 0)"
+            ),
+            Option("--tau", type=float, default=None, help="ISM weakening degree τ (default 5)"),
             Option("--no-nmi", action="store_true", help="skip NMI (k-means)"),
             Option(
                 "--nmi-backend",
@@ -208,9 +218,9 @@ EVALUATE = Command(
                 "k-NN-graph k-means when points x classes > 5e7, e.g. SOP, else full k-means with "
                 "faiss if installed, else sklearn), faiss, sklearn or knn (fast, many classes)",
             ),
-            Option("--seed", type=int, default=1234, help="k-means seed"),
-            Option("--knn-backend", choices=("exact", "faiss"), default="exact"),
-            Option("--faiss-index", default="HNSW32", help="faiss index factory string"),
+            Option("--seed", type=int, default=None, help="k-means seed (default 1234)"),
+            Option("--knn-backend", choices=("exact", "faiss"), default=None, help="default exact"),
+            Option("--faiss-index", default=None, help="faiss index factory (default HNSW32)"),
             Option(
                 "--device", default=None, type=device_name, help="cpu, cuda, cuda:N (default: cpu)"
             ),
@@ -240,11 +250,14 @@ EVALUATE = Command(
 )
 
 
-def _print_report(report: EvaluationReport, args: argparse.Namespace) -> None:
+def _print_report(report: RunEvaluation, args: argparse.Namespace) -> None:
     """JSON (every class when ``--per-class N > 0``) or a table (the N worst classes)."""
+    from idml.evaluation import EvaluationReport
+
     if args.json:
         print(report.to_json(per_class=args.per_class > 0))
         return
     print(report.format_table(per_class=args.per_class))
-    if "calibration" in report.settings:
+    # A retrieval run's evaluation says which confidence it judged (idml.app.calibration).
+    if isinstance(report, EvaluationReport) and "calibration" in report.settings:
         print(f"confidence: {report.settings['calibration']}")

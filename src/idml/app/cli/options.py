@@ -82,13 +82,6 @@ def runtime(args: argparse.Namespace) -> Runtime:
     return Runtime(args.batch_size, args.device, progress=not args.no_progress)
 
 
-def format_metrics(title: str, metrics: dict[str, float]) -> str:
-    """A two-column table of metric values."""
-    width = max((len(k) for k in metrics), default=6)
-    lines = [title] + [f"  {k.ljust(width)}  {v:.4f}" for k, v in metrics.items()]
-    return "\n".join(lines)
-
-
 RERANKING = Group(
     "re-ranking (k-reciprocal: Zhong et al. 2017; αQE / DBA: Radenović et al. 2019)",
     Option(

@@ -29,28 +29,21 @@ if TYPE_CHECKING:
 
 
 def _run_embed(args: argparse.Namespace) -> int:
-    from idml.app.classification_task import load_classification_run, run_task
-    from idml.app.trained_run import embed_images, load_trained_model
+    from idml.app.tasks import task_of_run
+    from idml.app.trained_run import embed_images
 
-    classifier, logit_classes = None, None
-    if run_task(args.checkpoint, args.which) == "classification":
-        loaded = load_classification_run(args.checkpoint, args.which)
-        cfg, model = loaded.config, loaded.run.model
-        classifier, logit_classes = loaded.classifier, loaded.class_names
-    else:
-        cfg, model = load_trained_model(args.checkpoint, which=args.which)
+    loaded = task_of_run(args.checkpoint, args.which).load_run(args.checkpoint, args.which)
     n = embed_images(
-        cfg,
-        model,
+        loaded.config,
+        loaded.model,
         args.images,
         args.out,
         batch_size=args.batch_size,
         split=args.split,
         progress=not args.no_progress,
-        classifier=classifier,
-        logit_classes=logit_classes,
+        extras=loaded.extra_outputs,
     )
-    extra = " with logits and probabilities" if classifier is not None else ""
+    extra = f" with {' and '.join(loaded.extra_arrays)}" if loaded.extra_arrays else ""
     print(f"wrote {n} embeddings{extra} to {args.out}")
     return 0
 
@@ -362,7 +355,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 SERVE = Command(
     "serve",
     _run_serve,
-    help="HTTP JSON search service over an index (POST /search, GET /health, GET /info)",
+    help="HTTP JSON search service over an index (POST /search, GET /health, GET /info; "
+    "OpenAPI at GET /openapi.json, readable at GET /docs)",
     arguments=(
         *INDEX_MODEL,
         Option("--embeddings-only", action="store_true", help="no model: embedding queries only"),

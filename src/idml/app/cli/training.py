@@ -3,47 +3,85 @@
 from __future__ import annotations
 
 import argparse
-import functools
+import shlex
 import sys
 from pathlib import Path
 
-from idml.app.cli.command import Command, Group, Option
-from idml.app.cli.options import NO_PROGRESS, OLD_PROGRESS, OVERRIDES, device_name, format_metrics
+from idml.app.cli.command import INTERRUPTED, Command, Group, Option
+from idml.app.cli.options import NO_PROGRESS, OLD_PROGRESS, OVERRIDES, device_name
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from idml.app.classification_task import make_trainer
     from idml.app.config import load_config
     from idml.app.distributed import destroy_distributed, init_distributed
+    from idml.app.training import Trainer
+    from idml.progress import echo
 
     cfg = load_config(args.config, args.overrides)
     out = args.out or Path("runs") / cfg.name
     # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
     context = init_distributed(device=cfg.device)
     try:
-        trainer = make_trainer(
+        trainer = Trainer(
             cfg,
             out,
             progress=not args.no_progress,
             distributed=context,
-            # Without bars a long run would print nothing until it ends: one line per epoch.
-            epoch_log=functools.partial(print, flush=True) if args.no_progress else None,
+            # The start-up summary and one line per epoch, kept above the bars and in a pipe.
+            echo=echo,
         )
         result = trainer.fit(resume=args.resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        # The last finished epoch is saved (its log line and checkpoint are written together).
+        if context.is_main:
+            from idml.app.training.console import interrupted_line
+
+            print(f"\nidml train: {interrupted_line(out, cfg.optim.epochs)}", file=sys.stderr)
+            print(f"resume with: {resume_command(args, out)}", file=sys.stderr, flush=True)
+        return INTERRUPTED
     finally:
         destroy_distributed(context)
     if not context.is_main:
         return 0
-    print(format_metrics(f"{cfg.name}: final", result.final_metrics))
-    if result.best_epoch >= 0:
-        print(format_metrics(f"best epoch {result.best_epoch + 1}", result.best_metrics))
-    if cfg.published is not None and result.final_metrics:
-        from idml.app.paper import compare_with_paper, format_paper_table
+    from idml.app.metric_display import format_metrics
 
-        rows = compare_with_paper(cfg.published.metrics, result.final_metrics)
-        print(format_paper_table(cfg.published.source, rows, "paper vs this run (final epoch)"))
+    print(format_metrics(f"{cfg.name}: final", result.final_metrics))
+    if result.best_epoch > 0:
+        print(format_metrics(f"best epoch {result.best_epoch}", result.best_metrics))
+    if cfg.published is not None and result.final_metrics:
+        from idml.app.config import config_to_dict
+        from idml.app.paper import paper_vs_run, recipe_differences
+
+        published = cfg.published
+        differences = recipe_differences(
+            published.recipe,
+            config_to_dict(cfg),
+            published.classes,
+            trainer.data.num_train_classes,
+        )
+        print(
+            paper_vs_run(
+                published.source,
+                published.metrics,
+                result.final_metrics,
+                differences,
+                recipe_known=bool(published.recipe),
+                title="paper vs this run (final epoch)",
+            )
+        )
     print(f"run folder: {result.run_dir}")
     return 0
+
+
+def resume_command(args: argparse.Namespace, out: Path) -> str:
+    """The ``idml train`` command that continues this run: the same config and ``--set``
+    overrides (a resumed config must equal the run's), its folder, ``--resume``; shell-quoted."""
+    words = ["idml", "train", str(args.config), "--out", str(out), "--resume"]
+    for override in args.overrides:
+        words += ["--set", override]
+    if args.no_progress:
+        words.append("--no-progress")
+    return shlex.join(words)
 
 
 TRAIN = Command(
@@ -214,17 +252,25 @@ def _run_ablate(args: argparse.Namespace) -> int:
     axes = parse_grid(args.grid)
     out = args.out or Path("runs") / f"ablation-{load_config(args.config, args.overrides).name}"
     metrics = [m.strip() for m in args.metrics.split(",")] if args.metrics else None
-    result = run_ablation(
-        args.config,
-        axes,
-        args.seeds,
-        out,
-        overrides=args.overrides,
-        select=args.select,
-        metrics=metrics,
-        progress=not args.no_progress,
-        log=print,
-    )
+    try:
+        result = run_ablation(
+            args.config,
+            axes,
+            args.seeds,
+            out,
+            overrides=args.overrides,
+            select=args.select,
+            metrics=metrics,
+            progress=not args.no_progress,
+            log=print,
+        )
+    except KeyboardInterrupt:
+        print(
+            "\nidml ablate: interrupted; run the same command again: finished runs are reused and "
+            "the interrupted one resumes from its last saved epoch",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
     print(result.markdown(), end="")
     print(f"tables: {out / 'ablation.md'}, {out / 'ablation.csv'}")
     return 0

@@ -52,7 +52,7 @@ Example (one process: everything is the identity):
 
 from __future__ import annotations
 
-from idml.app.distributed.context import (
+from idml.app.distributed._context import (
     ENV_VARIABLES,
     DistributedContext,
     derived_seed,
@@ -62,7 +62,7 @@ from idml.app.distributed.context import (
     rank_seed,
     resolve_device,
 )
-from idml.app.distributed.gather import (
+from idml.app.distributed._gather import (
     MergedRows,
     all_gather_rows,
     all_gather_with_grad,
@@ -72,7 +72,7 @@ from idml.app.distributed.gather import (
     gather_sizes,
     merge_rows,
 )
-from idml.app.distributed.shards import (
+from idml.app.distributed._shards import (
     ParallelModules,
     ShardPlan,
     wrap_ddp,

@@ -7,12 +7,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
+from idml.app.metric_display import decimals_for
 from idml.app.reports.figure_style import (
     CORRECT,
     WRONG,
@@ -50,7 +53,7 @@ def risk_coverage_curves(
     axes.set_title("risk–coverage")
     axes.set_xlim(0, 100)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc=legend)
+    axes.legend(fontsize=8, loc=cast(Any, legend))  # one of matplotlib's location names
     figure.tight_layout()
     return figure
 
@@ -79,24 +82,32 @@ def uncertainty_histogram(original: np.ndarray, mixed: np.ndarray | None) -> Fig
     figure = Figure(figsize=(5.0, 3.4))
     axes = figure.subplots()
     pooled = original if mixed is None else np.concatenate([original, mixed])
-    bins = np.histogram_bin_edges(pooled, bins=40)
+    bins = np.histogram_bin_edges(pooled, bins=40).tolist()
     axes.hist(original, bins=bins, alpha=0.6, density=True, label=f"original ({len(original)})")
     if mixed is not None:
         axes.hist(mixed, bins=bins, alpha=0.6, density=True, label=f"mixed ({len(mixed)})")
     axes.set_xlabel("uncertainty level ||u||")
     axes.set_ylabel("density")
     axes.set_title("test-set uncertainty")
+    # Levels that differ in the fourth digit make long tick labels: few enough to stay apart.
+    axes.xaxis.set_major_locator(MaxNLocator(nbins=4))
     axes.legend(fontsize=8)
     figure.tight_layout()
     return figure
 
 
+GRID_NAME_CHARS = 14
+"""Characters of a class name above a retrieval-grid tile (longer names lose their middle, …): the
+caption stays narrower than its tile, so neighbouring captions never run into each other."""
+
+
 def retrieval_grid(analysis: TestAnalysis, min_tile: int = 64) -> Figure:
     """Each query (left) and its top-k neighbours, framed green when correct, red when not.
 
-    The layout of Fu et al. 2021, Fig. 5; labels add the class and, with an uncertainty head, each
-    image's uncertainty level ``||u||``. The tiles are composed into one image (one Axes), small
-    images enlarged to ``min_tile`` pixels by pixel repetition.
+    The layout of Fu et al. 2021, Fig. 5; labels add the class (at most :data:`GRID_NAME_CHARS`
+    characters) and, with an uncertainty head, each image's uncertainty level ``||u||`` with the
+    decimals that tell the shown levels apart. The tiles are composed into one image (one Axes),
+    small images enlarged to ``min_tile`` pixels by pixel repetition.
     """
     images = analysis.grid_images
     if images.shape[-1] == 1:
@@ -106,7 +117,7 @@ def retrieval_grid(analysis: TestAnalysis, min_tile: int = 64) -> Figure:
     images = images.repeat(scale, axis=2).repeat(scale, axis=3)
     height, width = height * scale, width * scale
     border = max(2, height // 16)
-    band = height // 2 + 2 * border  # room above each row for two lines of labels
+    band = height * 3 // 4 + 2 * border  # room above each row for three lines of labels
     gap = 2 * border
     correct = analysis.correct
     frame = np.where(correct[..., None], to_rgb(CORRECT), to_rgb(WRONG))
@@ -119,21 +130,26 @@ def retrieval_grid(analysis: TestAnalysis, min_tile: int = 64) -> Figure:
         rows * (band + tile_h), cols * (tile_w + gap), 3
     )
 
-    figure = Figure(figsize=(1.5 * cols, 1.7 * rows))
+    figure = Figure(figsize=(1.5 * cols, 1.9 * rows))
     axes = figure.subplots()
     axes.imshow(canvas, interpolation="nearest")
     axes.set_axis_off()
     ids = np.concatenate([analysis.queries[:, None], analysis.neighbors], axis=1)
+    digits = 0
+    if analysis.uncertainty is not None:
+        digits = decimals_for(analysis.uncertainty[ids].ravel().tolist(), minimum=2)
     for r in range(rows):
         for c in range(cols):
-            name = analysis.class_names[int(analysis.labels[ids[r, c]])]
-            text = f"query: {name}" if c == 0 else f"#{c} {name}"
+            name = wrap_label(
+                analysis.class_names[int(analysis.labels[ids[r, c]])], GRID_NAME_CHARS, lines=1
+            )
+            text = ("query" if c == 0 else f"#{c}") + f"\n{name}"
             if analysis.uncertainty is not None:
-                text += f"\n||u||={analysis.uncertainty[ids[r, c]]:.2f}"
+                text += f"\n||u|| {analysis.uncertainty[ids[r, c]]:.{digits}f}"
             color = "black" if c == 0 else (CORRECT if correct[r, c - 1] else WRONG)
             x = c * (tile_w + gap) + tile_w / 2
             y = r * (band + tile_h) + band - border
-            axes.text(x, y, text, ha="center", va="bottom", fontsize=8, color=color)
+            axes.text(x, y, text, ha="center", va="bottom", fontsize=7.5, color=color)
     figure.tight_layout()
     return figure
 
@@ -147,11 +163,13 @@ def tsne_scatter(points: np.ndarray, labels: np.ndarray, class_names: Sequence[s
         palette = colormaps["tab10" if len(classes) <= 10 else "tab20"]
         for i, cls in enumerate(classes):
             here = labels == cls
-            axes.scatter(*points[here].T, s=8, color=palette(i), label=class_names[int(cls)])
+            xs, ys = points[here].T
+            axes.scatter(xs, ys, s=8, color=palette(i), label=class_names[int(cls)])
         axes.legend(fontsize=7, title="class", loc="center left", bbox_to_anchor=(1.0, 0.5))
     else:
         codes = np.searchsorted(classes, labels)
-        axes.scatter(*points.T, s=6, c=codes, cmap="hsv", vmin=0, vmax=len(classes))
+        xs, ys = points.T
+        axes.scatter(xs, ys, s=6, c=codes, cmap="hsv", vmin=0, vmax=len(classes))
     axes.set_xticks([])
     axes.set_yticks([])
     axes.set_title(f"t-SNE of {len(labels)} test embeddings ({len(classes)} classes)")

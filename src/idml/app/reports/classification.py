@@ -1,8 +1,8 @@
 """The report's test-set analysis of a classification run (``task: classification``).
 
 :func:`analyse_classification_run` (what :func:`~idml.app.reports.runs.analyse_run` does for a
-classification run) loads the run's checkpoint (model and classifier, through
-:func:`~idml.app.classification_task.load_classification_run`) and measures on the test split:
+classification run, through :meth:`idml.app.tasks.classification.Classification.analyse`) takes
+the run's loaded checkpoint (model and classifier) and measures on the test split:
 
 - the metrics ``idml evaluate --checkpoint`` prints (top-k, ECE, NLL, ``||u||`` probes), computed by
   the same pass with the run's own evaluation settings, so the page and the CLI agree;
@@ -25,12 +25,13 @@ classification run) loads the run's checkpoint (model and classifier, through
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from idml.app.reports.runs import AnalysisOptions, RunLog, _load_images
+from idml.app.reports.runs import AnalysisOptions, _load_images
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.evaluation.classification import CalibrationBins, calibration_bins, confusion_matrix
 from idml.evaluation.confidence import (
@@ -40,6 +41,9 @@ from idml.evaluation.confidence import (
     risk_coverage,
     score_quality,
 )
+
+if TYPE_CHECKING:
+    from idml.app.tasks.classification import ClassificationRun
 
 CONFIDENCE_SCORES = {
     "max_prob": "max softmax probability",
@@ -98,7 +102,7 @@ class ClassificationAnalysis:
     checkpoint: str
     """Which checkpoint was analysed: ``best`` or ``latest``."""
     epoch: int
-    """Its epoch (1-based)."""
+    """Its epoch (numbered from 1)."""
     metrics: dict[str, float]
     """What ``idml evaluate --checkpoint`` prints for this checkpoint."""
     class_names: tuple[str, ...]
@@ -142,23 +146,15 @@ class ClassificationAnalysis:
 
 
 def analyse_classification_run(
-    log: RunLog, options: AnalysisOptions, device: torch.device, progress: bool
+    loaded: ClassificationRun, options: AnalysisOptions, device: torch.device, progress: bool
 ) -> ClassificationAnalysis:
-    """Load a classification run's checkpoint and measure the test split (module docstring):
-    what :func:`~idml.app.reports.runs.analyse_run` does for a classification run.
+    """Measure a loaded classification run on its test split (module docstring): what
+    :func:`~idml.app.reports.runs.analyse_run` does for a classification run."""
+    from idml.app.tasks.classification import evaluation_settings
 
-    Raises:
-        idml.app.checkpoint.CheckpointError: the run folder holds no (readable) checkpoint.
-        ValueError: the run is not a classification run.
-    """
-    from idml.app.classification_task import build_classification_data, load_classification_run
-
-    loaded = load_classification_run(log.run_dir, options.which)
     cfg = loaded.config
-    settings = cfg.classification
-    if settings is None:  # the config validator fills it for task: classification
-        raise ValueError(f"{log.run_dir}: config.yaml has no classification section")
-    test = build_classification_data(cfg).test
+    settings = evaluation_settings(cfg)
+    test = cfg.task.spec.build_data(cfg).test
     outputs = loaded.outputs(test, device, progress)
     metrics = outputs.metrics(settings.ks, settings.ece_bins)
     num_classes = outputs.logits.shape[1]
@@ -186,7 +182,7 @@ def analyse_classification_run(
         notes.append("Every test image is classified right: there are no mistakes to show.")
     return ClassificationAnalysis(
         checkpoint=loaded.run.which,
-        epoch=int(loaded.run.state.get("epoch", -1)) + 1,
+        epoch=int(loaded.run.state.get("epoch", 0)),
         metrics=metrics,
         class_names=loaded.class_names,
         labels=outputs.labels.numpy(),

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from pathlib import Path
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -33,8 +35,22 @@ _MARKERS = ("o", "s", "^", "D", "v", "P")
 PANEL_COLUMNS = 2
 """Panels per row: more panels wrap onto further rows instead of shrinking the fonts."""
 
+MAX_LINES = 5
+"""Lines one panel draws at most; more become small multiples (one panel per group of lines),
+since five dash patterns and colours are about what a reader tells apart."""
 
-def line_style(i: int) -> dict[str, object]:
+
+def line_groups(count: int, size: int = MAX_LINES) -> list[range]:
+    """``range(count)`` in consecutive groups of at most ``size``, of nearly equal length
+    (6 lines: 3 + 3 rather than 5 + 1)."""
+    if count <= 0:
+        return []
+    panels = math.ceil(count / size)
+    edges = [round(i * count / panels) for i in range(panels + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(edges)]
+
+
+def line_style(i: int) -> dict[str, Any]:
     return {
         "linestyle": _LINE_STYLES[i % len(_LINE_STYLES)],
         "marker": _MARKERS[i % len(_MARKERS)],

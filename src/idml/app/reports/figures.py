@@ -14,6 +14,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from idml.app.metric_display import metric_family, metric_label, metric_unit
 from idml.app.reports.analysis_figures import (
     CONFUSION_NAMED_CLASSES,
     confusion_matrix_figure,
@@ -27,9 +28,11 @@ from idml.app.reports.analysis_figures import (
 )
 from idml.app.reports.figure_style import (
     CORRECT,
+    MAX_LINES,
     PANEL_COLUMNS,
     WRONG,
     legend_below,
+    line_groups,
     line_style,
     panel_grid,
     save_png,
@@ -41,6 +44,7 @@ from idml.evaluation.confidence import is_confidence_metric
 __all__ = [
     "CONFUSION_NAMED_CLASSES",
     "CORRECT",
+    "MAX_LINES",
     "PANEL_COLUMNS",
     "WRONG",
     "confusion_matrix_figure",
@@ -84,26 +88,57 @@ def _plot_series(axes: Axes, log: RunLog, keys: Sequence[str], prefix: str) -> N
             axes.plot(epochs, values, label=label, **line_style(i))
     axes.set_xlabel("epoch")
     # Whole epochs only, with a margin, so a one-epoch run gets one tick instead of fractions.
-    last = max((int(line["epoch"]) + 1 for line in log.history), default=1)
+    last = max((int(line["epoch"]) for line in log.history), default=1)
     axes.set_xlim(0.5, last + 0.5)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     axes.grid(alpha=0.3)
     legend_below(axes)
 
 
+def _split(title: str, keys: list[str]) -> list[tuple[str, list[str]]]:
+    """``keys`` in panels of at most :data:`MAX_LINES` lines (small multiples), numbered."""
+    groups = line_groups(len(keys))
+    if len(groups) <= 1:
+        return [(title, keys)]
+    return [
+        (f"{title} ({i + 1}/{len(groups)})", [keys[j] for j in g]) for i, g in enumerate(groups)
+    ]
+
+
+def _metric_panels(keys: list[str]) -> list[tuple[str, list[str]]]:
+    """Test-metric curves by kind — Recall@K; the other retrieval metrics; accuracy; NLL;
+    ``||u||`` levels — so one panel holds one scale and a handful of lines."""
+    kinds: dict[tuple[str, str, bool], list[str]] = {}
+    for key in keys:
+        name = key.removeprefix("test/")
+        kinds.setdefault(
+            (metric_family(name), metric_unit(name), name.startswith("recall@")), []
+        ).append(key)
+    panels = []
+    for (family, _, recall), members in kinds.items():
+        if recall:
+            title = "test Recall@K"
+        elif len(members) == 1:
+            title = f"test {metric_label(members[0].removeprefix('test/'))}"
+        else:
+            title = "test ||u|| levels" if family == "uncertainty" else f"test {family} metrics"
+        panels += _split(title, members)
+    return panels
+
+
 def training_curves(log: RunLog) -> Figure:
-    """Losses, SSR's ranking loss (when on), test metrics and learning rates per epoch."""
+    """Losses, SSR's ranking loss (when on), test metrics and learning rates per epoch: one panel
+    per kind of curve, each with at most :data:`MAX_LINES` lines (more become further panels)."""
     losses = [k for k in log.keys("loss/") if k not in _RANKING_PARTS]
     ranking = [k for k in _RANKING_PARTS if k in log.keys("loss/")]
     # Confidence metrics have their own figure; here the retrieval metrics.
     metrics = [k for k in log.keys("test/") if not is_confidence_metric(k.removeprefix("test/"))]
     rates = log.keys("lr/")
-    panels = [("losses", losses, "loss/", False)]
+    panels = [(title, keys, "loss/", False) for title, keys in _split("losses", losses)]
     if ranking:
         panels.append(("SSR ranking loss", ranking, "loss/", False))
-    if metrics:
-        panels.append(("test metrics", metrics, "test/", False))
-    panels.append(("learning rate", rates, "lr/", True))
+    panels += [(title, keys, "test/", False) for title, keys in _metric_panels(metrics)]
+    panels += [(title, keys, "lr/", True) for title, keys in _split("learning rate", rates)]
     figure, grid = panel_grid(len(panels))
     for axes, (title, keys, prefix, log_scale) in zip(grid, panels, strict=True):
         _plot_series(axes, log, keys, prefix)
@@ -155,7 +190,7 @@ def ism_saturation(log: RunLog) -> Figure:
     share.set_ylabel("% of relations with e^(-y) < 0.01")
     share.set_ylim(-2, 102)
     share.set_title("saturated relations")
-    last = max((int(line["epoch"]) + 1 for line in log.history), default=1)
+    last = max((int(line["epoch"]) for line in log.history), default=1)
     for axes in (weak, share):
         axes.set_xlabel("epoch")
         axes.set_xlim(0.5, last + 0.5)
@@ -219,17 +254,25 @@ def recall_dots(
 
 
 def pr_curves(names: Sequence[str], curves: Sequence[tuple[np.ndarray, np.ndarray]]) -> Figure:
-    """Interpolated precision against recall, averaged over queries, one line per run."""
-    figure = Figure(figsize=(5.0, 3.8))
-    axes = figure.subplots()
-    for i, (name, (recall, precision)) in enumerate(zip(names, curves, strict=True)):
-        axes.plot(recall, precision, label=name, **line_style(i))
-    axes.set_xlabel("recall")
-    axes.set_ylabel("precision")
-    axes.set_xlim(0, 1)
-    axes.set_ylim(0, 1.02)
-    axes.grid(alpha=0.3)
-    axes.set_title("precision–recall (test split)")
-    legend_below(axes, columns=2)
+    """Interpolated precision against recall, averaged over queries, one line per run; more than
+    :data:`MAX_LINES` runs become small multiples, each panel with the first run (grey) to
+    compare against."""
+    groups = line_groups(len(names))
+    figure, grid = panel_grid(len(groups), width=5.0, height=4.2)
+    for panel, (axes, group) in enumerate(zip(grid, groups, strict=True)):
+        if panel > 0:  # the first run, as the common reference of every panel
+            recall, precision = curves[0]
+            axes.plot(recall, precision, color="0.7", linewidth=1, label=f"{names[0]} (panel 1)")
+        for i in group:
+            recall, precision = curves[i]
+            axes.plot(recall, precision, label=names[i], **line_style(i))
+        axes.set_xlabel("recall")
+        axes.set_ylabel("precision")
+        axes.set_xlim(0, 1)
+        axes.set_ylim(0, 1.02)
+        axes.grid(alpha=0.3)
+        part = f" ({panel + 1}/{len(groups)})" if len(groups) > 1 else ""
+        axes.set_title(f"precision–recall (test split){part}")
+        legend_below(axes, columns=2)
     figure.tight_layout()
     return figure

@@ -1,12 +1,20 @@
 """``idml report``: one offline HTML page (plus its PNG figures) for one or several runs.
 
-The page has a comparison section (a table of every run's method and test metrics, Recall@K bars and
-precision–recall curves) and a section per run: training curves, the uncertainty trend of original
-vs mixed training images (Wang et al. 2022, Fig. 7), the histogram of test-set uncertainty levels of
-original vs mixed test images (Fig. 9), a top-5 retrieval grid (Fu et al. 2021, Fig. 5) and a t-SNE
-of test embeddings. What a run cannot show (no uncertainty head, SSR off, no checkpoint) is said in
-words instead of drawn as an empty plot. The page needs no network and no JavaScript: figures are
-PNG files beside it (``figures/``), or also embedded as ``data:`` URIs with ``inline=True``.
+The page leads with the answer: the seed table (each recipe's mean ± std over its seeds, the
+reference first, Δ against it marked where it is beyond the seed spread) with its Recall@K figure and
+the papers' numbers. Then the runs one by one: a comparison of every run (tables of its method and
+test metrics, Recall@K dots, precision–recall curves) and a section per run — training curves, the
+uncertainty trend of original vs mixed training images (Wang et al. 2022, Fig. 7), the histogram
+of test-set uncertainty levels of original vs mixed test images (Fig. 9), a top-5 retrieval grid
+(Fu et al. 2021, Fig. 5) and a t-SNE of test embeddings. With several runs these are collapsed
+(``<details>``, one click opens each), so a grid of eight arms is a page of its table, not 30,000 px
+of figures. What a run cannot show (no uncertainty head, SSR off, no checkpoint) is said in words
+instead of drawn as an empty plot.
+
+The page fits a 1400 px screen: wide tables are split by metric family, each repeating the row
+labels (:mod:`idml.app.reports.tables`), and numbers keep the precision their spread needs. It
+needs no network and no JavaScript: figures are PNG files beside it (``figures/``), or also
+embedded as ``data:`` URIs with ``inline=True``.
 """
 
 from __future__ import annotations
@@ -19,25 +27,39 @@ from pathlib import Path
 import torch
 
 from idml.app.checkpoint import atomic_write_text
-from idml.app.metric_display import format_metric, metric_heading, metric_sort_key
+from idml.app.metric_display import format_metric, metric_heading, metric_sort_key, table_decimals
 from idml.app.reports import figures
 from idml.app.reports.runs import AnalysisOptions, RunLog, TestAnalysis, analyse_run, read_run
-from idml.app.reports.sections import PageFigures, RunReport, note, run_section
+from idml.app.reports.sections import PageFigures, RunReport, collapsible, note, run_section
 from idml.app.reports.seeds import expand_run_dirs, seed_table, seeds_section
+from idml.app.reports.tables import Cell, html_table, split_columns, text_cell
+
+RUN_METRICS_PER_TABLE = 9
+"""Metric columns per table of the run comparison (one column each): fits 1400 px."""
 
 __all__ = ["RunReport", "write_report"]
 
+# Fits 1400 px: the body is at most 1200 px wide; number cells never wrap (the tables are split
+# instead), labels wrap; figures shrink to the column; long words (paths) break.
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222;
-       padding: 0 1em; }
+       padding: 0 1em; overflow-wrap: anywhere; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 2em; }
 table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
-th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }
-th { background: #f3f3f3; } td.text, th.text { text-align: left; }
+caption { text-align: left; font-size: 0.85em; color: #555; padding-bottom: 0.2em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; white-space: nowrap;
+         overflow-wrap: normal; }
+th { background: #f3f3f3; white-space: normal; }  /* a long heading wraps; numbers never */
+td.text, th.text { text-align: left; white-space: normal; max-width: 24em;
+                   overflow-wrap: break-word; }
+td.beyond { font-weight: bold; }
 figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption { font-size: 0.85em; color: #555; }
 p.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: 0.4em 0.8em; }
 .meta { color: #666; font-size: 0.85em; }
+details { margin: 1em 0; border-top: 1px solid #ccc; }
+details > summary { cursor: pointer; font-size: 1.25em; font-weight: bold; padding: 0.5em 0; }
+details > summary .meta { font-weight: normal; }
 """
 
 _PAGE = """<!DOCTYPE html>
@@ -110,13 +132,8 @@ def write_report(
     for report in reports:
         if report.log.run_dir not in detailed:
             continue
-        classification = report.log.config.task == "classification"
         if not analyse:
-            missing = (
-                "no confusion matrix, reliability diagram or mistakes"
-                if classification
-                else "no retrieval grid, test uncertainty or t-SNE"
-            )
+            missing = report.log.config.task.spec.without_analysis()
             report.notes.append(
                 "Test-set analysis was not requested (--no-test): metrics are those of the last "
                 f"logged evaluation; {missing}."
@@ -137,20 +154,34 @@ def write_report(
     figure_dir = out_dir / "figures"
     figure_dir.mkdir(parents=True, exist_ok=True)
     page = PageFigures(out_dir, inline)
-    body = [_comparison(reports, page), seeds_section(seeds)]
-    if any(len(g.runs) > 1 for g in seeds.groups) and any(
-        k.startswith("recall@") for k in seeds.metrics
-    ):
+    # Seeds of one recipe averaged: the seed table is the answer and leads; the single runs
+    # follow, collapsed. One run (or one seed each): its own numbers lead, open.
+    averaged = any(len(g.runs) > 1 for g in seeds.groups)
+    body = [seeds_section(seeds)] if len(reports) > 1 else []
+    if averaged and any(k.startswith("recall@") for k in seeds.metrics):
         labels = [g.label for g in seeds.groups]
         means = [{k: g.mean_std(k)[0] for k in seeds.metrics} for g in seeds.groups]
         stds = [{k: g.mean_std(k)[1] for k in seeds.metrics} for g in seeds.groups]
         caption = "Recall@K per group: mean over seeds with ± sample std; axes zoomed to the data."
         body.append(page.figure(figures.recall_dots(labels, means, stds), "00-seeds", caption))
+    comparison = _comparison(reports, page)
+    runs_heading = (
+        f"Every run ({len(reports)}): method and test metrics of each"
+        if len(reports) > 1
+        else "The run: method and test metrics"
+    )
+    body.append(collapsible(runs_heading, comparison, opened=not averaged))
+    if len(reports) == 1:
+        body.append(seeds_section(seeds))
     atomic_write_text(out_dir / "seeds.md", seeds.markdown())
     atomic_write_text(out_dir / "seeds.csv", seeds.csv())
     shown = [report for report in reports if report.log.run_dir in detailed]
-    body += [run_section(i, report, page) for i, report in enumerate(shown)]
-    title = "idml report: " + ", ".join(r.label for r in reports)
+    body += [run_section(i, report, page, opened=len(shown) == 1) for i, report in enumerate(shown)]
+    title = "idml report: " + (
+        ", ".join(r.label for r in reports)
+        if len(reports) <= 4
+        else f"{len(reports)} runs of {len(seeds.groups)} recipes"
+    )
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     from idml import __version__
 
@@ -181,9 +212,9 @@ def _metric_keys(reports: Sequence[RunReport]) -> list[str]:
 
 
 def _comparison(reports: Sequence[RunReport], page: PageFigures) -> str:
-    keys = _metric_keys(reports)
-    head = "".join(f"<th>{html.escape(metric_heading(k))}</th>" for k in keys)
-    rows = []
+    """Every run: what it is (method, data, epochs, where its metrics come from, time) and its
+    test metrics, in tables split by metric family; Recall@K dots and precision–recall curves."""
+    runs = []
     for report in reports:
         cfg = report.log.config
         if report.analysis is not None:
@@ -192,30 +223,47 @@ def _comparison(reports: Sequence[RunReport], page: PageFigures) -> str:
             source = "last logged evaluation" if report.metrics else "not evaluated"
         if report.log.nmi_method is not None:
             source += f"; NMI: {report.log.nmi_method}"  # the analysis uses the same k-means
-        cells = "".join(
-            f"<td>{format_metric(k, report.metrics[k])}</td>"
-            if k in report.metrics
-            else "<td>–</td>"
-            for k in keys
+        runs.append(
+            [
+                text_cell(report.label),
+                text_cell(report.log.method),
+                text_cell(f"{cfg.data.dataset}, {cfg.model.backbone}, d={cfg.model.embedding_dim}"),
+                Cell(f"{len(report.log.history)}/{cfg.optim.epochs}"),
+                text_cell(source),
+                Cell(f"{report.log.training_seconds:.1f}"),
+            ]
         )
-        rows.append(
-            f'<tr><td class="text">{html.escape(report.label)}</td>'
-            f'<td class="text">{html.escape(report.log.method)}</td>'
-            f'<td class="text">{html.escape(cfg.data.dataset)}, {html.escape(cfg.model.backbone)}, '
-            f"d={cfg.model.embedding_dim}</td>"
-            f"<td>{len(report.log.history)}/{cfg.optim.epochs}</td>"
-            f'<td class="text">{html.escape(source)}</td>{cells}'
-            f"<td>{report.log.training_seconds:.1f}</td></tr>"
+    head = ["run", "method", "data, backbone", "epochs", "metrics from", "train time (s)"]
+    tables = [
+        html_table(
+            [text_cell(h) if i != 3 and i != 5 else Cell(h) for i, h in enumerate(head)], runs
         )
-    table = (
-        '<table><tr><th class="text">run</th><th class="text">method</th>'
-        '<th class="text">data, backbone</th><th>epochs</th><th class="text">metrics from</th>'
-        f"{head}<th>train time (s)</th></tr>\n" + "\n".join(rows) + "</table>"
+    ]
+    keys = _metric_keys(reports)
+    digits = table_decimals({k: [r.metrics[k] for r in reports if k in r.metrics] for k in keys})
+    for caption, chunk in split_columns(keys, RUN_METRICS_PER_TABLE):
+        rows = [
+            [text_cell(report.label)]
+            + [
+                Cell(
+                    format_metric(k, report.metrics[k], **digits[k]) if k in report.metrics else "–"
+                )
+                for k in chunk
+            ]
+            for report in reports
+        ]
+        tables.append(
+            html_table([text_cell("run"), *(Cell(metric_heading(k)) for k in chunk)], rows, caption)
+        )
+    parts = ["\n".join(tables)]
+    # Recall@K and precision–recall are retrieval results: a report of runs whose tasks report
+    # no Recall@K (classification) has none to miss.
+    retrieval = any(
+        any(
+            name.startswith("recall@") for name in r.log.config.task.spec.metric_names(r.log.config)
+        )
+        for r in reports
     )
-    parts = ["<h2>Comparison</h2>", table]
-    # Recall@K and precision–recall are retrieval results: a report of classification runs alone
-    # has none to miss.
-    retrieval = any(r.log.config.task != "classification" for r in reports)
     names = [r.label for r in reports]
     if any(k.startswith("recall@") for k in keys):
         dots = figures.recall_dots(names, [r.metrics for r in reports])

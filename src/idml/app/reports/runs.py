@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
 from idml.app.config import Config, load_config
+from idml.app.run_folder import log_epochs_from_one
+from idml.app.training.console import describe_method
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
 from idml.evaluation.confidence import ThresholdOutcome, risk_coverage
 from idml.evaluation.evaluate import EvaluationReport
@@ -29,16 +31,14 @@ from idml.evaluation.reliability import CalibrationBins
 from idml.evaluation.report import RetrievalResult
 from idml.models import embed_dataset
 
-if TYPE_CHECKING:
-    from idml.app.reports.classification import ClassificationAnalysis
-
 
 # --------------------------------------------------------------------------- run log
 @dataclass(frozen=True)
 class RunLog:
     """A run folder's config and per-epoch log (one dict per line of ``metrics.jsonl``).
 
-    Log keys (see :mod:`idml.app.training`): ``epoch`` (0-based), ``seconds``, ``steps``,
+    Log keys (see :mod:`idml.app.training`): ``epoch`` (numbered from 1, also in logs written
+    when they were numbered from 0: :func:`read_run` renumbers those), ``seconds``, ``steps``,
     ``loss/<part>``, ``lr/<group>``, ``uncertainty/<original|mixed|degraded>`` (mean ``||u||``)
     and ``test/<metric>`` on evaluated epochs.
     """
@@ -62,9 +62,9 @@ class RunLog:
         return list(seen)
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """``(epochs, values)`` of one key over the epochs that logged a finite value (1-based)."""
+        """``(epochs, values)`` of one key over the epochs that logged a finite value."""
         points = [
-            (int(line["epoch"]) + 1, float(line[key]))
+            (int(line["epoch"]), float(line[key]))
             for line in self.history
             if isinstance(line.get(key), (int, float)) and math.isfinite(float(line[key]))
         ]
@@ -85,11 +85,7 @@ class RunLog:
 
     @property
     def mixup_enabled(self) -> bool:
-        """The run trained on mixed images: Mixup with set labels, or for a classification run
-        its ``classification.mix`` (Mixup or CutMix)."""
-        mix = self.config.classification
-        if self.config.task == "classification" and mix is not None:
-            return mix.mix != "none"
+        """The run trained on mixed images (Mixup or CutMix, ``mixup.enabled``)."""
         return self.config.mixup.enabled
 
     @property
@@ -117,22 +113,7 @@ class RunLog:
     @property
     def method(self) -> str:
         """Short description: loss, metric (plain / ISM variant), Mixup, SSR."""
-        cfg = self.config
-        parts = [cfg.loss.name]
-        if cfg.task == "classification" and cfg.classification is not None:
-            parts = ["cosine classifier"]
-            if cfg.classification.mix != "none":
-                parts.append({"mixup": "Mixup", "cutmix": "CutMix"}[cfg.classification.mix])
-        if cfg.metric.introspective:
-            variant = {"soft": "ISM", "dissimilar": "ISM-Dis", "strict": "ISM-strict"}
-            parts.append(
-                f"{variant[cfg.metric.variant]} (γ={cfg.metric.gamma:g}, τ={cfg.metric.tau:g})"
-            )
-        if cfg.mixup.enabled:
-            parts.append("Mixup")
-        if cfg.ssr.enabled:
-            parts.append("SSR")
-        return " + ".join(parts)
+        return describe_method(self.config)
 
 
 def read_run(run_dir: Path) -> RunLog:
@@ -170,7 +151,7 @@ def read_run(run_dir: Path) -> RunLog:
         history.append(entry)
     if not history:
         raise ValueError(f"{log_path} is empty: the run has not finished an epoch yet")
-    return RunLog(run_dir, config, tuple(history))
+    return RunLog(run_dir, config, tuple(log_epochs_from_one(history)))
 
 
 # --------------------------------------------------------------------------- analysis
@@ -208,7 +189,7 @@ class TestAnalysis:
     checkpoint: str
     """Which checkpoint was analysed: ``best`` or ``latest``."""
     epoch: int
-    """Its epoch (1-based)."""
+    """Its epoch (numbered from 1)."""
     metrics: dict[str, float]
     labels: np.ndarray
     class_names: tuple[str, ...]
@@ -252,29 +233,32 @@ def analyse_run(
     options: AnalysisOptions | None = None,
     device: torch.device | None = None,
     progress: bool = False,
-) -> TestAnalysis | ClassificationAnalysis:
-    """Load the run's checkpoint and measure the test split (see :class:`TestAnalysis`; a
-    classification run's is a :class:`~idml.app.reports.classification.ClassificationAnalysis`,
-    by :func:`~idml.app.reports.classification.analyse_classification_run`), on ``device``
-    (default CPU) with ``options`` (default ``AnalysisOptions()``).
+) -> Any:
+    """Load the run's checkpoint and measure the test split as the run's task does it
+    (:meth:`idml.app.tasks.Task.analyse`: a :class:`TestAnalysis` for metric learning), on
+    ``device`` (default CPU) with ``options`` (default ``AnalysisOptions()``).
 
     Raises:
         idml.app.checkpoint.CheckpointError: the run folder holds no (readable) checkpoint.
     """
+    options = options or AnalysisOptions()
+    device = device or torch.device("cpu")
+    return log.config.task.spec.analyse(log, options, device, progress)
+
+
+def analyse_retrieval_run(
+    log: RunLog, options: AnalysisOptions, device: torch.device, progress: bool = False
+) -> TestAnalysis:
+    """A metric-learning run's :class:`TestAnalysis` (module docstring)."""
     from idml.app import build
     from idml.app.calibration import find_calibration
     from idml.app.inference import weights_sha256
-    from idml.app.reports.classification import analyse_classification_run
     from idml.app.trained_run import load_trained_run
 
-    options = options or AnalysisOptions()
-    device = device or torch.device("cpu")
-    if log.config.task == "classification":
-        return analyse_classification_run(log, options, device, progress)
     run = load_trained_run(log.run_dir, which=options.which)
     found = find_calibration([log.run_dir], weights_sha256(run.model), "none")
     cfg, model = run.config, run.model.to(device)
-    epoch = int(run.state.get("epoch", -1)) + 1
+    epoch = int(run.state.get("epoch", 0))
     test = build.build_data(cfg).test
     embeddings, labels = embed_dataset(model, test, options.batch_size, device, progress=progress)
     report = build.evaluate(

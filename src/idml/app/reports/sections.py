@@ -1,6 +1,8 @@
 """The pieces of the report page (:mod:`idml.app.reports.page`): the figure writer, and one section per
-run — training curves, uncertainty, retrieval and t-SNE figures of a metric-learning run, or the
-test-set analysis of a classification run — saying in words what a run cannot show."""
+run — training curves and uncertainty, then the test-set analysis its task draws
+(:meth:`idml.app.tasks.Task.report_section`: retrieval, uncertainty and t-SNE figures of a
+metric-learning run, :func:`retrieval_section`; calibration, confusion and mistakes of a
+classification run, :func:`classification_section`) — saying in words what a run cannot show."""
 
 from __future__ import annotations
 
@@ -9,10 +11,16 @@ import html
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from matplotlib.figure import Figure
 
-from idml.app.metric_display import format_metric, metric_heading, metric_sort_key
+from idml.app.metric_display import (
+    format_metric,
+    metric_heading,
+    metric_sort_key,
+    table_decimals,
+)
 from idml.app.reports import figures
 from idml.app.reports.classification import (
     CONFIDENCE_SCORES as CLASSIFICATION_SCORES,
@@ -30,9 +38,9 @@ class RunReport:
 
     log: RunLog
     label: str
-    analysis: TestAnalysis | ClassificationAnalysis | None
-    """:class:`TestAnalysis` of a metric-learning run, :class:`ClassificationAnalysis` of a
-    classification run (``config.task``)."""
+    analysis: Any
+    """What the run's task analysed (:meth:`idml.app.tasks.Task.analyse`; a :class:`TestAnalysis`
+    for metric learning), or ``None``."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -64,6 +72,14 @@ class PageFigures:
 
 def note(text: str) -> str:
     return f'<p class="note">{html.escape(text)}</p>'
+
+
+def collapsible(summary: str, body: str, opened: bool = False, detail: str = "") -> str:
+    """``body`` under a heading line ``summary`` (with a grey ``detail``) that opens and closes
+    it: a ``<details>`` element, closed unless ``opened`` (no script needed)."""
+    extra = f' <span class="meta">{html.escape(detail)}</span>' if detail else ""
+    state = " open" if opened else ""
+    return f"<details{state}><summary>{html.escape(summary)}{extra}</summary>\n{body}\n</details>"
 
 
 def section_slug(index: int, label: str) -> str:
@@ -191,13 +207,24 @@ def _conditions_figure(probe: UncertaintyProbe, slug: str, page: PageFigures) ->
     )
 
 
-def run_section(index: int, report: RunReport, page: PageFigures) -> str:
+def run_section(index: int, report: RunReport, page: PageFigures, opened: bool = True) -> str:
+    """One run's figures and notes, under a heading that opens and closes them (closed unless
+    ``opened``: a page of many runs shows their headings first)."""
+    metrics = report.metrics
+    first = sorted(metrics, key=metric_sort_key)[:1]
+    detail = "; ".join(
+        [report.log.method] + [f"{metric_heading(k)} {format_metric(k, metrics[k])}" for k in first]
+    )
+    body = _run_body(index, report, page)
+    return collapsible(f"Run {report.label}", body, opened=opened, detail=detail)
+
+
+def _run_body(index: int, report: RunReport, page: PageFigures) -> str:
     run, analysis = report.log, report.analysis
     cfg = run.config
     slug = section_slug(index, report.label)
     batch = cfg.sampler.effective_batch_size
     parts = [
-        f"<h2>Run {html.escape(report.label)}</h2>",
         f'<p class="meta">Folder {html.escape(str(run.run_dir))}; name {html.escape(cfg.name)}; '
         f"{html.escape(run.method)}; batch {batch}; seed {cfg.seed}.</p>",
         *(note(text) for text in report.notes),
@@ -244,12 +271,15 @@ def run_section(index: int, report: RunReport, page: PageFigures) -> str:
             )
         )
 
-    if analysis is None:
-        return "\n".join(parts)
-    if isinstance(analysis, ClassificationAnalysis):
-        parts.append(_classification_section(analysis, slug, page))
-        return "\n".join(parts)
-    parts.append("<h3>Test-set uncertainty</h3>")
+    if analysis is not None:
+        parts.append(cfg.task.spec.report_section(analysis, slug, page))
+    return "\n".join(parts)
+
+
+def retrieval_section(analysis: TestAnalysis, slug: str, page: PageFigures) -> str:
+    """Test-set uncertainty, confidence, the retrieval grid and the t-SNE of a metric-learning
+    run's checkpoint."""
+    parts = ["<h3>Test-set uncertainty</h3>"]
     if analysis.uncertainty is not None:
         parts.append(
             page.figure(
@@ -317,14 +347,16 @@ _CLASSIFICATION_METRICS = {
 }
 
 
-def _classification_section(analysis: ClassificationAnalysis, slug: str, page: PageFigures) -> str:
+def classification_section(analysis: ClassificationAnalysis, slug: str, page: PageFigures) -> str:
     """Metrics, reliability diagram, confusion matrix, risk–coverage, ``||u||`` by condition and
     the most confident mistakes of a classification run's checkpoint."""
     names = analysis.class_names
     metrics = analysis.metrics
+    # The ||u|| levels of clean and altered images are read against each other: one precision.
+    digits = table_decimals({key: [value] for key, value in metrics.items()})
     rows = "".join(
         f'<tr><td class="text">{html.escape(metric_heading(key))}</td>'
-        f"<td>{format_metric(key, value)}</td>"
+        f"<td>{format_metric(key, value, **digits[key])}</td>"
         f'<td class="text">{html.escape(_describe_metric(key))}</td></tr>'
         for key, value in sorted(metrics.items(), key=lambda item: metric_sort_key(item[0]))
     )

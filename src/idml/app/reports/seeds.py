@@ -6,8 +6,11 @@ several run folders given to ``idml report``. Each metric of a group is shown as
 ``mean ± std`` over its seeds (sample standard deviation, ``ddof = 1``, as the ablation tables)
 with the number of seeds ``n``, and ``Δ = mean(group) − mean(reference)`` in percentage points
 against a chosen reference group (by default the baseline: the first group trained without ISM,
-Mixup or SSR, else the first group). The numbers are each run's last logged evaluation
-(``test/<metric>`` of ``metrics.jsonl``), so the table equals what the runs logged.
+Mixup or SSR, else the first group), which the table lists first. A Δ is marked *beyond the seed
+spread* (``*``) when ``|Δ|`` exceeds both groups' standard deviations
+(:func:`~idml.app.metric_display.beyond_spread`); with one seed there is no spread to compare. The
+numbers are each run's last logged evaluation (``test/<metric>`` of ``metrics.jsonl``), so the
+table equals what the runs logged.
 
 The layout is the papers' (Wang et al. 2022, Table I; Fu et al. 2021, Table 1): one row per method,
 Recall@K by K, then RP, MAP@R, NMI; Markdown and CSV come with it for papers and spreadsheets.
@@ -16,6 +19,7 @@ Recall@K by K, then RP, MAP@R, NMI; Markdown and CSV come with it for papers and
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -27,8 +31,20 @@ from pathlib import Path
 import numpy as np
 
 from idml.app.config import RUNTIME_KEYS, config_difference, config_to_dict
-from idml.app.metric_display import format_delta, format_metric, metric_heading
+from idml.app.metric_display import (
+    beyond_spread,
+    format_delta,
+    format_metric,
+    metric_heading,
+    table_decimals,
+)
 from idml.app.reports.runs import RunLog
+from idml.app.reports.tables import Cell, html_table, split_columns, text_cell
+
+BEYOND = "*"
+"""The mark of a Δ beyond the seed spread."""
+SEED_METRICS_PER_TABLE = 4
+"""Metrics per HTML seed table (two columns each, mean ± std and Δ): fits 1400 px."""
 
 GROUP_IGNORED_KEYS = RUNTIME_KEYS | {"seed", "name"}
 """Config keys that may differ between the seeds of one group."""
@@ -155,17 +171,39 @@ class SeedTable:
         delta = math.nan if group is self.reference else mean - ref
         return mean, std, n, delta
 
+    def beyond(self, group: Group, metric: str) -> bool | None:
+        """Whether the group's Δ exceeds both groups' seed spread (``None``: the reference, or a
+        side with fewer than two seeds)."""
+        if group is self.reference:
+            return None
+        _, std, _, delta = self.cell(group, metric)
+        return beyond_spread(delta, (std, self.reference.mean_std(metric)[1]))
+
+    def group_label(self, group: Group) -> str:
+        return group.label + (" (reference)" if group is self.reference else "")
+
+    def display(self, group: Group, metric: str) -> tuple[str, str, bool]:
+        """``mean ± std`` and ``Δ`` (marked :data:`BEYOND` when beyond the seed spread) of one
+        cell in the metric's unit (:func:`~idml.app.metric_display.metric_unit`: % for
+        fractions), with as many decimals as the column's spread needs, and whether it is beyond."""
+        digits = self._decimals[metric]
+        mean, std, _, delta = self.cell(group, metric)
+        beyond = bool(self.beyond(group, metric))
+        text = format_delta(metric, delta, **digits) + (f" {BEYOND}" if beyond else "")
+        return format_metric(metric, mean, std, **digits), text, beyond
+
+    @functools.cached_property
+    def _decimals(self) -> dict[str, dict[str, int]]:
+        """Decimals of each metric's column, from the group means (``||u||`` columns pooled)."""
+        return table_decimals({m: [self.cell(g, m)[0] for g in self.groups] for m in self.metrics})
+
     def rows(self) -> list[list[str]]:
-        """Display rows: label, seeds, then ``mean ± std`` and ``Δ`` per metric, in the metric's
-        unit (:func:`~idml.app.metric_display.metric_unit`: % for fractions)."""
+        """Display rows: label, seeds, then ``mean ± std`` and ``Δ`` per metric (:meth:`display`)."""
         out = []
         for group in self.groups:
-            row = [group.label + (" (reference)" if group is self.reference else "")]
-            row.append(str(len(group.runs)))
+            row = [self.group_label(group), str(len(group.runs))]
             for metric in self.metrics:
-                mean, std, _, delta = self.cell(group, metric)
-                row.append(format_metric(metric, mean, std))
-                row.append(format_delta(metric, delta))
+                row += self.display(group, metric)[:2]
             out.append(row)
         return out
 
@@ -175,6 +213,16 @@ class SeedTable:
             head += [metric_heading(metric), "Δ"]
         return head
 
+    @property
+    def legend(self) -> str:
+        """What the numbers and marks are (below every rendering of the table)."""
+        return (
+            "Mean ± sample std over seeds of each run's last evaluation, in each column's unit; "
+            f"Δ = mean − mean of {self.reference.label!r} (the reference, first), in the same unit "
+            f"(percentage points for %); {BEYOND}: beyond the seed spread, |Δ| larger than the "
+            "std of both groups (with one seed there is no spread to compare)."
+        )
+
     def markdown(self) -> str:
         """Markdown table with a caption line that says what the numbers are."""
         head = self.header()
@@ -183,23 +231,43 @@ class SeedTable:
             "| --- | ---: |" + " ---: |" * (len(head) - 2),
             *("| " + " | ".join(row) + " |" for row in self.rows()),
             "",
-            "Mean ± sample std over seeds (last evaluation of each run), in each column's unit; "
-            f"Δ = mean − mean of {self.reference.label!r}, in the same unit (percentage points "
-            "for %).",
+            self.legend,
         ]
         return "\n".join(lines) + "\n"
 
+    def html(self) -> str:
+        """The table in HTML: several tables of at most :data:`SEED_METRICS_PER_TABLE` metrics
+        (families together), each repeating the group labels, so it fits a 1400 px screen."""
+        parts = []
+        for caption, keys in split_columns(self.metrics, SEED_METRICS_PER_TABLE):
+            head = [text_cell("method"), Cell("seeds")]
+            for metric in keys:
+                head += [Cell(metric_heading(metric)), Cell("Δ")]
+            rows = []
+            for group in self.groups:
+                row = [text_cell(self.group_label(group)), Cell(str(len(group.runs)))]
+                for metric in keys:
+                    value, delta, beyond = self.display(group, metric)
+                    row += [Cell(value), Cell(delta, "beyond" if beyond else "")]
+                rows.append(row)
+            parts.append(html_table(head, rows, caption))
+        return "\n".join(parts)
+
     def csv(self) -> str:
-        """CSV with fractions: ``<metric>_mean``, ``_std``, ``_n``, ``_delta`` per metric."""
+        """CSV with fractions: ``<metric>_mean``, ``_std``, ``_n``, ``_delta`` and
+        ``_beyond_spread`` (1, 0, or empty without a spread) per metric."""
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
-        cols = [f"{m}_{s}" for m in self.metrics for s in ("mean", "std", "n", "delta")]
+        parts = ("mean", "std", "n", "delta", "beyond_spread")
+        cols = [f"{m}_{s}" for m in self.metrics for s in parts]
         writer.writerow(["group", "reference", "seeds", *cols])
         for group in self.groups:
             values: list[str] = []
             for metric in self.metrics:
                 mean, std, n, delta = self.cell(group, metric)
-                values += [_num(mean), _num(std), str(n), _num(delta)]
+                beyond = self.beyond(group, metric)
+                flag = "" if beyond is None else str(int(beyond))
+                values += [_num(mean), _num(std), str(n), _num(delta), flag]
             writer.writerow(
                 [group.label, group is self.reference, " ".join(map(str, group.seeds)), *values]
             )
@@ -213,7 +281,7 @@ def seed_table(
     metrics: Sequence[str] | None = None,
 ) -> SeedTable:
     """Group ``runs`` by recipe and compare the groups (see the module docstring)."""
-    from idml.app.ablation import metric_sort_key
+    from idml.app.metric_display import metric_sort_key
 
     groups = group_runs(runs, labels)
     keys = (
@@ -221,7 +289,10 @@ def seed_table(
         if metrics
         else sorted({k for r in runs for k in r.last_metrics}, key=metric_sort_key)
     )
-    return SeedTable(groups, pick_reference(groups, reference), keys)
+    chosen = pick_reference(groups, reference)
+    # The reference first: every Δ below is read against the row above them.
+    ordered = [chosen, *(g for g in groups if g is not chosen)]
+    return SeedTable(ordered, chosen, keys)
 
 
 def _num(value: float) -> str:
@@ -233,44 +304,69 @@ def seeds_section(table: SeedTable) -> str:
     """The report's section: the seed table and, per group with published numbers, the paper."""
     import html
 
-    head = "".join(
-        f'<th class="text">{html.escape(h)}</th>' if i == 0 else f"<th>{html.escape(h)}</th>"
-        for i, h in enumerate(table.header())
-    )
-    body = "\n".join(
-        "<tr>"
-        + "".join(
-            f'<td class="text">{html.escape(c)}</td>' if i == 0 else f"<td>{html.escape(c)}</td>"
-            for i, c in enumerate(row)
-        )
-        + "</tr>"
-        for row in table.rows()
-    )
     parts = [
         "<h2>Seeds and differences</h2>",
-        f"<table><tr>{head}</tr>\n{body}</table>",
+        table.html(),
         '<p class="meta">'
-        + html.escape(
-            "Mean ± sample std over seeds of each run's last evaluation, in each column's unit; "
-            f"Δ = mean − mean of {table.reference.label!r} (the reference), in the same unit "
-            "(percentage points for %). Also in "
-            "seeds.md and seeds.csv beside this page."
-        )
+        + html.escape(f"{table.legend} Also in seeds.md and seeds.csv beside this page.")
         + "</p>",
     ]
     for group in table.groups:
         published = group.runs[0].config.published
         if published is not None:
-            parts.append(paper_section(group, published.source, published.metrics))
+            from idml.app.paper import recipe_differences
+
+            differences = recipe_differences(
+                published.recipe,
+                config_to_dict(group.runs[0].config),
+                published.classes,
+                _training_classes(group.runs[0]),
+            )
+            parts.append(
+                paper_section(
+                    group, published.source, published.metrics, differences, bool(published.recipe)
+                )
+            )
     return "\n".join(parts)
 
 
-def paper_section(group: Group, source: str, published: dict[str, float]) -> str:
-    """ "Paper vs this run" for one group: the source's numbers, the seed mean and Δ."""
+def _training_classes(run: RunLog) -> int | None:
+    """The number of training classes a run's latest checkpoint records (``None``: unknown)."""
+    from idml.app.checkpoint import CheckpointError, read_state, resolve_checkpoint
+
+    try:
+        value = read_state(resolve_checkpoint(run.run_dir)).get("num_train_classes")
+    except CheckpointError:
+        return None
+    return value if isinstance(value, int) else None
+
+
+def paper_section(
+    group: Group,
+    source: str,
+    published: dict[str, float],
+    differences: Sequence[str] = (),
+    recipe_known: bool = True,
+) -> str:
+    """ "Paper vs this run" for one group: the source's numbers, the seed mean and Δ; when the
+    group's recipe ``differences`` from the source's, only what differs (no Δ)."""
     import html
 
     from idml.app.paper import compare_with_paper
 
+    heading = f"<h3>Paper vs this run: {html.escape(group.label)}</h3>"
+    if differences:
+        items = "".join(f"<li>{html.escape(d)}</li>" for d in differences)
+        return (
+            heading + f'<p class="note">Not compared: this run is not the recipe of '
+            f"{html.escape(source)}, so a difference from its numbers would not measure the "
+            f"method. What differs:</p><ul>{items}</ul>"
+        )
+    unchecked = (
+        ""
+        if recipe_known
+        else " The source's recipe is not recorded, so this run was not checked against it."
+    )
     means = {k: group.mean_std(k)[0] for k in published}
     rows = compare_with_paper(published, {k: v for k, v in means.items() if math.isfinite(v)})
     cells = "\n".join(
@@ -281,9 +377,8 @@ def paper_section(group: Group, source: str, published: dict[str, float]) -> str
     )
     seeds = len(group.runs)
     return (
-        f"<h3>Paper vs this run: {html.escape(group.label)}</h3>"
-        f'<p class="meta">Source: {html.escape(source)}. Run: mean of {seeds} seed(s), last '
-        "evaluation. Values in %, Δ = run − paper in percentage points.</p>"
+        heading + f'<p class="meta">Source: {html.escape(source)}. Run: mean of {seeds} seed(s), '
+        f"last evaluation. Values in %, Δ = run − paper in percentage points.{unchecked}</p>"
         '<table><tr><th class="text">metric</th><th>paper</th><th>run</th><th>Δ</th></tr>\n'
         f"{cells}</table>"
     )

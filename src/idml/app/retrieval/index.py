@@ -945,7 +945,7 @@ def _check_items(
     embeddings: Tensor,
     uncertainty: Tensor | None,
     ids: Sequence[str] | None,
-    paths: Sequence[str | None] | None,
+    paths: Sequence[str | os.PathLike[Any] | None] | None,
     labels: Sequence[str | None] | None,
 ) -> tuple[Tensor, Tensor, tuple[list[str], list[str | None], list[str | None]]]:
     embeddings = torch.as_tensor(embeddings)
@@ -971,9 +971,11 @@ def _check_items(
         seen: set[str] = set()
         dup = next(x for x in id_list if x in seen or seen.add(x))  # type: ignore[func-returns-value]
         raise ValueError(f"item ids must be unique; {dup!r} appears more than once")
-    columns = []
+    columns: list[list[str | None]] = []
     for name, values in (("paths", paths), ("labels", labels)):
-        column = [None] * n if values is None else [None if v is None else str(v) for v in values]
+        column: list[str | None] = (
+            [None] * n if values is None else [None if v is None else str(v) for v in values]
+        )
         if len(column) != n:
             raise ValueError(f"{len(column)} {name} for {n} embeddings; give one per item")
         columns.append(column)

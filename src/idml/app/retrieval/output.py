@@ -28,7 +28,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat
 
 from idml.app.retrieval.index import Index, SearchResult
 
@@ -51,7 +51,7 @@ CSV_COLUMNS = (
 )
 
 
-def _num(value: float) -> float | None:
+def _num(value: SupportsFloat) -> float | None:
     value = float(value)
     return None if math.isnan(value) or math.isinf(value) else value
 
@@ -210,27 +210,74 @@ def _thumbnail(path: str | None, size: int = 96) -> str:
 
 
 def write_html(records: list[dict[str, Any]], path: Path, title: str = "idml search") -> None:
-    """An offline page: each query image, then its neighbours with similarity and ``||u||``."""
+    """An offline page: each query image, then its neighbours with similarity and ``||u||``.
+
+    Each query is a tile followed by its neighbours' fixed-width tiles, which wrap onto further
+    lines beside it, so any ``k`` fits the screen; ``||u||`` gets the decimals that tell the
+    page's levels apart (:func:`~idml.app.metric_display.decimals_for`), and is left out for a
+    model without an uncertainty head (every level 0); long ids break instead of widening a tile.
+    """
+    from idml.app.metric_display import decimals_for
+
+    levels = [r["query"]["uncertainty"] for r in records]
+    levels += [n["uncertainty"] for r in records for n in r["neighbors"]]
+    known = [v for v in levels if v is not None]
+    digits = decimals_for(known, minimum=4)
+    # A model without an uncertainty head gives every item ||u|| = 0: nothing to show.
+    shown = any(known)
+
+    def level(value: float | None) -> list[str]:
+        if not shown:
+            return []
+        return ["||u|| " + ("n/a" if value is None else f"{value:.{digits}f}")]
+
+    def tile(css: str, image: str, lines: list[str]) -> str:
+        text = "".join(f"<div>{line}</div>" for line in lines)
+        return f'<figure class="{css}"><img src="{image}" alt=""><figcaption>{text}</figcaption></figure>'
+
     rows = []
     for r in records:
         q = r["query"]
-        cells = [
-            f'<td class="q"><img src="{_thumbnail(q["path"])}" alt=""><br>'
-            f"<b>{html.escape(str(q['id']))}</b><br>||u|| {_fmt(q['uncertainty'])}<br>"
-            f"{html.escape(r['confidence_kind'])} {_fmt(r['confidence'])}<br>{_verdict(r)}</td>"
+        tiles = [
+            tile(
+                "item query",
+                _thumbnail(q["path"]),
+                [
+                    f"<b>{html.escape(str(q['id']))}</b>",
+                    *level(q["uncertainty"]),
+                    f"{html.escape(r['confidence_kind'])} {_fmt(r['confidence'])}",
+                    _verdict(r),
+                ],
+            )
         ]
         for n in r["neighbors"]:
-            label = "" if n["label"] is None else f"<br>{html.escape(str(n['label']))}"
-            cells.append(
-                f'<td><img src="{_thumbnail(n["path"])}" alt=""><br>#{n["rank"]} '
-                f"{html.escape(str(n['id']))}<br>sim {_fmt(n['similarity'])}<br>"
-                f"||u|| {_fmt(n['uncertainty'])}{label}</td>"
-            )
-        rows.append("<tr>" + "".join(cells) + "</tr>")
+            lines = [
+                f"#{n['rank']} {html.escape(str(n['id']))}",
+                f"sim {_fmt(n['similarity'])}",
+                *level(n["uncertainty"]),
+            ]
+            if n["label"] is not None:
+                lines.append(html.escape(str(n["label"])))
+            tiles.append(tile("item", _thumbnail(n["path"]), lines))
+        query, neighbours = tiles[0], "".join(tiles[1:])
+        rows.append(
+            f'<section class="row">{query}<div class="neighbours">{neighbours}</div></section>'
+        )
+    style = (
+        "body{font-family:sans-serif;margin:1em;overflow-wrap:anywhere}"
+        ".row{display:flex;gap:10px;margin-bottom:14px;padding-bottom:8px;"
+        "border-bottom:1px solid #ddd}"
+        ".neighbours{display:flex;flex-wrap:wrap;gap:6px;flex:1}"
+        ".item{width:112px;margin:0;text-align:center;font-size:12px;flex:none}"
+        ".item.query{background:#eef}"
+        ".item img{width:96px;height:96px;object-fit:contain;image-rendering:pixelated;"
+        "background:#f4f4f4}"
+    )
     page = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        "<style>body{font-family:sans-serif}td{text-align:center;font-size:12px;padding:4px;"
-        "vertical-align:top}td.q{background:#eef}img{max-width:96px;max-height:96px}</style>"
-        f"</head><body><h1>{html.escape(title)}</h1><table>{''.join(rows)}</table></body></html>"
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<link rel='icon' href='data:,'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>"
+        f"{''.join(rows)}</body></html>"
     )
     path.write_text(page)

@@ -14,6 +14,9 @@ Endpoints:
   - JSON ``{"image": "<base64 of the file>", "k": 10}``,
   - JSON ``{"embedding": [...] or [[...], ...], "k": 10}`` (one or several embeddings).
 
+``GET /openapi.json`` is the OpenAPI document of these endpoints and ``GET /docs`` a page of it that
+needs no network (:mod:`idml.app.retrieval.api_docs`).
+
 Bad requests get a 4xx JSON ``{"error": "..."}`` naming what to fix, never a traceback: 400 (not
 JSON, JSON nested deeper than :data:`MAX_JSON_DEPTH`, not an image, no query), 413 (body above
 ``max_bytes``, an image above ``max_pixels``: "too large"), 415 (another content type), 422
@@ -102,11 +105,26 @@ def create_app(
     answering = Answering() if answering is None else answering
     fastapi = _require_fastapi()
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import HTMLResponse, JSONResponse
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    app = fastapi.FastAPI(title="idml search", docs_url=None, redoc_url=None, openapi_url=None)
+    from idml import __version__
+    from idml.app.retrieval.api_docs import docs_page, search_openapi
+
+    # FastAPI's own /docs and /redoc load scripts from a CDN; /docs here is an offline page.
+    app = fastapi.FastAPI(
+        title="idml search",
+        version=__version__,
+        description="Nearest-neighbour search over an index written by `idml index`.",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(docs_page(app.openapi()))
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Any, err: BadRequest) -> JSONResponse:
@@ -128,11 +146,11 @@ def create_app(
             status_code=500,
         )
 
-    @app.get("/health")
+    @app.get("/health", summary='liveness: {"status": "ok"}')
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/info")
+    @app.get("/info", summary="the index (size, dimension, backend, model) and request limits")
     async def info() -> dict[str, Any]:
         described = index.describe()
         if described["model"] is not None:  # its run folder and checkpoint are the server's
@@ -151,8 +169,12 @@ def create_app(
             "answers": answering.describe(reveal_paths=False),
         }
 
-    @app.post("/search")
-    async def search(request: fastapi.Request) -> dict[str, Any]:
+    @app.post(
+        "/search",
+        summary="neighbours of an image or of embeddings",
+        openapi_extra=search_openapi(max_k, max_bytes, max_pixels, default_k, encoder is not None),
+    )
+    async def search(request: fastapi.Request) -> dict[str, Any]:  # type: ignore[name-defined]
         body = await _read_body(request, max_bytes)
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind == "multipart/form-data":

@@ -2,10 +2,17 @@
 
 A run folder holds ``config.yaml`` (every resolved default), ``metrics.jsonl`` (one line per epoch:
 losses, metrics, learning rates, mean ``||u||`` of original and of mixed images), ``checkpoints/``
-(atomic, one per epoch, plus ``latest``/``best`` pointers) and TensorBoard events when installed.
+(atomic, one per epoch, plus ``latest``/``best`` pointers), TensorBoard events when installed, and
+what the task writes after the last epoch (:meth:`~idml.app.tasks.Task.after_training`: a retrieval
+run's ``calibration.json``).
 
 Determinism: every epoch reseeds its own generators from ``(seed, epoch)``, so a run resumed from the
 checkpoint of epoch ``e`` replays epochs ``e+1..`` exactly as an uninterrupted run would (on CPU).
+
+The trainer is the loop; the rest are parts it holds, each with its own small interface: the
+run's :class:`~idml.app.tasks.Task` (data, objective, augmentations, evaluation),
+:class:`~idml.app.training.checkpoints.Checkpointing` (with the :class:`~idml.app.training.checkpoints.BestEpoch`),
+:class:`~idml.app.training.epoch_log.EpochLog` and :class:`~idml.app.training.monitoring.LearningMonitor`.
 
 Several processes (``torchrun``, see :mod:`idml.app.distributed`): each loads its share of every global
 batch, the model, loss and SSR head train under one DistributedDataParallel, the loss sees the
@@ -22,54 +29,40 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 
 from idml.app import build
-from idml.app.calibration import calibrate_run
-from idml.app.config import (
-    Config,
-    dump_config,
-)
+from idml.app.checkpoint import EPOCH_BASE, NonFiniteStateError, resolve_checkpoint
+from idml.app.config import Config, config_to_dict, dump_config
 from idml.app.distributed import (
     DistributedContext,
     ShardPlan,
-    contiguous_shard,
-    gather_embeddings,
     rank_generator,
     rank_seed,
     resolve_device,
     wrap_ddp,
 )
-from idml.app.loggers import RunLogger
 from idml.app.preflight import check_model_input, check_run_config
 from idml.app.run_folder import claim_run_folder
-from idml.app.training.checkpoints import RESUMABLE_CHANGES, Checkpointing
-from idml.app.training.checks import LearningChecks
-from idml.app.training.monitoring import WeakeningMonitor
-from idml.app.training.optim import build_optimizers, build_scheduler
-from idml.app.training.records import EpochLogging, EpochRecord, NonFiniteError, TrainResult
+from idml.app.tasks import EvaluationContext, task_of
+from idml.app.training.checkpoints import BestEpoch, Checkpointing, TrainingWeights
+from idml.app.training.console import resume_line, startup_summary
+from idml.app.training.epoch_log import EpochLog, EpochRecord, TrainResult
+from idml.app.training.interrupt import interrupts_deferred
+from idml.app.training.monitoring import LearningMonitor
+from idml.app.training.optim import build_optimizers, build_scheduler, restore_schedule
 from idml.augment import AugmentedBatch
 from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
-from idml.metrics import IntrospectiveMetric
-from idml.models import embed_dataset
 from idml.progress import Progress
 from idml.ranking import RankingOutput, draw_images
-
-__all__ = [
-    "RESUMABLE_CHANGES",
-    "EpochRecord",
-    "NonFiniteError",
-    "TrainResult",
-    "Trainer",
-]
 
 _T = TypeVar("_T")
 
 
-class Trainer(LearningChecks, Checkpointing, EpochLogging):
+class Trainer:
     """Train and evaluate one configured run.
 
     Args:
@@ -81,7 +74,8 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         shards: split each global batch into this many shards for the per-shard random draws (Mixup,
             degradations, SSR); defaults to the number of processes. A single process with
             ``shards=R`` reproduces an ``R``-process run exactly (:class:`idml.app.distributed.ShardPlan`).
-        epoch_log: called (rank 0 only) with one summary line per finished epoch, e.g. ``print``
+        echo: called (rank 0 only) with the start-up summary, the resume line and one line per
+            finished epoch (:func:`idml.progress.echo` keeps them above the bars), e.g. ``print``
             when no progress bars are shown.
 
     Example:
@@ -95,7 +89,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     result = Trainer(cfg, Path(folder) / "run", progress=False).fit()
         >>> result.best_epoch, "recall@1" in result.final_metrics
-        (0, True)
+        (1, True)
     """
 
     def __init__(
@@ -105,78 +99,72 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         progress: bool = True,
         distributed: DistributedContext | None = None,
         shards: int | None = None,
-        epoch_log: Callable[[str], None] | None = None,
+        echo: Callable[[str], None] | None = None,
     ) -> None:
         # Before any work: a config that cannot work is refused here, naming its keys.
         self.config_warnings = check_run_config(cfg)
-        self.epoch_log = epoch_log
         self.cfg = cfg
+        self.task = task_of(cfg)
         self.run_dir = Path(run_dir)
         self.dist = distributed if distributed is not None else DistributedContext()
         self.plan = ShardPlan.create(self.dist, shards)
         self.progress = progress and self.dist.is_main
         self.device = self.dist.device if self.dist.is_distributed else resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
-        self.data = self._build_data()
+        self.data = self.task.build_data(cfg)
         self.model = build.build_model(cfg).to(self.device)
         check_model_input(self.model, cfg)
-        self.loss = self._build_loss().to(self.device)
+        self.objective = self.task.build_objective(cfg, self.data)
+        self.objective.module.to(self.device)
         self.ssr = build.build_ssr(cfg, self.model.feature_dim)
         if self.ssr is not None:
             self.ssr = self.ssr.to(self.device)
-        self.augment = self._build_augmentations()
-        self.optimizer, self.ranking_optimizer = self._optimizers()
-        self.scheduler = self._scheduler(self.optimizer)
+        self.augment = self.task.build_augmentations(cfg)
+        self.optimizer, self.ranking_optimizer = build_optimizers(
+            cfg, self.model, self.objective.module, self.ssr
+        )
+        self.scheduler = build_scheduler(cfg, self.optimizer)
         self.amp = cfg.optim.amp and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
         self.start_epoch = 0
-        self.best_value = -math.inf
-        self.best_epoch = -1
-        self.best_metrics: dict[str, float] = {}
+        self.best = BestEpoch()
         self.eval_notes: dict[str, str] = {}
-        self.history: list[dict[str, Any]] = []
-        metric = getattr(self.loss, "metric", None)
-        self.ism_metric = metric if isinstance(metric, IntrospectiveMetric) else None
-        self.weakening = WeakeningMonitor()
-        self._warned: set[str] = set()
-        self._grad_norms: list[Tensor] = []
-        """The model's gradient norm at each step of the current epoch (tensors: no host sync)."""
-        self._loggers: list[RunLogger] = []
-        # One DDP over model, loss (proxies) and SSR head: their gradients are averaged over ranks.
+        self.checkpoints = Checkpointing(self.run_dir, self.dist)
+        self.echo = echo
+        self.log = EpochLog(self.run_dir, self.dist, echo)
+        self.monitor = LearningMonitor(
+            self.objective.introspective_metric,
+            cfg.metric.warmup_epochs,
+            self.run_dir,
+            cfg.optim.lr,
+            warns=self.dist.is_main,
+        )
+        # One DDP over model, objective (proxies, classifier) and SSR head: their gradients are
+        # averaged over ranks.
         self._ddp = wrap_ddp(
-            {"model": self.model, **self._training_modules()},
+            {"model": self.model, **self.training_modules()},
             self.dist,
             find_unused_parameters=build.needs_unused_parameter_search(cfg),
         )
 
-    # ------------------------------------------------------------------ set-up
-    # The task hooks: a task other than metric learning (idml.app.classification_task) overrides them.
-    def _build_data(self) -> Any:
-        return build.build_data(self.cfg)
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every logged epoch line so far (``metrics.jsonl``)."""
+        return self.log.history
 
-    def _build_loss(self) -> nn.Module:
-        return build.build_loss(self.cfg, self.data.num_train_classes)
-
-    def _build_augmentations(self) -> Any:
-        return build.build_augmentations(self.cfg)
-
-    def _optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
-        return build_optimizers(self.cfg, self.model, self.loss, self.ssr)
-
-    def _scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
-        return build_scheduler(self.cfg, opt)
-
-    def _training_modules(self) -> dict[str, nn.Module]:
-        modules: dict[str, nn.Module] = {"loss": self.loss}
+    def training_modules(self) -> dict[str, nn.Module]:
+        """The trainable modules beside the model, by their checkpoint names."""
+        modules: dict[str, nn.Module] = {"loss": self.objective.module}
         if self.ssr is not None:
             modules["ssr"] = self.ssr
         return modules
 
-    def _optimizer_map(self) -> dict[str, torch.optim.Optimizer]:
-        opts = {"optim_main": self.optimizer}
+    def weights(self) -> TrainingWeights:
+        """What a checkpoint stores: the model, the other modules and the optimizers."""
+        optimizers = {"optim_main": self.optimizer}
         if self.ranking_optimizer is not None:
-            opts["optim_ranking"] = self.ranking_optimizer
-        return opts
+            optimizers["optim_ranking"] = self.ranking_optimizer
+        return TrainingWeights(self.model, self.training_modules(), optimizers)
 
     # ------------------------------------------------------------------ main loop
     def fit(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
@@ -200,61 +188,125 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
                 print(f"--overwrite: moved the previous run in {self.run_dir} to {moved}")
             return self._fit(resume)
 
+    def resume(self) -> None:
+        """Continue from the run folder's latest checkpoint (exactly, for a fixed seed on CPU)."""
+        restored = self.checkpoints.restore(self.cfg, self.weights())
+        state = restored.state
+        # Epochs are numbered from 1 (read_state renumbers older runs), so a checkpoint's epoch is
+        # the number of epochs done, and the index of the next one.
+        self.scheduler = restore_schedule(
+            self.cfg,
+            self.optimizer,
+            self.scheduler,
+            state.get("scheduler"),
+            restored.epoch,
+            restored.epochs_changed,
+        )
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.start_epoch = restored.epoch
+        self.best = BestEpoch.from_state(state)
+        self.log.restore(self.start_epoch)
+
     def _fit(self, resume: bool) -> TrainResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        epochs = self.cfg.optim.epochs
+        self._say(
+            *startup_summary(self.cfg, self.data, self.run_dir, self.device, self.dist.world_size)
+        )
         if resume:
             self.resume()
-        elif self.dist.is_main:
-            self._log_path.write_text("")
+            self._say(
+                resume_line(
+                    resolve_checkpoint(self.run_dir),
+                    self.start_epoch,
+                    epochs,
+                    self.best.epoch,
+                    self.best.metrics,
+                    self.cfg.eval.select,
+                )
+            )
+        else:
+            self.log.start()
         if self.dist.is_main:
             dump_config(self.cfg, self.run_dir / "config.yaml")
-        self._open_loggers(resume)
-        epochs = self.cfg.optim.epochs
+        self.log.open_loggers(self.cfg, resume)
         metrics: dict[str, float] = {}
-        for epoch in range(self.start_epoch, epochs):
-            record = self.train_epoch(epoch)
-            last = epoch == epochs - 1
-            if (epoch + 1) % self.cfg.eval.every == 0 or last:
-                record.metrics = self.evaluate()
-                record.notes = dict(self.eval_notes)
-                metrics = record.metrics
-                self._track_best(epoch, metrics)
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self._log(record)
-            self._checkpoint(epoch)
-        for logger in self._loggers:
-            logger.close()
-        if self.dist.is_main:  # the run's calibrated confidence, on its held-out classes if any
-            say = self.epoch_log or (print if self.progress else None)
-            calibrate_run(self.run_dir, self.data, device=self.device, log=say)
-        self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
-        if not metrics and self.history:
-            metrics = {k[5:]: v for k, v in self.history[-1].items() if k.startswith("test/")}
-        return TrainResult(self.run_dir, metrics, self.best_metrics, self.best_epoch, self.history)
+        try:
+            for index in range(self.start_epoch, epochs):
+                record = self.train_epoch(index)  # record.epoch = index + 1
+                if record.epoch % self.cfg.eval.every == 0 or record.epoch == epochs:
+                    start = time.perf_counter()
+                    record.metrics = self.evaluate()
+                    record.eval_seconds = time.perf_counter() - start
+                    record.notes = dict(self.eval_notes)
+                    metrics = record.metrics
+                    self.best.update(record.epoch, metrics, self.cfg.eval.select)
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                best = self.cfg.eval.select if self.best.epoch == record.epoch else None
+                # A Ctrl-C waits for both: the epoch is logged and saved whole, or not at all.
+                with interrupts_deferred():
+                    self.log.write(record, epochs, best)
+                    self._checkpoint(record.epoch)
+        finally:
+            self.log.close()
+        if self.dist.is_main:  # e.g. the calibrated confidence of a retrieval run's answers
+            self.task.after_training(self.run_dir, self.data, self.device, self.echo)
+        # Every rank returns after rank 0 wrote the last checkpoint and did the task's work after it.
+        self.dist.barrier()
+        metrics = metrics or self.log.last_test_metrics()
+        return TrainResult(self.run_dir, metrics, self.best.metrics, self.best.epoch, self.history)
 
-    def _generator(self, epoch: int, stream: int) -> torch.Generator:
+    def _say(self, *lines: str) -> None:
+        """Hand ``lines`` to ``echo`` (rank 0 only)."""
+        if self.echo is not None and self.dist.is_main:
+            for line in lines:
+                self.echo(line)
+
+    def _checkpoint(self, epoch: int) -> None:
+        """The checkpoint after epoch ``epoch`` (numbered from 1)."""
+        state = {
+            "epoch": epoch,
+            EPOCH_BASE: 1,
+            "config": config_to_dict(self.cfg),
+            "num_train_classes": self.data.num_train_classes,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.amp else None,
+            **self.best.to_state(),
+            "metrics": self.history[-1] if self.history else {},
+            **self.task.checkpoint_state(self.data),
+        }
+        try:
+            self.checkpoints.save(epoch, self.weights(), state, self.best.epoch)
+        except NonFiniteStateError as err:  # parameters or buffers (BatchNorm statistics)
+            raise self.monitor.non_finite(str(err), after_epoch=True) from None
+
+    def generator(self, epoch: int, stream: int) -> torch.Generator:
+        """The random stream ``stream`` of ``epoch`` (0: batches, 1: augmentations, 2: SSR)."""
         g = torch.Generator()
         g.manual_seed(self.cfg.seed * 1_000_003 + epoch * 101 + stream)
         return g
 
     def train_epoch(self, epoch: int) -> EpochRecord:
+        """Train the epoch of index ``epoch`` (from 0: the random streams are drawn from it); its
+        record is numbered ``epoch + 1``, as the log and the checkpoints name it."""
         cfg = self.cfg
         self.model.train()
-        self.loss.train()
+        self.objective.module.train()
         warm = epoch < cfg.optim.warmup_epochs
         for p in self.model.backbone_parameters():
             p.requires_grad_(not warm)
         rank = self.dist.rank
         # Pixel transforms draw from these: per rank, so ranks do not crop their images alike.
         torch.manual_seed(rank_seed(cfg.seed * 7919 + epoch, rank))
-        loader_gen = rank_generator(self._generator(epoch, 0), rank)
+        loader_gen = rank_generator(self.generator(epoch, 0), rank)
         loader = build.train_loader(
             cfg, self.data, epoch, loader_gen, num_replicas=self.dist.world_size, rank=rank
         )
         one_lambda = cfg.mixup.enabled and cfg.mixup.mode == "interpolate"
-        aug_gen = self.plan.generators(self._generator(epoch, 1), shared=one_lambda)
-        ssr_gen = self._generator(epoch, 2)
+        aug_gen = self.plan.generators(self.generator(epoch, 1), shared=one_lambda)
+        ssr_gen = self.generator(epoch, 2)
         gate = self.ssr.make_gate(ssr_gen) if self.ssr is not None else None
         # The gate's draws must agree on every rank, so shards draw their SSR images elsewhere.
         ssr_shard_gen = self.plan.generators(ssr_gen)
@@ -266,8 +318,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         steps = 0
         limit = cfg.optim.max_steps_per_epoch
         total = len(loader) if limit is None else min(limit, len(loader))
-        self.weakening.reset()
-        self._grad_norms.clear()
+        self.monitor.start_epoch(epoch)
         bar = Progress(total, f"epoch {epoch + 1}/{cfg.optim.epochs}", enabled=self.progress)
         for images, labels, _ in loader:
             if limit is not None and steps >= limit:
@@ -275,8 +326,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             ssr_on = gate() if gate is not None else False
-            self._set_ism_strength(epoch + (steps + 1) / max(total, 1))
-            self._position = (epoch, steps)  # named by a non-finite loss or weights error
+            self.monitor.step(epoch, steps, total)
             parts = self.train_step(images, labels, aug_gen, ssr_shard_gen, ssr_on)
             for k, v in parts.items():
                 sums[k] += v
@@ -288,10 +338,10 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         losses = {k: v for k, v in means.items() if not k.startswith("u_")}
         unc = {k[2:]: v for k, v in means.items() if k.startswith("u_")}
         lr = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
-        ism = self._ism_summary()
-        self._check_learning(epoch, ism)
+        ism = self.monitor.summary()
+        self.monitor.check(epoch, ism)
         return EpochRecord(
-            epoch, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps, ism=ism
+            epoch + 1, losses, lr, unc, seconds=time.perf_counter() - start, steps=steps, ism=ism
         )
 
     def train_step(
@@ -320,11 +370,13 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
                     out = self.model(batch.images)  # Embeddings refuse NaN/inf rows themselves
                 except NonFiniteEmbeddingsError as err:
                     # With several processes this rank ends here and torchrun stops the others.
-                    raise self._non_finite(f"NaN or inf in the training batch's {err}") from err
+                    raise self.monitor.non_finite(
+                        f"NaN or inf in the training batch's {err}"
+                    ) from err
                 unc = None if out.uncertainty is None else _upcast(out.uncertainty)
                 emb, global_batch = self.plan.gather(Embeddings(_upcast(out.semantic), unc), batch)
-                metric_loss = self._metric_loss(emb, global_batch)
-                self._monitor_weakening(emb, global_batch)
+                metric_loss = self.objective(emb, global_batch)
+                self.monitor.record_weakening(self.objective.module, emb, global_batch.labels)
             parts["metric"] = float(metric_loss.detach())
             total = metric_loss
             if ssr_on and joint and self.ssr is not None:
@@ -344,25 +396,31 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
                 parts["u_degraded"] = float(level[batch.degraded].mean())
         parts = self.dist.mean(parts)
         if not math.isfinite(parts["total"]):
-            raise self._non_finite(f"non-finite loss {parts}")
+            raise self.monitor.non_finite(f"non-finite loss {parts}")
         self.optimizer.zero_grad(set_to_none=True)
         if self.ranking_optimizer is not None:
             self.ranking_optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(total).backward()
-        self._grad_norms.append(self._clip_and_step(self.optimizer)[0])
-        self._check_finite_weights()
+        self.monitor.record_grad_norm(self._clip_and_step(self.optimizer)[0])
+        self.check_finite_weights()
         if ssr_on and not joint and self.ssr is not None:
             # Alternating (SSR Alg. 1): after the metric step, a second forward, backward and step
             # on γ_r·L_ranking alone (it must see the updated weights, so it cannot reuse a graph).
+            ranking_optimizer = self.ranking_optimizer
+            assert ranking_optimizer is not None  # not joint
             self.optimizer.zero_grad(set_to_none=True)
-            self.ranking_optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+            ranking_optimizer.zero_grad(set_to_none=True)
             ranking_parts: dict[str, float] = {}
             ranking = self._forward(lambda: self._ranking_loss(images, ssr_gens, ranking_parts))
             parts.update(self.dist.mean(ranking_parts))
             self.scaler.scale(self.ssr.weight * ranking).backward()
-            self._clip_and_step(self.optimizer, self.ranking_optimizer)  # type: ignore[arg-type]
-            self._check_finite_weights()
+            self._clip_and_step(self.optimizer, ranking_optimizer)
+            self.check_finite_weights()
         return {k: v for k, v in parts.items() if not (isinstance(v, float) and math.isnan(v))}
+
+    def check_finite_weights(self) -> None:
+        """Stop at this step if a weight of the model or the other modules is NaN or inf."""
+        self.monitor.check_finite_weights({"model": self.model, **self.training_modules()})
 
     def _forward(self, compute: Callable[[], _T]) -> _T:
         """Run a loss computation, through DDP when there are several processes.
@@ -371,12 +429,6 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         averages them over ranks (:class:`idml.app.distributed.ParallelModules`).
         """
         return self._ddp(compute) if self._ddp is not None else compute()
-
-    def _metric_loss(self, emb: Embeddings, batch: AugmentedBatch) -> Tensor:
-        if not self.cfg.metric.introspective and not self.cfg.loss.probabilistic:
-            # The uncertainty head may exist (e.g. for logging) but the plain metric ignores it.
-            emb = Embeddings(emb.semantic)
-        return batch.loss(self.loss, emb)
 
     def _ranking_loss(
         self, images: Tensor, gens: Sequence[torch.Generator], parts: dict[str, float]
@@ -398,7 +450,7 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
                 chosen = build.sample_images(self.data.train, count, gen).to(self.device)
             with torch.autocast(self.device.type, enabled=self.amp):
                 weighted.append((weight, self.ssr.loss(self.model.features, chosen, generator=gen)))
-        loss = sum(w * out.loss for w, out in weighted)
+        loss = cast(Tensor, sum(w * out.loss for w, out in weighted))
         parts["ranking"] = float(loss.detach())
         parts["ranking_sort"] = float(sum(w * out.sort.detach() for w, out in weighted))
         parts["ranking_pos"] = float(sum(w * out.pos.detach() for w, out in weighted))
@@ -422,40 +474,29 @@ class Trainer(LearningChecks, Checkpointing, EpochLogging):
         return norms
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def embed_test(self) -> tuple[Embeddings, Tensor]:
-        """Test-set embeddings in dataset order; each process embeds a contiguous shard."""
-        shard = contiguous_shard(self.data.test, self.dist)
-        error: NonFiniteEmbeddingsError | None = None
-        try:
-            emb, labels = embed_dataset(
-                self.model, shard, self.cfg.eval.batch_size, self.device, progress=self.progress
-            )
-        except NonFiniteEmbeddingsError as err:
-            error = err
-        failed = error is not None
-        if self.dist.is_distributed:
-            # Agree before the gather: a rank stopping alone would leave the others waiting in it.
-            failed = self.dist.mean({"failed": float(failed)})["failed"] > 0
-        if failed:
-            raise self._non_finite(
-                f"NaN or inf in the test-set embeddings ({error or 'of another process'})",
-                after_epoch=True,
-            ) from error
-        return gather_embeddings(emb, labels, self.dist)
+    def evaluation_context(self) -> EvaluationContext:
+        """What the task's evaluation sees of this run."""
+        return EvaluationContext(
+            self.cfg,
+            self.model,
+            self.objective,
+            self.data,
+            self.device,
+            self.dist,
+            self.progress,
+        )
 
     def evaluate(self) -> dict[str, float]:
-        """Test metrics, computed once (by rank 0) on the gathered test set, known to every rank."""
-        emb, labels = self.embed_test()
-        report = None
-        if self.dist.is_main:
-            evaluation = build.evaluate(
-                self.cfg, emb, labels, self.device, self.progress, self.data.test.roles
-            )
-            # How NMI was computed goes into the log beside the numbers (``eval/nmi_method``).
-            report = (dict(evaluation.metrics), {"nmi_method": evaluation.settings["nmi_method"]})
-        metrics, self.eval_notes = self.dist.broadcast_object(report)
-        return metrics
+        """The task's test metrics of the current model, known to every rank (its notes go to
+        ``eval_notes``)."""
+        try:
+            evaluation = self.task.evaluate(self.evaluation_context())
+        except NonFiniteEmbeddingsError as err:
+            raise self.monitor.non_finite(
+                f"NaN or inf in the test-set embeddings ({err})", after_epoch=True
+            ) from err
+        self.eval_notes = evaluation.notes
+        return evaluation.metrics
 
 
 def _upcast(tensor: Tensor) -> Tensor:

@@ -1,16 +1,27 @@
-"""Checkpoints of a training run: writing one per epoch, keeping the latest and the best, and
-resuming a run from its latest one."""
+"""A training run's checkpoints (:class:`Checkpointing`): one per epoch, the latest and the best
+kept, and the latest restored on resume; and the best epoch so far (:class:`BestEpoch`).
+
+A checkpoint holds the model, the run's other trainable modules (the task's objective, SSR's head)
+with their optimizers (:class:`TrainingWeights`), and a ``state.json`` the trainer fills: epoch,
+config, schedule, AMP scale, best epoch and whatever the task adds
+(:meth:`~idml.app.tasks.Task.checkpoint_state`).
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import warnings
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from idml.app.checkpoint import (
-    NonFiniteStateError,
+    BEST,
+    checkpoint_name,
     load_model_weights,
     load_training_state,
     mark_best,
@@ -18,111 +29,140 @@ from idml.app.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from idml.app.config import RUNTIME_KEYS, config_difference, config_to_dict, stored_config_dict
-from idml.app.training.records import read_log
+from idml.app.config import (
+    RUNTIME_KEYS,
+    Config,
+    config_difference,
+    config_to_dict,
+    stored_config_dict,
+)
+from idml.app.distributed import DistributedContext
 
 RESUMABLE_CHANGES = RUNTIME_KEYS | {"optim.epochs"}
 """Config keys a resumed run may change (more epochs, another machine); any other change is refused."""
 
 
-class Checkpointing:
-    """The :class:`~idml.app.training.Trainer`'s checkpoints, best epoch and resume (uses the trainer's
-    modules, optimizers, scheduler, scaler, ``history`` and best-epoch fields)."""
+@dataclass
+class BestEpoch:
+    """The epoch (numbered from 1; 0: none evaluated yet) whose ``eval.select`` metric is the
+    largest so far, and its metrics.
 
-    def resume(self) -> None:
-        """Continue from the run folder's latest checkpoint (exactly, for a fixed seed on CPU)."""
-        ckpt = resolve_checkpoint(self.run_dir)
-        saved = read_state(ckpt)
-        changes = config_difference(
-            stored_config_dict(saved.get("config", {})), config_to_dict(self.cfg), RESUMABLE_CHANGES
-        )
-        diff = "; ".join(changes[:5])
-        if diff:
-            raise ValueError(
-                f"cannot resume {self.run_dir}: its config differs from the one given ({diff}); "
-                "resume with the run's own config.yaml or start a new --out folder"
-            )
-        load_model_weights(ckpt, self.model)
-        state = load_training_state(ckpt, self._training_modules(), self._optimizer_map())
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            if saved.get("config", {}).get("optim", {}).get("epochs") == self.cfg.optim.epochs:
-                self.scheduler.load_state_dict(state["scheduler"])
-            else:  # more (or fewer) epochs: the schedule of a fresh run of the new length
-                self._replay_schedule(int(state["epoch"]) + 1)
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.start_epoch = int(state["epoch"]) + 1
-        self.best_value = float(state.get("best_value", -math.inf))
-        self.best_epoch = int(state.get("best_epoch", -1))
-        self.best_metrics = dict(state.get("best_metrics", {}))
-        self.history = read_log(self._log_path, self.start_epoch)
-        self.dist.barrier()  # every rank has read the log before rank 0 truncates it
-        if self.dist.is_main:
-            self._log_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+    >>> best = BestEpoch()
+    >>> best.update(1, {"recall@1": 0.5}, "recall@1"), best.update(2, {"recall@1": 0.4}, "recall@1")
+    (True, False)
+    >>> best.epoch, best.to_state()["best_value"]
+    (1, 0.5)
+    """
 
-    def _replay_schedule(self, epochs_done: int) -> None:
-        """Rebuild the learning-rate schedule for ``optim.epochs`` and advance it by
-        ``epochs_done`` steps from the base rates, as an uninterrupted run of that length steps it
-        (cosine's ``T_max`` is the run length, so the saved schedule cannot be reused)."""
-        assert self.scheduler is not None
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = group["initial_lr"] = base
-        self.scheduler = self._scheduler(self.optimizer)
-        # Stepping the schedule without optimizer steps is the point: silence torch's warning.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(epochs_done):
-                self.scheduler.step()  # type: ignore[union-attr]
+    value: float = -math.inf
+    epoch: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
-    def _track_best(self, epoch: int, metrics: dict[str, float]) -> None:
-        key = self.cfg.eval.select
+    def update(self, epoch: int, metrics: Mapping[str, float], key: str) -> bool:
+        """Take ``epoch`` when its ``key`` beats the best so far; returns whether it did."""
         if key not in metrics:
             raise ValueError(f"eval.select={key!r} is not among the metrics {sorted(metrics)}")
-        if metrics[key] > self.best_value:
-            self.best_value = metrics[key]
-            self.best_epoch = epoch
-            self.best_metrics = dict(metrics)
+        if metrics[key] > self.value:
+            self.value, self.epoch, self.metrics = metrics[key], epoch, dict(metrics)
+            return True
+        return False
 
-    def _checkpoint_extras(self) -> dict[str, Any]:
-        """Task-specific entries of a checkpoint's ``state.json`` (none for metric learning)."""
-        return {}
+    def to_state(self) -> dict[str, Any]:
+        """The ``state.json`` entries of the best epoch."""
+        return {"best_value": self.value, "best_epoch": self.epoch, "best_metrics": self.metrics}
 
-    def _checkpoint(self, epoch: int) -> None:
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> BestEpoch:
+        return cls(
+            float(state.get("best_value", -math.inf)),
+            int(state.get("best_epoch", 0)),
+            dict(state.get("best_metrics", {})),
+        )
+
+
+@dataclass(frozen=True)
+class TrainingWeights:
+    """What a checkpoint stores besides ``state.json``: the model (``model.safetensors``) and the
+    run's other modules and optimizers by name (``training.safetensors``)."""
+
+    model: nn.Module
+    modules: Mapping[str, nn.Module]
+    optimizers: Mapping[str, torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointing.restore` read back: the checkpoint's ``state.json`` (its ``epoch``,
+    ``scheduler``, ``scaler`` and best epoch) and whether the run's length changed since."""
+
+    state: dict[str, Any]
+    epochs_changed: bool
+
+    @property
+    def epoch(self) -> int:
+        return int(self.state["epoch"])
+
+
+class Checkpointing:
+    """Writes a run's checkpoints (rank 0) and restores the latest (every rank)."""
+
+    def __init__(self, run_dir: Path, dist: DistributedContext) -> None:
+        self.run_dir = Path(run_dir)
+        self.dist = dist
+
+    def save(self, epoch: int, weights: TrainingWeights, state: dict[str, Any], best: int) -> None:
+        """Write ``epoch``'s checkpoint, point ``best`` at it when ``best == epoch``, and delete
+        every older one but the best (rank 0 only).
+
+        Raises:
+            idml.app.checkpoint.NonFiniteStateError: a weight or buffer is NaN or infinite (nothing
+                is written; the previous checkpoint stays latest).
+        """
         if not self.dist.is_main:
             return
-        name = f"epoch_{epoch:04d}"
-        state = {
-            "epoch": epoch,
-            "config": config_to_dict(self.cfg),
-            "num_train_classes": self.data.num_train_classes,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.amp else None,
-            "best_value": self.best_value,
-            "best_epoch": self.best_epoch,
-            "best_metrics": self.best_metrics,
-            "metrics": self.history[-1] if self.history else {},
-            **self._checkpoint_extras(),
-        }
-        try:
-            save_checkpoint(
-                self.run_dir,
-                name,
-                self.model,
-                self._training_modules(),
-                self._optimizer_map(),
-                state,
-            )
-        except NonFiniteStateError as err:  # parameters or buffers (BatchNorm statistics)
-            raise self._non_finite(str(err), after_epoch=True) from None
-        if self.best_epoch == epoch:
+        name = checkpoint_name(epoch)
+        save_checkpoint(
+            self.run_dir,
+            name,
+            weights.model,
+            dict(weights.modules),
+            dict(weights.optimizers),
+            state,
+        )  # NonFiniteStateError for NaN/inf parameters or buffers (BatchNorm statistics)
+        if best == epoch:
             mark_best(self.run_dir, name)
-        _prune(self.run_dir / "checkpoints", keep={name, f"epoch_{self.best_epoch:04d}"})
+        _prune(self.run_dir / "checkpoints", keep=name)
+
+    def restore(self, cfg: Config, weights: TrainingWeights) -> Restored:
+        """Load the latest checkpoint's weights and optimizer state into ``weights``.
+
+        Raises:
+            ValueError: the checkpoint's config differs from ``cfg`` in a key outside
+                :data:`RESUMABLE_CHANGES`.
+        """
+        ckpt = resolve_checkpoint(self.run_dir)
+        saved = read_state(ckpt)
+        stored = saved.get("config", {})
+        changes = config_difference(
+            stored_config_dict(stored), config_to_dict(cfg), RESUMABLE_CHANGES
+        )
+        if changes:
+            raise ValueError(
+                f"cannot resume {self.run_dir}: its config differs from the one given "
+                f"({'; '.join(changes[:5])}); resume with the run's own config.yaml or start a "
+                "new --out folder"
+            )
+        load_model_weights(ckpt, weights.model)
+        state = load_training_state(ckpt, dict(weights.modules), dict(weights.optimizers))
+        epochs = stored.get("optim", {}).get("epochs") if isinstance(stored, dict) else None
+        return Restored(state, epochs_changed=epochs != cfg.optim.epochs)
 
 
-def _prune(root: Path, keep: set[str]) -> None:
-    """Keep the latest and the best epoch; older epochs would only fill the disk."""
-    import shutil
-
+def _prune(root: Path, keep: str) -> None:
+    """Keep the checkpoint ``keep`` (the latest) and the one ``best`` names (whose folder name may
+    follow an older numbering, in a resumed run); older epochs would only fill the disk."""
+    best = root / BEST
+    kept = {keep, best.read_text().strip()} if best.is_file() else {keep}
     for path in root.glob("epoch_*"):
-        if path.is_dir() and path.name not in keep:
+        if path.is_dir() and path.name not in kept:
             shutil.rmtree(path)

@@ -1,4 +1,8 @@
-"""Is ISM working? The saturation monitor of the introspective metric.
+"""Is the run learning? :class:`LearningMonitor` follows a training run step by step: ISM's
+warm-up and saturation, the model's gradient norm, and the NaN or infinite losses and weights that
+stop a run at the step that broke it (:class:`NonFiniteError`).
+
+Is ISM working? The saturation monitor of the introspective metric.
 
 ISM weakens each pair by ``e^{−y}``, ``y = (β + γ)/(τ·δ)`` (IDML, Wang et al. 2022, eq. 5–7). A
 factor near 1 trains like the plain metric; a factor near 0 means the pair is *saturated*: its
@@ -25,12 +29,16 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
+from idml.metrics import IntrospectiveMetric
 from idml.relations import LabelSets
 
 SATURATED = 1e-2
@@ -99,3 +107,142 @@ def is_saturated(summary: dict[str, float], share: float = 0.5) -> bool:
     """:meth:`WeakeningMonitor.is_saturated` on a summary already computed (no second pass)."""
     kinds = [k for k in ("pos", "neg") if f"{k}_saturated" in summary]
     return bool(kinds) and all(summary[f"{k}_saturated"] > share for k in kinds)
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced a NaN or infinite loss or weight; the message names the epoch and step."""
+
+
+class LearningMonitor:
+    """Follows a run step by step (:class:`~idml.app.training.Trainer` calls it each step and epoch).
+
+    Args:
+        ism: the introspective metric the loss compares through (``None``: no ISM to follow).
+        warmup_epochs: ISM warm-up (``metric.warmup_epochs``).
+        run_dir: the run folder (errors name its latest checkpoint).
+        lr: the configured learning rate (errors suggest lowering it).
+        warns: whether this process issues the warnings (rank 0).
+    """
+
+    def __init__(
+        self,
+        ism: IntrospectiveMetric | None,
+        warmup_epochs: float,
+        run_dir: Path,
+        lr: float,
+        warns: bool = True,
+    ) -> None:
+        self.ism = ism
+        self.warmup_epochs = warmup_epochs
+        self.run_dir = Path(run_dir)
+        self.lr = lr
+        self.warns = warns
+        self.weakening = WeakeningMonitor()
+        self.position = (0, 0)
+        """``(epoch, step)`` of the step being taken, named by a non-finite error."""
+        self._grad_norms: list[Tensor] = []
+        """The model's gradient norm at each step of the current epoch (tensors: no host sync)."""
+        self._warned: set[str] = set()
+
+    def start_epoch(self, epoch: int) -> None:
+        self.weakening.reset()
+        self._grad_norms.clear()
+        self.position = (epoch, 0)
+
+    def step(self, epoch: int, step: int, steps_per_epoch: int) -> None:
+        """Enter step ``step`` of ``epoch``: its position, and ISM's warm-up strength
+        ``min(1, t / metric.warmup_epochs)``, ``t`` the epochs done after this step (a function
+        of the step alone, so resume replays it)."""
+        self.position = (epoch, step)
+        if self.ism is not None:
+            done = epoch + (step + 1) / max(steps_per_epoch, 1)
+            warmup = self.warmup_epochs
+            self.ism.strength = 1.0 if warmup <= 0 else min(1.0, done / warmup)
+
+    def record_weakening(self, loss: Any, embeddings: Embeddings, labels: LabelSets) -> None:
+        """ISM's weakening factors of the relations ``loss`` compares this step (no gradient)."""
+        if self.ism is not None:
+            self.weakening.record(loss, embeddings, labels)
+
+    def record_grad_norm(self, norm: Tensor) -> None:
+        self._grad_norms.append(norm)
+
+    def summary(self) -> dict[str, float]:
+        """The epoch's ``ism/*`` log entries: weakening quantiles and strength (with ISM), the
+        mean and largest gradient norm of the model."""
+        out: dict[str, float] = {}
+        if self.ism is not None:
+            out.update(self.weakening.summary())
+            out["strength"] = self.ism.strength
+        if self._grad_norms:
+            norms = torch.stack(self._grad_norms).double()
+            out["grad_norm"] = float(norms.mean())
+            out["grad_norm_max"] = float(norms.max())
+        return out
+
+    def check(self, epoch: int, summary: dict[str, float]) -> None:
+        """Warn once when ISM saturates most relations, or when no gradient reaches the model."""
+        if not self.warns:
+            return
+        if self.ism is not None and "saturated" not in self._warned and is_saturated(summary):
+            self._warned.add("saturated")
+            shares = ", ".join(
+                f"{k} {summary[f'{k}_saturated']:.0%}"
+                for k in ("pos", "neg")
+                if f"{k}_saturated" in summary
+            )
+            warnings.warn(
+                f"epoch {epoch + 1}: ISM saturates most relations (weakening e^(-y) < {SATURATED:g} "
+                f"for {shares} of the pairs): similarities are pinned and almost no gradient "
+                "reaches the model. Use the bounded uncertainty head "
+                "(model.uncertainty.form=bounded), lower model.uncertainty.max_norm or "
+                "model.uncertainty.init_level, raise metric.tau, lower metric.gamma, or set "
+                "metric.warmup_epochs",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if summary.get("grad_norm_max", 1.0) == 0.0 and "no_gradient" not in self._warned:
+            self._warned.add("no_gradient")
+            hint = (
+                " With ISM, a strict variant (metric.variant=strict) or ISM-Dis under a large "
+                "||u|| makes every pair constant: see the ism/* keys of metrics.jsonl."
+                if self.ism is not None
+                else ""
+            )
+            warnings.warn(
+                f"epoch {epoch + 1}: the model received exactly zero gradient at every step, so "
+                f"training changes nothing but weight decay.{hint}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def check_finite_weights(self, modules: Mapping[str, nn.Module]) -> None:
+        """Stop at the step that made a weight NaN or infinite (e.g. a learning rate far too
+        high): a checkpoint of such weights would be useless, and training on is wasted time."""
+        named = [
+            (f"{prefix}.{name}", p)
+            for prefix, module in modules.items()
+            for name, p in module.named_parameters()
+        ]
+        finite = torch.stack([torch.isfinite(p).all() for _, p in named])
+        if not bool(finite.all()):  # one device sync per step, not one per tensor
+            bad = [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+            raise self.non_finite(f"non-finite weights in {', '.join(bad[:3])}")
+
+    def non_finite(self, what: str, after_epoch: bool = False) -> NonFiniteError:
+        """The error that stops the run at the current step (or after its epoch's training)."""
+        epoch, step = self.position
+        where = (
+            f"after epoch {epoch + 1}" if after_epoch else f"at epoch {epoch + 1}, step {step + 1}"
+        )
+        latest = self.run_dir / "checkpoints" / "latest"
+        kept = (
+            f"the last good checkpoint ({latest.read_text().strip()}) stays latest"
+            if latest.is_file()
+            else "no checkpoint was written"
+        )
+        return NonFiniteError(
+            f"{what} {where}; training stopped and {kept}. Lower optim.lr (now {self.lr:g}), set "
+            "optim.grad_clip, or check the data, then start again in a new --out (or with "
+            "--overwrite)"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -91,3 +92,32 @@ def build_scheduler(
             opt, milestones=list(o.milestones), gamma=o.step_gamma
         )
     return None
+
+
+def restore_schedule(
+    cfg: Config,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    saved: dict[str, Any] | None,
+    epochs_done: int,
+    epochs_changed: bool,
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The schedule of a resumed run: the ``saved`` one when the run's length is unchanged; else
+    the schedule of a fresh run of ``optim.epochs``, advanced by ``epochs_done`` steps from the base
+    rates as an uninterrupted run of that length steps it (cosine's ``T_max`` is the run length,
+    so the saved schedule cannot be reused)."""
+    if scheduler is None or saved is None:
+        return scheduler
+    if not epochs_changed:
+        scheduler.load_state_dict(saved)
+        return scheduler
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = group["initial_lr"] = base
+    fresh = build_scheduler(cfg, optimizer)
+    assert fresh is not None  # the same optim.scheduler that built ``scheduler``
+    # Stepping the schedule without optimizer steps is the point: silence torch's warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(epochs_done):
+            fresh.step()
+    return fresh

@@ -141,7 +141,11 @@ class ConfidenceSettings:
         Raises:
             ValueError: two scores need hubness at different ``k``.
         """
-        ks = {s.hubness_k for s in self.usable(with_uncertainty, calibration)} - {None}
+        ks = {
+            s.hubness_k
+            for s in self.usable(with_uncertainty, calibration)
+            if s.hubness_k is not None
+        }
         if len(ks) > 1:
             raise ValueError(f"confidence scores need hubness at several k {sorted(ks)}; use one")
         return ks.pop() if ks else None

@@ -177,9 +177,9 @@ def _sorted_answers(
             f"confidence has {c.numel()} values but correct has {right.numel()}; pass one each"
         )
     keep = ~torch.isnan(c)
-    c, right = c[keep].numpy(), right[keep].numpy()
-    order = np.argsort(-c, kind="stable")
-    return c[order], ~right[order]
+    values, correct_np = c[keep].numpy(), right[keep].numpy()
+    order = np.argsort(-values, kind="stable")
+    return values[order], ~correct_np[order]
 
 
 def _levels(c: np.ndarray, wrong: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

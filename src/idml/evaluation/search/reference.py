@@ -44,7 +44,7 @@ def reference_search(
     same_set = reference is None
     q_labels = torch.as_tensor(query_labels).long()
     r_labels = q_labels if same_set else torch.as_tensor(reference_labels).long()
-    if same_set:
+    if reference is None:
         q_side, r_side = scorer.prepare(query)
     else:
         q_side, r_side = scorer.prepare_side(query), scorer.prepare_reference(reference)
@@ -53,7 +53,11 @@ def reference_search(
     n_q, n_r = scores.shape
     ids = torch.arange(n_r).expand(n_q, n_r)
     # Each row's candidates: every reference but the query itself.
-    keep = ids != torch.arange(n_q).unsqueeze(1) if same_set else torch.ones_like(ids, dtype=bool)
+    keep = (
+        ids != torch.arange(n_q).unsqueeze(1)
+        if same_set
+        else torch.ones_like(ids, dtype=torch.bool)
+    )
     width = n_r - (1 if same_set else 0)
     cand_ids, cand_scores = ids[keep].view(n_q, width), scores[keep].view(n_q, width)
     relevant = r_labels[cand_ids] == q_labels.unsqueeze(1)

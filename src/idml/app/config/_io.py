@@ -1,20 +1,23 @@
 """Reading run configs (:mod:`idml.app.config`): YAML files and their ``include:`` fragments,
-``--set`` overrides, validation with errors that name the key, and stored runs' configs.
+``--set`` overrides, the task's defaults, validation with errors that name the key, and stored
+runs' configs (old spellings read as today's).
 
 Composition: a YAML config may start with ``include:``, one entry or a list. An entry ending in
 ``.yaml``/``.yml`` is a file, relative to the including file; any other entry names a fragment
 packaged with idml (:data:`FRAGMENTS`, listed by :func:`fragment_names`): ``method/<baseline|plain|
 ism|mixup|idml|ssr|idml_ssr>``, ``dataset/<cub|cars|sop|digits_demo>``, ``loss/<name>`` (the loss
-and the sampler the IDML paper trains it with) and ``backbone/<resnet50|small_cnn>``. Fragments
-may include fragments. They merge deeply, in order, then the file's own keys (later wins;
-mappings merge key by key, values and lists are replaced, and a ``loss`` naming another loss
-replaces the whole section); ``--set`` overrides apply after that. A missing file or name, an
+and the sampler the IDML paper trains it with), ``backbone/<resnet50|small_cnn>`` and
+``task/<name>`` (a task's defaults). Fragments may include fragments. They merge deeply, in order,
+then the file's own keys (later wins; mappings merge key by key, values and lists are replaced, and
+a ``loss`` or ``task`` naming another entry replaces the whole section); ``--set`` overrides apply
+after that, and the merged config goes on top of its task's defaults
+(:attr:`idml.app.tasks.Task.defaults`), as if they were its first include. A missing file or name, an
 include cycle, a fragment that is not a mapping and an unknown key inside a fragment are
 errors (:class:`ConfigError`) naming the file and the chain of files that included it; the checks that
 relate several keys run on the merged config. A run stores the merged config (no ``include:``),
 so a run folder never depends on the fragments. ``method/idml`` is the one definition of "IDML =
-uncertainty head + ISM + Mixup": the presets, ``idml ablate``'s ``method``/``metric``/``mixup``
-axes, ``idml demo`` and the tests read it. A method fragment switches its own components on and
+uncertainty head + ISM + Mixup", for every task: the presets, ``idml ablate``'s
+``method``/``metric``/``mixup`` axes, ``idml demo`` and the tests read it. A method fragment switches its own components on and
 leaves every other key alone (``method/baseline`` switches all of them off).
 """
 
@@ -25,15 +28,19 @@ import difflib
 import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from idml.app.config.sections import DEFAULT_LOSS, LOSS_CONFIGS, ConfigError
-
-if TYPE_CHECKING:
-    from idml.app.config import Config
+from idml.app.config._schema import (
+    DEFAULT_TASK,
+    NAMED_SECTIONS,
+    Config,
+    ConfigError,
+    DataConfig,
+    reads_key,
+)
 
 
 # --------------------------------------------------------------------------- loading
@@ -51,7 +58,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} does not exist; see configs/ for the presets")
         raw, included = _resolve_file(path, chain=())
         source = str(path) + (f" (includes {', '.join(included)})" if included else "")
-    before = copy.deepcopy(raw.get("data")) if isinstance(raw.get("data"), dict) else {}
+    data = raw.get("data")
+    before: dict[str, Any] = copy.deepcopy(data) if isinstance(data, dict) else {}
     keys = set()
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -121,8 +129,11 @@ def merge_configs(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[st
     merged = copy.deepcopy(dict(base))
     for key, value in update.items():
         old = merged.get(key)
+        if key in NAMED_SECTIONS:  # ``task: classification`` is ``task: {name: classification}``
+            old = {"name": old} if isinstance(old, str) else old
+            value = {"name": value} if isinstance(value, str) else value
         if isinstance(old, dict) and isinstance(value, Mapping):
-            if key == "loss" and "name" in value and value["name"] != old.get("name"):
+            if key in NAMED_SECTIONS and "name" in value and value["name"] != old.get("name"):
                 merged[key] = copy.deepcopy(dict(value))
             else:
                 merged[key] = merge_configs(old, value)
@@ -214,12 +225,11 @@ def _check_fragment_keys(raw: dict[str, Any], where: str) -> None:
     Only unknown keys: a fragment is a partial config, so the checks that relate several keys
     (an ISM metric needs the uncertainty head) run on the merged result.
     """
-    from idml.app.config import Config
-
     body = {k: v for k, v in raw.items() if k != INCLUDE_KEY}
-    loss = body.get("loss")
-    if isinstance(loss, dict) and "name" not in loss:
-        body.pop("loss")  # which loss's keys these are depends on the fragments around it
+    for key in NAMED_SECTIONS:
+        section = body.get(key)
+        if isinstance(section, dict) and "name" not in section:
+            body.pop(key)  # which entry's keys these are depends on the fragments around it
     try:
         Config.model_validate(body)
     except ValidationError as err:
@@ -254,7 +264,6 @@ def _follow_image_size(raw: dict[str, Any], before: dict[str, Any]) -> None:
     """``--set data.image_size=N`` alone: a resize_size that kept the recipe's 256/224 ratio to
     the old crop keeps it to the new one (a preset's 256 for 224 becomes 73 for 64); a resize
     that did not follow the ratio was chosen on purpose and stays."""
-    from idml.app.config import DataConfig
     from idml.data.transforms import eval_resize_size
 
     data = raw.get("data")
@@ -269,17 +278,35 @@ def _follow_image_size(raw: dict[str, Any], before: dict[str, Any]) -> None:
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
-    """Validate a raw mapping; errors name the key, the problem and the valid keys."""
-    loss = raw.get("loss")
-    if isinstance(loss, dict) and "name" not in loss:
-        raw = {**raw, "loss": {"name": DEFAULT_LOSS, **loss}}
-    raw = _keep_linear_head_of_old_runs(raw)
+    """Validate a raw mapping on top of its task's defaults; errors name the key, the problem and
+    the valid keys. Keys of older versions are read as today's (:func:`_upgrade`) or refused
+    naming the key that replaced them."""
+    raw = _upgrade(raw, source)
+    raw = merge_configs(_task_defaults(raw), raw)
     try:
-        from idml.app.config import Config
-
         return Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err.errors(), raw, source)) from None
+
+
+def _task_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults fragment of the task ``raw`` names (``{}`` for none, or an unknown task,
+    which validation then names)."""
+    from idml.app.tasks import TASKS
+
+    entry = raw.get("task", DEFAULT_TASK)
+    name = entry.get("name", DEFAULT_TASK) if isinstance(entry, Mapping) else entry
+    task = TASKS.get(name) if isinstance(name, str) else None
+    if task is None or task.defaults is None:
+        return {}
+    where = f"the defaults of task {name}"
+    if str(task.defaults).endswith((".yaml", ".yml")):
+        path = Path(task.defaults)
+        if not path.is_file():
+            raise ConfigError(f"{where}: {path} does not exist")
+    else:
+        path = _fragment_path(str(task.defaults), where)
+    return _resolve_file(path, chain=(), check_keys=True)[0]
 
 
 _LINEAR_HEAD_KEYS = ("normalize", "activation", "init_std")
@@ -290,17 +317,33 @@ def _keep_linear_head_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
     uncertainty head but ``form``; it was the linear head, so it stays one (its checkpoints hold
     that head's weights)."""
     model = raw.get("model")
-    head = model.get("uncertainty") if isinstance(model, dict) else None
+    if not isinstance(model, dict):
+        return raw
+    head = model.get("uncertainty")
     if isinstance(head, dict) and "form" not in head and all(k in head for k in _LINEAR_HEAD_KEYS):
         return {**raw, "model": {**model, "uncertainty": {**head, "form": "linear"}}}
+    return raw
+
+
+def _upgrade(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Old spellings as today's schema reads them: a run written before
+    ``model.uncertainty.form`` existed keeps its linear head, and each task reads its own old
+    keys (:meth:`idml.app.tasks.Task.upgrade`)."""
+    from idml.app.tasks import TASKS
+
+    raw = _keep_linear_head_of_old_runs(raw)
+    for task in TASKS.values():
+        raw = task.upgrade(raw, source)
     return raw
 
 
 RUNTIME_KEYS: frozenset[str] = frozenset(
     {"device", "data.num_workers", "tensorboard", "eval.batch_size"}
     | {"mlflow.enabled", "mlflow.tracking_uri", "mlflow.experiment"}
+    | {"published"}
 )
-"""Config keys that say where and how fast a run goes, and cannot change its numbers."""
+"""Config keys that cannot change a run's numbers: where and how fast it goes, and ``published``
+(a source's numbers to compare with, documentation only)."""
 
 
 def config_difference(
@@ -343,8 +386,22 @@ def stored_config_dict(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """JSON-compatible dict (paths as strings) that :func:`validate_config` reads back."""
-    return cfg.model_dump(mode="json")
+    """JSON-compatible dict (paths as strings) that :func:`validate_config` reads back: every key
+    the run's task reads, defaults included (a key it does not read is left out, since setting it
+    would be an error)."""
+    return read_only(cfg.model_dump(mode="json"), cfg.task.spec.reads)
+
+
+def read_only(raw: dict[str, Any], reads: frozenset[str], prefix: str = "") -> dict[str, Any]:
+    """The keys of a config mapping that a task reading ``reads`` reads (``task`` always)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = prefix + key
+        if path == "task" or path in reads or any(path.startswith(r + ".") for r in reads):
+            out[key] = value
+        elif isinstance(value, dict) and reads_key(reads, path):
+            out[key] = read_only(value, reads, path + ".")
+    return out
 
 
 def _parse_value(text: str) -> Any:
@@ -361,6 +418,8 @@ def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+        if isinstance(child, str) and node is raw and part in NAMED_SECTIONS:
+            child = node[part] = {"name": child}  # ``task=classification``, then ``task.scale=20``
         if not isinstance(child, dict):
             raise ConfigError(f"cannot set {dotted!r}: {part!r} is a value, not a section")
         node = child
@@ -379,19 +438,18 @@ def _field_types(owner: Any) -> dict[str, Any]:
 
 def _owner_of(loc: tuple[Any, ...], raw: dict[str, Any]) -> Any:
     """The model that owns the key at ``loc[-1]``."""
-    from idml.app.config import Config
-
     owner: Any = Config
     node: Any = raw
     for i, part in enumerate(loc[:-1]):
-        if _is_loss_tag(loc, i):
-            owner = LOSS_CONFIGS[part]  # discriminated-union tag in the error location
+        if _is_named_tag(loc, i):
+            owner = NAMED_SECTIONS[loc[0]][part]  # discriminated-union tag in the error location
             continue
         annotation = _field_types(owner).get(str(part))
         node = node.get(part, {}) if isinstance(node, dict) else {}
-        if part == "loss" and owner is Config:
-            name = node.get("name") if isinstance(node, dict) else None
-            owner = LOSS_CONFIGS.get(str(name), LOSS_CONFIGS[DEFAULT_LOSS])
+        if part in NAMED_SECTIONS and owner is Config:
+            sections = NAMED_SECTIONS[part]
+            name = node.get("name") if isinstance(node, dict) else node
+            owner = sections[str(name)] if name in sections else sections[sections.default]
         elif _field_types(annotation):
             owner = annotation
         else:
@@ -399,10 +457,10 @@ def _owner_of(loc: tuple[Any, ...], raw: dict[str, Any]) -> Any:
     return owner
 
 
-def _is_loss_tag(loc: tuple[Any, ...], i: int) -> bool:
-    """Whether ``loc[i]`` is the loss union's tag (``loss.<name>[.<key>]``), not a key that happens
-    to share a loss's name (``loss.margin.margin``: the margin loss's ``margin``)."""
-    return i == 1 and loc[0] == "loss" and loc[1] in LOSS_CONFIGS
+def _is_named_tag(loc: tuple[Any, ...], i: int) -> bool:
+    """Whether ``loc[i]`` is a named section's union tag (``loss.<name>[.<key>]``), not a key that
+    happens to share a loss's name (``loss.margin.margin``: the margin loss's ``margin``)."""
+    return i == 1 and loc[0] in NAMED_SECTIONS and loc[1] in NAMED_SECTIONS[loc[0]]
 
 
 def _explain(errors: list[Any], raw: dict[str, Any], source: str) -> str:
@@ -410,7 +468,7 @@ def _explain(errors: list[Any], raw: dict[str, Any], source: str) -> str:
     for item in errors:
         loc = tuple(item["loc"])
         # Drop the discriminator tag from the printed key path.
-        shown = ".".join(str(p) for i, p in enumerate(loc) if not _is_loss_tag(loc, i))
+        shown = ".".join(str(p) for i, p in enumerate(loc) if not _is_named_tag(loc, i))
         kind = item["type"]
         if kind in ("extra_forbidden", "unexpected_keyword_argument"):
             valid = sorted(_field_types(_owner_of(loc, raw)))
@@ -419,8 +477,9 @@ def _explain(errors: list[Any], raw: dict[str, Any], source: str) -> str:
             lines.append(f"unknown key {shown!r}{hint}")
             lines.append(f"  valid keys here: {', '.join(valid)}")
         elif kind in ("union_tag_invalid", "union_tag_not_found"):
-            lines.append(f"{shown or 'loss'}.name: {item['msg']}")
-            lines.append(f"  valid loss names: {', '.join(LOSS_CONFIGS)}")
+            key = str(loc[0]) if loc and loc[0] in NAMED_SECTIONS else "loss"
+            lines.append(f"{key}.name: {item['msg']}")
+            lines.append(f"  valid {key} names: {', '.join(NAMED_SECTIONS[key])}")
         elif kind == "value_error" and not shown:
             lines.append(str(item["msg"]).removeprefix("Value error, "))
         else:

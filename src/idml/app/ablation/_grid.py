@@ -19,6 +19,7 @@ from idml.app.config import (
     Config,
     merge_configs,
     read_fragment,
+    reads_key,
     to_overrides,
 )
 
@@ -53,8 +54,14 @@ class ChoicePreset:
         return key
 
     def overrides(self, value: str, base: Config | None) -> tuple[str, ...]:
-        """The config overrides of one (canonical) value."""
-        return self.choices[value][0]
+        """The config overrides of one (canonical) value, less those of keys the base config's
+        task does not read: a component a task does not have is off already (``method=baseline``
+        of a classification config switches no SSR off)."""
+        overrides = self.choices[value][0]
+        if base is None:
+            return overrides
+        reads = base.task.spec.reads
+        return tuple(o for o in overrides if reads_key(reads, o.partition("=")[0]))
 
     def label(self, value: str) -> str:
         """How the value appears in the table."""
@@ -186,6 +193,16 @@ PRESETS: dict[str, Preset] = {
             {"on": (_method("method/mixup"), "on"), "off": (("mixup.enabled=false",), "off")},
             _ON_OFF_SYNONYMS,
             switch=True,
+        ),
+        ChoicePreset(
+            "mix",
+            "mixed images with set labels: none, Mixup or CutMix (Yun et al. 2019), any task",
+            {
+                "none": (("mixup.enabled=false",), "none"),
+                "mixup": ((*_method("method/mixup"), "mixup.kind=mixup"), "Mixup"),
+                "cutmix": ((*_method("method/mixup"), "mixup.kind=cutmix"), "CutMix"),
+            },
+            {"off": "none"},
         ),
         _switch("ssr", "self-supervised ranking auxiliary task (Fu et al. 2021)", "ssr.enabled"),
         _switch(

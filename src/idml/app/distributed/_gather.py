@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import Dataset, Subset
 
-from idml.app.distributed.context import DistributedContext
+from idml.app.distributed._context import DistributedContext
 from idml.augment import AugmentedBatch, MixupInfo, MixupMode
 from idml.embeddings import Embeddings
 from idml.relations import LabelSets, pad_label_width

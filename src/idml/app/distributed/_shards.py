@@ -11,8 +11,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from idml.app.distributed.context import DistributedContext, derived_seed
-from idml.app.distributed.gather import gather_batch, merge_rows
+from idml.app.distributed._context import DistributedContext, derived_seed
+from idml.app.distributed._gather import gather_batch, merge_rows
 from idml.augment import AugmentedBatch, UncertaintyAugmentation
 from idml.embeddings import Embeddings
 

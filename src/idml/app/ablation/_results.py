@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 
-from idml.app.ablation.grid import Cell, GridAxis
+from idml.app.ablation._grid import Cell, GridAxis
 from idml.app.checkpoint import atomic_write_text
 from idml.app.metric_display import (
     PERCENT,

@@ -1,0 +1,158 @@
+"""The trainer's parts, each through its own interface: :class:`Checkpointing` (with
+:class:`BestEpoch`), :class:`EpochLog`, :class:`LearningMonitor` and the restored schedule; the
+trainer composes them (tests/test_training.py runs them together)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from idml.app.config import config_to_dict, load_config
+from idml.app.distributed import DistributedContext
+from idml.app.training.checkpoints import BestEpoch, Checkpointing, TrainingWeights
+from idml.app.training.epoch_log import EpochLog, EpochRecord
+from idml.app.training.monitoring import LearningMonitor, NonFiniteError
+from idml.app.training.optim import build_scheduler, restore_schedule
+from idml.metrics import CosineSimilarity, IntrospectiveMetric
+
+ONE = DistributedContext()
+
+
+def _weights(seed: int) -> TrainingWeights:
+    torch.manual_seed(seed)
+    model, head = nn.Linear(3, 2), nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # optimizer state to save
+    return TrainingWeights(model, {"loss": head}, {"optim_main": optimizer})
+
+
+# --------------------------------------------------------------------------- checkpointing
+def test_checkpoints_round_trip_point_at_the_best_and_prune(tmp_path: Path) -> None:
+    cfg = load_config(None)
+    parts = Checkpointing(tmp_path, ONE)
+    saved = _weights(0)
+    for epoch, best in ((0, 0), (1, 0), (2, 2)):
+        parts.save(epoch, saved, {"epoch": epoch, "config": config_to_dict(cfg)}, best)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("epoch_*")) == ["epoch_0002"]
+    assert (root / "best").read_text().strip() == "epoch_0002"
+
+    fresh = _weights(1)
+    assert not torch.equal(fresh.model.weight, saved.model.weight)
+    parts.save(3, saved, {"epoch": 3, "config": config_to_dict(cfg)}, 2)
+    restored = parts.restore(cfg, fresh)
+    assert restored.epoch == 3 and not restored.epochs_changed
+    assert torch.equal(fresh.model.weight, saved.model.weight)
+    assert torch.equal(fresh.modules["loss"].weight, saved.modules["loss"].weight)
+    key = next(iter(saved.optimizers["optim_main"].state_dict()["state"]))
+    assert torch.equal(
+        fresh.optimizers["optim_main"].state_dict()["state"][key]["exp_avg"],
+        saved.optimizers["optim_main"].state_dict()["state"][key]["exp_avg"],
+    )
+    longer = load_config(None, ["optim.epochs=70"])
+    assert parts.restore(longer, fresh).epochs_changed  # more epochs may resume
+    with pytest.raises(ValueError, match=r"cannot resume .*optim\.lr: 0\.0001 -> 0\.5"):
+        parts.restore(load_config(None, ["optim.lr=0.5"]), fresh)
+
+
+def test_best_epoch_needs_the_selected_metric() -> None:
+    best = BestEpoch()
+    with pytest.raises(ValueError, match=r"eval\.select='top1' is not among the metrics"):
+        best.update(0, {"recall@1": 0.5}, "top1")
+    assert best.update(3, {"top1": 0.2}, "top1")
+    assert BestEpoch.from_state(best.to_state()) == best
+    assert BestEpoch.from_state({}) == BestEpoch(-math.inf, -1, {})
+
+
+# --------------------------------------------------------------------------- epoch log
+def test_epoch_log_writes_echoes_and_keeps_only_checkpointed_epochs(tmp_path: Path) -> None:
+    lines: list[str] = []
+    log = EpochLog(tmp_path, ONE, echo=lines.append)
+    log.start()
+    for epoch in range(3):
+        record = EpochRecord(epoch, {"total": 1.0 / (epoch + 1)}, {"heads": 0.1}, {}, steps=2)
+        record.metrics = {"recall@1": 0.25 * epoch}
+        log.write(record, epochs=3)
+    assert lines[0].startswith("epoch 1/3: loss 1.0000, recall@1 0.0000, 2 steps")
+    assert log.last_test_metrics() == {"recall@1": 0.5}
+    (tmp_path / "metrics.jsonl").open("a").write('{"epoch": 3, "cut')  # a crash mid-line
+    again = EpochLog(tmp_path, ONE)
+    again.restore(2)  # the checkpoint is of epoch 2: later lines go
+    assert [line["epoch"] for line in again.history] == [0, 1]
+    stored = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in stored] == [0, 1]
+    with pytest.raises(ValueError, match="has 2 epoch lines but the checkpoint is of epoch 5"):
+        again.restore(5)
+
+
+# --------------------------------------------------------------------------- learning monitor
+def test_monitor_ramps_ism_in_and_summarises_the_epoch(tmp_path: Path) -> None:
+    ism = IntrospectiveMetric(CosineSimilarity())
+    monitor = LearningMonitor(ism, warmup_epochs=2.0, run_dir=tmp_path, lr=1e-3)
+    monitor.start_epoch(0)
+    monitor.step(0, 1, steps_per_epoch=4)  # half an epoch done after this step
+    assert ism.strength == pytest.approx(0.25) and monitor.position == (0, 1)
+    monitor.record_grad_norm(torch.tensor(1.0))
+    monitor.record_grad_norm(torch.tensor(3.0))
+    summary = monitor.summary()
+    assert (summary["grad_norm"], summary["grad_norm_max"], summary["strength"]) == (2.0, 3.0, 0.25)
+    monitor.step(5, 0, steps_per_epoch=4)
+    assert ism.strength == 1.0
+    plain = LearningMonitor(None, warmup_epochs=0.0, run_dir=tmp_path, lr=1e-3)
+    plain.start_epoch(0)
+    assert plain.summary() == {}
+
+
+def test_monitor_warns_once_when_nothing_learns(tmp_path: Path) -> None:
+    monitor = LearningMonitor(None, 0.0, tmp_path, lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.check(0, {"grad_norm_max": 0.0})
+        monitor.check(1, {"grad_norm_max": 0.0})
+    assert len(caught) == 1 and "exactly zero gradient" in str(caught[0].message)
+    silent = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, warns=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        silent.check(0, {"grad_norm_max": 0.0})  # another rank: rank 0 warns
+
+
+def test_monitor_names_the_step_and_the_checkpoint_kept(tmp_path: Path) -> None:
+    monitor = LearningMonitor(None, 0.0, tmp_path, lr=0.5)
+    monitor.step(2, 6, steps_per_epoch=10)
+    broken = nn.Linear(2, 2)
+    with torch.no_grad():
+        broken.bias[0] = float("nan")
+    with pytest.raises(
+        NonFiniteError, match=r"non-finite weights in model\.bias at epoch 3, step 7"
+    ):
+        monitor.check_finite_weights({"model": broken})
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("epoch_0001\n")
+    error = monitor.non_finite("NaN in the test set", after_epoch=True)
+    assert "after epoch 3" in str(error) and "(epoch_0001) stays latest" in str(error)
+    assert "optim.lr (now 0.5)" in str(error)
+
+
+# --------------------------------------------------------------------------- schedule
+def test_restored_schedule_continues_or_replays_for_a_new_length() -> None:
+    cfg = load_config(None, ["optim.scheduler=cosine", "optim.epochs=4", "optim.lr=1.0"])
+    params = [nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    scheduler = build_scheduler(cfg, optimizer)
+    assert scheduler is not None
+    optimizer.step()
+    scheduler.step()
+    saved = scheduler.state_dict()
+    same = restore_schedule(cfg, optimizer, scheduler, saved, 1, epochs_changed=False)
+    assert same is scheduler
+    longer = load_config(None, ["optim.scheduler=cosine", "optim.epochs=8", "optim.lr=1.0"])
+    replayed = restore_schedule(longer, optimizer, scheduler, saved, 1, epochs_changed=True)
+    assert replayed is not None and replayed.state_dict()["T_max"] == 8
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + math.cos(math.pi / 8)))
