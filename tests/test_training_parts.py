@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from idml.app.checkpoint import EPOCH_BASE
 from idml.app.config import config_to_dict, load_config
 from idml.app.distributed import DistributedContext
 from idml.app.training.checkpoints import BestEpoch, Checkpointing, TrainingWeights
@@ -38,17 +39,20 @@ def test_checkpoints_round_trip_point_at_the_best_and_prune(tmp_path: Path) -> N
     cfg = load_config(None)
     parts = Checkpointing(tmp_path, ONE)
     saved = _weights(0)
-    for epoch, best in ((0, 0), (1, 0), (2, 2)):
-        parts.save(epoch, saved, {"epoch": epoch, "config": config_to_dict(cfg)}, best)
+    # Epochs are numbered from 1 (the trainer writes epoch_base 1; a state without it is an old
+    # run numbered from 0, which read_state renumbers).
+    for epoch, best in ((1, 1), (2, 1), (3, 3)):
+        state = {"epoch": epoch, EPOCH_BASE: 1, "config": config_to_dict(cfg)}
+        parts.save(epoch, saved, state, best)
     root = tmp_path / "checkpoints"
-    assert sorted(p.name for p in root.glob("epoch_*")) == ["epoch_0002"]
-    assert (root / "best").read_text().strip() == "epoch_0002"
+    assert sorted(p.name for p in root.glob("epoch_*")) == ["epoch_0003"]
+    assert (root / "best").read_text().strip() == "epoch_0003"
 
     fresh = _weights(1)
     assert not torch.equal(fresh.model.weight, saved.model.weight)
-    parts.save(3, saved, {"epoch": 3, "config": config_to_dict(cfg)}, 2)
+    parts.save(4, saved, {"epoch": 4, EPOCH_BASE: 1, "config": config_to_dict(cfg)}, 3)
     restored = parts.restore(cfg, fresh)
-    assert restored.epoch == 3 and not restored.epochs_changed
+    assert restored.epoch == 4 and not restored.epochs_changed
     assert torch.equal(fresh.model.weight, saved.model.weight)
     assert torch.equal(fresh.modules["loss"].weight, saved.modules["loss"].weight)
     key = next(iter(saved.optimizers["optim_main"].state_dict()["state"]))
@@ -68,7 +72,7 @@ def test_best_epoch_needs_the_selected_metric() -> None:
         best.update(0, {"recall@1": 0.5}, "top1")
     assert best.update(3, {"top1": 0.2}, "top1")
     assert BestEpoch.from_state(best.to_state()) == best
-    assert BestEpoch.from_state({}) == BestEpoch(-math.inf, -1, {})
+    assert BestEpoch.from_state({}) == BestEpoch(-math.inf, 0, {})  # 0: none evaluated yet
 
 
 # --------------------------------------------------------------------------- epoch log
@@ -76,18 +80,18 @@ def test_epoch_log_writes_echoes_and_keeps_only_checkpointed_epochs(tmp_path: Pa
     lines: list[str] = []
     log = EpochLog(tmp_path, ONE, echo=lines.append)
     log.start()
-    for epoch in range(3):
-        record = EpochRecord(epoch, {"total": 1.0 / (epoch + 1)}, {"heads": 0.1}, {}, steps=2)
-        record.metrics = {"recall@1": 0.25 * epoch}
+    for epoch in (1, 2, 3):  # numbered from 1
+        record = EpochRecord(epoch, {"total": 1.0 / epoch}, {"heads": 0.1}, {}, steps=2)
+        record.metrics = {"recall@1": 0.25 * (epoch - 1)}
         log.write(record, epochs=3)
     assert lines[0].startswith("epoch 1/3: loss 1.0000, recall@1 0.0000, 2 steps")
     assert log.last_test_metrics() == {"recall@1": 0.5}
-    (tmp_path / "metrics.jsonl").open("a").write('{"epoch": 3, "cut')  # a crash mid-line
+    (tmp_path / "metrics.jsonl").open("a").write('{"epoch": 4, "cut')  # a crash mid-line
     again = EpochLog(tmp_path, ONE)
     again.restore(2)  # the checkpoint is of epoch 2: later lines go
-    assert [line["epoch"] for line in again.history] == [0, 1]
+    assert [line["epoch"] for line in again.history] == [1, 2]
     stored = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["epoch"] for line in stored] == [0, 1]
+    assert [json.loads(line)["epoch"] for line in stored] == [1, 2]
     with pytest.raises(ValueError, match="has 2 epoch lines but the checkpoint is of epoch 5"):
         again.restore(5)
 

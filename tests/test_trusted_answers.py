@@ -379,6 +379,19 @@ def test_evaluate_reranks_and_judges_a_calibration(
     assert f"confidence: calibrated confidence from {setting['run']}" in table
 
 
+def test_answers_that_read_every_gallery_vector_refuse_an_index_without_them() -> None:
+    pytest.importorskip("faiss")
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(0))
+    index = Index.create(x, labels=["a", "b"] * 20, backend="faiss", faiss_factory="Flat",
+                         store_vectors=False)  # fmt: skip
+    # A plain search needs only the faiss index; re-ranking and csls read every vector.
+    assert index.search(x[:3], k=2).indices.shape == (3, 2)
+    with pytest.raises(ValueError, match=r"re-ranking .* keeps none \(built with --no-vectors\)"):
+        GalleryReranking.prepare(index, QueryExpansion(query_neighbors=1))
+    with pytest.raises(ValueError, match=r"gallery graph .* --no-vectors"):
+        index.gallery_neighbors(5)
+
+
 def test_unlabelled_items_are_classes_of_their_own() -> None:
     index = Index.create(torch.eye(4), labels=["a", None, "a", None])
     assert index.class_ids.tolist() == [0, 2, 0, 4]

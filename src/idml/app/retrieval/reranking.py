@@ -49,7 +49,7 @@ class GalleryReranking:
         graph = None
         if reranker.gallery_depth > 0 and len(index) > 1:
             graph = index.gallery_neighbors(reranker.gallery_depth, device=device)
-        return cls(reranker, reranker.prepare(index.embeddings, graph))
+        return cls(reranker, reranker.prepare(index.all_vectors("re-ranking"), graph))
 
     @property
     def name(self) -> str:
