@@ -443,11 +443,14 @@ def test_serve_answers_carry_the_calibrated_confidence(setting: dict[str, Path])
     # /info says how answers are scored, without the server's folders.
     assert info["confidence_kind"] == "calibrated" and info["abstain_below"] == 0.5
     assert str(setting["run"]) not in json.dumps(info)
+    # The same search and float64 calibrator in both, but the fp32 score kernel (torch, OpenBLAS
+    # or faiss) is measured per process and thread count, and the server's thread may be given
+    # another: each one's confidence is within _tolerance of the float64 one's.
+    tolerance = 2 * _tolerance(ConfidenceCalibration.load(setting["run"] / CALIBRATION_FILE))
     for q, record in enumerate(results):
         assert record["confidence_kind"] == "calibrated"
-        # The same float32 search and float64 calibrator in both: identical.
-        assert record["confidence"] == float(expected.confidence[q])
-        assert record["answered"] == bool(expected.answered[q]) == (record["confidence"] >= 0.5)
+        assert abs(record["confidence"] - float(expected.confidence[q])) <= tolerance
+        assert record["answered"] == (record["confidence"] >= 0.5)
 
 
 def test_report_of_a_calibrated_run_shows_its_reliability_and_thresholds(
