@@ -409,6 +409,14 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFi
     assert printed == result.final_metrics
     assert main(["evaluate", "--checkpoint", str(tmp_path / "b"), "--ks", "1,2"]) != 0
     assert "--ks do not apply to classification runs" in capsys.readouterr().err
+    calibration = ["--rerank", "k-reciprocal", "--calibration", str(tmp_path / "c.json")]
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "b"), *calibration]) != 0
+    assert "--rerank, --calibration do not apply to classification runs" in capsys.readouterr().err
+    # A classifier's answers carry its softmax probability: training fitted no retrieval
+    # calibration, and `idml calibrate` without labelled images says why.
+    assert not (tmp_path / "b" / "calibration.json").exists()
+    assert main(["calibrate", str(tmp_path / "b"), "--no-progress"]) != 0
+    assert "does not read the calibration section" in capsys.readouterr().err
 
 
 def test_presets_validate_and_pick_sgd_with_milestones() -> None:

@@ -1,5 +1,5 @@
 """Reports that fit a 1400 px screen: every page kind (a demo-style comparison, an ablation, a
-classification run, a search page) measured in headless Chromium — no horizontal overflow, no
+classification run, a calibrated retrieval run, a search page) measured in headless Chromium — no horizontal overflow, no
 column hidden in a scrolling box, no text drawn over text or images, with ``<details>`` closed and
 opened — and every figure of those pages checked for overlapping labels and too many lines.
 
@@ -44,7 +44,7 @@ def _sets(items: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The four page kinds built from tiny runs, and the checks of every figure they drew."""
+    """The five page kinds built from tiny runs, and the checks of every figure they drew."""
     root = tmp_path_factory.mktemp("pages")
     config = root / "tiny.yaml"
     config.write_text("name: tiny\n")
@@ -74,6 +74,16 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                      *_sets([*CLASSIFICATION, *extra])]) == 0  # fmt: skip
         assert main(["report", str(run), *_SMALL_ANALYSIS]) == 0
         made["classification"] = run / "report" / "index.html"
+        # A run calibrated on held-out training classes: its reliability diagram, abstention
+        # thresholds and calibrated risk-coverage curve (idml.app.calibration).
+        held_out = ["data.num_train_classes=8", "calibration.held_out_classes=0.5",
+                    "sampler.classes_per_batch=4"]  # fmt: skip
+        run = root / "calibrated"
+        assert main(["train", str(config), "--out", str(run), "--no-progress",
+                     *_sets([*_TINY, *held_out])]) == 0  # fmt: skip
+        assert (run / "calibration.json").exists()
+        assert main(["report", str(run), *_SMALL_ANALYSIS]) == 0
+        made["calibrated"] = run / "report" / "index.html"
         made["figures"] = dict(drawn)
     # A search page: 13 tiles a row (they wrap), a class folder with a long name.
     gallery = write_images(root / "gallery", classes=3, per_class=5, shape=(20, 20))
@@ -88,7 +98,7 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return made
 
 
-PAGE_KINDS = ["demo", "ablation", "classification", "search"]
+PAGE_KINDS = ["demo", "ablation", "classification", "calibrated", "search"]
 
 
 @pytest.mark.slow

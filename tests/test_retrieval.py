@@ -13,7 +13,7 @@ from PIL import Image
 
 from idml.app.cli import main
 from idml.app.inference import Encoder
-from idml.app.retrieval import CONFIDENCE_KIND, Index, IndexFormatError
+from idml.app.retrieval import Index, IndexFormatError
 from idml.app.retrieval.workflow import read_images, search_source
 from idml.models import build_model
 from readme_doctest import run_readme_section
@@ -60,10 +60,11 @@ def test_index_then_search_equals_brute_force(
     assert doc["model"] == encoder.info.weights_sha256 and doc["k"] == 5
     for q, record in enumerate(doc["results"]):
         # Schema of every record (the same as the service's).
-        assert set(record) == {"query", "confidence", "confidence_kind", "neighbors"}
+        assert set(record) == {"query", "confidence", "confidence_kind", "answered", "neighbors"}
         assert set(record["query"]) == {"id", "path", "uncertainty"}
         assert record["query"]["id"] == ids[q]
-        assert record["confidence_kind"] == CONFIDENCE_KIND
+        # No calibration anywhere: the label-free top-1 similarity, every query answered.
+        assert record["confidence_kind"] == "top1" and record["answered"] is True
         got = [n["id"] for n in record["neighbors"]]
         assert got == [ids[i] for i in expected[q].tolist()]
         for n in record["neighbors"]:
@@ -84,7 +85,7 @@ def test_index_then_search_equals_brute_force(
     args = ["search", str(index_dir), str(gallery), "-k", "2", "--out", str(out_csv)]
     assert main([*args, "--html", str(page)]) == 0
     rows = list(csv.DictReader(out_csv.open()))
-    assert len(rows) == 24 and rows[0]["confidence_kind"] == CONFIDENCE_KIND
+    assert len(rows) == 24 and rows[0]["confidence_kind"] == "top1"
     assert rows[1]["item_id"] == doc["results"][0]["neighbors"][1]["id"]
     assert page.read_text().count("data:image/jpeg;base64,") == 12 * 3
 

@@ -44,6 +44,7 @@ from idml.data.datasets import TrainTestPair
 from idml.data.decoding import Decoder
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
+from idml.evaluation.confidence import ConfidenceCalibration
 from idml.losses import LossContext, MetricLoss
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
 from idml.models import (
@@ -75,7 +76,8 @@ def data_transforms(cfg: Config) -> tuple[Any, Any]:
 
 
 def build_data(cfg: Config) -> DMLSplit:
-    """The class-disjoint split with the train and test pixel pipelines attached."""
+    """The class-disjoint split with the train and test pixel pipelines attached; with
+    ``calibration.held_out_classes`` a share of the training classes on its ``val`` side."""
     d = cfg.data
     spec = DATASETS[DatasetName(d.dataset)]
     train_tf, test_tf = data_transforms(cfg)
@@ -115,6 +117,8 @@ def build_data(cfg: Config) -> DMLSplit:
     split = reading_images(split, cfg)
     if d.protocol == "validation":
         split = split.validation(d.validation_classes)
+    if cfg.calibration.held_out_classes > 0:  # never trained on: idml.app.calibration fits on them
+        split = split.held_out(cfg.calibration.held_out_classes)
     return split
 
 
@@ -363,14 +367,16 @@ def evaluate(
     device: torch.device,
     progress: bool = False,
     roles: Sequence[str] | np.ndarray | None = None,
+    calibration: ConfidenceCalibration | None = None,
     **settings: Any,
 ) -> EvaluationReport:
     """Test-set evaluation (:func:`idml.evaluation.evaluate_embeddings`) with the run's ``eval.*``
     settings (ISM at test time only when ``eval.introspective`` and the run was trained with ISM);
     with the test images' ``roles`` (:attr:`idml.data.ImageDataset.roles`) their queries are
-    searched against their gallery.
+    searched against their gallery; with a ``calibration`` (:mod:`idml.app.calibration`) its
+    calibrated confidence is judged too (ECE, reliability diagram, abstention thresholds).
 
-    ``settings`` (``num_neighbors``, ``block_size``, ``seed``, …) are further fields of the
+    ``settings`` (``num_neighbors``, ``block_size``, ``reranking``, ``seed``, …) are further fields of the
     :class:`~idml.evaluation.EvaluationSettings`; to override an ``eval.*`` key, evaluate a config
     whose ``eval`` section says so (:func:`idml.app.trained_run.evaluate_checkpoint` does).
     """
@@ -385,6 +391,7 @@ def evaluate(
         roles=roles,
         uncertainty=embeddings.uncertainty,
         introspective_metric=ism,
+        calibration=calibration,
         device=device,
         progress=progress,
     )

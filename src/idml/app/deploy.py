@@ -12,7 +12,9 @@ input normalisation ``(x − mean) / std`` inside. One input, two outputs:
 The batch dimension is dynamic in both formats. ``export.json`` beside the files records the
 input size, preprocessing, output names, the model's ``weights_sha256`` and the SHA-256 and size of
 every model file, so an index built with the run can be searched with the export
-(:meth:`idml.app.inference.Encoder.from_export`), and a file of another export is refused.
+(:meth:`idml.app.inference.Encoder.from_export`), and a file of another export is refused. The run's
+``calibration.json`` (its calibrated confidence, :mod:`idml.app.calibration`) is copied beside
+them when it was fitted for the exported weights, so a search with the export finds it.
 
 An export folder holds one model. Exporting into a folder that is not empty is refused without
 ``overwrite``; with it, every file of the new export is written (to hidden temporary names) before
@@ -38,6 +40,7 @@ from typing import Any
 
 import torch
 
+from idml.app.calibration import CALIBRATION_FILE, mismatch
 from idml.app.inference import EXPORT_INFO, Encoder, RetrievalNet
 from idml.app.storage import (
     fsync_folder,
@@ -51,6 +54,8 @@ FORMATS = ("torchscript", "onnx")
 TORCHSCRIPT_FILE = "model.pt"
 ONNX_FILE = "model.onnx"
 EXPORT_FILES = (EXPORT_INFO, TORCHSCRIPT_FILE, ONNX_FILE)
+"""Every file an export writes (a copy of the run's calibration aside)."""
+FOLDER_FILES = (*EXPORT_FILES, CALIBRATION_FILE)
 """Every file an export folder may hold."""
 EXPORT_VERSION = 2
 """2: ``files`` records each model file's SHA-256 and size. 1 (still read): without them."""
@@ -127,9 +132,26 @@ def export_model(
         name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         for name, data in files.items()
     }
+    calibration = _run_calibration(encoder)
+    if calibration is not None:
+        files[CALIBRATION_FILE] = calibration
     files[EXPORT_INFO] = (json.dumps(meta, indent=2) + "\n").encode()
     _write_export(out, files)
     return meta
+
+
+def _run_calibration(encoder: Encoder) -> bytes | None:
+    """The bytes of the run's ``calibration.json`` when it was fitted for these weights."""
+    from idml.evaluation.confidence import ConfidenceCalibration
+
+    path = Path(encoder.info.source) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    calibration = ConfidenceCalibration.from_dict(json.loads(data), str(path))
+    if mismatch(calibration, encoder.info.weights_sha256, "none") is not None:
+        return None  # fitted for another checkpoint of the run, or under a re-ranking
+    return data
 
 
 def _check_folder(out: Path, overwrite: bool) -> None:
@@ -139,7 +161,7 @@ def _check_folder(out: Path, overwrite: bool) -> None:
 
     make_folder(out, "export folder")
     held = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
-    foreign = [name for name in held if name not in EXPORT_FILES]
+    foreign = [name for name in held if name not in FOLDER_FILES]
     if foreign:
         raise ExportError(
             f"export folder {out} holds files that are not an export's ({', '.join(foreign[:3])}); "
@@ -169,9 +191,10 @@ def _write_export(out: Path, files: dict[str, bytes]) -> None:
     for name, path in staged.items():
         if name != EXPORT_INFO:
             os.replace(path, out / name)
-    for name in EXPORT_FILES:
+    for name in FOLDER_FILES:
         if name not in files:
-            (out / name).unlink(missing_ok=True)  # the previous export's other format
+            # The previous export's other format, or its calibration (of the previous model).
+            (out / name).unlink(missing_ok=True)
     os.replace(staged[EXPORT_INFO], out / EXPORT_INFO)
     fsync_folder(out)
     for stray in out.glob(".*.tmp-*"):

@@ -82,7 +82,7 @@ def metric_scale(key: str) -> float:
 
 def metric_label(key: str) -> str:
     """Paper-style column name: ``recall@1`` → ``R@1``, ``map@r`` → ``MAP@R``, ``nmi`` → ``NMI``,
-    ``u_mixup`` → ``||u|| mixup``."""
+    ``u_mixup`` → ``||u|| mixup``, ``conformal_precision@0.9`` → ``precision at target 0.9``."""
     if key.startswith("recall@"):
         return "R@" + key.removeprefix("recall@")
     if key.startswith("u_"):
@@ -91,6 +91,12 @@ def metric_label(key: str) -> str:
         if key.startswith(kind):
             score = key.removeprefix(kind)
             return f"{label} {_CONFIDENCE_SCORES.get(score, score)}"
+    # Abstention columns: words that wrap, so many of them fit a table's width.
+    if key.startswith("selective_recall@1_cov"):
+        return f"selective R@1 at {key.removeprefix('selective_recall@1_cov')}% coverage"
+    for kind in ("precision", "coverage"):
+        if key.startswith(f"conformal_{kind}@"):
+            return f"{kind} at target {key.removeprefix(f'conformal_{kind}@')}"
     return _METRIC_LABELS.get(key, key)
 
 
@@ -164,10 +170,19 @@ def table_decimals(columns: Mapping[str, Iterable[float]]) -> dict[str, dict[str
     }
 
 
-METRIC_FAMILIES = ("retrieval", "classification", "uncertainty", "auroc", "aurc", "other")
+METRIC_FAMILIES = (
+    "retrieval",
+    "classification",
+    "uncertainty",
+    "auroc",
+    "aurc",
+    "abstention",
+    "other",
+)
 """Columns that belong together, in report order: retrieval (Recall@K, RP, MAP@R, MAP, MRR, NMI),
 classification (top-k, ECE, NLL), ``||u||`` levels, the confidence scores' AUROC (wrong-answer
-detection) and AURC (risk–coverage), the rest."""
+detection) and AURC (risk–coverage), abstention (selective R@1 at a coverage; precision and
+coverage of the thresholds certified for target precisions), the rest."""
 
 _RETRIEVAL = frozenset({"r_precision", "map@r", "map_at_r", "map", "mrr", "nmi"})
 
@@ -184,6 +199,8 @@ def metric_family(key: str) -> str:
         return "auroc"
     if key.startswith("aurc"):
         return "aurc"
+    if key.startswith(("selective_recall", "conformal_")):
+        return "abstention"
     return "other"
 
 

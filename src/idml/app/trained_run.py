@@ -34,6 +34,7 @@ from idml.data import FileImageDataset, ImageRecords, build_transforms, read_ima
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.evaluation.clustering import KMeansBackend
+from idml.evaluation.reranking import Reranker
 from idml.models import EmbeddingModel, embed_dataset
 
 
@@ -193,13 +194,23 @@ def evaluate_checkpoint(
     nmi_backend: KMeansBackend | None = None,
     block_size: int | None = None,
     seed: int = 1234,
+    reranking: Reranker | None = None,
+    calibration: Path | None = None,
 ) -> EvaluationReport:
     """Evaluate a trained run on its own test split, with its config's evaluation settings.
 
     ``ks`` (when not empty), ``introspective``, ``nmi`` and ``nmi_backend`` override ``eval.ks``,
-    ``eval.introspective``, ``eval.nmi`` and ``eval.nmi_backend`` when given; ``block_size`` and
-    ``seed`` (k-means) are passed to :func:`~idml.evaluation.evaluate_embeddings`.
+    ``eval.introspective``, ``eval.nmi`` and ``eval.nmi_backend`` when given; ``block_size``,
+    ``seed`` (k-means) and ``reranking`` are passed to
+    :func:`~idml.evaluation.evaluate_embeddings`. The calibrated confidence judged is
+    ``calibration`` (a file; an error when it was fitted for other weights or another
+    re-ranking), else the run's ``calibration.json`` when it applies
+    (:func:`~idml.app.calibration.find_calibration`); ``settings["calibration"]`` of the report
+    says which, or why there is none.
     """
+    from idml.app.calibration import find_calibration, reranking_name
+    from idml.app.inference import weights_sha256
+
     cfg, model = load_trained_model(path, which)
     given = {
         "ks": ks or None,
@@ -213,10 +224,24 @@ def evaluate_checkpoint(
             f"{path}: --introspective needs a run trained with ISM (metric.introspective=true)"
         )
     cfg = cfg.model_copy(update={"eval": evaluation})
+    found = find_calibration(
+        [Path(path)], weights_sha256(model), reranking_name(reranking), calibration
+    )
     device = torch.device(device) if device is not None else torch.device("cpu")
     model.to(device)
     data = build.build_data(cfg)
     emb, labels = embed_dataset(model, data.test, cfg.eval.batch_size, device, progress=progress)
-    return build.evaluate(
-        cfg, emb, labels, device, progress, data.test.roles, block_size=block_size, seed=seed
+    report = build.evaluate(
+        cfg,
+        emb,
+        labels,
+        device,
+        progress,
+        data.test.roles,
+        calibration=found.calibration,
+        block_size=block_size,
+        seed=seed,
+        reranking=reranking,
     )
+    report.settings["calibration"] = found.note
+    return report

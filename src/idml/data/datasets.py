@@ -509,21 +509,40 @@ class DMLSplit(TrainTestPair):
         """
         if self.val is not None:
             return DMLSplit(self.train, self.val, f"{self.name}/validation")
+        kept, held = self._carve_train_classes(fraction, "data.validation_classes")
+        return DMLSplit(kept, held, f"{self.name}/validation")
+
+    def held_out(self, fraction: float) -> DMLSplit:
+        """The same split with the last ``ceil(fraction·C)`` *train* classes (by original class
+        id) moved to the ``val`` side, which the model never trains on (e.g. to fit a calibrated
+        confidence on classes it did not learn, like the unseen test classes it will meet). A
+        split whose source names a ``val`` side already is returned as it is.
+        """
+        if self.val is not None:
+            return self
+        kept, held = self._carve_train_classes(fraction, "calibration.held_out_classes")
+        return DMLSplit(kept, self.test, self.name, held)
+
+    def _carve_train_classes(self, fraction: float, key: str) -> tuple[ImageDataset, ImageDataset]:
+        """``(train without its last ceil(fraction·C) classes, those classes)``, the second with
+        the test side's transform (it is evaluated, never trained on); ``key`` names the setting
+        in errors."""
         if not 0.0 < fraction < 1.0:
-            raise ValueError(f"validation fraction must lie in (0, 1), got {fraction}")
+            raise ValueError(
+                f"{key}: the share of train classes must lie in (0, 1), got {fraction}"
+            )
         classes = np.asarray(self.train.classes)
         held_out = int(np.ceil(fraction * len(classes)))
         if not 1 <= held_out < len(classes):
             raise ValueError(
-                f"{self.name}: a validation share of {fraction} of {len(classes)} train classes "
-                "leaves no class on one side; change data.validation_classes"
+                f"{self.name}: a share of {fraction} of {len(classes)} train classes leaves no "
+                f"class on one side; change {key}"
             )
         ids = self.train.class_ids.numpy()
-        validation = np.isin(ids, classes[-held_out:])
-        return DMLSplit(
-            self.train.subset(np.flatnonzero(~validation)),
-            self.train.subset(np.flatnonzero(validation)).with_transform(self.test.transform),
-            f"{self.name}/validation",
+        held = np.isin(ids, classes[-held_out:])
+        return (
+            self.train.subset(np.flatnonzero(~held)),
+            self.train.subset(np.flatnonzero(held)).with_transform(self.test.transform),
         )
 
     def summary(self) -> dict[str, object]:

@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from idml.app.cli.command import Command, Group, Option
-from idml.app.cli.options import JSON, NO_PROGRESS, OLD_PROGRESS, device_name
+from idml.app.cli.options import (
+    JSON,
+    NO_PROGRESS,
+    OLD_PROGRESS,
+    RERANKING,
+    device_name,
+    reranker,
+)
 
 if TYPE_CHECKING:
     from idml.app.tasks import RunEvaluation
@@ -28,6 +35,8 @@ _RUN_OPTIONS = (  # EvaluationRequest field, flag
     ("nmi_backend", "--nmi-backend"),
     ("block_size", "--block-size"),
     ("seed", "--seed"),
+    ("reranking", "--rerank"),
+    ("calibration", "--calibration"),
 )
 """The evaluation options a run's task may honour with ``--checkpoint``."""
 
@@ -53,6 +62,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         return _evaluate_run(args)
     from idml.evaluation import EntryNames, EvaluationSettings, evaluate_files
+    from idml.evaluation.confidence import ConfidenceCalibration
     from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 
     if args.embeddings is None:
@@ -75,6 +85,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         "knn_backend": args.knn_backend,
         "faiss_index": args.faiss_index,
         "block_size": args.block_size,
+        "reranking": reranker(args),
     }
     report = evaluate_files(
         args.embeddings,
@@ -85,6 +96,9 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         # Options not given keep the library's defaults.
         settings=EvaluationSettings(**{k: v for k, v in settings.items() if v is not None}),
         introspective_metric=ism,
+        calibration=None
+        if args.calibration is None
+        else ConfidenceCalibration.load(args.calibration),
         device=args.device,
         progress=not args.no_progress,
     )
@@ -117,6 +131,8 @@ def _evaluate_run(args: argparse.Namespace) -> int:
         nmi_backend=args.nmi_backend,
         block_size=args.block_size,
         seed=args.seed,
+        reranking=reranker(args),
+        calibration=args.calibration,
     )
     given, honoured = request.given(), task.evaluation_options
     refused = [flag for name, flag in _RUN_OPTIONS if name in given and name not in honoured]
@@ -138,8 +154,11 @@ EVALUATE = Command(
     help="retrieval metrics of embeddings or of a trained run",
     description="Recall@K, R-Precision, MAP@R, MAP, MRR, NMI and ||u|| of saved embeddings "
     "(.npy/.npz/.pt/.safetensors), exact and blocked, with the conventions of the DML literature "
-    "(Musgrave et al. 2020). A file whose images have query/gallery roles (`idml embed` of a CSV "
-    "with a role column) searches its queries against its gallery only.",
+    "(Musgrave et al. 2020), and how well each confidence score tells right top-1 answers from "
+    "wrong ones (R-AUROC, AURC, selective R@1 at 50/80/90%% coverage); with a calibration (the "
+    "run's calibration.json, or --calibration) also its ECE and the precision and coverage of "
+    "its abstention thresholds. A file whose images have query/gallery roles (`idml embed` of a "
+    "CSV with a role column) searches its queries against its gallery only.",
     arguments=(
         Group(
             "input",
@@ -206,7 +225,14 @@ EVALUATE = Command(
                 "--device", default=None, type=device_name, help="cpu, cuda, cuda:N (default: cpu)"
             ),
             Option("--block-size", type=int, default=None, help="tile side of the blocked search"),
+            Option(
+                "--calibration",
+                type=Path,
+                help="calibration.json whose calibrated confidence to judge (default with "
+                "--checkpoint: the run's own, when it applies)",
+            ),
         ),
+        RERANKING,
         Group(
             "output",
             JSON,
@@ -226,7 +252,12 @@ EVALUATE = Command(
 
 def _print_report(report: RunEvaluation, args: argparse.Namespace) -> None:
     """JSON (every class when ``--per-class N > 0``) or a table (the N worst classes)."""
+    from idml.evaluation import EvaluationReport
+
     if args.json:
         print(report.to_json(per_class=args.per_class > 0))
-    else:
-        print(report.format_table(per_class=args.per_class))
+        return
+    print(report.format_table(per_class=args.per_class))
+    # A retrieval run's evaluation says which confidence it judged (idml.app.calibration).
+    if isinstance(report, EvaluationReport) and "calibration" in report.settings:
+        print(f"confidence: {report.settings['calibration']}")

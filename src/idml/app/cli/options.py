@@ -7,10 +7,11 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from idml.app.cli.command import Option
+from idml.app.cli.command import Group, Option
 
 if TYPE_CHECKING:
     from idml.app.retrieval.workflow import Runtime
+    from idml.evaluation.reranking import Reranker
 
 
 OVERRIDES = Option("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -79,3 +80,94 @@ def runtime(args: argparse.Namespace) -> Runtime:
     from idml.app.retrieval.workflow import Runtime
 
     return Runtime(args.batch_size, args.device, progress=not args.no_progress)
+
+
+RERANKING = Group(
+    "re-ranking (k-reciprocal: Zhong et al. 2017; αQE / DBA: Radenović et al. 2019)",
+    Option(
+        "--rerank",
+        choices=("k-reciprocal", "query-expansion"),
+        default=None,
+        help="re-order each query's shortlist before metrics and confidence (default: none)",
+    ),
+    Option("--rerank-shortlist", type=int, metavar="L", help="shortlist re-ranked (100)"),
+    Option("--rerank-k1", type=int, metavar="K", help="k-reciprocal: k1 (20)"),
+    Option("--rerank-k2", type=int, metavar="K", help="k-reciprocal: k2 (6)"),
+    Option("--rerank-lambda", type=float, metavar="λ", help="k-reciprocal: λ (0.3)"),
+    Option("--rerank-qe", type=int, metavar="N", help="query-expansion: αQE neighbours (2)"),
+    Option("--rerank-dba", type=int, metavar="N", help="query-expansion: DBA neighbours (0)"),
+    Option("--rerank-alpha", type=float, metavar="α", help="query-expansion: α (3)"),
+)
+"""``--rerank`` and its parameters (evaluate, search, serve, calibrate): :func:`reranker`."""
+
+_RERANK_PARAMETERS = {
+    "k-reciprocal": {
+        "rerank_k1": "k1",
+        "rerank_k2": "k2",
+        "rerank_lambda": "lambda_value",
+        "rerank_shortlist": "shortlist",
+    },
+    "query-expansion": {
+        "rerank_qe": "query_neighbors",
+        "rerank_dba": "database_neighbors",
+        "rerank_alpha": "alpha",
+        "rerank_shortlist": "shortlist",
+    },
+}
+
+
+def reranker(args: argparse.Namespace) -> Reranker | None:
+    """The re-ranker of the :data:`RERANKING` flags (``None`` without ``--rerank``); a parameter
+    of another method, or without ``--rerank``, is refused naming it."""
+    from idml.evaluation.reranking import KReciprocal, QueryExpansion
+
+    given = {
+        dest
+        for names in _RERANK_PARAMETERS.values()
+        for dest in names
+        if getattr(args, dest) is not None
+    }
+    method = args.rerank
+    fields = _RERANK_PARAMETERS.get(method, {}) if method is not None else {}
+    stray = sorted(given - set(fields))
+    if stray:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in stray)
+        raise ValueError(
+            f"{flags} {'is' if len(stray) == 1 else 'are'} not a parameter of "
+            f"{'--rerank ' + method if method else 'a search without --rerank'}; "
+            "drop it, or choose the method it belongs to"
+        )
+    if method is None:
+        return None
+    cls = KReciprocal if method == "k-reciprocal" else QueryExpansion
+    return cls(**{field: getattr(args, dest) for dest, field in fields.items() if dest in given})
+
+
+ANSWERS = Group(
+    "answers: confidence and abstention",
+    Option(
+        "--calibration",
+        type=Path,
+        help="calibration.json to use (default: the index folder's, else the model folder's)",
+    ),
+    Option(
+        "--min-confidence",
+        type=float,
+        metavar="C",
+        help="abstain on queries whose confidence is below C (of the kind the answers report)",
+    ),
+    Option(
+        "--target-precision",
+        type=float,
+        metavar="P",
+        help="abstain below the threshold certified for precision >= P among answered queries "
+        "(needs a calibration; Learn then Test)",
+    ),
+    Option(
+        "--delta",
+        type=float,
+        default=0.1,
+        help="allowed probability that the precision misses --target-precision (0.1)",
+    ),
+)
+"""How search and serve score and abstain (:func:`idml.app.retrieval.workflow.prepare_answering`)."""

@@ -1,23 +1,31 @@
-"""``idml embed``, ``idml index``, ``idml search``, ``idml export`` and ``idml serve``: use a trained
-run for retrieval."""
+"""``idml embed``, ``idml index``, ``idml search``, ``idml calibrate``, ``idml export`` and ``idml
+serve``: use a trained run for retrieval."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from idml.app.cli.command import Command, Option
 from idml.app.cli.options import (
+    ANSWERS,
     BATCH_SIZE,
     DEVICE,
     INDEX_MODEL,
     JSON,
     NO_PROGRESS,
+    RERANKING,
     RUNTIME,
     SEARCH_PARAMETERS,
     WHICH,
+    reranker,
     runtime,
 )
+
+if TYPE_CHECKING:
+    from idml.app.retrieval import Index
+    from idml.app.retrieval.workflow import Answering
 
 
 def _run_embed(args: argparse.Namespace) -> int:
@@ -168,6 +176,23 @@ INDEX = Command(
 )
 
 
+def _answering(args: argparse.Namespace, index: Index) -> Answering:
+    """The :class:`~idml.app.retrieval.workflow.Answering` of the ``ANSWERS`` and ``RERANKING``
+    flags for ``index`` (search and serve)."""
+    from idml.app.retrieval.workflow import prepare_answering
+
+    return prepare_answering(
+        index,
+        args.index,
+        reranker=reranker(args),
+        calibration=args.calibration,
+        min_confidence=args.min_confidence,
+        target_precision=args.target_precision,
+        delta=args.delta,
+        device=args.device,
+    )
+
+
 def _run_search(args: argparse.Namespace) -> int:
     from idml.app.retrieval import Index
     from idml.app.retrieval.index import check_k
@@ -182,6 +207,7 @@ def _run_search(args: argparse.Namespace) -> int:
         check_k(args.k, len(index))  # before any image is embedded
     except ValueError as err:
         raise ValueError(f"-k: {err}") from None
+    answering = _answering(args, index)
     queries = read_source(args.queries)
     encoder = None
     if queries.embeddings is None:
@@ -191,22 +217,33 @@ def _run_search(args: argparse.Namespace) -> int:
         queries,
         args.k,
         encoder,
+        answering=answering,
         runtime=runtime(args),
     )
+    described = answering.describe()
     if args.out is not None and args.out.suffix.lower() == ".csv":
         write_csv(records, args.out)
     elif args.out is not None:
-        write_file(args.out, (to_json(records, index, args.k) + "\n").encode())
+        write_file(args.out, (to_json(records, index, args.k, described) + "\n").encode())
     if args.html is not None:
         write_html(records, args.html, title=f"idml search: {args.index}")
-    print(to_json(records, index, args.k) if args.json else format_table(records))
+    if args.json:
+        print(to_json(records, index, args.k, described))
+    else:
+        print(format_table(records, note=f"confidence: {described['note']}"))
     return 0
 
 
 SEARCH = Command(
     "search",
     _run_search,
-    help="query an index with images or embeddings: neighbours, similarity, ||u||, confidence",
+    help="query an index with images or embeddings: neighbours, similarity, ||u||, the answer's "
+    "confidence and whether it abstains",
+    description="Search INDEX with QUERIES. Each answer carries a confidence: P(top-1 right) when "
+    "a calibration of the index's model applies (--calibration, else calibration.json in the "
+    "index folder or the model's folder; `idml calibrate` fits one), else the top-1 cosine "
+    "similarity, saying which. --min-confidence or --target-precision make queries below the "
+    "cut-off abstain (answered: false).",
     arguments=(
         *INDEX_MODEL,
         Option("queries", type=Path, help="image file, image folder, CSV or embeddings file"),
@@ -215,6 +252,86 @@ SEARCH = Command(
         Option("--out", type=Path, help="write the results to a .json or .csv file"),
         Option("--html", type=Path, help="also write an HTML page of queries and neighbours"),
         SEARCH_PARAMETERS,
+        ANSWERS,
+        RERANKING,
+        *RUNTIME,
+    ),
+)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from idml.app.calibration import calibrate_images, calibrate_run, recipe_for
+
+    features = None if args.features is None else [f.strip() for f in args.features.split(",")]
+    recipe = recipe_for(
+        args.model,
+        features=features,
+        calibrator=args.calibrator,
+        threshold_share=args.threshold_share,
+        reranker=reranker(args),
+    )
+    if args.images is not None:
+        calibrate_images(
+            args.model,
+            args.images,
+            index=args.index,
+            which=args.which,
+            recipe=recipe,
+            out=args.out,
+            runtime=runtime(args),
+        )
+        return 0
+    given = [flag for flag, value in (("--index", args.index), ("--out", args.out)) if value]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} needs --images LABELLED; without images a run is calibrated on "
+            "its own held-out training classes, into its folder"
+        )
+    found = calibrate_run(
+        args.model,
+        which=args.which,
+        recipe=recipe,
+        device=args.device,
+        progress=not args.no_progress,
+        log=print,
+    )
+    return 0 if found is not None else 1
+
+
+CALIBRATE = Command(
+    "calibrate",
+    _run_calibrate,
+    help="fit the calibrated confidence P(top-1 right) of a run or export on labelled images",
+    description="Embed labelled images (a folder of class folders, or a CSV with a label column), "
+    "search each among the others (or, with --index, against that index's gallery) exactly as "
+    "`idml search` does, with the same --rerank, and fit a calibrator on whether each answer was "
+    "right. Writes calibration.json into the index folder with --index, else into the run or "
+    "export folder, where search and serve find it. Use images of classes the model did not "
+    "train on (like the ones it will meet). Without --images, a run is calibrated on its own "
+    "held-out training classes (calibration.held_out_classes or its dataset's val side).",
+    arguments=(
+        Option("model", type=Path, help="run, checkpoint or `idml export` folder"),
+        Option("--images", type=Path, help="labelled image folder or CSV (path,label)"),
+        Option("--index", type=Path, help="search the images against this index's gallery"),
+        WHICH,
+        Option("--out", type=Path, help="where to write the calibration (a .json file)"),
+        Option(
+            "--calibrator",
+            choices=("logistic", "isotonic"),
+            help="logistic on the features (default, or the run's calibration.calibrator), "
+            "or isotonic on one",
+        ),
+        Option(
+            "--features",
+            help="comma-separated confidence scores, e.g. top1,margin@10,agreement@10 (the "
+            "default, or the run's calibration.features)",
+        ),
+        Option(
+            "--threshold-share",
+            type=float,
+            help="share of the images kept out of the fit to certify abstention thresholds (0.5)",
+        ),
+        RERANKING,
         *RUNTIME,
     ),
 )
@@ -260,6 +377,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from idml.app.retrieval.workflow import encoder_for_index
 
     index = Index.load(args.index)
+    answering = _answering(args, index)
     encoder = None
     if not args.embeddings_only:
         encoder = encoder_for_index(index, args.checkpoint, args.which, args.device)
@@ -270,8 +388,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_k=args.max_k,
         max_pixels=args.max_pixels,
         paths=args.paths,
+        answering=answering,
     )
-    print(f"serving {args.index} ({len(index)} items) on http://{args.host}:{args.port}")
+    note = answering.describe()["note"]
+    print(f"serving {args.index} ({len(index)} items) on http://{args.host}:{args.port}; {note}")
     serve(app, args.host, args.port)
     return 0
 
@@ -300,6 +420,8 @@ SERVE = Command(
             default="relative",
             help="neighbours' paths in answers: relative to the gallery root, or none (ids only)",
         ),
+        ANSWERS,
+        RERANKING,
         DEVICE,
     ),
 )

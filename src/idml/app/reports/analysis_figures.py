@@ -177,10 +177,15 @@ def tsne_scatter(points: np.ndarray, labels: np.ndarray, class_names: Sequence[s
     return figure
 
 
-def reliability_diagram(bins: CalibrationBins, ece: float | None = None) -> Figure:
-    """Reliability diagram (Guo et al. 2017, Fig. 1): per equal-width confidence bin, the accuracy
-    (bars) against the diagonal ``accuracy = confidence``, the gap to each bin's mean confidence
-    shaded; below, how many images fall in each bin."""
+def reliability_diagram(
+    bins: CalibrationBins,
+    ece: float | None = None,
+    confidence: str = "max softmax probability",
+    items: str = "images",
+) -> Figure:
+    """Reliability diagram (Guo et al. 2017, Fig. 1): per equal-width bin of ``confidence``, the
+    accuracy (bars) against the diagonal ``accuracy = confidence``, the gap to each bin's mean
+    confidence shaded; below, how many ``items`` fall in each bin."""
     figure = Figure(figsize=(5.0, 5.2))
     top, bottom = figure.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     edges = bins.edges.numpy()
@@ -188,12 +193,12 @@ def reliability_diagram(bins: CalibrationBins, ece: float | None = None) -> Figu
     counts = bins.counts.numpy()
     filled = counts > 0
     accuracy = np.where(filled, bins.accuracy.numpy(), 0.0)
-    confidence = bins.mean_confidence.numpy()
+    mean_confidence = bins.mean_confidence.numpy()
     top.bar(
         left, accuracy, width, align="edge", color="#2c7bb6", edgecolor="white", label="accuracy"
     )
-    gap_low = np.minimum(accuracy, confidence)[filled]
-    gap = np.abs(confidence - accuracy)[filled]
+    gap_low = np.minimum(accuracy, mean_confidence)[filled]
+    gap = np.abs(mean_confidence - accuracy)[filled]
     top.bar(
         left[filled],
         gap,
@@ -216,8 +221,8 @@ def reliability_diagram(bins: CalibrationBins, ece: float | None = None) -> Figu
     top.grid(alpha=0.3)
     top.legend(fontsize=8, loc="upper left")
     bottom.bar(left, counts, width, align="edge", color="#888888", edgecolor="white")
-    bottom.set_xlabel("confidence: max softmax probability")
-    bottom.set_ylabel("images")
+    bottom.set_xlabel(f"confidence: {confidence}")
+    bottom.set_ylabel(items)
     bottom.grid(alpha=0.3, axis="y")
     figure.tight_layout()
     return figure

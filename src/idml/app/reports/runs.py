@@ -25,8 +25,9 @@ from idml.app.config import Config, load_config
 from idml.app.run_folder import log_epochs_from_one
 from idml.app.training.console import describe_method
 from idml.diagnostics import UncertaintyProbe, uncertainty_probe
-from idml.evaluation.confidence import risk_coverage
+from idml.evaluation.confidence import ThresholdOutcome, risk_coverage
 from idml.evaluation.evaluate import EvaluationReport
+from idml.evaluation.reliability import CalibrationBins
 from idml.evaluation.report import RetrievalResult
 from idml.models import embed_dataset
 
@@ -214,6 +215,12 @@ class TestAnalysis:
     risk_coverage: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     """Confidence score → ``(coverage, risk)``: answering only the most confident queries, the
     share answered and the share of those whose top-1 neighbour has another class."""
+    calibration_note: str = ""
+    """The run's calibrated confidence (where it came from), or why there is none."""
+    reliability: CalibrationBins | None = None
+    """The calibrated confidence's ECE bins on the test queries (``None`` without one)."""
+    thresholds: dict[float, ThresholdOutcome] = field(default_factory=dict)
+    """Target precision → the certified abstention threshold and what it did on the test queries."""
 
     @property
     def correct(self) -> np.ndarray:
@@ -244,15 +251,24 @@ def analyse_retrieval_run(
 ) -> TestAnalysis:
     """A metric-learning run's :class:`TestAnalysis` (module docstring)."""
     from idml.app import build
+    from idml.app.calibration import find_calibration
+    from idml.app.inference import weights_sha256
     from idml.app.trained_run import load_trained_run
 
     run = load_trained_run(log.run_dir, which=options.which)
+    found = find_calibration([log.run_dir], weights_sha256(run.model), "none")
     cfg, model = run.config, run.model.to(device)
     epoch = int(run.state.get("epoch", 0))
     test = build.build_data(cfg).test
     embeddings, labels = embed_dataset(model, test, options.batch_size, device, progress=progress)
     report = build.evaluate(
-        cfg, embeddings, labels, device, roles=test.roles, num_neighbors=options.top_k
+        cfg,
+        embeddings,
+        labels,
+        device,
+        roles=test.roles,
+        calibration=found.calibration,
+        num_neighbors=options.top_k,
     )
     metrics, pr_curve, curves = _evaluate(report)
     generator = torch.Generator().manual_seed(options.seed)
@@ -287,6 +303,9 @@ def analyse_retrieval_run(
         notes=notes,
         probe=probe,
         risk_coverage=curves,
+        calibration_note=found.note,
+        reliability=None if report.confidence is None else report.confidence.reliability,
+        thresholds={} if report.confidence is None else dict(report.confidence.thresholds),
     )
 
 
@@ -307,7 +326,8 @@ def _evaluate(
 
 
 def _curves(report: EvaluationReport) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Risk–coverage curves of the top-1 cosine and of −||u|| (the report's confidence scores)."""
+    """Risk–coverage curves of the top-1 cosine, the calibrated confidence when the run has one,
+    and −||u||."""
     r = report.retrieval
     recall = r.per_query.get("recall@1")
     if recall is None or r.neighbor_values.shape[1] == 0:
@@ -316,6 +336,8 @@ def _curves(report: EvaluationReport) -> dict[str, tuple[np.ndarray, np.ndarray]
     answered = ~torch.isnan(recall) & ~torch.isnan(top1)
     errors = recall[answered] == 0
     scores = {"top-1 cosine": top1[answered] if r.values_are_similarities else -top1[answered]}
+    if report.confidence is not None and report.confidence.kind == "calibrated":
+        scores["calibrated P(top-1 right)"] = report.confidence.confidence[answered]
     if report.uncertainty_levels is not None:
         scores["−||u||"] = -report.uncertainty_levels.double()[answered]
     out = {}

@@ -146,6 +146,54 @@ def _retrieval_confidence(metrics: dict[str, float]) -> str:
     )
 
 
+def _calibrated_answers(analysis: TestAnalysis, slug: str, page: PageFigures) -> str:
+    """The calibrated confidence on the test queries: its reliability diagram, and for each
+    target precision the threshold certified on the calibration queries against what it did."""
+    assert analysis.reliability is not None
+    metrics = analysis.metrics
+    parts = [
+        page.figure(
+            figures.reliability_diagram(
+                analysis.reliability, metrics.get("ece"), "calibrated P(top-1 right)", "queries"
+            ),
+            f"{slug}-reliability",
+            f"Reliability diagram of the calibrated confidence on the test queries, in "
+            f"{len(analysis.reliability.counts)} equal-width bins: bars, the share of right top-1 "
+            "answers in each bin; shaded, its gap to the bin's mean confidence (the ECE's terms); "
+            "dashed, perfect calibration (Guo et al. 2017, Fig. 1).",
+        )
+    ]
+    rows = []
+    for target, outcome in analysis.thresholds.items():
+        t = outcome.threshold
+        cut = f"{t.threshold:.4f}" if t.certified else "none certified: abstain"
+        rows.append(
+            f"<tr><td>{target:g}</td><td>{cut}</td><td>{_percent(t.calibration_coverage)}</td>"
+            f"<td>{_percent(outcome.precision)}</td><td>{_percent(outcome.coverage)}</td></tr>"
+        )
+    if rows:
+        delta = next(iter(analysis.thresholds.values())).threshold.delta
+        parts.append(
+            "<table><tr><th>target precision</th><th>threshold</th>"
+            "<th>calibration coverage</th><th>test precision</th><th>test coverage</th></tr>"
+            + "".join(rows)
+            + "</table>"
+            + note(
+                f"Abstention: answer only queries whose calibrated confidence reaches the "
+                f"threshold certified on the calibration's held-out queries (Learn then Test, "
+                f"δ = {delta:g}: precision ≥ target with probability ≥ {1 - delta:g} when "
+                "calibration and test queries are exchangeable; classes other than the "
+                "calibration's make it an estimate). Test precision: share of right top-1 answers "
+                "among the answered test queries."
+            )
+        )
+    return "\n".join(parts)
+
+
+def _percent(share: float) -> str:
+    return "–" if share != share else f"{100 * share:.1f} %"
+
+
 def _conditions_figure(probe: UncertaintyProbe, slug: str, page: PageFigures) -> str:
     """||u|| of the same test images clean and altered, with each alteration's AUROC."""
     return page.figure(
@@ -251,6 +299,9 @@ def retrieval_section(analysis: TestAnalysis, slug: str, page: PageFigures) -> s
     if confidence:
         parts.append("<h3>Can the answer's confidence be trusted?</h3>")
         parts.append(confidence)
+        parts.append(note(f"Answers' confidence: {analysis.calibration_note}"))
+        if analysis.reliability is not None:
+            parts.append(_calibrated_answers(analysis, slug, page))
         if analysis.risk_coverage:
             parts.append(
                 page.figure(

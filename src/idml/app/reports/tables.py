@@ -49,6 +49,8 @@ FAMILY_CAPTIONS = {
     "uncertainty": "uncertainty level ||u||",
     "auroc": "confidence — R-AUROC: ranking right answers above wrong ones (0.5 = chance)",
     "aurc": "confidence — AURC: error rate over the coverage (lower is better)",
+    "abstention": "confidence — abstention: R@1 of the most confident answers; precision and "
+    "coverage of the threshold certified for each target precision",
     "other": "other",
 }
 

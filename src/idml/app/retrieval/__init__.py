@@ -2,20 +2,24 @@
 
 * :class:`Index` (:mod:`idml.app.retrieval.index`): embeddings, ``||u||``, item ids/paths/labels and the
   model they came from, saved as safetensors + JSON with checksums; exact blocked search or faiss.
-* :func:`confidence` (:mod:`idml.app.retrieval.confidence`): the one place that scores an answer.
+* :class:`AnswerPolicy` (:mod:`idml.app.retrieval.confidence`): the one place that scores an answer
+  (calibrated, or the top-1 similarity) and decides whether it abstains.
+* :class:`GalleryReranking` (:mod:`idml.app.retrieval.reranking`): re-ranking at query time, its
+  gallery side prepared when an index is loaded.
 * :mod:`idml.app.retrieval.output`: records, JSON, CSV, table and HTML of search results.
 * :mod:`idml.app.retrieval.workflow`: galleries and queries from folders, CSVs or embedding files.
 """
 
-from idml.app.retrieval.confidence import CONFIDENCE_KIND, confidence
+from idml.app.retrieval.confidence import AnswerPolicy
 from idml.app.retrieval.index import Index, IndexFormatError, SearchResult
 from idml.app.retrieval.output import result_records
+from idml.app.retrieval.reranking import GalleryReranking
 
 __all__ = [
-    "CONFIDENCE_KIND",
+    "AnswerPolicy",
+    "GalleryReranking",
     "Index",
     "IndexFormatError",
     "SearchResult",
-    "confidence",
     "result_records",
 ]

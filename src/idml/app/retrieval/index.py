@@ -59,12 +59,13 @@ Example:
     >>> result = index.search(torch.tensor([[0.9, 0.1, 0.0]]), k=2)
     >>> [index.ids[i] for i in result.indices[0].tolist()]
     ['a', 'b']
-    >>> result.confidence_kind
-    'top1_cosine'
+    >>> result.confidence_kind, result.answered.tolist()
+    ('top1', [True])
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -72,9 +73,9 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -82,7 +83,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from idml.app.inference import ModelInfo, read_json_file
-from idml.app.retrieval.confidence import confidence
+from idml.app.retrieval.confidence import AnswerPolicy
 from idml.app.run_folder import LOCK_FILE, folder_lock
 from idml.app.storage import (
     fsync_folder,
@@ -91,9 +92,13 @@ from idml.app.storage import (
     write_file,
     write_new_files,
 )
+from idml.evaluation.confidence import AnswerNeighbors, ReferenceHubness
 from idml.evaluation.scoring import PairScorer, PreparedSide
-from idml.evaluation.search import SearchExecution, neighbors_only
+from idml.evaluation.search import NeighborLists, SearchExecution, neighbors_only
 from idml.evaluation.search.faiss_backend import faiss_add, faiss_build, faiss_parameters
+
+if TYPE_CHECKING:
+    from idml.app.retrieval.reranking import GalleryReranking
 
 FORMAT = "idml-index"
 VERSION = 2
@@ -140,12 +145,14 @@ class IndexFormatError(ValueError):
 
 @dataclass
 class SearchResult:
-    """Top-``k`` neighbours of ``Q`` queries.
+    """Top-``k`` neighbours of ``Q`` queries and the confidence of each query's answer.
 
     ``indices[q, r]`` is the item position of the ``r``-th neighbour (``-1`` where the gallery has
-    fewer than ``k`` items), ``similarities`` their cosine similarities; ``query_uncertainty`` the
-    queries' ``||u||`` (NaN when the queries were given as bare embeddings); ``confidence`` the
-    answer's confidence, of kind ``confidence_kind`` (see :mod:`idml.app.retrieval.confidence`).
+    fewer than ``k`` items), ``similarities`` their cosine similarities (in the re-ranked order
+    when the search re-ranks); ``query_uncertainty`` the queries' ``||u||`` (NaN when the queries
+    were given as bare embeddings); ``confidence`` the answer's confidence, of kind
+    ``confidence_kind``, and ``answered`` whether the query is answered or abstains
+    (:class:`~idml.app.retrieval.confidence.AnswerPolicy`).
     """
 
     indices: Tensor
@@ -153,6 +160,7 @@ class SearchResult:
     query_uncertainty: Tensor
     confidence: Tensor
     confidence_kind: str
+    answered: Tensor
 
     def __len__(self) -> int:
         return int(self.indices.shape[0])
@@ -186,6 +194,8 @@ class Index:
     """The gallery's root folder (absolute), or ``None`` (paths kept as given)."""
     allow_outside_root: bool = False
     """Whether items outside :attr:`root` were allowed when the index was built."""
+    _gallery_lists: dict[int, NeighborLists] = field(default_factory=dict, init=False)
+    """Each item's nearest other items, by depth, once computed (:meth:`gallery_neighbors`)."""
     spot: Tensor | None = None
     """Without :attr:`embeddings`: the exact vectors of the first (up to :data:`SPOT_VECTORS`)
     items."""
@@ -363,6 +373,16 @@ class Index:
             )
         return self.spot[rows]
 
+    def all_vectors(self, purpose: str) -> Tensor:
+        """:attr:`embeddings`, which ``purpose`` reads; an index that keeps no vectors
+        (``--no-vectors``) is refused, naming ``purpose`` and what to do."""
+        if self.embeddings is None:
+            raise ValueError(
+                f"{purpose} reads every gallery vector, and this index keeps none (built with "
+                "--no-vectors); rebuild it without --no-vectors, or answer without it"
+            )
+        return self.embeddings
+
     def describe(self) -> dict[str, Any]:
         """Size, dimension, backend and model, as ``idml search --json`` reports them (``idml
         serve``'s ``/info`` leaves out the model's folders: see :mod:`~idml.app.retrieval.server`)."""
@@ -404,17 +424,25 @@ class Index:
         k: int = 10,
         query_uncertainty: Tensor | None = None,
         *,
+        policy: AnswerPolicy | None = None,
+        reranking: GalleryReranking | None = None,
         block_size: int | None = None,
         device: torch.device | str | None = None,
     ) -> SearchResult:
-        """Top-``k`` items of each query embedding ``(Q, d)`` by cosine similarity.
+        """Top-``k`` items of each query embedding ``(Q, d)`` by cosine similarity, and the
+        confidence of each query's answer.
 
-        ``query_uncertainty`` ``(Q,)``: the queries' ``||u||`` (reported, and passed to
-        :func:`~idml.app.retrieval.confidence.confidence`); NaN when not given. Refused before
-        any work: queries of another dimension, NaN, inf or all zero (a zero vector has no
-        direction to compare), and ``k`` that is not an integer in ``1 ..
-        max(len(index), MAX_PADDED_K)``.
+        ``query_uncertainty`` ``(Q,)``: the queries' ``||u||`` (reported; read by a calibration
+        that uses it); NaN when not given. ``policy`` scores the answers and decides which abstain
+        (default :class:`~idml.app.retrieval.confidence.AnswerPolicy`: the top-1 similarity, no
+        abstention); ``reranking`` re-orders each query's shortlist first
+        (:class:`~idml.app.retrieval.reranking.GalleryReranking` of this index), and the
+        confidence is computed after it. The search goes as deep as the re-ranker's shortlist
+        and the confidence's features need and returns the first ``k``. Refused before any work:
+        queries of another dimension, NaN, inf or all zero (a zero vector has no direction to
+        compare), and ``k`` that is not an integer in ``1 .. max(len(index), MAX_PADDED_K)``.
         """
+        policy = AnswerPolicy() if policy is None else policy
         queries = torch.as_tensor(queries)
         if queries.dim() == 1:
             queries = queries.unsqueeze(0)
@@ -440,30 +468,107 @@ class Index:
             q_unc = torch.as_tensor(query_uncertainty, dtype=torch.float32).reshape(-1)
             if q_unc.shape[0] != n_q:
                 raise ValueError(f"query_uncertainty has {q_unc.shape[0]} values for {n_q} queries")
-        k_eff = min(k, len(self))
-        if k_eff == 0:
-            ids = torch.full((n_q, k), -1, dtype=torch.long)
-            sims = torch.full((n_q, k), float("nan"))
-        elif self.backend == "faiss":
-            distances, found = self.faiss_index.search(q.numpy(), k_eff)
-            ids, sims = torch.from_numpy(found).long(), torch.from_numpy(distances).float()
-            sims = torch.where(ids < 0, torch.full_like(sims, float("nan")), sims)
-        else:
-            assert self.embeddings is not None  # an exact index always keeps its vectors
-            found = neighbors_only(
-                q,
-                k_eff,
-                self.embeddings,
-                metric=_UnitCosine(),
-                execution=SearchExecution(block_size=block_size, device=device),
+        if policy.needs_uncertainty and bool(torch.isnan(q_unc).any()):
+            raise ValueError(
+                "the calibrated confidence reads each query's ||u||, which embedding queries do "
+                "not carry; query with images, or use a calibration without norm_u"
             )
-            ids, sims = found.indices.cpu().long(), found.scores.cpu().float()
+        deep = max(k, policy.depth, 0 if reranking is None else reranking.reranker.depth)
+        found = self._nearest(q, min(deep, len(self)), block_size, device)
+        ids = found.indices[:, :k]
+        # Shown: each neighbour's cosine similarity (float32 rounding can pass 1 by a step).
+        sims = found.scores[:, :k].clamp(-1.0, 1.0)
+        if reranking is not None and found.k > 0:
+            found = reranking.rerank(found, q)
+            ids = found.indices[:, :k]  # re-ranking changes the order, not the similarities
+            vectors = self.all_vectors("re-ranking")
+            sims = (vectors[ids.clamp_min(0)] @ q.unsqueeze(2)).squeeze(2).clamp(-1, 1)
+        hubness = None
+        if policy.hubness_k is not None:
+            hubness = ReferenceHubness.from_neighbors(
+                self.gallery_neighbors(policy.hubness_k, block_size, device), policy.hubness_k
+            )
+        answers = AnswerNeighbors.from_search(
+            found,
+            reference_labels=self.class_ids,
+            hubness=hubness,
+            uncertainty_level=None if bool(torch.isnan(q_unc).any()) else q_unc,
+        )
+        score, answered = policy.score(answers)
+        sims = torch.where(ids < 0, torch.full_like(sims, float("nan")), sims)
         if ids.shape[1] < k:  # fewer items than k: pad as "no neighbour"
             pad = k - ids.shape[1]
             ids = torch.cat([ids, torch.full((n_q, pad), -1, dtype=torch.long)], 1)
             sims = torch.cat([sims, torch.full((n_q, pad), float("nan"))], 1)
-        score, kind = confidence(sims[:, 0], q_unc)
-        return SearchResult(ids, sims, q_unc, score, kind)
+        return SearchResult(ids, sims, q_unc, score, policy.kind, answered)
+
+    def _nearest(
+        self,
+        q: Tensor,
+        depth: int,
+        block_size: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> NeighborLists:
+        """The ``depth`` nearest items of unit queries ``q`` by cosine (``-1``: no item)."""
+        n_q = q.shape[0]
+        if depth == 0:
+            return NeighborLists(torch.full((n_q, 0), -1, dtype=torch.long), torch.zeros((n_q, 0)))
+        if self.backend == "faiss":
+            distances, found = self.faiss_index.search(q.numpy(), depth)
+            ids, sims = torch.from_numpy(found).long(), torch.from_numpy(distances).float()
+            return NeighborLists(ids, torch.where(ids < 0, -torch.inf, sims))
+        assert self.embeddings is not None  # an exact index always keeps its vectors
+        lists = neighbors_only(
+            q,
+            depth,
+            self.embeddings,
+            metric=_UnitCosine(),
+            execution=SearchExecution(block_size=block_size, device=device),
+        )
+        return NeighborLists(lists.indices.cpu().long(), lists.scores.cpu().float())
+
+    def gallery_neighbors(
+        self, k: int, block_size: int | None = None, device: torch.device | str | None = None
+    ) -> NeighborLists:
+        """Each item's ``k`` nearest *other* items (cosine; fewer when the index has fewer):
+        the gallery graph a re-ranker and the hubness-corrected confidence read. Searched once
+        per loaded index (exact, or with the faiss index) and kept."""
+        k = min(k, max(len(self) - 1, 0))
+        known = [d for d in self._gallery_lists if d >= k]
+        if known:
+            lists = self._gallery_lists[min(known)]
+            return NeighborLists(lists.indices[:, :k], lists.scores[:, :k])
+        vectors = self.all_vectors("the gallery graph (re-ranking, csls@k)")
+        if self.backend == "faiss":
+            lists = self._nearest(vectors, min(k + 1, len(self)))
+            own = lists.indices == torch.arange(len(self)).unsqueeze(1)
+            scores = lists.scores.masked_fill(own, -torch.inf)
+            order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+            ids = lists.indices.gather(1, order)
+            scores = scores.gather(1, order)
+            lists = NeighborLists(torch.where(torch.isinf(scores), -1, ids), scores)
+        else:
+            lists = neighbors_only(
+                vectors,
+                k,
+                metric=_UnitCosine(),
+                execution=SearchExecution(block_size=block_size, device=device),
+            )
+            lists = NeighborLists(lists.indices.cpu().long(), lists.scores.cpu().float())
+        self._gallery_lists[k] = lists
+        return lists
+
+    @functools.cached_property
+    def class_ids(self) -> Tensor:
+        """``(N,)`` an integer class per item, equal for equal labels; an unlabelled item is a
+        class of its own (it agrees with no other), so the label-reading confidence scores
+        treat it as a different answer."""
+        names = sorted({label for label in self.labels if label is not None})
+        ids = {name: i for i, name in enumerate(names)}
+        return torch.tensor(
+            [ids[x] if x is not None else len(ids) + i for i, x in enumerate(self.labels)],
+            dtype=torch.long,
+        )
 
     # ----------------------------------------------------------------- files
     def save(

@@ -4,11 +4,14 @@ One record per query (the JSON schema of ``idml search --json`` and of ``idml se
 ``POST /search``)::
 
     {"query": {"id", "path", "uncertainty"},          # uncertainty = the query's ||u|| (or null)
-     "confidence": float, "confidence_kind": "top1_cosine",
+     "confidence": float, "confidence_kind": "calibrated" | "top1",
+     "answered": bool,                                 # false: the query abstains
      "neighbors": [{"rank", "id", "path", "label", "similarity", "uncertainty"}, ...]}
 
-``similarity`` is the cosine similarity of the normalised semantic embeddings, ``uncertainty`` the
-item's ``||u||``. A neighbour's ``path`` is one of :data:`PATH_STYLES`: the absolute file (``idml
+``confidence`` is the answer's (its nearest item's) confidence: ``P(top-1 right)`` when a
+calibration applies, else the top-1 cosine similarity; ``answered`` is false when it lies below the
+abstention cut-off (:mod:`idml.app.retrieval.confidence`). ``similarity`` is the cosine similarity
+of the normalised semantic embeddings, ``uncertainty`` the item's ``||u||``. A neighbour's ``path`` is one of :data:`PATH_STYLES`: the absolute file (``idml
 search``, for a person on the machine that holds the gallery), the path relative to the gallery
 root (``idml serve``'s default: nothing of the server's folders), or ``null`` (ids only). A path
 that leads outside the index's root (unless it was built to allow that) is ``null`` in every style. Numbers that do not exist (no uncertainty for a bare-embedding query, no
@@ -38,6 +41,7 @@ CSV_COLUMNS = (
     "query_uncertainty",
     "confidence",
     "confidence_kind",
+    "answered",
     "rank",
     "item_id",
     "item_path",
@@ -93,6 +97,7 @@ def result_records(
                 },
                 "confidence": _num(result.confidence[q]),
                 "confidence_kind": result.confidence_kind,
+                "answered": bool(result.answered[q]),
                 "neighbors": neighbors,
             }
         )
@@ -110,13 +115,21 @@ def _item_path(index: Index, item: int, style: str) -> str | None:
     return index.paths[item] if index.root is not None else None
 
 
-def to_json(records: list[dict[str, Any]], index: Index, k: int) -> str:
-    """The ``idml search --json`` document: the index's description, ``k`` and the records."""
+def to_json(
+    records: list[dict[str, Any]],
+    index: Index,
+    k: int,
+    answers: dict[str, Any] | None = None,
+) -> str:
+    """The ``idml search --json`` document: the index's description, ``k``, how the answers were
+    scored (``answers``: :meth:`~idml.app.retrieval.confidence.AnswerPolicy.describe` and the
+    re-ranking) and the records."""
     info = index.describe()
     doc = {
         "index": {key: info[key] for key in ("count", "dim", "metric", "backend")},
         "model": None if index.model is None else index.model.weights_sha256,
         "k": k,
+        "answers": answers,
         "results": records,
     }
     return json.dumps(doc, indent=2)
@@ -129,7 +142,14 @@ def write_csv(records: list[dict[str, Any]], path: Path) -> None:
         writer.writerow(CSV_COLUMNS)
         for r in records:
             q = r["query"]
-            head = [q["id"], q["path"], q["uncertainty"], r["confidence"], r["confidence_kind"]]
+            head = [
+                q["id"],
+                q["path"],
+                q["uncertainty"],
+                r["confidence"],
+                r["confidence_kind"],
+                r["answered"],
+            ]
             for n in r["neighbors"]:
                 writer.writerow(
                     [
@@ -148,14 +168,14 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def format_table(records: list[dict[str, Any]]) -> str:
-    """A plain-text table per query, for the terminal."""
-    lines = []
+def format_table(records: list[dict[str, Any]], note: str | None = None) -> str:
+    """A plain-text table per query, for the terminal, after ``note`` (how answers are scored)."""
+    lines = [] if note is None else [note]
     for r in records:
         q = r["query"]
         lines.append(
             f"query {q['id']}  ||u|| {_fmt(q['uncertainty'])}  confidence "
-            f"({r['confidence_kind']}) {_fmt(r['confidence'])}"
+            f"({r['confidence_kind']}) {_fmt(r['confidence'])}  {_verdict(r)}"
         )
         width = max((len(str(n["id"])) for n in r["neighbors"]), default=2)
         lines.append(f"  {'rank':>4}  {'id'.ljust(width)}  similarity  ||u||   label")
@@ -165,6 +185,11 @@ def format_table(records: list[dict[str, Any]]) -> str:
                 f"{_fmt(n['uncertainty'])}  {n['label'] if n['label'] is not None else '-'}"
             )
     return "\n".join(lines)
+
+
+def _verdict(record: dict[str, Any]) -> str:
+    """``answered`` or ``abstained`` (the confidence is below the cut-off)."""
+    return "answered" if record["answered"] else "abstained"
 
 
 def _thumbnail(path: str | None, size: int = 96) -> str:
@@ -221,6 +246,7 @@ def write_html(records: list[dict[str, Any]], path: Path, title: str = "idml sea
                     f"<b>{html.escape(str(q['id']))}</b>",
                     *level(q["uncertainty"]),
                     f"{html.escape(r['confidence_kind'])} {_fmt(r['confidence'])}",
+                    _verdict(r),
                 ],
             )
         ]

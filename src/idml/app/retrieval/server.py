@@ -3,10 +3,12 @@
 Endpoints:
 
 * ``GET /health`` → ``{"status": "ok"}``;
-* ``GET /info`` → the index's size, dimension, backend and model (:meth:`Index.describe`) and the
-  request limits;
+* ``GET /info`` → the index's size, dimension, backend and model (:meth:`Index.describe`), the
+  request limits, and ``answers``: how answers are scored and when they abstain (the confidence
+  kind, the calibrator, the cut-off, the re-ranking; :class:`~idml.app.retrieval.workflow.Answering`);
 * ``POST /search`` → ``{"k": k, "results": [record]}`` with the records of ``idml search --json``
-  (:mod:`idml.app.retrieval.output`). The query is one of
+  (:mod:`idml.app.retrieval.output`): each answer's ``confidence``, ``confidence_kind`` and
+  ``answered``. The query is one of
 
   - ``multipart/form-data`` with a file field ``image`` (and an optional field ``k``),
   - JSON ``{"image": "<base64 of the file>", "k": 10}``,
@@ -42,6 +44,7 @@ import torch
 from idml.app.inference import Encoder
 from idml.app.retrieval.index import Index
 from idml.app.retrieval.output import result_records
+from idml.app.retrieval.workflow import Answering
 
 LOG = logging.getLogger("idml.serve")
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
@@ -83,11 +86,14 @@ def create_app(
     default_k: int | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     paths: str = "relative",
+    answering: Answering | None = None,
 ) -> Any:
     """The FastAPI application over ``index``; ``encoder`` embeds uploaded images (``None``: only
     embedding queries are accepted); ``default_k`` (default ``min(10, max_k)``) answers a request
     without ``k``. ``paths`` is what answers give as a neighbour's path
-    (:data:`PATH_STYLES`); the limits are checked here, before the service starts."""
+    (:data:`PATH_STYLES`); ``answering`` how answers are re-ranked, scored and abstain (default:
+    the top-1 similarity, no abstention); the limits are checked here, before the service
+    starts."""
     for name, value in (("max_bytes", max_bytes), ("max_k", max_k), ("max_pixels", max_pixels)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -96,6 +102,7 @@ def create_app(
         raise ValueError(f"default_k must be between 1 and max_k={max_k}, got {default_k}")
     if paths not in PATH_STYLES:
         raise ValueError(f"paths must be one of {PATH_STYLES}, got {paths!r}")
+    answering = Answering() if answering is None else answering
     fastapi = _require_fastapi()
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse
@@ -159,6 +166,7 @@ def create_app(
             "max_k": max_k,
             "max_pixels": max_pixels,
             "paths": paths,
+            "answers": answering.describe(reveal_paths=False),
         }
 
     @app.post(
@@ -231,7 +239,13 @@ def create_app(
         queries: torch.Tensor, k: int, ids: list[str], uncertainty: torch.Tensor | None = None
     ) -> list[dict[str, Any]]:
         try:
-            result = index.search(queries, k, uncertainty)
+            result = index.search(
+                queries,
+                k,
+                uncertainty,
+                policy=answering.policy,
+                reranking=answering.reranking,
+            )
         except ValueError as err:  # a query the index refuses (zero, non-finite, k)
             raise BadRequest(422, str(err)) from None
         return result_records(result, index, ids, item_paths=paths)

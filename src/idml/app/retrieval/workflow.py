@@ -20,6 +20,9 @@ and compared with their stored embeddings (:func:`check_embeddings`). Where and 
 Every source has a root folder (the image folder, the CSV's folder, the folder of an image file,
 or for an embeddings file the deepest folder holding all its recorded paths); an index records
 paths relative to it and refuses items outside it unless built with ``allow_outside_root``.
+
+How a loaded index answers — its re-ranking and the confidence and abstention of each answer — is
+an :class:`Answering` (:func:`prepare_answering`), the same for ``idml search`` and ``idml serve``.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from idml.app.calibration import find_calibration, reranking_name
 from idml.app.distributed import DistributedContext, gather_shards
 from idml.app.inference import Encoder, ModelInfo
+from idml.app.retrieval.confidence import AnswerPolicy
 from idml.app.retrieval.index import (
     Index,
     IndexFormatError,
@@ -43,8 +49,10 @@ from idml.app.retrieval.index import (
     writing,
 )
 from idml.app.retrieval.output import result_records
+from idml.app.retrieval.reranking import GalleryReranking
 from idml.data import IMAGE_EXTENSIONS
 from idml.data import read_images as read_records
+from idml.evaluation.reranking import Reranker
 from idml.evaluation.search.faiss_backend import new_index, training_positions
 
 
@@ -367,6 +375,52 @@ def build_index(
     return index
 
 
+@dataclass(frozen=True)
+class Answering:
+    """How a loaded index answers its queries: re-ranking (``None``: none) and the answers'
+    confidence and abstention (:class:`~idml.app.retrieval.confidence.AnswerPolicy`)."""
+
+    policy: AnswerPolicy = AnswerPolicy()  # noqa: RUF009 (frozen, immutable)
+    reranking: GalleryReranking | None = None
+
+    def describe(self, reveal_paths: bool = True) -> dict[str, Any]:
+        """The policy's description and the re-ranking (``idml search --json``, ``/info``)."""
+        name = None if self.reranking is None else self.reranking.name
+        return {**self.policy.describe(reveal_paths), "reranking": name}
+
+
+def prepare_answering(
+    index: Index,
+    folder: str | Path,
+    *,
+    reranker: Reranker | None = None,
+    calibration: str | Path | None = None,
+    min_confidence: float | None = None,
+    target_precision: float | None = None,
+    delta: float = 0.1,
+    device: str | None = None,
+) -> Answering:
+    """How ``index`` (loaded from ``folder``) will answer: ``reranker``'s gallery side prepared,
+    and the calibration that applies — ``calibration`` if given, else ``calibration.json`` of
+    the index folder or of the index's model folder (:func:`~idml.app.calibration.find_calibration`)
+    — with the abstention cut-off (:meth:`AnswerPolicy.create
+    <idml.app.retrieval.confidence.AnswerPolicy.create>`)."""
+    folders = [Path(folder)]
+    if index.model is not None and Path(index.model.source).is_dir():
+        folders.append(Path(index.model.source))
+    found = find_calibration(
+        folders,
+        None if index.model is None else index.model.weights_sha256,
+        reranking_name(reranker),
+        None if calibration is None else Path(calibration),
+    )
+    policy = AnswerPolicy.create(
+        found, min_confidence=min_confidence, target_precision=target_precision, delta=delta
+    )
+    reranking = None if reranker is None else GalleryReranking.prepare(index, reranker, device)
+    return Answering(policy, reranking)
+
+
 def _shares(count: int, context: DistributedContext) -> list[tuple[int, int]]:
     """Each rank's contiguous ``[start, stop)`` of ``count`` items (``tensor_split`` sizes)."""
     sizes = [len(part) for part in torch.arange(count).tensor_split(context.world_size)]
@@ -396,22 +450,34 @@ def search_source(
     k: int = 10,
     encoder: Encoder | None = None,
     *,
+    answering: Answering | None = None,
     runtime: Runtime | None = None,
 ) -> list[dict]:
     """Search ``index`` with ``queries`` (images need ``encoder``) → one record per query;
-    ``runtime`` [``Runtime()``] gives the batches images are embedded in and the search's device."""
+    ``answering`` [``Answering()``: no re-ranking, the top-1 similarity, no abstention] says how
+    answers are re-ranked and scored, ``runtime`` [``Runtime()``] the batches images are embedded
+    in and the search's device."""
     runtime = runtime if runtime is not None else Runtime()
+    answering = answering if answering is not None else Answering()
     emb, unc = encode(queries, encoder, runtime.batch_size, runtime.progress)
     if emb.shape[1] != index.dim:
         raise ValueError(
             f"query embeddings have dimension {emb.shape[1]} but the index has {index.dim}; "
             "they come from another model"
         )
-    result = index.search(emb, k, unc, device=runtime.device)
+    result = index.search(
+        emb,
+        k,
+        unc,
+        policy=answering.policy,
+        reranking=answering.reranking,
+        device=runtime.device,
+    )
     return result_records(result, index, queries.ids, queries.paths)
 
 
 __all__ = [
+    "Answering",
     "ItemSource",
     "Runtime",
     "build_index",
@@ -419,6 +485,7 @@ __all__ = [
     "check_model",
     "encode",
     "encoder_for_index",
+    "prepare_answering",
     "read_embeddings",
     "read_images",
     "read_source",

@@ -11,6 +11,7 @@ for every task. A task owns, for its runs:
   model and the loss of an augmented batch (:meth:`Task.build_objective`), and the batch
   augmentations (:meth:`Task.build_augmentations`);
 - evaluation during training (:meth:`Task.evaluate`) and the names of its metrics;
+- work on the finished run once the last checkpoint is written (:meth:`Task.after_training`);
 - a finished run: loading it (:meth:`Task.load_run`), evaluating it (:meth:`Task.evaluate_run`),
   the extra arrays ``idml embed`` writes (:meth:`LoadedRun.extra_outputs`) and its report section
   (:meth:`Task.analyse`, :meth:`Task.report_section`).
@@ -22,7 +23,7 @@ line (README, "Adding a task").
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from idml.app.reports.runs import AnalysisOptions, RunLog
     from idml.app.reports.sections import PageFigures
     from idml.app.trained_run import TrainedRun
+    from idml.evaluation.reranking import Reranker
 
 
 class TaskParams(BaseModel):
@@ -106,6 +108,11 @@ class EvaluationRequest:
     nmi_backend: str | None = None
     block_size: int | None = None
     seed: int | None = None
+    reranking: Reranker | None = None
+    """Re-order each query's shortlist before the metrics and the confidence."""
+    calibration: Path | None = None
+    """A ``calibration.json`` whose calibrated confidence to judge (default: the run's own,
+    when it applies; :func:`idml.app.calibration.find_calibration`)."""
 
     def given(self) -> list[str]:
         """The fields set, in declaration order."""
@@ -246,6 +253,18 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, context: EvaluationContext) -> Evaluation:
         """Test metrics of the model being trained, known to every rank."""
+
+    def after_training(
+        self,
+        run_dir: Path,
+        data: TrainTestPair,
+        device: torch.device,
+        log: Callable[[str], object] | None = None,
+    ) -> None:
+        """Work on the finished run, called by rank 0 once the last checkpoint is written (e.g.
+        what its answers need beside the weights); lines for the user go to ``log``. Nothing by
+        default."""
+        return None
 
     # ------------------------------------------------------------------ finished runs
     def load_run(self, path: Path, which: str = "best") -> LoadedRun:

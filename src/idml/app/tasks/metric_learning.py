@@ -5,16 +5,20 @@ training, and rank each test image's neighbours (Recall@K, R-Precision, MAP@R, M
 :func:`idml.evaluation.evaluate_embeddings`). What the task owns:
 
 - split: the dataset's class-disjoint train/test split, or with ``data.protocol=validation`` a
-  held-out share of the *training* classes (:func:`idml.app.build.build_data`);
+  held-out share of the *training* classes; with ``calibration.held_out_classes`` a share of the
+  training classes on a ``val`` side never trained on (:func:`idml.app.build.build_data`);
 - objective: the ``loss`` section's metric loss (:data:`idml.losses.LOSSES`) on the run's metric,
   ISM when ``metric.introspective``, on the gathered global batch (Mixup rows with set labels);
 - augmentations: degradations, then Mixup or CutMix with set labels appended to the batch;
 - evaluation: the test side embedded in shards (one per process), gathered and scored on rank 0;
+- after training: the calibrated confidence of its answers, fitted on the held-out training
+  classes and written to ``calibration.json`` (:func:`idml.app.calibration.calibrate_run`);
 - report: the retrieval analysis of :func:`idml.app.reports.runs.analyse_retrieval_run`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,7 +37,7 @@ from idml.app.tasks._base import (
     Task,
 )
 from idml.augment import AugmentationPipeline, AugmentedBatch
-from idml.data.datasets import TrainTestPair
+from idml.data.datasets import DMLSplit, TrainTestPair
 from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
 from idml.losses import MetricLoss
 from idml.losses.ambiguity import mixup_uncertainty_loss
@@ -106,9 +110,19 @@ class MetricLearning(Task):
         "ssr",
         "optim",
         "eval",
+        "calibration",
     }
     evaluation_options: ClassVar[frozenset[str]] = frozenset(
-        {"ks", "introspective", "nmi", "nmi_backend", "block_size", "seed"}
+        {
+            "ks",
+            "introspective",
+            "nmi",
+            "nmi_backend",
+            "block_size",
+            "seed",
+            "reranking",
+            "calibration",
+        }
     )
 
     def metric_names(self, cfg: Config) -> list[str]:
@@ -159,6 +173,22 @@ class MetricLearning(Task):
         assert found is not None  # rank 0 evaluated
         return found
 
+    def after_training(
+        self,
+        run_dir: Path,
+        data: TrainTestPair,
+        device: torch.device,
+        log: Callable[[str], object] | None = None,
+    ) -> None:
+        """The run's calibrated confidence, fitted on its held-out training classes (the
+        ``calibration`` section) and written to ``run_dir/calibration.json``; without held-out
+        classes ``log`` says the answers carry the top-1 similarity
+        (:func:`idml.app.calibration.calibrate_run`)."""
+        from idml.app.calibration import calibrate_run
+
+        split = data if isinstance(data, DMLSplit) else None  # else rebuilt from the config
+        calibrate_run(run_dir, split, device=device, log=log)
+
     def evaluate_run(
         self,
         path: Path,
@@ -175,6 +205,8 @@ class MetricLearning(Task):
             "nmi": request.nmi,
             "nmi_backend": request.nmi_backend,
             "block_size": request.block_size,
+            "reranking": request.reranking,
+            "calibration": request.calibration,
         }
         if request.seed is not None:
             options["seed"] = request.seed

@@ -2,7 +2,9 @@
 
 A run folder holds ``config.yaml`` (every resolved default), ``metrics.jsonl`` (one line per epoch:
 losses, metrics, learning rates, mean ``||u||`` of original and of mixed images), ``checkpoints/``
-(atomic, one per epoch, plus ``latest``/``best`` pointers) and TensorBoard events when installed.
+(atomic, one per epoch, plus ``latest``/``best`` pointers), TensorBoard events when installed, and
+what the task writes after the last epoch (:meth:`~idml.app.tasks.Task.after_training`: a retrieval
+run's ``calibration.json``).
 
 Determinism: every epoch reseeds its own generators from ``(seed, epoch)``, so a run resumed from the
 checkpoint of epoch ``e`` replays epochs ``e+1..`` exactly as an uninterrupted run would (on CPU).
@@ -250,7 +252,10 @@ class Trainer:
                     self._checkpoint(record.epoch)
         finally:
             self.log.close()
-        self.dist.barrier()  # every rank returns after rank 0 wrote the last checkpoint
+        if self.dist.is_main:  # e.g. the calibrated confidence of a retrieval run's answers
+            self.task.after_training(self.run_dir, self.data, self.device, self.echo)
+        # Every rank returns after rank 0 wrote the last checkpoint and did the task's work after it.
+        self.dist.barrier()
         metrics = metrics or self.log.last_test_metrics()
         return TrainResult(self.run_dir, metrics, self.best.metrics, self.best.epoch, self.history)
 
