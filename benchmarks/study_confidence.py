@@ -88,6 +88,14 @@ from study_idml import DEFAULT_OMNIGLOT
 from study_idml import SETTINGS as IDML_SETTINGS
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def idml_setting(name: str) -> list[str]:
+    """The overrides of ``study_idml``'s setting ``name`` with its step budget."""
+    setting = IDML_SETTINGS[name]
+    return [*setting.overrides, f"optim.epochs={setting.epochs}"]
+
+
 SETTINGS: dict[str, list[str]] = {
     "demo": [
         *DEMO_BASE,
@@ -97,10 +105,10 @@ SETTINGS: dict[str, list[str]] = {
         "sampler.images_per_class=30",
         "optim.epochs=8",
     ],
-    "omniglot_cnn": [*IDML_SETTINGS["omniglot_cnn"], "calibration.held_out_classes=0.25"],
-    "omniglot_lite0": [*IDML_SETTINGS["omniglot_lite0"], "calibration.held_out_classes=0.25"],
+    "omniglot_cnn": [*idml_setting("omniglot_cnn"), "calibration.held_out_classes=0.25"],
+    "omniglot_lite0": [*idml_setting("omniglot_lite0"), "calibration.held_out_classes=0.25"],
     "fashion_lite0": [
-        *IDML_SETTINGS["fashion_lite0"],
+        *idml_setting("fashion_lite0"),
         "calibration.held_out_classes=0.4",
         # Three classes left to learn: the batch of 60 as 3 × 20.
         "sampler.classes_per_batch=3",
