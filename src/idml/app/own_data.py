@@ -230,7 +230,7 @@ def _layout(records: ImageRecords, dataset: str) -> str:
     if depth == 1:
         return folders
     example = next(iter(records.class_names.values()))
-    return f"{folders} {depth} levels deep (labels such as {example})"
+    return f"{folders} {depth} levels deep, labels such as {example}"
 
 
 def _sample_sizes(paths: np.ndarray, sample: int, source: Path) -> ImageSizes:
@@ -476,7 +476,7 @@ def _image_size(sizes: ImageSizes, backbone: str) -> tuple[int, str]:
         return usable.largest, f"{reason}, lowered to {usable.largest} px for {backbone}: " + (
             usable.why_largest
         )
-    return median, f"{reason} (within {usable.smallest}-{usable.largest} px for {backbone})"
+    return median, f"{reason}, within {usable.smallest}-{usable.largest} px for {backbone}"
 
 
 def _warmup(pretrained: bool, epochs: int) -> tuple[int, str]:
