@@ -13,7 +13,8 @@ from idml.app import build, own_data
 from idml.app.cli import build_parser, main
 from idml.app.cli.training import resume_command
 from idml.app.config import config_to_dict, fragment_names, fragment_overrides, load_config
-from idml.app.own_data import inspect_images, method_names, plan_own_data
+from idml.app.fragments import method_names
+from idml.app.own_data import inspect_images, plan_own_data
 from idml.app.paper import config_value
 from idml.models.backbones import MissingWeightsError
 from tiny_run import write_images

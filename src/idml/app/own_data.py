@@ -58,11 +58,11 @@ from PIL import Image
 from idml.app.config import (
     Config,
     config_to_dict,
-    fragment_names,
     fragment_overrides,
     load_config,
     to_overrides,
 )
+from idml.app.fragments import method_names
 from idml.app.paper import config_value
 from idml.data.reader import read_images
 from idml.data.records import ImageRecords, format_examples
@@ -334,11 +334,6 @@ class OwnDataPlan:
             "changes any):",
             *(decision.line() for decision in self.decisions),
         ]
-
-
-def method_names() -> list[str]:
-    """The methods ``--method`` takes: the packaged ``method/<name>`` fragments."""
-    return [n.removeprefix("method/") for n in fragment_names() if n.startswith("method/")]
 
 
 SOURCE_KEYS = ("data.dataset", "data.root")

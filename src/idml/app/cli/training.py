@@ -112,7 +112,7 @@ def resume_command(args: argparse.Namespace, out: Path) -> str:
 
 def _train_epilog() -> str:
     """The methods ``--method`` takes (the packaged fragments, read when the help is printed)."""
-    from idml.app.own_data import method_names
+    from idml.app.fragments import method_names
 
     return "methods (--method): " + ", ".join(method_names())
 
