@@ -190,11 +190,12 @@ def test_wrong_flags_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[s
     root = write_images(tmp_path / "imgs", classes=4, per_class=2)
     refused = {
         ("--data", str(root), "--method", "fancy"): "--method takes baseline, idml",
-        ("--data", str(root), "--set", f"data.root={root}"): "--data sets data.dataset",
+        ("--data", str(root), "--set", f"data.root={root}"): "--set data.root: --data sets it",
         ("--data", str(root), "configs/x.yaml"): "not both",
         ("configs/x.yaml", "--method", "idml"): "--method applies to --data",
         (): "give a YAML config",
         ("--data", str(root), "--set", "optim.nope=1"): "unknown key 'optim.nope'",
+        ("--data", str(root), "--set", "task=classification"): "--data trains metric learning",
     }
     for flags, message in refused.items():
         assert main(["train", *flags]) == 2, flags

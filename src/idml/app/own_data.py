@@ -336,8 +336,13 @@ class OwnDataPlan:
         ]
 
 
-SOURCE_KEYS = ("data.dataset", "data.root")
-"""Keys ``--data`` sets, which ``--set`` may not."""
+FIXED_KEYS: dict[str, str] = {
+    "data.dataset": "--data sets it",
+    "data.root": "--data sets it",
+    "task": "--data trains metric learning (class-disjoint retrieval); for another task write a "
+    "config with data.dataset and data.root (README, Data layouts)",
+}
+"""Keys ``--set`` may not change with ``--data``, and why."""
 
 
 def plan_own_data(
@@ -353,11 +358,9 @@ def plan_own_data(
         )
     user = [item.partition("=")[0].strip() for item in overrides]
     for key in user:
-        if any(key == k or k.startswith(key + ".") for k in SOURCE_KEYS):
-            raise ValueError(
-                f"--set {key}: --data sets data.dataset and data.root; drop the --set (or train "
-                "from a config file: idml train CONFIG)"
-            )
+        for fixed, why in FIXED_KEYS.items():
+            if key == fixed or key.startswith(fixed + ".") or fixed.startswith(key + "."):
+                raise ValueError(f"--set {key}: {why}; drop the --set, or train from a config")
     data = inspect_images(source)
     recipe = (
         *to_overrides({"data.dataset": data.dataset, "data.root": str(data.source)}),
