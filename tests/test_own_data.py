@@ -241,7 +241,7 @@ def test_train_on_a_folder_prints_and_stores_its_choices(
     lines = {line.split("=")[0].strip(): line for line in printed.splitlines() if "=" in line}
     for key in DERIVED:
         assert key in lines, (key, printed)
-    assert "6 classes" in printed and "train 3 (a, b, c), test 3 (d, e, f)" in printed
+    assert "6 classes" in printed and "train 3: a, b, c; test 3: d, e, f" in printed
     assert "your --set, which wins over the derived 4" in lines["sampler.images_per_class"]
     stored = yaml.safe_load((out / "config.yaml").read_text())
     chosen = load_config(out / "config.yaml")

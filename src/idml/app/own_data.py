@@ -328,8 +328,8 @@ class OwnDataPlan:
             f"data    {d.source}: {d.images:,} images of {d.classes:,} classes ({d.layout})",
             f"sizes   {s.sampled} of {d.images:,} images read: {size_range}, median short side "
             f"{s.median_short_side} px{unreadable}",
-            f"split   {split}: train {len(d.train_classes)} ({format_examples(d.train_classes)}), "
-            f"test {len(d.test_classes)} ({format_examples(d.test_classes)})",
+            f"split   {split}; train {len(d.train_classes)}: {format_examples(d.train_classes)}; "
+            f"test {len(d.test_classes)}: {format_examples(d.test_classes)}",
             f"recipe  method/{self.method}, {RECIPE_LOSS}; derived from the data (--set KEY=VALUE "
             "changes any):",
             *(decision.line() for decision in self.decisions),
