@@ -1,62 +1,91 @@
-"""Does IDML help? Baseline, Mixup only, ISM only and IDML (ISM + Mixup) on real, unseen classes.
+"""Is IDML's introspection real, and does it help? ISM against the controls that isolate it.
 
-Settings (all zero-shot: train and test classes are disjoint):
+The question (issue "IDML whose introspection is real"): with an uncertainty embedding ``u`` that
+moves, does the introspective similarity metric (ISM) improve retrieval of unseen classes beyond what
+Mixup, a frozen ``u`` and a uniform weakening give? Every arm of a setting trains the same steps from
+the same initialisation and batches (seed ``s`` of every arm), and the tables report last-epoch test
+metrics with paired tests over seeds, Holm-corrected across each table.
 
-- ``omniglot_cnn``: Omniglot's two minimal background splits (136 training characters of
-  Balinese, Early Aramaic, Greek, Korean and Latin; 106 test characters of Japanese (katakana),
-  Sanskrit and Tagalog, 20 drawers each), 28 px, a small CNN from scratch.
-- ``omniglot_lite0``: the same data at 32 px with EfficientNet-Lite0 from its shipped ImageNet
-  weights (BatchNorm frozen).
-- ``fashion_lite0``: Debian's Fashion-MNIST (classes 0–4 train, 5–9 test), subsampled per class,
-  32 px, EfficientNet-Lite0.
+Settings (zero-shot: train and test classes are disjoint):
 
-Each setting trains every cell of ``loss × metric=plain,ism × mixup=off,on`` for Multi-Similarity,
-ProxyAnchor and Contrastive, ``--seeds`` seeds each (5 by default), through
-:func:`idml.app.ablation.run_ablation` (finished runs are reused on a re-run). Every arm of a setting
-has the same number of steps and epochs; the table reports the *last* epoch's test metrics (no
-best-epoch selection on test classes) as mean ± std over seeds (sample std), with Δ against the
-baseline of the same loss and whether it exceeds the larger of the two standard deviations.
+- ``demo``: ``idml demo``'s data and model (scikit-learn's digits, small CNN from scratch, 16 px),
+  with the standard first-half/second-half class split (0–4 train, 5–9 test).
+- ``omniglot_cnn``: Omniglot's minimal background splits (136 training characters of five
+  alphabets, 106 test characters of three others), 28 px, a small CNN from scratch.
+- ``omniglot_lite0`` / ``fashion_lite0``: Omniglot at 32 px / Debian's Fashion-MNIST (0–4 train,
+  5–9 test, 200 images a class), EfficientNet-Lite0 from its shipped ImageNet weights.
 
-Hyper-parameters: the IDML-specific one (the bounded uncertainty head's starting level
-``model.uncertainty.init_level``) was chosen with ``--validate``, which runs a grid under
-``data.protocol=validation``: the last quarter of the *training* classes (by class id) is held out
-and evaluated, the test classes are never loaded. Everything else is shared with the baseline and
-was not tuned. ``--validate`` writes ``benchmarks/study/idml_validation_<setting>.md``;
-``--validate mixup_mode`` compares Mixup's set labels with the official code's loss interpolation
-the same way (``idml_validation_<setting>_mixup_mode.md``), and ``--validate baseline_lr`` the
-baseline's learning rate of the losses that did not train at the shared one (kept: see the grid).
-Pretrained settings end their table with the training-free reference: the backbone's pooled
-features evaluated before any training.
+Arms (:data:`ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
 
-Run: ``python benchmarks/study_idml.py [--only omniglot_cnn] [--seeds 5] [--validate --seeds 2]``
-(``--omniglot-root`` defaults to ``../shared/data/omniglot`` next to the repository; the library
-itself never reads that folder).
+- ``baseline`` (plain metric, no Mixup), ``mixup`` (Mixup set labels), ``ism`` (ISM alone),
+  ``idml`` (ISM + Mixup: the paper's method with the default uncertainty head);
+- the controls of ``idml``: ``idml_frozen_u`` (the head never trains: ``u`` stays at its start),
+  ``idml_uniform`` (no head, ``u ≡ 0``, and ``γ`` chosen so that the uniform weakening
+  ``e^{−γ/(τδ)}`` has the same median over positive pairs as ``idml``'s learned one) and, for
+  Contrastive, ``mixup_margin`` (Mixup with the positive margin moved by the median amount ISM
+  moves positive pairs in ``idml``: the margin ISM acts as, :func:`matched_controls`);
+- ``idml_ext``: ``idml`` plus the Mixup-supervised uncertainty *extension*
+  (``mixup.uncertainty_weight``, :mod:`idml.losses.ambiguity`), never the default.
+
+Recipes (``validate``): the baseline's hyper-parameters are chosen per setting and loss on a
+validation split of the *training* classes (``data.protocol=validation``; the test classes are never
+loaded), by the highest mean validation MAP@R over the seeds; every arm then uses them. The knobs
+are the ones a broken baseline recipe was traced to: ProxyAnchor's proxy learning rate (a multiple
+of the heads'), Contrastive's positive margin, and the step budget (``optim.epochs``: the setting's
+and twice that). Pretrained settings train heads only for the first epoch (``optim.warmup_epochs=1``,
+as the presets do). The chosen recipes are stored in ``benchmarks/study/idml_recipes.json``.
+
+Mechanism (``mechanism.json`` beside each run with an uncertainty head): ``||u||`` over the test
+images (mean and coefficient of variation), the AUROC of ``||u||`` for "altered vs clean" test
+images (Mixup, low resolution, blur, occlusion; :func:`idml.diagnostics.uncertainty_probe`), the
+last epoch's weakening quantiles and ``||u||`` spread over training batches (``metrics.jsonl``), the
+trend of ``||u||`` for original and Mixup images, and the test metrics with ISM at test time (the
+paper's Table 5 ablation).
+
+Degradations (``--degradations``): the paper's Table 3 (low resolution, blur, occlusion of a quarter
+of each batch instead of Mixup), for baseline, ISM and ISM's two controls.
+
+Run (each step reuses finished runs; ``--workers 2`` trains two runs at a time, one thread each):
+
+    python benchmarks/study_idml.py validate --setting demo --seeds 2
+    python benchmarks/study_idml.py run --setting demo --seeds 10
+    python benchmarks/study_idml.py tables --setting demo
+
+(``--omniglot-root`` defaults to ``../shared/data/omniglot`` beside the repository; the library never
+reads that folder.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import multiprocessing
+import os
+import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-
-import torch
-
-from idml.app import build
-from idml.app.ablation import AblationResult, CellResult, parse_grid, run_ablation
-from idml.app.config import load_config
-from idml.embeddings import Embeddings
-from idml.evaluation import EvaluationSettings, evaluate_embeddings
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot"
+TABLES = REPO / "benchmarks" / "study"
+RECIPES = TABLES / "idml_recipes.json"
+
+LOSSES = ("multi_similarity", "proxy_anchor", "contrastive")
+LOSS_NAMES = {
+    "multi_similarity": "Multi-Similarity",
+    "proxy_anchor": "ProxyAnchor",
+    "contrastive": "Contrastive",
+}
 
 COMMON = [
     "data.resize_size=null",
     "data.num_workers=0",
     "data.horizontal_flip=false",
-    "sampler.classes_per_batch=12",
-    "sampler.images_per_class=5",
     "optim.amp=false",
     "optim.scheduler=cosine",
     "optim.grad_clip=10",
@@ -77,219 +106,788 @@ LITE0 = [
     "model.embedding_dim=128",
     "optim.lr=0.0003",
     "optim.head_lr_mult=10",
+    "optim.warmup_epochs=1",
 ]
-SETTINGS: dict[str, list[str]] = {
-    "omniglot_cnn": [
-        *COMMON,
-        *SMALL_CNN,
-        "data.dataset=omniglot",
-        "data.image_size=28",
-        "data.train_crop_scale=[0.8, 1.0]",
-        "optim.epochs=5",
-    ],
-    "omniglot_lite0": [
-        *COMMON,
-        *LITE0,
-        "data.dataset=omniglot",
-        "data.image_size=32",
-        "data.train_crop_scale=[0.8, 1.0]",
-        "optim.epochs=4",
-    ],
-    "fashion_lite0": [
-        *COMMON,
-        *LITE0,
-        "data.dataset=fashion_mnist",
-        "data.samples_per_class=200",
-        # Five training classes: the same batch of 60 as P×K = 12×5 elsewhere, as 5×12.
-        "sampler.classes_per_batch=5",
-        "sampler.images_per_class=12",
-        "data.image_size=32",
-        "data.train_crop_scale=[0.7, 1.0]",
-        "optim.epochs=4",
-    ],
-}
-LOSSES = "loss=multi_similarity,proxy_anchor,contrastive"
-GRID = [LOSSES, "metric=plain,ism", "mixup=off,on"]
-METRICS = ["recall@1", "map@r", "nmi", "r_auroc_top1", "r_auroc_norm_u"]
-VALIDATION_GRIDS: dict[str, list[str]] = {
-    # The bounded head's starting level (0.02 chosen and kept as the default).
-    "init_level": [
-        "loss=multi_similarity,proxy_anchor",
-        "metric=ism",
-        "mixup=on",
-        "model.uncertainty.init_level=0.02,0.1",
-    ],
-    # Set labels (a mixed image is a full positive of both sources) against the official code's
-    # loss interpolation L(orig) + λ·L(mixed, l_a) + (1 − λ)·L(mixed, l_b): asked because Mixup
-    # with set labels cost Multi-Similarity and ProxyAnchor on the test classes.
-    "mixup_mode": [
-        "loss=multi_similarity,proxy_anchor",
-        "metric=ism",
-        "mixup=on",
-        "mixup.mode=set,interpolate",
-    ],
-    # The baseline's learning rate, for losses whose baseline did not train at the shared one
-    # (ProxyAnchor and Contrastive on Omniglot + Lite0: R@1 about 20 at lr 3e-4). Plain metric, no
-    # Mixup; a value chosen would hold for all four arms of that loss. Rule: keep the shared lr
-    # unless another beats it by more than the larger seed std. Outcome: ProxyAnchor is best at
-    # the shared 3e-4 and Contrastive is flat in lr, so both keep it.
-    "baseline_lr": [
-        "loss=proxy_anchor,contrastive",
-        "metric=plain",
-        "mixup=off",
-        "optim.lr=0.00003,0.0001,0.0003",
-    ],
-}
 
 
-def delta_table(result: AblationResult, metrics: list[str]) -> str:
-    """Markdown: each non-baseline cell against the plain, no-Mixup cell of the same loss."""
-    by_loss: dict[str, dict[tuple[str, str], CellResult]] = {}
-    for cell in result.cells:
-        values = dict(cell.cell.assignment)
-        key = (values.get("metric", "?"), values.get("mixup", "?"))
-        by_loss.setdefault(values.get("loss", "?"), {})[key] = cell
-    names = {("ism", "off"): "ISM only", ("plain", "on"): "Mixup only", ("ism", "on"): "IDML"}
-    header = "| loss | arm | " + " | ".join(f"Δ {m}" for m in metrics) + " |"
-    lines = [header, "|" + "---|" * (len(metrics) + 2)]
-    for loss, cells in by_loss.items():
-        base = cells.get(("plain", "off"))
-        if base is None:
-            continue
-        for key, arm in names.items():
-            cell = cells.get(key)
-            if cell is None:
-                continue
-            parts = []
-            for m in metrics:
-                bm, bs = base.mean_std(m, result.select)
-                cm, cs = cell.mean_std(m, result.select)
-                if math.isnan(bm) or math.isnan(cm):
-                    parts.append("n/a")
-                    continue
-                d = cm - bm
-                spread = max(bs, cs)
-                mark = "" if abs(d) <= spread else (" ▲" if d > 0 else " ▼")
-                parts.append(f"{100 * d:+.1f}{mark}")
-            lines.append(f"| {loss} | {arm} | " + " | ".join(parts) + " |")
-    lines.append(
-        "\nΔ in points (×100) against the baseline (plain metric, no Mixup) of the same loss; "
-        "▲/▼: the difference exceeds the larger of the two seed standard deviations."
+FIVE_CLASS_VALIDATION = (
+    "data.validation_classes=0.4",
+    "sampler.classes_per_batch=3",
+    "sampler.images_per_class=20",
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A dataset × backbone of the study: its overrides and its step budget (epochs)."""
+
+    overrides: tuple[str, ...]
+    epochs: int
+    pretrained: bool
+    needs_omniglot: bool = False
+    validation: tuple[str, ...] = ()
+    """What ``validate`` changes besides ``data.protocol=validation`` (digits and Fashion-MNIST
+    hold out two of their five training classes, since one held-out class would make every
+    query's neighbours right, and batch the three left)."""
+
+
+SETTINGS: dict[str, Setting] = {
+    "demo": Setting(
+        (
+            *COMMON,
+            *SMALL_CNN[:2],
+            "data.dataset=digits",
+            "data.image_size=16",
+            "model.embedding_dim=64",
+            "optim.lr=0.003",
+            "sampler.classes_per_batch=5",
+            "sampler.images_per_class=12",
+            "data.train_crop_scale=[0.7, 1.0]",
+        ),
+        epochs=8,
+        pretrained=False,
+        validation=FIVE_CLASS_VALIDATION,
+    ),
+    "omniglot_cnn": Setting(
+        (
+            *COMMON,
+            *SMALL_CNN,
+            "data.dataset=omniglot",
+            "data.image_size=28",
+            "data.train_crop_scale=[0.8, 1.0]",
+            "sampler.classes_per_batch=12",
+            "sampler.images_per_class=5",
+        ),
+        epochs=5,
+        pretrained=False,
+        needs_omniglot=True,
+    ),
+    "omniglot_lite0": Setting(
+        (
+            *COMMON,
+            *LITE0,
+            "data.dataset=omniglot",
+            "data.image_size=32",
+            "data.train_crop_scale=[0.8, 1.0]",
+            "sampler.classes_per_batch=12",
+            "sampler.images_per_class=5",
+        ),
+        epochs=4,
+        pretrained=True,
+        needs_omniglot=True,
+    ),
+    "fashion_lite0": Setting(
+        (
+            *COMMON,
+            *LITE0,
+            "data.dataset=fashion_mnist",
+            "data.samples_per_class=200",
+            # Five training classes: the same batch of 60 as P×K = 12×5 elsewhere, as 5×12.
+            "sampler.classes_per_batch=5",
+            "sampler.images_per_class=12",
+            "data.image_size=32",
+            "data.train_crop_scale=[0.7, 1.0]",
+        ),
+        epochs=4,
+        pretrained=True,
+        validation=FIVE_CLASS_VALIDATION,
+    ),
+}
+
+BASELINE = ("model.uncertainty.enabled=false", "metric.introspective=false", "mixup.enabled=false")
+MIXUP = ("model.uncertainty.enabled=false", "metric.introspective=false", "mixup.enabled=true")
+ISM = ("model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=false")
+IDML = ("model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: its overrides, and the losses it applies to (``None``: all)."""
+
+    label: str
+    overrides: tuple[str, ...]
+    losses: tuple[str, ...] | None = None
+    matched: bool = False
+    """Its overrides depend on the ``idml`` arm's trained runs (:func:`matched_controls`)."""
+    has_head: bool = False
+
+
+ARMS: dict[str, Arm] = {
+    "baseline": Arm("baseline", BASELINE),
+    "mixup": Arm("Mixup only", MIXUP),
+    "ism": Arm("ISM only", ISM, has_head=True),
+    "idml": Arm("IDML", IDML, has_head=True),
+    "idml_frozen_u": Arm("IDML, u frozen", (*IDML, "optim.uncertainty_lr_mult=0"), has_head=True),
+    "idml_uniform": Arm(
+        "IDML, u = 0 and matched γ (uniform weakening)",
+        ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=true"),
+        matched=True,
+    ),
+    "mixup_margin": Arm(
+        "Mixup only, margin matched to IDML", MIXUP, losses=("contrastive",), matched=True
+    ),
+    "idml_ext": Arm(
+        "IDML + Mixup-supervised u (extension)",
+        (*IDML, "mixup.uncertainty_weight=1.0"),
+        has_head=True,
+    ),
+}
+
+DEGRADATIONS = {
+    "low_resolution": "degradations.low_resolution_fraction=0.25",
+    "blur": "degradations.blur_fraction=0.25",
+    "occlusion": "degradations.occlusion_fraction=0.25",
+}
+DEGRADATION_ARMS = {
+    "deg_baseline": ("baseline + degraded images", BASELINE, False),
+    "deg_ism": ("ISM + degraded images", ISM, True),
+    "deg_ism_frozen_u": (
+        "ISM + degraded images, u frozen",
+        (*ISM, "optim.uncertainty_lr_mult=0"),
+        True,
+    ),
+}
+DEGRADATION_LOSS = "multi_similarity"
+
+
+def recipe_candidates(setting: str, loss: str) -> dict[str, tuple[str, ...]]:
+    """The baseline recipes ``validate`` compares for ``loss`` in ``setting``, by name."""
+    epochs = SETTINGS[setting].epochs
+    knobs: dict[str, tuple[str, ...]] = {"": ()}
+    if loss == "proxy_anchor":
+        knobs = {f"proxy_lr×{m}": (f"optim.proxy_lr_mult={m}",) for m in (1, 10, 100)}
+    elif loss == "contrastive":
+        knobs = {f"m_pos={m}": (f"loss.pos_margin={m}",) for m in (0.0, 0.2, 0.4)}
+    out = {}
+    for budget in (epochs, 2 * epochs):
+        for name, overrides in knobs.items():
+            label = ", ".join(x for x in (name, f"{budget} epochs") if x)
+            out[label] = (*overrides, f"optim.epochs={budget}")
+    return out
+
+
+# --------------------------------------------------------------------------- configuration
+def setting_overrides(setting: str, omniglot_root: Path, quick: bool) -> list[str]:
+    spec = SETTINGS[setting]
+    out = [*spec.overrides, f"optim.epochs={spec.epochs}"]
+    if spec.needs_omniglot:
+        out.append(f"data.root={omniglot_root}")
+    if quick:
+        out += ["optim.max_steps_per_epoch=3"]
+    return out
+
+
+def load_recipes() -> dict[str, Any]:
+    return json.loads(RECIPES.read_text()) if RECIPES.is_file() else {}
+
+
+def recipe(setting: str, loss: str) -> list[str]:
+    """The validated recipe's overrides of ``loss`` in ``setting`` (an error before ``validate``)."""
+    chosen = load_recipes().get(setting, {}).get(loss)
+    if chosen is None:
+        raise SystemExit(
+            f"no validated recipe for {setting}/{loss}: run `python benchmarks/study_idml.py "
+            f"validate --setting {setting}` first ({RECIPES} holds the chosen ones)"
+        )
+    return list(chosen["overrides"])
+
+
+def matched_overrides(idml_folder: Path, control: str) -> list[str]:
+    """The overrides that match a control (``uniform`` or ``margin``) to the trained runs of the
+    ISM arm in ``idml_folder`` (their ``mechanism.json``)."""
+    values = [
+        json.loads(m.read_text())["matched"]
+        for m in sorted(idml_folder.glob("s*/cells/base/seed*/mechanism.json"))
+    ]
+    if not values:
+        raise SystemExit(f"{idml_folder}: the controls are matched to it, but it has no run yet")
+    if control == "uniform":
+        return [f"metric.gamma={mean([v['gamma'] for v in values]):.6g}"]
+    return [f"loss.pos_margin={mean([v['pos_margin'] for v in values]):.6g}"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run: a folder, the overrides of its config, and whether to write ``mechanism.json``."""
+
+    folder: Path
+    overrides: tuple[str, ...]
+    mechanism: bool
+    match_controls: bool = False
+
+
+def run_job(job: Job) -> tuple[str, float]:
+    """Train (or reuse) one run, then its mechanism diagnostics; ``(folder, seconds)``."""
+    import torch
+
+    torch.set_num_threads(1)
+    from idml.app.ablation import parse_grid, run_ablation
+
+    start = time.perf_counter()
+    result = run_ablation(
+        None, parse_grid([]), 1, job.folder, overrides=list(job.overrides), log=lambda _: None
     )
-    return "\n".join(lines)
+    run_dir = result.cells[0].runs[0].run_dir
+    if job.mechanism and not (run_dir / "mechanism.json").is_file():
+        write_mechanism(run_dir, job.match_controls)
+    return str(job.folder), time.perf_counter() - start
 
 
-def model_is_pretrained(overrides: list[str]) -> bool:
-    """Whether the setting starts from weights (a random network has no useful floor), as its
-    config reads it (``model.pretrained`` true or a weights file)."""
-    return load_config(None, overrides).model.pretrained is not False
+def run_jobs(jobs: Sequence[Job], workers: int) -> None:
+    """Run ``jobs`` on ``workers`` processes (one thread each), printing a line per finished run."""
+    total = len(jobs)
+    if not total:
+        return
+    start = time.perf_counter()
+    if workers <= 1:
+        results = (run_job(j) for j in jobs)
+        for done, (folder, seconds) in enumerate(results, start=1):
+            print(f"[{done}/{total}] {folder} ({seconds:.0f} s)", flush=True)
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, maxtasksperchild=8) as pool:
+        for done, (folder, seconds) in enumerate(pool.imap_unordered(run_job, jobs), start=1):
+            elapsed = (time.perf_counter() - start) / 60
+            print(
+                f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far)", flush=True
+            )
 
 
-def training_free_reference(overrides: list[str]) -> str:
-    """Markdown line: the test metrics of the setting's backbone before any training (its pooled
-    features), the floor a trained run must clear to have learned anything."""
-    cfg = load_config(None, [*overrides, "loss.name=multi_similarity"])
-    torch.manual_seed(cfg.seed)
+# --------------------------------------------------------------------------- mechanism
+def write_mechanism(run_dir: Path, match_controls: bool) -> None:
+    """``mechanism.json``: what ``u`` and ISM did in a finished run (see the module docstring)."""
+    import torch
+
+    from idml.app import build
+    from idml.app.checkpoint import atomic_write_text
+    from idml.app.trained_run import load_trained_run
+    from idml.diagnostics import uncertainty_probe
+    from idml.models import embed_dataset
+
+    run = load_trained_run(run_dir, "latest")
+    cfg, model = run.config, run.model
     data = build.build_data(cfg)
-    model = build.build_model(cfg).eval()
-    features, labels = [], []
+    device = torch.device("cpu")
     with torch.no_grad():
-        for images, batch_labels, *_ in torch.utils.data.DataLoader(data.test, batch_size=256):
-            features.append(model.features(images))
-            labels.append(batch_labels)
-    settings = EvaluationSettings(ks=(1,), nmi=True, nmi_backend="sklearn", seed=cfg.seed)
-    report = evaluate_embeddings(Embeddings(torch.cat(features)), torch.cat(labels), settings)
-    m = report.metrics
+        emb, labels = embed_dataset(model, data.test, 256, device)
+    level = emb.uncertainty.norm(dim=1).double()
+    probe = uncertainty_probe(model, data.test, images=400)
+    at_test = cfg.eval.model_copy(update={"introspective": True, "nmi": False})
+    ism_at_test = build.evaluate(
+        cfg.model_copy(update={"eval": at_test}), emb, labels, device
+    ).metrics
+    log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, last = log[0], log[-1]
+    out: dict[str, Any] = {
+        "test_u_mean": float(level.mean()),
+        "test_u_cv": float(level.std() / level.mean()),
+        "probe_auroc": probe.auroc,
+        "last_epoch": {k: v for k, v in last.items() if k.startswith(("ism/", "uncertainty/"))},
+        "first_epoch": {k: v for k, v in first.items() if k.startswith("uncertainty/")},
+        "ism_at_test": {k: ism_at_test[k] for k in ("recall@1", "map@r") if k in ism_at_test},
+    }
+    if match_controls:
+        out["matched"] = matched_controls(cfg, model, data)
+    atomic_write_text(run_dir / "mechanism.json", json.dumps(out, indent=2))
+
+
+def matched_controls(cfg: Any, model: Any, data: Any, batches: int = 8) -> dict[str, float]:
+    """What the uniform-weakening and margin-matched controls take from a trained IDML model, on
+    training batches drawn and mixed as in training (model in eval mode):
+
+    - ``gamma``: the ``γ`` whose uniform weakening ``e^{−γ/(τδ)}`` has the same median over the
+      positive pairs as the learned ``e^{−y}`` (bisection; ``δ`` the semantic chord);
+    - ``pos_margin``: the margin ISM acts as on Contrastive's positive term. The distance form
+      ``D_IN = δ·e^{−y}`` takes ``δ(1 − e^{−y})`` off a positive distance, which ``[D − m_pos]₊``
+      reads as ``m_pos`` raised by that much; the similarity form ``S_IN = 1 − (δ²/2)·e^{−y}``
+      adds ``(δ²/2)(1 − e^{−y})`` to a positive similarity, which ``[m_pos − S]₊`` reads as
+      ``m_pos`` lowered by that much. The median over the positive pairs is taken.
+    """
+    import torch
+
+    from idml.app import build
+    from idml.relations import pair_masks
+
+    loss = build.build_loss(cfg, data.num_train_classes)
+    augment = build.build_augmentations(cfg)
+    tau, gamma0 = cfg.metric.tau, cfg.metric.gamma
+    chords, factors = [], []
+    generator = torch.Generator().manual_seed(cfg.seed)
+    loader = build.train_loader(cfg, data, 0, generator, num_replicas=1, rank=0)
+    with torch.no_grad():
+        for step, (images, labels, *_) in enumerate(loader):
+            if step >= batches:
+                break
+            batch = augment(images, labels, generator)
+            emb = model(batch.images)
+            positive, _ = pair_masks(batch.labels)
+            positive = positive & ~torch.eye(positive.shape[0], dtype=torch.bool)
+            s = emb.semantic
+            chord = (2 - 2 * s @ s.T).clamp_min(0).sqrt()
+            u = emb.uncertainty
+            beta = (u[:, None, :] + u[None, :, :]).norm(dim=2)
+            y = (beta + gamma0) / (tau * chord.clamp_min(1e-6))
+            chords.append(chord[positive])
+            factors.append(torch.exp(-y[positive]))
+    delta = torch.cat(chords).double()
+    weakening = torch.cat(factors).double()
+    target = float(weakening.median())
+    low, high = 0.0, 100.0
+    for _ in range(60):  # median of e^{−γ/(τδ)} falls monotonically in γ
+        mid = (low + high) / 2
+        if float(torch.exp(-mid / (tau * delta.clamp_min(1e-6))).median()) > target:
+            low = mid
+        else:
+            high = mid
+    base_margin = float(getattr(loss, "pos_margin", 0.0) or 0.0)
+    if loss.metric.is_similarity:
+        pos_margin = base_margin - float((delta**2 / 2 * (1 - weakening)).median())
+    else:
+        pos_margin = base_margin + float((delta * (1 - weakening)).median())
+    return {"gamma": (low + high) / 2, "median_weakening": target, "pos_margin": pos_margin}
+
+
+# --------------------------------------------------------------------------- commands
+def validate(args: argparse.Namespace) -> None:
+    setting = args.setting
+    base = [
+        *setting_overrides(setting, args.omniglot_root, args.quick),
+        "data.protocol=validation",
+        *SETTINGS[setting].validation,
+    ]
+    jobs, cells = [], {}
+    for loss in args.losses:
+        for name, overrides in recipe_candidates(setting, loss).items():
+            folder = args.out / setting / "validation" / loss / slug(name)
+            cells[(loss, name)] = folder
+            for seed in range(args.seeds):
+                config = [*base, f"loss.name={loss}", *BASELINE, *overrides, f"seed={seed}"]
+                jobs.append(Job(folder / f"s{seed}", tuple(config), mechanism=False))
+    run_jobs(jobs, args.workers)
+    recipes = load_recipes()
+    lines = [
+        f"# IDML study, {setting}: baseline recipes on the validation split\n",
+        "Held-out *training* classes (`data.protocol=validation`, `data.validation_classes`); the "
+        "test classes are never loaded. Baseline arm (plain metric, no Mixup), "
+        f"{args.seeds} seeds, last epoch. Chosen: the highest mean validation MAP@R.\n",
+        "Settings: `" + " ".join(o for o in base if not o.startswith("data.root=")) + "`\n",
+        "| loss | recipe | R@1 | MAP@R | NMI | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for loss in args.losses:
+        scores = {}
+        for name in recipe_candidates(setting, loss):
+            metrics = final_metrics(cells[(loss, name)], args.seeds)
+            scores[name] = metrics
+        best = max(scores, key=lambda n: mean(scores[n]["map@r"]))
+        for name, metrics in scores.items():
+            lines.append(
+                f"| {LOSS_NAMES[loss]} | {name} | {fmt(metrics['recall@1'])} | "
+                f"{fmt(metrics['map@r'])} | {fmt(metrics['nmi'])} | {'**chosen**' if name == best else ''} |"
+            )
+        recipes.setdefault(setting, {})[loss] = {
+            "recipe": best,
+            "overrides": list(recipe_candidates(setting, loss)[best]),
+            "validation_map@r": mean(scores[best]["map@r"]),
+        }
+    if not args.quick:
+        TABLES.mkdir(parents=True, exist_ok=True)
+        RECIPES.write_text(json.dumps(recipes, indent=2, sort_keys=True) + "\n")
+        (TABLES / f"idml_validation_{setting}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
+    setting = args.setting
+    base = setting_overrides(setting, args.omniglot_root, args.quick)
+    jobs = []
+    for loss in args.losses:
+        chosen = [] if args.quick else recipe(setting, loss)
+        for name in args.arms:
+            arm = ARMS[name]
+            if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
+                continue
+            control = "uniform" if name == "idml_uniform" else "margin"
+            idml_folder = args.out / setting / loss / "idml"
+            extra = matched_overrides(idml_folder, control) if matched else []
+            for seed in range(args.seeds):
+                config = (
+                    *base,
+                    f"loss.name={loss}",
+                    *chosen,
+                    *arm.overrides,
+                    *extra,
+                    f"seed={seed}",
+                )
+                folder = args.out / setting / loss / name / f"s{seed}"
+                jobs.append(Job(folder, config, arm.has_head, match_controls=name == "idml"))
+    return jobs
+
+
+def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
+    setting, loss = args.setting, DEGRADATION_LOSS
+    base = setting_overrides(setting, args.omniglot_root, args.quick)
+    chosen = [] if args.quick else recipe(setting, loss)
+    jobs = []
+    for degradation, knob in DEGRADATIONS.items():
+        folder = args.out / setting / "degradations" / degradation
+        for name, arm in DEGRADATION_ARMS.items():
+            if arm.matched != matched:
+                continue
+            extra = matched_overrides(folder / "deg_ism", "uniform") if matched else []
+            for seed in range(args.seeds):
+                config = (*base, f"loss.name={loss}", *chosen, *arm.overrides, knob, *extra)
+                jobs.append(
+                    Job(
+                        folder / name / f"s{seed}",
+                        (*config, f"seed={seed}"),
+                        arm.has_head,
+                        match_controls=name == "deg_ism",
+                    )
+                )
+    return jobs
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.degradations:
+        run_jobs(degradation_jobs(args, matched=False), args.workers)
+        run_jobs(degradation_jobs(args, matched=True), args.workers)
+        return
+    run_jobs(main_jobs(args, matched=False), args.workers)
+    run_jobs(main_jobs(args, matched=True), args.workers)
+
+
+# --------------------------------------------------------------------------- tables
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._=" else "_" for c in name).strip("_") or "default"
+
+
+def mean_of(records: Sequence[dict[str, Any]], get: Any) -> float:
+    """Mean of ``get(record)`` over the records where it is not ``None``."""
+    return mean([v for v in (get(r) for r in records) if v is not None])
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def fmt(values: Sequence[float], scale: float = 100.0) -> str:
+    if not values:
+        return "–"
+    m = mean(values)
+    if len(values) < 2:
+        return f"{scale * m:.1f}"
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+    return f"{scale * m:.1f} ± {scale * sd:.1f}"
+
+
+def seed_results(arm_folder: Path) -> dict[int, dict[str, Any]]:
+    """``{seed: {"metrics": …, "mechanism": … | None}}`` of an arm's finished runs."""
+    out = {}
+    for result in sorted(arm_folder.glob("s*/cells/base/seed*/result.json")):
+        record = json.loads(result.read_text())
+        mech = result.parent / "mechanism.json"
+        out[int(record["seed"])] = {
+            "metrics": record["final_metrics"],
+            "mechanism": json.loads(mech.read_text()) if mech.is_file() else None,
+        }
+    return out
+
+
+def final_metrics(folder: Path, seeds: int) -> dict[str, list[float]]:
+    runs = seed_results(folder)
+    keys = ("recall@1", "map@r", "nmi")
+    return {
+        k: [runs[s]["metrics"][k] for s in sorted(runs) if k in runs[s]["metrics"]] for k in keys
+    }
+
+
+COMPARISONS: list[tuple[str, str, str]] = [
+    ("ISM only − baseline", "baseline", "ism"),
+    ("Mixup only − baseline", "baseline", "mixup"),
+    ("IDML − baseline", "baseline", "idml"),
+    ("IDML − Mixup only", "mixup", "idml"),
+    ("IDML − IDML with u frozen", "idml_frozen_u", "idml"),
+    ("IDML − uniform weakening", "idml_uniform", "idml"),
+    ("IDML − margin-matched Mixup", "mixup_margin", "idml"),
+    ("extension − IDML", "idml", "idml_ext"),
+    ("extension − Mixup only", "mixup", "idml_ext"),
+]
+TABLE_METRICS = ("recall@1", "map@r")
+
+
+def untrained_reference(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Test metrics of the setting's network before any training, per seed (one value for a
+    pretrained backbone, whose features do not depend on the seed): the floor a baseline must clear.
+    Cached in ``untrained.json``."""
+    cache = args.out / args.setting / "untrained.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    import torch
+
+    from idml.app import build
+    from idml.app.config import load_config
+    from idml.embeddings import Embeddings
+    from idml.evaluation import EvaluationSettings, evaluate_embeddings
+
+    base = setting_overrides(args.setting, args.omniglot_root, args.quick)
+    seeds = 1 if SETTINGS[args.setting].pretrained else args.seeds
+    out: dict[str, list[float]] = {"recall@1": [], "map@r": [], "nmi": []}
+    for seed in range(seeds):
+        cfg = load_config(None, [*base, *BASELINE, f"seed={seed}"])
+        torch.manual_seed(cfg.seed)
+        data = build.build_data(cfg)
+        model = build.build_model(cfg).eval()
+        features, labels = [], []
+        with torch.no_grad():
+            for images, batch_labels, *_ in torch.utils.data.DataLoader(data.test, batch_size=256):
+                features.append(model.features(images))
+                labels.append(batch_labels)
+        settings = EvaluationSettings(ks=(1,), nmi=True, nmi_backend="sklearn", seed=cfg.seed)
+        metrics = evaluate_embeddings(
+            Embeddings(torch.cat(features)), torch.cat(labels), settings
+        ).metrics
+        for k in out:
+            out[k].append(float(metrics[k]))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(out))
+    return out
+
+
+Runs = dict[int, dict[str, Any]]
+"""An arm's finished runs by seed (:func:`seed_results`)."""
+
+
+def arm_row(name: str, label: str, seeds: Runs) -> str:
+    values = {
+        k: [r["metrics"][k] for r in seeds.values() if k in r["metrics"]]
+        for k in ("recall@1", "map@r", "nmi")
+    }
     return (
-        f"Training-free reference (the backbone's pooled features, {features[0].shape[1]}-d, no "
-        f"training): R@1 {100 * m['recall@1']:.1f}, MAP@R {100 * m['map@r']:.1f}, "
-        f"NMI {100 * m['nmi']:.1f}."
+        f"| {name} | {label} | {len(seeds)} | {fmt(values['recall@1'])} | "
+        f"{fmt(values['map@r'])} | {fmt(values['nmi'])} |"
     )
 
 
-def main() -> None:
+def difference_table(pairs: Sequence[tuple[str, str, Runs, Runs]]) -> list[str]:
+    """Markdown rows of paired differences ``b − a`` for ``(group, comparison, a, b)``, Holm-adjusted
+    over every cell (comparison × metric) of the table."""
+    from idml.statistics import compare_paired, holm
+
+    cells = []
+    for group, label, a, b in pairs:
+        common = sorted(set(a) & set(b))
+        for metric in TABLE_METRICS:
+            x = [a[s]["metrics"][metric] * 100 for s in common]
+            y = [b[s]["metrics"][metric] * 100 for s in common]
+            cells.append((group, label, metric, compare_paired(x, y)))
+    adjusted = holm([c.p_value for *_, c in cells])
+    lines = [
+        "Δ = mean of the per-seed differences in points, its 95 % t-interval, Cohen's d_z, and the "
+        f"p-value of a paired t-test Holm-adjusted over all {len(cells)} cells of this table; "
+        "▲/▼ only where the adjusted p < 0.05.\n",
+        "| | comparison | n | Δ R@1 [95 % CI] | d_z | p (Holm) | Δ MAP@R [95 % CI] | d_z | p (Holm) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for (group, label, metric, c), p in zip(cells, adjusted, strict=True):
+        mark = (" ▲" if c.difference > 0 else " ▼") if c.significant(p) else ""
+        rows.setdefault((group, label), {})[metric] = (
+            f"{c.difference:+.2f}{mark} [{c.low:+.2f}, {c.high:+.2f}] | {c.effect_size:+.2f} | {p:.3g}"
+            if math.isfinite(c.p_value)
+            else f"{c.difference:+.2f} | – | –"
+        )
+        counts[(group, label)] = c.n
+    for (group, label), texts in rows.items():
+        lines.append(
+            f"| {group} | {label} | {counts[(group, label)]} | "
+            + " | ".join(texts.get(m, "– | – | –") for m in TABLE_METRICS)
+            + " |"
+        )
+    return lines
+
+
+MECHANISM_HEADER = [
+    "Test images: `||u||` mean and coefficient of variation; AUROC of `||u||` for Mixup / blurred / "
+    "low-resolution / occluded images against the same images clean (0.5: no difference). "
+    "Training batches, last epoch: the 10th and 50th percentile of the weakening `e^{−y}` over "
+    "positive pairs and the CV of `||u||` across a batch. `||u||` of original and of Mixup images "
+    "in the first → last epoch. ISM at test: R@1 / MAP@R with the introspective metric at test "
+    "time (the paper's Table 5).\n",
+    "| | arm | test ‖u‖ | test CV | AUROC mixup / blur / low-res / occl. | pos q10 / q50 | batch CV "
+    "| ‖u‖ original | ‖u‖ Mixup | ISM at test R@1 / MAP@R |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def mechanism_row(group: str, label: str, seeds: Runs) -> str | None:
+    """The mechanism of an arm's runs (mean over seeds), or ``None`` without an uncertainty head."""
+    mechs = [r["mechanism"] for r in seeds.values() if r["mechanism"]]
+    if not mechs:
+        return None
+    avg = partial(mean_of, mechs)
+    probe = " / ".join(
+        f"{avg(lambda m, k=k: m['probe_auroc'][k]):.2f}"
+        for k in ("mixup", "blur", "low_resolution", "occlusion")
+    )
+
+    def trend(kind: str) -> str:
+        key = f"uncertainty/{kind}"
+        before = avg(lambda m: m["first_epoch"].get(key))
+        after = avg(lambda m: m["last_epoch"].get(key))
+        return "–" if math.isnan(before) else f"{before:.3f} → {after:.3f}"
+
+    return (
+        f"| {group} | {label} | {avg(lambda m: m['test_u_mean']):.4f} | "
+        f"{avg(lambda m: m['test_u_cv']):.2f} | {probe} | "
+        f"{avg(lambda m: m['last_epoch'].get('ism/pos_q10')):.3f} / "
+        f"{avg(lambda m: m['last_epoch'].get('ism/pos_q50')):.3f} | "
+        f"{avg(lambda m: m['last_epoch'].get('ism/u_cv')):.2f} | {trend('original')} | "
+        f"{trend('mixed')} | {100 * avg(lambda m: m['ism_at_test'].get('recall@1')):.1f} / "
+        f"{100 * avg(lambda m: m['ism_at_test'].get('map@r')):.1f} |"
+    )
+
+
+def settings_lines(args: argparse.Namespace) -> list[str]:
+    base = setting_overrides(args.setting, args.omniglot_root, False)
+    recipes = load_recipes().get(args.setting, {})
+    return [
+        "Settings: `" + " ".join(o for o in base if not o.startswith("data.root=")) + "`\n",
+        "Baseline recipes (validation split of the training classes): "
+        + "; ".join(
+            f"{LOSS_NAMES[k]}: {v['recipe'] or 'as set'}"
+            for k, v in recipes.items()
+            if k in args.losses
+        )
+        + ".\n",
+    ]
+
+
+def tables(args: argparse.Namespace) -> None:
+    if args.degradations:
+        return degradation_tables(args)
+    setting = args.setting
+    root = args.out / setting
+    reference = untrained_reference(args)
+    runs = {
+        (loss, arm): seed_results(root / loss / arm)
+        for loss in args.losses
+        for arm in ARMS
+        if (root / loss / arm).is_dir()
+    }
+    runs = {key: seeds for key, seeds in runs.items() if seeds}
+    lines = [f"# IDML study: {setting}\n", *settings_lines(args)]
+    lines += [
+        "## Test metrics (last epoch, mean ± std over seeds, %)\n",
+        "| loss | arm | seeds | R@1 | MAP@R | NMI |",
+        "|---|---|---|---|---|---|",
+        arm_row(
+            "–",
+            "*untrained network*",
+            {
+                i: {"metrics": {k: v[i] for k, v in reference.items()}}
+                for i in range(len(reference["recall@1"]))
+            },
+        ),
+    ]
+    lines += [
+        arm_row(LOSS_NAMES[loss], ARMS[arm].label, seeds) for (loss, arm), seeds in runs.items()
+    ]
+    pairs = [
+        (LOSS_NAMES[loss], label, runs[(loss, ref)], runs[(loss, arm)])
+        for loss in args.losses
+        for label, ref, arm in COMPARISONS
+        if (loss, ref) in runs and (loss, arm) in runs
+    ]
+    lines += ["\n## Differences (paired over seeds that share initialisation and batches)\n"]
+    lines += difference_table(pairs)
+    lines += ["\n## Is the introspection real? (runs with an uncertainty head, mean over seeds)\n"]
+    lines += MECHANISM_HEADER
+    for (loss, arm), seeds in runs.items():
+        row = mechanism_row(LOSS_NAMES[loss], ARMS[arm].label, seeds)
+        if row is not None:
+            lines.append(row)
+    write_table(args, f"idml_{setting}.md", lines)
+
+
+DEGRADATION_COMPARISONS: list[tuple[str, str, str]] = [
+    ("degraded baseline − clean baseline (the cost)", "baseline", "deg_baseline"),
+    ("ISM − degraded baseline (the recovery)", "deg_baseline", "deg_ism"),
+    ("ISM − ISM with u frozen", "deg_ism_frozen_u", "deg_ism"),
+    ("ISM − uniform weakening", "deg_uniform", "deg_ism"),
+]
+
+
+def degradation_tables(args: argparse.Namespace) -> None:
+    setting, loss = args.setting, DEGRADATION_LOSS
+    clean = seed_results(args.out / setting / loss / "baseline")
+    lines = [f"# IDML study: {setting}, degraded training images (the paper's Table 3)\n"]
+    lines += settings_lines(args)
+    lines += [
+        f"{LOSS_NAMES[loss]}; a quarter of every batch degraded (low resolution ×4, Gaussian blur "
+        "σ 2, a quarter of the image occluded), labels unchanged; the clean baseline is the main "
+        "grid's.\n",
+        "## Test metrics (last epoch, mean ± std over seeds, %)\n",
+        "| degradation | arm | seeds | R@1 | MAP@R | NMI |",
+        "|---|---|---|---|---|---|",
+        arm_row("none", "baseline (clean images)", clean),
+    ]
+    pairs, mechanism = [], []
+    for degradation in DEGRADATIONS:
+        folder = args.out / setting / "degradations" / degradation
+        runs = {"baseline": clean}
+        for name, arm in DEGRADATION_ARMS.items():
+            seeds = seed_results(folder / name)
+            if seeds:
+                runs[name] = seeds
+                lines.append(arm_row(degradation, arm.label, seeds))
+                row = mechanism_row(degradation, arm.label, seeds)
+                if row is not None:
+                    mechanism.append(row)
+        pairs += [
+            (degradation, label, runs[ref], runs[arm])
+            for label, ref, arm in DEGRADATION_COMPARISONS
+            if ref in runs and arm in runs and runs[ref] and runs[arm]
+        ]
+    lines += ["\n## Differences (paired over seeds)\n", *difference_table(pairs)]
+    lines += ["\n## Mechanism\n", *MECHANISM_HEADER, *mechanism]
+    write_table(args, f"idml_{setting}_degradations.md", lines)
+
+
+def write_table(args: argparse.Namespace, name: str, lines: list[str]) -> None:
+    text = "\n".join(lines) + "\n"
+    if not args.quick:
+        TABLES.mkdir(parents=True, exist_ok=True)
+        (TABLES / name).write_text(text)
+    print(text)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--only", choices=sorted(SETTINGS), action="append", default=None)
-    parser.add_argument(
-        "--validate",
-        nargs="?",
-        const="init_level",
-        choices=sorted(VALIDATION_GRIDS),
-        help="choose IDML's settings on held-out training classes (see doc; default init_level)",
-    )
+    parser.add_argument("command", choices=("validate", "run", "tables"))
+    parser.add_argument("--setting", choices=sorted(SETTINGS), required=True)
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--losses", default=",".join(LOSSES))
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--degradations", action="store_true", help="the Table 3 grid instead")
     parser.add_argument("--omniglot-root", type=Path, default=DEFAULT_OMNIGLOT)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "study_idml")
-    parser.add_argument("--quick", action="store_true", help="1 epoch of 3 steps: a pipeline check")
-    parser.add_argument("--tables-only", action="store_true", help="tabulate finished runs only")
-    parser.add_argument(
-        "--losses",
-        default=LOSSES.split("=", 1)[1],
-        help="comma-separated subset of the loss axis, e.g. to run two losses in two processes "
-        "(they share the run folders; a final --tables-only draws the whole grid)",
-    )
-    parser.add_argument(
-        "--mixup",
-        default="off,on",
-        help="subset of the Mixup axis (off, on or off,on), to split one loss over two processes "
-        "(a process must not reach a cell another is training: it refuses the locked folder)",
-    )
-    args = parser.parse_args()
-    args.losses_given = args.losses != LOSSES.split("=", 1)[1]
-    tables = REPO / "benchmarks" / "study"
-    tables.mkdir(parents=True, exist_ok=True)
-    for setting in args.only or list(SETTINGS):
-        overrides = list(SETTINGS[setting])
-        if "data.dataset=omniglot" in overrides:
-            overrides.append(f"data.root={args.omniglot_root}")
-        if args.quick:
-            overrides += ["optim.epochs=1", "optim.max_steps_per_epoch=3"]
-        if args.validate:
-            grid = list(VALIDATION_GRIDS[args.validate])
-            if args.losses_given:
-                grid = [f"loss={args.losses}" if g.startswith("loss=") else g for g in grid]
-        else:
-            grid = [f"loss={args.losses}", GRID[1], f"mixup={args.mixup}"]
-        # The first validation grid keeps its folder and table names from before there were two.
-        tag = "" if args.validate in (None, "init_level") else f"_{args.validate}"
-        if args.validate:
-            overrides.append("data.protocol=validation")
-        kind = "idml_validation" if args.validate else "idml"
-        out = args.out / (f"{setting}_validation{tag}" if args.validate else setting)
-        start = time.perf_counter()
-        result = run_ablation(
-            None,
-            parse_grid(grid),
-            seeds=args.seeds,
-            out_dir=out,
-            overrides=overrides,
-            # ||u|| exists only in runs with the uncertainty head (a plain-only grid has none).
-            metrics=METRICS if "metric=plain" not in grid else METRICS[:-1],
-            train_missing=not args.tables_only,
+    parser.add_argument("--quick", action="store_true", help="3 steps an epoch: a pipeline check")
+    args = parser.parse_args(argv)
+    args.losses = [x for x in args.losses.split(",") if x]
+    args.arms = [x for x in args.arms.split(",") if x]
+    unknown = [x for x in args.arms if x not in ARMS] + [x for x in args.losses if x not in LOSSES]
+    if unknown:
+        parser.error(
+            f"unknown arm or loss {unknown}; arms: {', '.join(ARMS)}; losses: {', '.join(LOSSES)}"
         )
-        minutes = (time.perf_counter() - start) / 60
-        shown = [o for o in overrides if not o.startswith("data.root=")]
-        text = [
-            f"# IDML study: {setting}{' (validation split of the training classes)' if args.validate else ''}\n",
-            "Settings: `" + " ".join(shown) + "`\n",
-            f"Grid: `{' '.join(grid)}`, {args.seeds} seeds, last-epoch metrics.\n",
-            (out / "ablation.md").read_text(),
-        ]
-        if not args.validate:
-            text.append("\n" + delta_table(result, ["recall@1", "map@r", "nmi"]))
-            if model_is_pretrained(overrides):
-                text.append("\n" + training_free_reference(overrides))
-        if args.tables_only:
-            text.append(
-                "\nTables drawn from finished runs (`--tables-only`); per-run times above.\n"
-            )
-        else:
-            text.append(f"\nWall time of this invocation: {minutes:.1f} min.\n")
-        suffix = "_quick" if args.quick else ""
-        path = tables / f"{kind}_{setting}{tag}{suffix}.md"
-        path.write_text("\n".join(text))
-        print(f"{setting}: {minutes:.1f} min -> {path}")
+    if args.quick:
+        args.out = args.out.with_name(args.out.name + "_quick")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    {"validate": validate, "run": run, "tables": tables}[args.command](args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,12 +24,15 @@ import torch
 import tiny_run
 
 # The shared tiny run, at 4 classes × 4 images from 20 per class, with frozen BatchNorm statistics
-# (they would differ between one process and a shard) and clipping that never triggers.
+# (they would differ between one process and a shard: on CPU there is no SyncBatchNorm), the
+# uncertainty level read from the feature direction for the same reason (the default standardises
+# the features with the batch's statistics), and clipping that never triggers.
 TINY = [
     *tiny_run.TINY,
     "data.samples_per_class=20",
     "sampler.classes_per_batch=4",
     "model.freeze_bn=true",
+    "model.uncertainty.level_input=direction",
     "optim.grad_clip=1000",
     "device=cpu",
 ]

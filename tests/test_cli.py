@@ -13,7 +13,7 @@ def test_every_command_is_registered_and_prints_its_help(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     names = [command.name for command in COMMANDS]
-    workflow = ["train", "evaluate", "embed", "demo", "report", "ablate"]
+    workflow = ["train", "evaluate", "embed", "demo", "report", "ablate", "cache"]
     assert names == [*workflow, "index", "search", "export", "serve"]
     for name in names:
         with pytest.raises(SystemExit) as exit_:

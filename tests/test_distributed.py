@@ -7,7 +7,6 @@ joined through a ``file://`` rendezvous) and once alone, then compare what they 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from idml.app.distributed import (
 from idml.augment import Mixup
 from idml.data import build_batch_sampler
 from idml.relations import PAD
-from tiny_run import IDML, TINY
+from tiny_run import IDML, TINY, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "distributed_worker.py"
@@ -63,15 +62,6 @@ GRADIENT_TOLERANCE = 1e-8
 LOSS_TOLERANCE = 1e-9
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run the 2-process job and the 1-process reference concurrently; load their outputs."""
@@ -86,7 +76,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         [sys.executable, str(WORKER), str(out), "--tag", "one", "--cases", REFERENCE_CASES]
     )
     procs = [
-        subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            c, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for c in commands
     ]
     logs = []
@@ -231,7 +223,12 @@ def test_torchrun_cli_trains_on_two_processes_and_resumes_on_one(tmp_path: Path)
         args += ["--set", item]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     done = subprocess.run(
-        [*torchrun, *args], env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path
+        [*torchrun, *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # Only rank 0 prints, logs and checkpoints.
@@ -243,7 +240,7 @@ def test_torchrun_cli_trains_on_two_processes_and_resumes_on_one(tmp_path: Path)
     # Resume the 2-process run in one process for a second epoch: the global batches are the same.
     resumed = subprocess.run(
         [sys.executable, *args, "--resume", "--set", "optim.epochs=2"],
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -32,6 +32,15 @@ pytestmark = pytest.mark.numerics  # compares numbers across runs/processes/impl
 
 LEVELS = tuple(i / 10 for i in range(11))
 
+try:
+    import faiss  # noqa: F401
+
+    KERNELS = ["torch", "openblas", "faiss", "bf16"]
+except ImportError:  # pragma: no cover - depends on the environment
+    KERNELS = ["torch", "openblas", "bf16"]
+"""Every score kernel must give the brute force's lists and ranks (``bf16``: screened, then
+re-scored exactly)."""
+
 
 # ----------------------------------------------------------------------------- reference
 def reference_scores(q: np.ndarray, r: np.ndarray, metric: str, normalize: bool) -> np.ndarray:
@@ -114,6 +123,7 @@ def ours(
     metric: str = "cosine",
     normalize: bool = True,
     max_rank_entries: int = 1 << 24,
+    kernel: str = "torch",
 ):
     out = exact_search(
         torch.from_numpy(q),
@@ -123,7 +133,9 @@ def ours(
         None if r_labels is None else torch.from_numpy(r_labels),
         metric=metric,
         normalize=normalize,
-        execution=SearchExecution(block_size=block_size, max_rank_entries=max_rank_entries),
+        execution=SearchExecution(
+            block_size=block_size, max_rank_entries=max_rank_entries, kernel=kernel
+        ),
     )
     acc = RankAccumulator(len(q), ks, cutoffs)
     for chunk in out.rank_chunks:
@@ -153,26 +165,32 @@ def assert_matches(ref: dict, out, acc: RankAccumulator, ks: tuple[int, ...]) ->
 
 
 # ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("block_size", [1, 3, 7, 16, 1000])
 @pytest.mark.parametrize("metric", ["cosine", "euclidean"])
-def test_same_set_matches_brute_force_across_block_boundaries(block_size: int, metric: str) -> None:
+def test_same_set_matches_brute_force_across_block_boundaries(
+    block_size: int, metric: str, kernel: str
+) -> None:
     # 37 is prime: no block size divides it, so every run has a ragged last block.
     x, y = clustered(37, 6, 5, 1.0, seed=block_size)
     ks, cutoffs = (1, 2, 5, 40), default_cutoffs(36)
     ref = brute_force(x, y, k=6, ks=ks, cutoffs=cutoffs, metric=metric)
-    out, acc = ours(x, y, k=6, ks=ks, cutoffs=cutoffs, block_size=block_size, metric=metric)
+    out, acc = ours(
+        x, y, k=6, ks=ks, cutoffs=cutoffs, block_size=block_size, metric=metric, kernel=kernel
+    )
     assert out.symmetric
     assert_matches(ref, out, acc, ks)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("block_size", [2, 5, 64])
-def test_separate_query_and_gallery_matches_brute_force(block_size: int) -> None:
+def test_separate_query_and_gallery_matches_brute_force(block_size: int, kernel: str) -> None:
     q, qy = clustered(23, 5, 6, 1.0, seed=1)
     g, gy = clustered(41, 5, 6, 1.0, seed=1)  # same seed: same class centres
     qy[0] = 99  # a query whose class is absent from the gallery: lone
     ks, cutoffs = (1, 3, 8), (1, 2, 10, 41)
     ref = brute_force(q, qy, g, gy, k=4, ks=ks, cutoffs=cutoffs)
-    out, acc = ours(q, qy, g, gy, k=4, ks=ks, cutoffs=cutoffs, block_size=block_size)
+    out, acc = ours(q, qy, g, gy, k=4, ks=ks, cutoffs=cutoffs, block_size=block_size, kernel=kernel)
     assert not out.symmetric
     assert ref["lone"] == [0]
     assert_matches(ref, out, acc, ks)
@@ -192,10 +210,11 @@ def test_chunked_queries_give_the_same_results(max_rank_entries: int) -> None:
     assert_matches(ref, out, acc, ks)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dense_fraction", [0, 10**9])
 @pytest.mark.parametrize("same_set", [True, False])
 def test_sparse_and_dense_counting_agree_with_brute_force(
-    dense_fraction: int, same_set: bool, monkeypatch: pytest.MonkeyPatch
+    dense_fraction: int, same_set: bool, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 0: always list candidates sparsely; 10**9: count on whole tiles whenever any score qualifies.
     monkeypatch.setattr(ranks_module, "DENSE_CANDIDATE_FRACTION", dense_fraction)
@@ -203,10 +222,12 @@ def test_sparse_and_dense_counting_agree_with_brute_force(
     ks, cutoffs = (1, 3), (1, 5, 50)
     if same_set:
         ref = brute_force(x, y, k=4, ks=ks, cutoffs=cutoffs)
-        out, acc = ours(x, y, k=4, ks=ks, cutoffs=cutoffs, block_size=9)
+        out, acc = ours(x, y, k=4, ks=ks, cutoffs=cutoffs, block_size=9, kernel=kernel)
     else:
         ref = brute_force(x[:20], y[:20], x[20:], y[20:], k=4, ks=ks, cutoffs=cutoffs)
-        out, acc = ours(x[:20], y[:20], x[20:], y[20:], k=4, ks=ks, cutoffs=cutoffs, block_size=9)
+        out, acc = ours(
+            x[:20], y[:20], x[20:], y[20:], k=4, ks=ks, cutoffs=cutoffs, block_size=9, kernel=kernel
+        )
     assert_matches(ref, out, acc, ks)
 
 
@@ -220,10 +241,11 @@ def test_batched_count_path_for_many_candidates(monkeypatch: pytest.MonkeyPatch)
     assert_matches(ref, out, acc, ks)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("block_size", [2, 5, 50])
 def test_ties_and_duplicate_vectors_follow_the_documented_rules(
-    block_size: int, dtype: type[np.floating]
+    block_size: int, dtype: type[np.floating], kernel: str
 ) -> None:
     # Integer vectors, Euclidean, no normalisation: every score is an exact integer, so ties are
     # real ties in float32 and float64 alike; many rows are exact duplicates of each other.
@@ -234,7 +256,7 @@ def test_ties_and_duplicate_vectors_follow_the_documented_rules(
     kw = {"metric": "euclidean", "normalize": False}
     ks, cutoffs = (1, 2, 4), default_cutoffs(29)
     ref = brute_force(x, y, k=7, ks=ks, cutoffs=cutoffs, **kw)
-    out, acc = ours(x, y, k=7, ks=ks, cutoffs=cutoffs, block_size=block_size, **kw)
+    out, acc = ours(x, y, k=7, ks=ks, cutoffs=cutoffs, block_size=block_size, kernel=kernel, **kw)
     assert_matches(ref, out, acc, ks)
 
 

@@ -424,7 +424,12 @@ def test_demo_runs_with_a_small_budget(tmp_path: Path, capsys: pytest.CaptureFix
     assert main([*args, "--no-report"]) == 0
     out = capsys.readouterr().out
     assert "baseline" in out and "IDML" in out and "recall@1" in out and "map@r" in out
-    assert "±" in out and "over 2 seed(s)" in out and "Digits 0-2 train, unseen digits 3-9" in out
+    assert (
+        "±" in out
+        and "over 2 seed(s)" in out
+        and "Δ [95 % CI]" in out
+        and "Digits 0-4 train, unseen digits 5-9" in out
+    )
     assert (tmp_path / "seed1" / "idml" / "metrics.jsonl").is_file()
 
 

@@ -77,3 +77,17 @@ def write_images(
             pixels = rng.integers(0, 255, (*shape, 3), dtype=np.uint8)
             Image.fromarray(pixels).save(folder / f"{i}.png")
     return root
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of an ``idml`` subprocess (plain or under torchrun): this checkout's
+    ``src`` first, one thread per process, no torchrun variables inherited from the test run."""
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(repo / "src"), env.get("PYTHONPATH", "")])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env

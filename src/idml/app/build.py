@@ -6,8 +6,10 @@ config types and the trainer and CLI stay free of construction details.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -15,6 +17,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from idml.app.config import Config, ConfigError
+from idml.app.distributed import resolve_device
 from idml.augment import (
     AugmentationPipeline,
     CutMix,
@@ -29,12 +32,16 @@ from idml.data import (
     DATASETS,
     DatasetName,
     DMLSplit,
+    FileImageDataset,
     build_batch_sampler,
     build_transforms,
     dataset_options,
     load_split,
 )
+from idml.data.batches import BatchCrops, DeviceBatches, UncroppedImages, collate_uncropped
+from idml.data.cache import open_cache
 from idml.data.datasets import TrainTestPair
+from idml.data.decoding import Decoder
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
 from idml.losses import LossContext, MetricLoss
@@ -48,8 +55,10 @@ from idml.models import (
     UncertaintyKind,
 )
 from idml.models import build_model as _build_model
-from idml.models.heads import UncertaintyForm
+from idml.models.heads import LevelInput, UncertaintyForm
 from idml.ranking import SelfSupervisedRanking
+
+SplitT = TypeVar("SplitT", bound=TrainTestPair)
 
 
 # --------------------------------------------------------------------------- data
@@ -104,9 +113,33 @@ def build_data(cfg: Config) -> DMLSplit:
         verify=d.verify,
         **options,
     )
+    split = reading_images(split, cfg)
     if d.protocol == "validation":
         split = split.validation(d.validation_classes)
     return split
+
+
+def reading_images(split: SplitT, cfg: Config) -> SplitT:
+    """``split`` reading its images as ``data.decode`` and ``data.cache`` say (image files only):
+    every task's split goes through here, so neither key is dropped for one of them."""
+    d = cfg.data
+    if d.decode == "pil" and d.cache is None:
+        return split
+    keys = ", ".join(
+        k for k, on in (("data.decode", d.decode != "pil"), ("data.cache", d.cache)) if on
+    )
+    files = {name: side for name, side in split.sides if isinstance(side, FileImageDataset)}
+    if len(files) < len(split.sides):
+        raise ConfigError(
+            f"{keys} apply to datasets of image files, not to {d.dataset!r} (held in memory); "
+            "remove them"
+        )
+    cache = open_cache(d.cache) if d.cache is not None else None
+    # Test images are decoded per image by the workers: with decode=device, by torchvision.
+    decoder: Decoder = "pil" if d.decode == "pil" else "torchvision"
+    # The sides' names are the split's field names (train, val, test).
+    reading: dict[str, Any] = {name: side.reading(decoder, cache) for name, side in files.items()}
+    return replace(split, **reading)
 
 
 def train_loader(
@@ -116,11 +149,17 @@ def train_loader(
     generator: torch.Generator,
     num_replicas: int = 1,
     rank: int = 0,
-) -> DataLoader:
+    device: torch.device | None = None,
+) -> DataLoader | DeviceBatches:
     """The epoch's loader: batches are a function of ``(seed, epoch)`` so resumed runs replay them.
 
     With ``num_replicas`` processes, rank ``rank`` loads its share of every global batch (the global
     batch, and so a resumed run's batches, do not depend on the number of processes).
+
+    With ``data.augment_on=device`` the workers load whole images and the crops are cut on
+    ``device`` (default: the config's device, ``cuda:LOCAL_RANK`` under torchrun), as
+    :class:`~idml.data.batches.DeviceBatches`, whose boxes and flips are drawn from a generator
+    seeded from ``generator``; its batches are already on the device.
     """
     s = cfg.sampler
     kind = "class_balanced" if s.kind == "balanced" else "random"
@@ -136,13 +175,38 @@ def train_loader(
     )
     sampler.set_epoch(epoch)
     workers = cfg.data.num_workers
-    return DataLoader(
-        data.train,
+    if cfg.data.augment_on == "workers":
+        return DataLoader(
+            data.train,
+            batch_sampler=sampler,
+            num_workers=workers,
+            generator=generator,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+        )
+    # Drawn before the DataLoader draws its workers' seeds: a function of (seed, epoch, rank).
+    crop_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    d = cfg.data
+    loader = DataLoader(
+        UncroppedImages(data.train, encoded=d.decode == "device"),
         batch_sampler=sampler,
         num_workers=workers,
         generator=generator,
+        collate_fn=collate_uncropped,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=False,
+    )
+    crops = BatchCrops(
+        d.image_size, scale=d.train_crop_scale, flip_probability=0.5 if d.horizontal_flip else 0.0
+    )
+    if device is None:
+        device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    return DeviceBatches(
+        loader,
+        crops,
+        torch.Generator().manual_seed(crop_seed),
+        device,
+        data.train.channels,
     )
 
 
@@ -175,6 +239,7 @@ def uncertainty_head(cfg: Config) -> UncertaintyHeadSpec | None:
         form=UncertaintyForm(u.form),
         max_norm=u.max_norm,
         init_level=u.init_level,
+        level_input=LevelInput(u.level_input),
         activation=UncertaintyActivation(u.activation),
         normalize=u.normalize,
         init_std=u.init_std,

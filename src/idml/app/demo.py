@@ -1,14 +1,16 @@
 """``idml demo``: baseline vs IDML on scikit-learn's bundled digits, side by side, with no download.
 
-A small CNN learns an embedding on digits 0–2 and is evaluated on the seven unseen digits 3–9 (the
-zero-shot protocol: train and test classes are disjoint). The baseline uses Multi-Similarity on
-cosine; IDML adds the uncertainty head, the introspective similarity metric and Mixup set labels,
-everything else equal.
+A small CNN learns an embedding on digits 0–4 and is evaluated on the unseen digits 5–9 (the
+zero-shot protocol of the literature's small benchmarks: the first half of the classes trains, the
+second half tests). The baseline uses Multi-Similarity on cosine; IDML adds the uncertainty head,
+the introspective similarity metric and Mixup set labels, everything else equal.
 
-Why three training classes: with the usual 0–4 / 5–9 split both arms reach R@1 ≈ 97–98 %, at the
-ceiling, where no difference can show. Seeing fewer classes makes the unseen ones harder (baseline
-R@1 ≈ 94 %, MAP@R ≈ 34 %), and it needs no other data than what scikit-learn ships. The measured
-table and the other setting tried are in ``benchmarks/RESULTS.md`` ("idml demo").
+Nothing here was chosen by its test outcome: the split is the standard one, and the recipe (8
+epochs; 16 were no better) was chosen for the baseline on held-out *training* classes
+(``benchmarks/study_idml.py validate --setting demo``, whose ``demo`` setting this is). The table
+gives the paired difference of each metric over seeds that share their initialisation, with its 95 %
+interval and a Holm-adjusted p-value; the evidence with ten seeds and the controls that isolate ISM
+is ``benchmarks/study/idml_demo.md``.
 """
 
 from __future__ import annotations
@@ -18,21 +20,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from idml.app.config import Config, fragment_overrides, load_config
-from idml.app.metric_display import beyond_spread
 from idml.app.training import Trainer
 from idml.app.training.epoch_log import TrainResult
+from idml.statistics import compare_paired, holm
 
 DEMO_BASE: list[str] = [
     "name=demo",
     *fragment_overrides("dataset/digits_demo"),
     *fragment_overrides("backbone/small_cnn"),
     "model.embedding_dim=64",
-    "sampler.classes_per_batch=3",
-    "sampler.images_per_class=20",
+    "sampler.classes_per_batch=5",
+    "sampler.images_per_class=12",
     "loss.name=multi_similarity",
     "optim.lr=0.003",
     "optim.weight_decay=0.0001",
     "optim.scheduler=cosine",
+    "optim.grad_clip=10",
     "optim.amp=false",
     "eval.ks=[1,2,4,8]",
     "eval.every=4",
@@ -40,7 +43,7 @@ DEMO_BASE: list[str] = [
 ]
 """Shared settings of both demo runs (digits are 8×8; upscaled to 16 px for the CNN)."""
 
-DEMO_SETTING = "Digits 0-2 train, unseen digits 3-9 test; small CNN, Multi-Similarity loss"
+DEMO_SETTING = "Digits 0-4 train, unseen digits 5-9 test; small CNN, Multi-Similarity loss"
 """One line for the demo's output: what was trained and tested."""
 
 DEMO_IDML: list[str] = [
@@ -71,24 +74,47 @@ class DemoResult:
         return [r.run_dir for r in (*self.baseline, *self.idml)]
 
     def table(self) -> str:
-        """Mean ± std over seeds of each metric, the difference, and whether it exceeds the larger
-        of the two standard deviations (with one seed there is no spread to compare)."""
-        rows = [("metric", "baseline", "IDML", "Δ", "beyond seed spread")]
+        """Mean ± std over seeds of each metric, and IDML − baseline paired over the seeds (seed
+        ``s`` of both arms shares its initialisation and batches): the mean difference, its 95 %
+        interval and the paired t-test's p-value, Holm-adjusted over the table's rows."""
+        compared = {}
+        for key in DEMO_METRICS:
+            pairs = [
+                (a.final_metrics[key], b.final_metrics[key])
+                for a, b in zip(self.baseline, self.idml, strict=True)
+                if key in a.final_metrics and key in b.final_metrics
+            ]
+            if pairs:
+                baseline, idml = zip(*pairs, strict=True)
+                compared[key] = compare_paired(baseline, idml)
+        adjusted = dict(zip(compared, holm([c.p_value for c in compared.values()]), strict=True))
+        rows = [("metric", "baseline", "IDML", "Δ [95 % CI]", "p (Holm)")]
         for key in DEMO_METRICS:
             a = [r.final_metrics[key] for r in self.baseline if key in r.final_metrics]
             b = [r.final_metrics[key] for r in self.idml if key in r.final_metrics]
             if not b:
                 continue
-            (ma, sa), (mb, sb) = _mean_std(a), _mean_std(b)
-            delta = "" if math.isnan(ma) else f"{mb - ma:+.4f}"
-            beyond = {None: "n/a", True: "yes", False: "no"}[beyond_spread(mb - ma, (sa, sb))]
-            rows.append((key, _cell(ma, sa), _cell(mb, sb), delta, beyond))
+            c = compared.get(key)
+            if c is None:  # ||u|| exists for IDML alone
+                rows.append((key, "–", _cell(*_mean_std(b)), "", ""))
+                continue
+            interval = "" if math.isnan(c.low) else f" [{c.low:+.4f}, {c.high:+.4f}]"
+            p = adjusted[key]
+            rows.append(
+                (
+                    key,
+                    _cell(*_mean_std(a)),
+                    _cell(*_mean_std(b)),
+                    f"{c.difference:+.4f}{interval}",
+                    "n/a" if math.isnan(p) else f"{p:.3g}",
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        seeds = len(self.baseline)
         lines.append(
-            f"mean ± std over {seeds} seed(s), last epoch; r_auroc_*: right top-1 vs wrong"
+            f"mean ± std over {len(self.baseline)} seed(s), last epoch; Δ paired over seeds; "
+            "r_auroc_*: right top-1 vs wrong. A toy: the evidence is benchmarks/study/idml_demo.md"
         )
         return "\n".join(lines)
 

@@ -28,6 +28,7 @@ from idml.app.checkpoint import (
     resolve_checkpoint,
 )
 from idml.app.config import Config, validate_config
+from idml.app.distributed import DistributedContext, contiguous_shard, gather_embeddings
 from idml.app.storage import write_file
 from idml.data import FileImageDataset, ImageRecords, build_transforms, read_images
 from idml.embeddings import Embeddings
@@ -108,9 +109,14 @@ def embed_images(
     split: str | None = None,
     progress: bool = True,
     extras: Callable[[Embeddings], tuple[dict[str, Tensor], dict[str, list[str]]]] | None = None,
+    distributed: DistributedContext | None = None,
 ) -> int:
     """Embed the images of a folder or CSV (:func:`read_split`) and save semantic embeddings and
     ``||u||`` to ``out``.
+
+    With a ``distributed`` context of several processes (``torchrun``) every process embeds its
+    contiguous share and rank 0 gathers them in order and writes the file (the others return
+    the count without writing).
 
     ``out`` is ``.npz``/``.pt`` (with ``paths`` and ``classes``) or ``.safetensors`` (both in the
     metadata). Keys:
@@ -133,7 +139,13 @@ def embed_images(
     transform = build_transforms(False, cfg.data.image_size, cfg.data.resize_size)
     dataset = FileImageDataset(records, transform)
     device = next(model.parameters()).device
-    emb, labels = embed_dataset(model, dataset, batch_size, device, progress=progress)
+    context = distributed if distributed is not None else DistributedContext()
+    emb, labels = embed_dataset(
+        model, contiguous_shard(dataset, context), batch_size, device, progress=progress
+    )
+    emb, labels = gather_embeddings(emb, labels, context)
+    if not context.is_main:
+        return len(records)
     level = (
         torch.zeros(emb.semantic.shape[0])
         if emb.uncertainty is None  # a baseline without an uncertainty head

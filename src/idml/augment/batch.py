@@ -128,6 +128,24 @@ class AugmentedBatch:
         return self.mixed | self.degraded
 
     @property
+    def ambiguity(self) -> Tensor:
+        """``(N,)`` how ambiguous each row's class is by construction: ``1 − |2λ − 1|`` for a row
+        mixed from two *different* classes (1 for a 50/50 mix, → 0 as one source dominates; ``λ``
+        the pixel share of CutMix), 0 for an original row and for a mix of two images of one class.
+
+        The target of the Mixup-supervised uncertainty extension
+        (:func:`idml.losses.ambiguity.mixup_uncertainty_loss`); the paper's IDML never uses it.
+        """
+        out = torch.zeros(self.mixed.shape[0], device=self.mixed.device)
+        info = self.mixup
+        if info is None or not bool(self.mixed.any()):
+            return out
+        lam = info.lam.to(out.device, out.dtype)
+        two_classes = (info.labels_a != info.labels_b).to(out.device, out.dtype)
+        out[self.mixed] = (1 - (2 * lam - 1).abs()) * two_classes
+        return out
+
+    @property
     def interpolate(self) -> MixupInfo | None:
         """The Mixup details when the loss must be interpolated, else ``None``."""
         if self.mixup is not None and self.mixup.mode is MixupMode.INTERPOLATE:

@@ -39,7 +39,8 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as TF
 
-from idml.data.decoding import Channels, CorruptImageError, decode_image_file
+from idml.data.cache import ImageCache
+from idml.data.decoding import DECODERS, Channels, CorruptImageError, Decoder, decode_image_file
 from idml.data.decoding import convert_mode as convert_mode
 from idml.data.records import ImageRecords, format_examples
 
@@ -231,10 +232,13 @@ def _short_reason(err: Exception) -> str:
 
 
 class FileImageDataset(ImageDataset):
-    """Images decoded from files with PIL, one :class:`~idml.data.records.ImageRecords` row each.
+    """Images decoded from files, one :class:`~idml.data.records.ImageRecords` row each.
 
     With ``crop_to_box`` and records that carry boxes (Cars196), each image is cropped to its
-    annotated box before the transform.
+    annotated box before the transform. ``decoder`` chooses the library that decodes the files
+    (:mod:`idml.data.decoding`: Pillow, the reference, or torchvision's ``decode_jpeg`` for
+    JPEGs); with a ``cache`` (:mod:`idml.data.cache`, see :meth:`reading`) images are read
+    decoded from it instead.
     """
 
     def __init__(
@@ -243,14 +247,42 @@ class FileImageDataset(ImageDataset):
         transform: Transform | None = None,
         channels: Channels = 3,
         crop_to_box: bool = False,
+        decoder: Decoder = "pil",
+        cache: ImageCache | None = None,
     ) -> None:
         if crop_to_box and records.boxes is None:
             raise ValueError(
                 "crop_to_box=True needs records with bounding boxes (only Cars196 has them)"
             )
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
         super().__init__(records.class_ids, records.class_names, transform, channels)
         self.records = records
         self.crop_to_box = crop_to_box
+        self.decoder: Decoder = decoder
+        self.cache = cache
+
+    def reading(
+        self, decoder: Decoder | None = None, cache: ImageCache | None = None
+    ) -> FileImageDataset:
+        """A shallow copy that decodes with ``decoder``, or reads from ``cache``, which must hold
+        every image of this dataset as it loads them (checked:
+        :meth:`~idml.data.cache.ImageCache.check_sources`)."""
+        if cache is not None:
+            cache.check_sources(
+                (str(p) for p in self.records.paths), self.channels, self.crop_to_box
+            )
+        clone = copy.copy(self)
+        clone.decoder = decoder if decoder is not None else self.decoder
+        clone.cache = cache
+        return clone
+
+    def box(self, index: int) -> tuple[int, int, int, int] | None:
+        """The box image ``index`` is cropped to, or ``None``."""
+        if not self.crop_to_box or self.records.boxes is None:
+            return None
+        x1, y1, x2, y2 = (int(v) for v in self.records.boxes[index])
+        return x1, y1, x2, y2
 
     @property
     def paths(self) -> np.ndarray:
@@ -264,19 +296,22 @@ class FileImageDataset(ImageDataset):
         return roles if roles is not None and bool((roles != "").any()) else None
 
     def load_image(self, index: int) -> Tensor:
-        box = (
-            self.records.boxes[index]
-            if self.crop_to_box and self.records.boxes is not None
-            else None
-        )
-        return decode_image_file(str(self.records.paths[index]), self.channels, box)
+        path = str(self.records.paths[index])
+        if self.cache is not None:
+            return tv_tensors.Image(self.cache.image(path))
+        return decode_image_file(path, self.channels, self.box(index), self.decoder)
 
     def describe(self, index: int) -> str:
         return str(self.records.paths[index])
 
     def _take(self, rows: np.ndarray) -> FileImageDataset:
         taken = FileImageDataset(
-            self.records.take(rows), self.transform, self.channels, self.crop_to_box
+            self.records.take(rows),
+            self.transform,
+            self.channels,
+            self.crop_to_box,
+            self.decoder,
+            self.cache,
         )
         taken.skipped = self.skipped
         return taken

@@ -360,6 +360,7 @@ def evaluate_embeddings(
         "normalize": s.normalize,
         "ks": list(s.ks),
         "knn_backend": backend,
+        "score_kernels": retrieved.kernels,
         "block_size": s.block_size,
         "nmi_backend": kmeans,
         "nmi_method": describe_backend(kmeans, s.kmeans_iterations),
@@ -383,6 +384,8 @@ class _Retrieved:
     neighbors: NeighborLists
     backend: str
     gallery_neighbors: NeighborLists | None = None
+    kernels: str | None = None
+    """What computed the exact search's scores (:mod:`idml.evaluation.search.kernels`)."""
 
 
 def _retrieve(
@@ -394,7 +397,8 @@ def _retrieve(
     progress: bool | Callable[[int], object],
 ) -> _Retrieved:
     """Search ``depth`` neighbours per query, and accumulate the ranks of the relevant items:
-    exact, exact then re-ranked, or from faiss's lists."""
+    exact (with the products that computed its scores), exact then re-ranked, or from faiss's
+    lists."""
     same_set = sets.same_set
     num_ranked = sets.ref_semantic.shape[0] - (1 if same_set else 0)
     cutoffs = s.pr_cutoffs if s.pr_cutoffs is not None else default_cutoffs(num_ranked)
@@ -402,7 +406,9 @@ def _retrieve(
     num_rel = _num_relevant(sets.q_labels, sets.ref_labels, same_set)
     # Metrics from lists need every relevant item's place: lists at least R_max deep.
     list_depth = min(max(max(s.ks), int(num_rel.max()), depth), num_ranked)
-    execution = SearchExecution(block_size=s.block_size, device=device, progress=progress)
+    execution = SearchExecution(
+        block_size=s.block_size, device=device, progress=progress, kernel=s.score_kernel
+    )
     if s.knn_backend == "exact" and s.reranking is None:
         out = exact_search(
             Embeddings(sets.q_semantic, sets.q_unc),
@@ -416,7 +422,8 @@ def _retrieve(
         acc = RankAccumulator(n_q, tuple(s.ks), tuple(cutoffs), tuple(s.recall_levels))
         for query_ids, ranks, num_rel_chunk in out.rank_chunks:
             acc.add(query_ids, ranks, num_rel_chunk)
-        return _Retrieved(acc, out.neighbors, "exact", out.neighbors if same_set else None)
+        gallery = out.neighbors if same_set else None
+        return _Retrieved(acc, out.neighbors, "exact", gallery, out.kernels)
     if s.knn_backend == "exact":
         assert s.reranking is not None
         reranker = s.reranking

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -178,12 +179,21 @@ class PairScorer:
         return PreparedSide(ref.contiguous(), None)
 
     def tile(
-        self, queries: PreparedSide, references: PreparedSide, rows: slice, cols: slice
+        self,
+        queries: PreparedSide,
+        references: PreparedSide,
+        rows: slice,
+        cols: slice,
+        product: Callable[[Tensor, Tensor], Tensor] | None = None,
     ) -> Tensor:
-        """Scores ``(len(rows), len(cols))`` between ``queries[rows]`` and ``references[cols]``."""
+        """Scores ``(len(rows), len(cols))`` between ``queries[rows]`` and ``references[cols]``.
+
+        The plain metrics' tile is one fp32 product ``q·rᵀ``, computed by ``product`` when given
+        (the kernel :mod:`idml.evaluation.search.kernels` measured fastest on this machine).
+        """
         q, r = queries.vectors[rows], references.vectors[cols]
         if self.kind != "metric":
-            return q @ r.T
+            return q @ r.T if product is None else product(q, r)
         assert self.metric is not None
         uq = None if queries.uncertainty is None else queries.uncertainty[rows]
         ur = None if references.uncertainty is None else references.uncertainty[cols]

@@ -13,6 +13,7 @@ from idml.evaluation.confidence.assessment import ConfidenceSettings
 from idml.evaluation.reranking import Reranker
 from idml.evaluation.retrieval_metrics import DEFAULT_RECALL_LEVELS
 from idml.evaluation.scoring import MetricSpec
+from idml.evaluation.search.kernels import KERNEL_NAMES, KernelName
 
 KnnBackend = Literal["exact", "faiss"]
 
@@ -41,6 +42,10 @@ class EvaluationSettings:
         knn_backend: ``"exact"`` (default) or ``"faiss"`` (approximate index ``faiss_index`` with
             ``faiss_parameters``; metrics then come from the neighbour lists, which are made long
             enough for R-Precision and MAP@R, and MAP/MRR over the whole gallery are not reported).
+        score_kernel: the products of the exact search (:mod:`idml.evaluation.search.kernels`):
+            ``"auto"`` (default) measures the candidates on this machine for a large search;
+            ``"torch"``, ``"openblas"``, ``"faiss"`` or ``"bf16"`` force one. Results are exact
+            with every kernel.
         reranking: re-order each query's shortlist before metrics and confidence
             (:mod:`idml.evaluation.reranking`: k-reciprocal, αQE/DBA); exact search with the cosine
             metric only. Metrics then come from the re-ranked lists, searched deep enough for
@@ -69,6 +74,7 @@ class EvaluationSettings:
     knn_backend: KnnBackend = "exact"
     faiss_index: str = "HNSW32"
     faiss_parameters: str | None = None
+    score_kernel: KernelName = "auto"
     reranking: Reranker | None = None
     confidence: ConfidenceSettings | None = ConfidenceSettings()  # noqa: RUF009 (frozen, immutable)
 
@@ -89,6 +95,10 @@ class EvaluationSettings:
             )
         if self.knn_backend not in ("exact", "faiss"):
             raise ValueError(f"knn_backend must be 'exact' or 'faiss', got {self.knn_backend!r}")
+        if self.score_kernel not in KERNEL_NAMES:
+            raise ValueError(
+                f"score_kernel must be one of {KERNEL_NAMES}, got {self.score_kernel!r}"
+            )
         if self.reranking is not None:
             if not isinstance(self.reranking, Reranker):
                 raise ValueError(

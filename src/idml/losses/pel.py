@@ -139,10 +139,23 @@ def gaussian_kl_to_standard(mean: Tensor, log_variance: Tensor) -> Tensor:
 
 
 class PELParams(LossParams):
-    """PEL's Monte-Carlo samples and KL weight."""
+    """PEL's Monte-Carlo samples, KL weight and the starting point of the match probability.
+
+    ``μ`` is the L2-normalised semantic embedding, so sample distances lie in about ``[0, 2]``. The
+    starting ``a = 8``, ``b = 8`` put the match boundary (``p = ½``) at distance 1 (cosine ½) with
+    logits spanning ``[−8, 8]``; HIB's ``a = 1``, ``b = 0`` (unnormalised embeddings) would give every
+    pair ``p ≤ ½`` and logits within two units, and on digits that run ended *below* the untrained
+    network (MAP@R 28.1 vs 31.4; 42.5 with these values; ``tests/test_recipes.py``).
+    """
 
     num_samples: int = Field(8, ge=1, description="samples K per image")
     kl_weight: float = Field(1e-4, ge=0, allow_inf_nan=False, description="weight w of the KL term")
+    init_scale: float = Field(
+        8.0, gt=0, allow_inf_nan=False, description="initial distance scale a (learned, > 0)"
+    )
+    init_bias: float = Field(
+        8.0, allow_inf_nan=False, description="initial bias b (learned): p = ½ at distance b/a"
+    )
 
 
 _DEFAULT = PELParams()
@@ -154,8 +167,9 @@ class PELLoss(MetricLoss):
     Args:
         num_samples: Monte-Carlo samples ``K ≥ 1`` per image [8].
         kl_weight: weight ``w ≥ 0`` of the KL prior term [1e-4].
-        init_scale: initial ``a > 0`` (learned as ``log a`` so it stays positive) [1.0].
-        init_bias: initial ``b`` [0.0].
+        init_scale: initial ``a > 0`` (learned as ``log a`` so it stays positive) [8, see
+            :class:`PELParams`].
+        init_bias: initial ``b`` [8].
         sample_pairing: ``"all"`` (HIB's ``K²`` pairs, default) or ``"matched"`` (``K`` pairs).
         generator: random generator for the reparameterisation noise, for reproducible losses; the
             noise is drawn on the generator's device and moved to the embeddings' device.
@@ -176,8 +190,8 @@ class PELLoss(MetricLoss):
         self,
         num_samples: int = _DEFAULT.num_samples,
         kl_weight: float = _DEFAULT.kl_weight,
-        init_scale: float = 1.0,
-        init_bias: float = 0.0,
+        init_scale: float = _DEFAULT.init_scale,
+        init_bias: float = _DEFAULT.init_bias,
         sample_pairing: SamplePairing = "all",
         generator: torch.Generator | None = None,
     ) -> None:

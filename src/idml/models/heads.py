@@ -149,16 +149,31 @@ DEFAULT_UNCERTAINTY_INIT_LEVEL = 0.02
 every pair with ``δ ≥ 0.012`` (``γ = 0``, ``τ = 5``): ISM starts as the plain metric."""
 
 
+class LevelInput(ChoiceEnum):
+    """What the level logit of :class:`BoundedUncertaintyHead` reads."""
+
+    STANDARDIZED = "standardized"
+    """The pooled features standardised per dimension over the batch (running statistics at test
+    time, like BatchNorm without its affine parameters): the default."""
+    DIRECTION = "direction"
+    """The unit feature direction ``f̂ = f/||f||``: the head before the standardised input became the
+    default, kept for the runs trained with it and as the ablation that shows why it changed."""
+
+
 class BoundedUncertaintyHead(nn.Module):
     """The default ISM uncertainty embedding: a bounded level times a learned direction.
 
-    For pooled features ``f`` (unit direction ``f̂ = f/||f||``)::
+    For pooled features ``f``::
 
         ẑ = (W f + b) / ||W f + b||                 direction   (the paper's linear layer)
-        a = w·f̂ + c                                 level logit
+        a = w·n(f) + c                              level logit
         u = u_max · σ(a) · ẑ                        so ||u|| = u_max·σ(a) ∈ (0, u_max)
 
-    Why (IDML, Wang et al. 2022, Eq. 5–6): ISM weakens a pair by ``e^{−y}``,
+    where ``n(f)`` is ``f`` standardised per dimension, ``(f − E f)/√(Var f + ε)``, with the batch's
+    statistics while training and their running averages at test time (BatchNorm without affine
+    parameters; ``level_input="direction"`` reads ``f̂ = f/||f||`` instead).
+
+    Why a bounded level (IDML, Wang et al. 2022, Eq. 5–6): ISM weakens a pair by ``e^{−y}``,
     ``y = (β + γ)/(τ·δ)`` with ``β = ||u_i + u_j||`` and the semantic chord ``δ ∈ [0, 2]``. ``β``
     must live on the scale of ``τ·δ`` (a few units at most), but a linear head's ``||u||`` is set by
     its initialisation and the feature scale — about 12 on a small CNN and 26–56 on pretrained
@@ -177,18 +192,36 @@ class BoundedUncertaintyHead(nn.Module):
       released code's L2-normalised ``u``, where ``β ≡ 1``); for pairs, ``β_ij = ||u_i + u_j||``
       also depends on how the directions align, as in the paper.
 
+    Why the level reads *standardised* features: what ISM's objective asks of ``u`` differs from
+    image to image (per image, the gradient on the level logit has the sign of "its positive pairs
+    pull harder than its negatives push": Mixup images mostly ask for more ``u``, clean ones for
+    less), so the level must be able to follow the image. Pooled features after a ReLU share one
+    dominant direction, so ``f̂`` differs little from image to image; the gradient on ``w`` is then
+    mostly that common direction times the batch's *net* demand, and Adam moves ``w`` and ``c``
+    by about the learning rate per step whatever the gradient's size. With ``f̂`` the level
+    therefore moved as one number for all images: ``||u||`` varied by 0.4–9 % across test images
+    and no more for Mixup images, and ISM stayed the identity (``benchmarks/RESULTS.md``, "IDML
+    whose introspection is real"). Standardising removes the common direction and gives every
+    feature unit spread, so ``w`` learns which features make an image uncertain at the pace of the
+    rest of training. It also makes the logit's scale independent of the backbone's feature
+    magnitude (sum pooling of a pretrained network gives ``||f||`` in the tens), which is why
+    ``f̂`` was read before.
+
     With ``γ > 0`` (the paper's Cars setting, 2–3) every pair is weakened on purpose from the first
     step, whatever ``u`` is: ``e^{−y} ≤ exp(−γ/(τ·δ))``, e.g. 0.45 for ``γ = 2``, ``τ = 5`` and
     ``δ = 0.5``; the head only adds to that.
-
-    The level logit reads the *unit* feature direction ``f̂`` so that its scale does not depend on
-    the backbone's feature magnitude (sum pooling of a pretrained network gives ``||f||`` in the
-    tens); the direction may read ``f`` itself, since only ``ẑ`` is used.
 
     Args:
         feature_dim, uncertainty_dim: input size and ``d_u``.
         max_norm: ``u_max > 0``, the bound of ``||u||``.
         init_level: ``||u||/u_max`` at initialisation, in ``(0, 1)``.
+        level_input: what the level logit reads (:class:`LevelInput`).
+
+    Example:
+        >>> head = BoundedUncertaintyHead(16, 4, max_norm=1.0, init_level=0.02)
+        >>> u = head(torch.randn(8, 16))
+        >>> torch.allclose(u.norm(dim=1), torch.full((8,), 0.02))  # every image starts alike
+        True
     """
 
     def __init__(
@@ -197,6 +230,7 @@ class BoundedUncertaintyHead(nn.Module):
         uncertainty_dim: int,
         max_norm: float = DEFAULT_UNCERTAINTY_MAX_NORM,
         init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL,
+        level_input: LevelInput | str = LevelInput.STANDARDIZED,
     ) -> None:
         super().__init__()
         if not (math.isfinite(max_norm) and max_norm > 0):
@@ -204,19 +238,34 @@ class BoundedUncertaintyHead(nn.Module):
         if not 0.0 < init_level < 1.0:
             raise ValueError(f"uncertainty init_level must lie in (0, 1), got {init_level}")
         self.linear = nn.Linear(feature_dim, uncertainty_dim)
+        self.level_input = LevelInput(level_input)
+        self.standardize: nn.Module | None = (
+            nn.BatchNorm1d(feature_dim, affine=False)
+            if self.level_input is LevelInput.STANDARDIZED
+            else None
+        )
         self.level = nn.Linear(feature_dim, 1)
         nn.init.zeros_(self.level.weight)
         nn.init.constant_(self.level.bias, math.log(init_level / (1.0 - init_level)))
         self.max_norm = float(max_norm)
         self.init_level = float(init_level)
 
+    def level_features(self, features: Tensor) -> Tensor:
+        """``n(f)``: what the level logit reads (see the class docstring)."""
+        if self.standardize is None:
+            return F.normalize(features, dim=1)
+        return self.standardize(features.float())
+
     def forward(self, features: Tensor) -> Tensor:
         direction = F.normalize(self.linear(features), dim=1)
-        level = torch.sigmoid(self.level(F.normalize(features, dim=1)))
+        level = torch.sigmoid(self.level(self.level_features(features)))
         return direction * (self.max_norm * level)
 
     def extra_repr(self) -> str:
-        return f"max_norm={self.max_norm}, init_level={self.init_level}"
+        return (
+            f"max_norm={self.max_norm}, init_level={self.init_level}, "
+            f"level_input={self.level_input.value}"
+        )
 
 
 PEL_INITIAL_NOISE_NORM = 0.1
@@ -295,6 +344,8 @@ class UncertaintyHeadSpec:
     """The bounded head's ``u_max``, the bound of ``||u||``."""
     init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL
     """The bounded head's starting ``||u||/u_max``, in ``(0, 1)``."""
+    level_input: LevelInput = LevelInput.STANDARDIZED
+    """The bounded head: what its level logit reads (:class:`LevelInput`)."""
     activation: UncertaintyActivation = UncertaintyActivation.NONE
     """The linear head's output non-linearity: ``none`` (paper) | ``relu`` | ``softplus``."""
     normalize: bool = False
@@ -307,6 +358,7 @@ class UncertaintyHeadSpec:
         object.__setattr__(self, "kind", UncertaintyKind(self.kind))
         object.__setattr__(self, "form", UncertaintyForm(self.form))
         object.__setattr__(self, "activation", UncertaintyActivation(self.activation))
+        object.__setattr__(self, "level_input", LevelInput(self.level_input))
         if self.kind is UncertaintyKind.NONE:
             raise UncertaintyHeadSpecError(
                 {"kind": self.kind.value},
@@ -317,12 +369,12 @@ class UncertaintyHeadSpec:
                 {"dim": self.dim}, "d_u must be >= 1 (None: the embedding's size)"
             )
         if self.kind is UncertaintyKind.PEL:
-            shaping = self._set_fields("activation", "normalize")
+            shaping = self._set_fields("activation", "normalize", "level_input")
             if shaping:
                 raise UncertaintyHeadSpecError(
                     shaping,
-                    "the PEL head takes no activation and no normalize (it outputs log σ², which "
-                    "must stay unconstrained)",
+                    "the PEL head takes no activation, normalize or level_input (it outputs "
+                    "log σ², which must stay unconstrained)",
                 )
         elif self.form is UncertaintyForm.BOUNDED:
             linear_only = self._set_fields("activation", "normalize", "init_std")
@@ -331,6 +383,13 @@ class UncertaintyHeadSpec:
                     linear_only,
                     "only form='linear' (the paper's linear layer) takes activation, normalize and "
                     "init_std; the bounded head sets its scale with max_norm and init_level",
+                )
+        else:
+            bounded_only = self._set_fields("level_input")
+            if bounded_only:
+                raise UncertaintyHeadSpecError(
+                    bounded_only,
+                    "only form='bounded' takes level_input (the linear layer has no level logit)",
                 )
 
     def _set_fields(self, *names: str) -> dict[str, Any]:
@@ -382,7 +441,9 @@ class UncertaintyHeadSpec:
         if self.kind is UncertaintyKind.PEL:
             return LogVarianceHead(feature_dim, dim)
         if self.form is UncertaintyForm.BOUNDED:
-            return BoundedUncertaintyHead(feature_dim, dim, self.max_norm, self.init_level)
+            return BoundedUncertaintyHead(
+                feature_dim, dim, self.max_norm, self.init_level, self.level_input
+            )
         return UncertaintyHead(feature_dim, dim, self.activation, self.normalize, self.init_std)
 
 

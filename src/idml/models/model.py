@@ -8,8 +8,10 @@ heads on the pooled features of one backbone):
 
 - semantic embedding ``s = W_s f + b_s``, returned L2-normalised, ``ŝ = s / ||s||``;
 - uncertainty embedding ``u`` from the *same* pooled features. By default a bounded level times a
-  learned direction, ``u = u_max·σ(w·f̂ + c)·normalize(W_u f + b_u)`` (:class:`BoundedUncertaintyHead`,
-  whose docstring gives the reasons: the paper's unbounded layer saturates ISM from the first step).
+  learned direction, ``u = u_max·σ(w·n(f) + c)·normalize(W_u f + b_u)`` with ``n(f)`` the features
+  standardised over the batch (:class:`BoundedUncertaintyHead`, whose docstring gives the reasons:
+  the paper's unbounded layer saturates ISM from the first step, and a level that reads ``f̂``
+  cannot follow the image).
   The paper's form, ``u = act(W_u f + b_u)``, is ``UncertaintyHeadSpec(form='linear')`` (IDML
   paper §III-C: "two randomly initialised fully connected layers"; Wang et al. 2022, Sec. III-C writes
   ``y_IN = f(x) = {s, u}``). The paper's default is a plain linear head — ``u`` not normalised, no
@@ -65,6 +67,7 @@ from idml.models.heads import (
     PEL_INITIAL_NOISE_NORM,
     POOLING_NAMES,
     BoundedUncertaintyHead,
+    LevelInput,
     LogVarianceHead,
     Pooling,
     SemanticHead,
@@ -85,6 +88,7 @@ __all__ = [
     "POOLING_NAMES",
     "BoundedUncertaintyHead",
     "EmbeddingModel",
+    "LevelInput",
     "LogVarianceHead",
     "Pooling",
     "SemanticHead",

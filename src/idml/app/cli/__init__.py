@@ -2,7 +2,7 @@
 
 Each sub-command is one :class:`~idml.app.cli.command.Command`: its options, declared next to the
 ``_run_<name>`` function that calls into the library with them, in :mod:`idml.app.cli.training`
-(train, demo, ablate, report), :mod:`idml.app.cli.evaluation` (evaluate) and
+(train, demo, ablate, report, cache), :mod:`idml.app.cli.evaluation` (evaluate) and
 :mod:`idml.app.cli.retrieval` (embed, index, search, export, serve). Options that several
 sub-commands take are declared once in :mod:`idml.app.cli.options`.
 """
@@ -18,12 +18,12 @@ from idml import __version__
 from idml.app.cli.command import INTERRUPTED, Parser
 from idml.app.cli.evaluation import EVALUATE
 from idml.app.cli.retrieval import EMBED, EXPORT, INDEX, SEARCH, SERVE
-from idml.app.cli.training import ABLATE, DEMO, REPORT, TRAIN
+from idml.app.cli.training import ABLATE, CACHE, DEMO, REPORT, TRAIN
 
 __all__ = ["COMMANDS", "USER_ERRORS", "build_parser", "main"]
 
 
-COMMANDS = (TRAIN, EVALUATE, EMBED, DEMO, REPORT, ABLATE, INDEX, SEARCH, EXPORT, SERVE)
+COMMANDS = (TRAIN, EVALUATE, EMBED, DEMO, REPORT, ABLATE, CACHE, INDEX, SEARCH, EXPORT, SERVE)
 """The sub-commands, in the order ``idml --help`` lists them: those of the paper's workflow, then
 retrieval for applications (index, search, export, serve)."""
 

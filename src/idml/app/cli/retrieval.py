@@ -21,22 +21,30 @@ from idml.app.cli.options import (
 
 
 def _run_embed(args: argparse.Namespace) -> int:
+    from idml.app.distributed import destroy_distributed, init_distributed
     from idml.app.tasks import task_of_run
     from idml.app.trained_run import embed_images
 
     loaded = task_of_run(args.checkpoint, args.which).load_run(args.checkpoint, args.which)
-    n = embed_images(
-        loaded.config,
-        loaded.model,
-        args.images,
-        args.out,
-        batch_size=args.batch_size,
-        split=args.split,
-        progress=not args.no_progress,
-        extras=loaded.extra_outputs,
-    )
-    extra = f" with {' and '.join(loaded.extra_arrays)}" if loaded.extra_arrays else ""
-    print(f"wrote {n} embeddings{extra} to {args.out}")
+    # Under torchrun every process embeds its share of the images; rank 0 writes the file.
+    context = init_distributed(device=args.device or "cpu")
+    try:
+        n = embed_images(
+            loaded.config,
+            loaded.model.to(context.device),
+            args.images,
+            args.out,
+            batch_size=args.batch_size,
+            split=args.split,
+            progress=not args.no_progress and context.is_main,
+            extras=loaded.extra_outputs,
+            distributed=context,
+        )
+    finally:
+        destroy_distributed(context)
+    if context.is_main:
+        extra = f" with {' and '.join(loaded.extra_arrays)}" if loaded.extra_arrays else ""
+        print(f"wrote {n} embeddings{extra} to {args.out}")
     return 0
 
 
@@ -45,6 +53,8 @@ EMBED = Command(
     _run_embed,
     help="export semantic embeddings and uncertainty levels of images (a classification "
     "run: also its logits and class probabilities)",
+    description="Embed the images of a folder or CSV with a trained run. Started by torchrun, "
+    "every process embeds its share of the images and rank 0 writes the file.",
     arguments=(
         Option("--checkpoint", type=Path, required=True, help="run folder or checkpoint folder"),
         Option(
@@ -62,29 +72,44 @@ EMBED = Command(
             default=None,
             help="embed only this split (a CSV's split column, or train/val/test folders)",
         ),
+        DEVICE,
         NO_PROGRESS.but(help="no progress (on stderr)"),
     ),
 )
 
 
 def _run_index(args: argparse.Namespace) -> int:
+    from idml.app.distributed import destroy_distributed, init_distributed
     from idml.app.retrieval.workflow import build_index
 
-    index = build_index(
-        args.gallery,
-        args.out,
-        args.checkpoint,
-        which=args.which,
-        add=args.add,
-        backend=args.backend,
-        faiss_factory=args.faiss_index,
-        search_parameters=args.search_parameters,
-        root=args.root,
-        allow_outside_root=args.allow_outside_root,
-        runtime=runtime(args),
-        log=print,
-    )
-    print(f"index {args.out}: {len(index)} items, dimension {index.dim}, backend {index.backend}")
+    if args.no_vectors and args.backend != "faiss":
+        raise ValueError("--no-vectors needs --backend faiss (an exact index searches its vectors)")
+    # Under torchrun every process embeds its share of the gallery; rank 0 writes the index.
+    context = init_distributed(device=args.device or "cpu")
+    try:
+        index = build_index(
+            args.gallery,
+            args.out,
+            args.checkpoint,
+            which=args.which,
+            add=args.add,
+            backend=args.backend,
+            faiss_factory=args.faiss_index,
+            search_parameters=args.search_parameters,
+            root=args.root,
+            allow_outside_root=args.allow_outside_root,
+            store_vectors=not args.no_vectors,
+            train_size=args.train_size,
+            runtime=runtime(args),
+            log=print if context.is_main else lambda _: None,
+            distributed=context,
+        )
+    finally:
+        destroy_distributed(context)
+    if index is not None:
+        print(
+            f"index {args.out}: {len(index)} items, dimension {index.dim}, backend {index.backend}"
+        )
     return 0
 
 
@@ -97,7 +122,8 @@ INDEX = Command(
     "ids/paths/labels, the model, and a manifest with checksums. --add extends an existing "
     "index with the same model. Paths are recorded relative to the gallery's root folder; items "
     "outside it are refused unless --allow-outside-root. A second writer of the same index is "
-    "refused.",
+    "refused. Started by torchrun, every process embeds its share of the gallery and rank 0 "
+    "merges them into the index.",
     arguments=(
         Option("gallery", type=Path, help="image folder, CSV or embeddings file"),
         Option("--out", type=Path, required=True, help="index folder to write (or extend)"),
@@ -105,8 +131,26 @@ INDEX = Command(
         WHICH,
         Option("--add", action="store_true", help="add the items to the existing index OUT"),
         Option("--backend", choices=["exact", "faiss"], default="exact"),
-        Option("--faiss-index", default="HNSW32", help="faiss factory string (Flat, HNSW32…)"),
+        Option(
+            "--faiss-index",
+            default="HNSW32",
+            help="faiss factory string: Flat, HNSW32, or compressed for galleries of millions, "
+            "e.g. IVF65536,PQ32 or IVF65536_HNSW32,PQ32 (32-byte codes; README, 'Galleries')",
+        ),
         SEARCH_PARAMETERS,
+        Option(
+            "--no-vectors",
+            action="store_true",
+            help="faiss only: keep no float32 copy of the embeddings (4·d bytes per item); the "
+            "faiss index alone holds the items",
+        ),
+        Option(
+            "--train-size",
+            type=int,
+            default=None,
+            help="vectors a trained faiss index (IVF, PQ) learns from, evenly spaced over the "
+            "gallery (default: 64 per IVF list, at least 100,000)",
+        ),
         Option(
             "--root",
             type=Path,

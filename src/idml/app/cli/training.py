@@ -167,6 +167,43 @@ TRAIN = Command(
 )
 
 
+def _run_cache(args: argparse.Namespace) -> int:
+    from idml.app.config import load_config
+    from idml.app.image_cache import cache_dataset
+
+    cfg = load_config(args.config, args.overrides)
+    short_side = None if args.short_side == 0 else args.short_side
+    count = cache_dataset(cfg, args.out, short_side, progress=not args.no_progress)
+    print(
+        f"cached {count} images of {cfg.data.dataset} in {args.out}; train with "
+        f"--set data.cache={args.out}"
+    )
+    return 0
+
+
+CACHE = Command(
+    "cache",
+    _run_cache,
+    help="decode a dataset's images once into a uint8 cache that training reads (data.cache)",
+    description="Decode every image of the config's dataset (all sides) into a memory-mapped "
+    "uint8 cache with checksums. Images whose shorter side exceeds --short-side are resized down "
+    "to it (0: keep every image as decoded). Train with --set data.cache=OUT; the cache is "
+    "checked against the dataset's files when a run starts.",
+    arguments=(
+        Option("config", type=Path, help="YAML config of the runs that will read the cache"),
+        OVERRIDES.but(help="override a config value (repeatable)"),
+        Option("--out", type=Path, required=True, help="cache folder to write (replaced)"),
+        Option(
+            "--short-side",
+            type=int,
+            default=512,
+            help="largest shorter side stored (default 512: CUB and SOP as decoded); 0: no resize",
+        ),
+        NO_PROGRESS.but(help="no progress"),
+    ),
+)
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from idml.app.demo import DEMO_SETTING, run_demo
 

@@ -314,13 +314,36 @@ def _keep_linear_head_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+_BOUNDED_HEAD_KEYS = ("form", "max_norm", "init_level", *_LINEAR_HEAD_KEYS)
+
+
+def _keep_direction_level_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run written before ``model.uncertainty.level_input`` existed spells out every other key of
+    its bounded head; its level read the unit feature direction, so it still does (its checkpoints
+    hold no standardisation statistics)."""
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return raw
+    head = model.get("uncertainty")
+    if (
+        isinstance(head, dict)
+        and head.get("form") == "bounded"
+        and "level_input" not in head
+        and all(k in head for k in _BOUNDED_HEAD_KEYS)
+    ):
+        return {**raw, "model": {**model, "uncertainty": {**head, "level_input": "direction"}}}
+    return raw
+
+
 def _upgrade(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Old spellings as today's schema reads them: a run written before
-    ``model.uncertainty.form`` existed keeps its linear head, and each task reads its own old
-    keys (:meth:`idml.app.tasks.Task.upgrade`)."""
+    ``model.uncertainty.form`` existed keeps its linear head, one written before
+    ``model.uncertainty.level_input`` keeps its level read from the feature direction, and each
+    task reads its own old keys (:meth:`idml.app.tasks.Task.upgrade`)."""
     from idml.app.tasks import TASKS
 
     raw = _keep_linear_head_of_old_runs(raw)
+    raw = _keep_direction_level_of_old_runs(raw)
     for task in TASKS.values():
         raw = task.upgrade(raw, source)
     return raw
@@ -364,7 +387,8 @@ def stored_config_dict(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A stored run's config (``state.json``, ``result.json``) as the current schema reads it.
 
     Keys added to the schema after the run was written take their defaults — chosen so that they
-    keep the old behaviour (see :func:`_keep_linear_head_of_old_runs`) — so comparing it with a
+    keep the old behaviour (see :func:`_keep_linear_head_of_old_runs` and
+    :func:`_keep_direction_level_of_old_runs`) — so comparing it with a
     config of today shows only real differences. A config the schema no longer accepts is
     returned as stored, and every difference shows.
     """

@@ -40,7 +40,7 @@ from idml.evaluation.clustering import KMeansBackend
 from idml.losses import LOSSES, LossSpec
 from idml.metrics import ISMPower, ISMVariant
 from idml.models.backbones import BackboneSpec
-from idml.models.model import POOLING_NAMES, UncertaintyActivation, UncertaintyForm
+from idml.models.model import POOLING_NAMES, LevelInput, UncertaintyActivation, UncertaintyForm
 from idml.ranking import SSRConfig as RankingConfig
 
 if TYPE_CHECKING:
@@ -268,6 +268,7 @@ if TYPE_CHECKING:
     DatasetName: TypeAlias = str
     UncertaintyFormName: TypeAlias = str
     UncertaintyActivationName: TypeAlias = str
+    LevelInputName: TypeAlias = str
     PoolingName: TypeAlias = str
     ISMVariantName: TypeAlias = str
     MixupModeName: TypeAlias = str
@@ -275,6 +276,7 @@ else:
     DatasetName = choices(Dataset)
     UncertaintyFormName = choices(UncertaintyForm)
     UncertaintyActivationName = choices(UncertaintyActivation)
+    LevelInputName = choices(LevelInput)
     PoolingName = choices(POOLING_NAMES)
     ISMVariantName = choices(ISMVariant)
     MixupModeName = choices(MixupMode)
@@ -320,6 +322,38 @@ class DataConfig(Section):
         description="decode every image before training: raise listing the unreadable files, or "
         "skip them (counted and logged)",
     )
+    decode: Literal["pil", "torchvision", "device"] = Field(
+        "pil",
+        description="who decodes image files: pil (the reference) or torchvision (decode_jpeg, "
+        "the same pixels, ~1.5x faster per core) in the loader workers; device: the workers send "
+        "the JPEG bytes and each train batch is decoded on the training device (nvJPEG on CUDA; "
+        "needs augment_on=device; test images are decoded by torchvision)",
+    )
+    augment_on: Literal["workers", "device"] = Field(
+        "workers",
+        description="where the train crop and flip run: per image in the loader workers (the "
+        "reference), or on whole batches on the training device, drawn from the run's seed "
+        "(the same images up to one grey level, idml.data.batches)",
+    )
+    cache: Path | None = Field(
+        None,
+        description="folder of a decoded uint8 image cache written by `idml cache` (checked "
+        "against the dataset's files when the run starts); no image is decoded while training",
+    )
+
+    @model_validator(mode="after")
+    def _data_path(self) -> DataConfig:
+        if self.decode == "device" and self.augment_on != "device":
+            raise ValueError(
+                "data.decode=device decodes whole batches on the device, so the crops must be cut "
+                "there too: set data.augment_on=device (or data.decode=torchvision)"
+            )
+        if self.cache is not None and self.decode != "pil":
+            raise ValueError(
+                f"data.decode={self.decode} does not apply with data.cache: the cache holds "
+                "decoded pixels; remove one of them"
+            )
+        return self
 
 
 class SamplerConfig(Section):
@@ -371,6 +405,11 @@ class UncertaintyHeadConfig(Section):
     init_level: OpenUnitInterval = Field(
         0.02, description="bounded form: ||u||/max_norm at initialisation"
     )
+    level_input: LevelInputName = Field(
+        "standardized",
+        description="bounded form: the level logit reads the features standardised over the "
+        "batch (default) or their unit direction (the head before 2026-12; u barely moves)",
+    )
     normalize: bool = Field(
         False, description="L2-normalise u as the official code does (starves the head)"
     )
@@ -398,6 +437,11 @@ class UncertaintyHeadConfig(Section):
                     "head); the bounded head sets its scale with model.uncertainty.max_norm and "
                     "model.uncertainty.init_level"
                 )
+        elif self.level_input != "standardized":
+            raise ValueError(
+                "model.uncertainty.level_input only applies to model.uncertainty.form=bounded "
+                "(the linear layer has no level logit)"
+            )
         return self
 
 
@@ -462,6 +506,20 @@ class MixupConfig(Section):
     keep_originals: bool = Field(
         False, description="classification: append the mixed batch instead of replacing it"
     )
+    uncertainty_weight: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="metric learning, EXTENSION, not the paper's IDML (0: off): weight η of a term "
+        "that ties the uncertainty level of a Mixup image to its ambiguity 1 − |2λ − 1| "
+        "(idml.losses.ambiguity)",
+    )
+    uncertainty_level: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="metric learning, extension: the target ||u||/max_norm of a 50/50 mix",
+    )
 
     @model_validator(mode="after")
     def _interpolate_mixup_only(self) -> MixupConfig:
@@ -512,7 +570,11 @@ class OptimConfig(Section):
         description="learning-rate multiplier of the uncertainty head (None: head_lr_mult, one "
         "group with the semantic head); a smaller value slows the growth of ||u||",
     )
-    proxy_lr_mult: float = Field(100.0, ge=0)
+    proxy_lr_mult: float = Field(
+        100.0,
+        ge=0,
+        description="class proxies' learning rate as a multiple of the heads' (lr × head_lr_mult)",
+    )
     scheduler: Literal["none", "step", "cosine", "multistep"] = "step"
     step_size: int = Field(10, gt=0)
     step_gamma: float = Field(0.5, gt=0)
@@ -599,16 +661,31 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        if self.metric.introspective and not self.model.uncertainty.enabled:
+        if (
+            self.metric.introspective
+            and not self.model.uncertainty.enabled
+            and self.metric.gamma == 0
+        ):
+            # Without a head u ≡ 0, so only γ > 0 weakens pairs (uniformly: the control that
+            # separates ISM's uncertainty from a plain weakening); with γ = 0 ISM is the identity.
             raise ValueError(
                 "metric.introspective=true needs an uncertainty head: set "
-                "model.uncertainty.enabled=true"
+                "model.uncertainty.enabled=true (or metric.gamma > 0 for ISM with u = 0, a "
+                "uniform weakening)"
             )
         if self.loss.probabilistic and self.metric.introspective:
             raise ValueError(
                 f"loss.name={self.loss.name} models uncertainty itself; set "
                 "metric.introspective=false"
             )
+        if self.mixup.uncertainty_weight > 0:
+            u = self.model.uncertainty
+            if not (self.mixup.enabled and u.enabled and u.form == "bounded"):
+                raise ValueError(
+                    "mixup.uncertainty_weight > 0 (the Mixup-supervised uncertainty extension) "
+                    "needs mixup.enabled=true and the bounded uncertainty head "
+                    "(model.uncertainty.enabled=true, model.uncertainty.form=bounded)"
+                )
         if any(k <= 0 for k in self.eval.ks):
             raise ValueError(f"eval.ks must be positive integers, got {self.eval.ks}")
         return self

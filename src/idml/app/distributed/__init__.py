@@ -69,6 +69,7 @@ from idml.app.distributed._gather import (
     contiguous_shard,
     gather_batch,
     gather_embeddings,
+    gather_shards,
     gather_sizes,
     merge_rows,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "destroy_distributed",
     "gather_batch",
     "gather_embeddings",
+    "gather_shards",
     "gather_sizes",
     "init_distributed",
     "merge_rows",

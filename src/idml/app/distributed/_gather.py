@@ -254,3 +254,19 @@ def gather_embeddings(
 
     uncertainty = None if embeddings.uncertainty is None else gather(embeddings.uncertainty)
     return Embeddings(gather(embeddings.semantic), uncertainty), gather(labels)
+
+
+def gather_shards(tensor: Tensor, context: DistributedContext) -> list[Tensor] | None:
+    """Every rank's ``tensor`` (rows may differ in number), in rank order, on rank 0; ``None`` on
+    the other ranks. One process: ``[tensor]``. Unlike :func:`all_gather_rows` only rank 0 holds
+    the whole (a gallery's embeddings need not fit every process), and the pieces stay apart."""
+    if not context.is_distributed:
+        return [tensor]
+    sizes = gather_sizes(int(tensor.shape[0]), context)
+    device = context.device
+    padded = _pad_rows(tensor.contiguous().to(device), max(sizes))
+    pieces = [torch.empty_like(padded) for _ in sizes] if context.is_main else None
+    dist.gather(padded, pieces, dst=0)
+    if pieces is None:
+        return None
+    return [piece[:n].cpu() for piece, n in zip(pieces, sizes, strict=True)]

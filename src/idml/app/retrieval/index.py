@@ -19,6 +19,8 @@ On disk an index is a folder of versions and a pointer to the current one (no pi
         manifest.json            format, version, count, dimension, backend, the model, the gallery
                                  root, file checksums
         embeddings.safetensors   "embeddings" (N, d) float32 unit vectors, "uncertainty" (N,) float32
+                                 (an index built without vectors: "spot", the first few items'
+                                 vectors, instead of "embeddings")
         items.json               "ids", "paths", "labels" (one per item; paths/labels may be null)
         faiss.index              only for backend "faiss" (faiss's own binary format)
     v000001/                 the previous version (kept until the next write, then removed)
@@ -41,6 +43,14 @@ refuses items outside the root unless built with ``allow_outside_root``; a servi
 with paths relative to the root, or ids only, never a path of the server
 (:func:`idml.app.retrieval.output.result_records`). Images are opened (thumbnails, checks) only
 through :meth:`Index.item_file`, which keeps to the same rule.
+
+**Galleries past one machine's memory**: a faiss index built with ``store_vectors=False``
+(``idml index --no-vectors``) keeps no float32 copy of the embeddings (``4·d`` bytes per item) in
+memory or on disk: the faiss index alone holds the items, so a compressed one (``IVF65536,PQ32``:
+32-byte codes, ``IVF…_HNSW32`` coarse quantiser for many lists) costs its code and id per item.
+Such an index keeps the exact vectors of its first :data:`SPOT_VECTORS` items for the check that
+images still give their stored embeddings (:func:`idml.app.retrieval.workflow.check_embeddings`).
+An index is trained on a sample of the gallery (:func:`~idml.evaluation.search.faiss_backend.faiss_build`).
 
 Example:
     >>> import torch
@@ -83,7 +93,7 @@ from idml.app.storage import (
 )
 from idml.evaluation.scoring import PairScorer, PreparedSide
 from idml.evaluation.search import SearchExecution, neighbors_only
-from idml.evaluation.search.faiss_backend import faiss_build, faiss_parameters
+from idml.evaluation.search.faiss_backend import faiss_add, faiss_build, faiss_parameters
 
 FORMAT = "idml-index"
 VERSION = 2
@@ -102,6 +112,8 @@ larger ``k`` than both is refused before anything is allocated."""
 UNIT_NORM_TOLERANCE = 1e-3
 """How far a stored embedding's norm may be from 1: float32 normalisation leaves ~1e-7; an
 index whose vectors were written unnormalised (an edited file) is refused."""
+SPOT_VECTORS = 16
+"""Items whose exact vectors an index without vectors keeps (its first ones)."""
 _VERSION_NAME = re.compile(r"v\d{6}")
 
 
@@ -153,8 +165,8 @@ class Index:
     Build one with :meth:`create` (which checks and normalises the items) or :meth:`load`.
     """
 
-    embeddings: Tensor
-    """``(N, d)`` float32 unit vectors."""
+    embeddings: Tensor | None
+    """``(N, d)`` float32 unit vectors; ``None`` for a faiss index built without them."""
     uncertainty: Tensor
     """``(N,)`` float32 ``||u||`` of each item."""
     ids: list[str]
@@ -174,6 +186,9 @@ class Index:
     """The gallery's root folder (absolute), or ``None`` (paths kept as given)."""
     allow_outside_root: bool = False
     """Whether items outside :attr:`root` were allowed when the index was built."""
+    spot: Tensor | None = None
+    """Without :attr:`embeddings`: the exact vectors of the first (up to :data:`SPOT_VECTORS`)
+    items."""
 
     # ----------------------------------------------------------------- building
     @classmethod
@@ -191,8 +206,17 @@ class Index:
         search_parameters: str | None = None,
         root: str | os.PathLike | None = None,
         allow_outside_root: bool = False,
+        store_vectors: bool = True,
+        train_size: int | None = None,
+        train_vectors: Tensor | None = None,
     ) -> Index:
         """An index of ``embeddings`` ``(N, d)`` (normalised here) and their ``||u||`` ``(N,)``.
+
+        A faiss index that must be trained learns from ``train_vectors`` (unit vectors) or from a
+        sample of ``train_size`` of the embeddings (default:
+        :func:`~idml.evaluation.search.faiss_backend.default_train_size`). With
+        ``store_vectors=False`` (faiss only) the float32 embeddings are not kept (module
+        docstring).
 
         ``ids`` default to the row numbers; they must be unique. ``model`` is recorded and checked
         whenever the index is extended or searched with images. ``paths`` are the items' files
@@ -202,6 +226,11 @@ class Index:
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not store_vectors and backend != "faiss":
+            raise ValueError(
+                "an exact index searches its stored vectors; store_vectors=False (--no-vectors) "
+                "needs backend='faiss'"
+            )
         emb, unc, (id_list, path_list, label_list) = _check_items(
             embeddings, uncertainty, ids, paths, labels
         )
@@ -222,7 +251,16 @@ class Index:
             allow_outside_root=allow_outside_root,
         )
         if backend == "faiss":
-            index.faiss_index = faiss_build(emb, faiss_factory, search_parameters)
+            index.faiss_index = faiss_build(
+                emb,
+                faiss_factory,
+                search_parameters,
+                train_vectors=train_vectors,
+                train_size=train_size,
+            )
+        if not store_vectors:
+            index.spot = emb[:SPOT_VECTORS].clone()
+            index.embeddings = None
         return index
 
     def add(self, other: Index) -> Index:
@@ -247,6 +285,11 @@ class Index:
                 f"the new embeddings have dimension {other.dim} but the index has "
                 f"{self.dim}; they come from another model"
             )
+        if other.embeddings is None:
+            raise IndexFormatError(
+                "the items to add must carry their embeddings (an index built from them with "
+                "Index.create); an index without vectors cannot be added to another"
+            )
         clash = set(other.ids).intersection(self.ids)
         if clash:
             raise IndexFormatError(
@@ -264,10 +307,15 @@ class Index:
             import faiss
 
             faiss_index = faiss.clone_index(self.faiss_index)
-            faiss_index.add(other.embeddings.numpy())
+            faiss_add(faiss_index, other.embeddings)
             faiss_parameters(faiss_index, self.search_parameters)
+        embeddings, spot = None, self.spot
+        if self.embeddings is not None:
+            embeddings = torch.cat([self.embeddings, other.embeddings])
+        elif spot is not None and len(spot) < SPOT_VECTORS:
+            spot = torch.cat([spot, other.embeddings[: SPOT_VECTORS - len(spot)]])
         return Index(
-            torch.cat([self.embeddings, other.embeddings]),
+            embeddings,
             torch.cat([self.uncertainty, other.uncertainty]),
             self.ids + other.ids,
             self.paths + new_paths,
@@ -279,6 +327,7 @@ class Index:
             faiss_index,
             self.root,
             self.allow_outside_root,
+            spot,
         )
 
     def set_search_parameters(self, parameters: str) -> None:
@@ -293,11 +342,26 @@ class Index:
 
     # ----------------------------------------------------------------- properties
     def __len__(self) -> int:
-        return int(self.embeddings.shape[0])
+        return len(self.ids)
 
     @property
     def dim(self) -> int:
-        return int(self.embeddings.shape[1])
+        if self.embeddings is not None:
+            return int(self.embeddings.shape[1])
+        return int(self.faiss_index.d)
+
+    def stored_vectors(self, positions: Sequence[int]) -> Tensor:
+        """The exact stored vectors of items ``positions`` (without :attr:`embeddings`, only the
+        first :data:`SPOT_VECTORS` items have them: an ``IndexError`` for the others)."""
+        rows = list(positions)
+        if self.embeddings is not None:
+            return self.embeddings[rows]
+        assert self.spot is not None
+        if any(not 0 <= r < len(self.spot) for r in rows):
+            raise IndexError(
+                f"this index keeps the exact vectors of its first {len(self.spot)} items only"
+            )
+        return self.spot[rows]
 
     def describe(self) -> dict[str, Any]:
         """Size, dimension, backend and model, as ``idml search --json`` reports them (``idml
@@ -309,6 +373,7 @@ class Index:
             "backend": self.backend,
             "faiss_factory": self.faiss_factory if self.backend == "faiss" else None,
             "search_parameters": self.search_parameters if self.backend == "faiss" else None,
+            "vectors": self.embeddings is not None,
             "model": None if self.model is None else self.model.to_dict(),
         }
 
@@ -384,6 +449,7 @@ class Index:
             ids, sims = torch.from_numpy(found).long(), torch.from_numpy(distances).float()
             sims = torch.where(ids < 0, torch.full_like(sims, float("nan")), sims)
         else:
+            assert self.embeddings is not None  # an exact index always keeps its vectors
             found = neighbors_only(
                 q,
                 k_eff,
@@ -474,10 +540,13 @@ class Index:
 
     def _files(self) -> dict[str, bytes]:
         """The file contents of one version, the manifest last (it holds the others' hashes)."""
+        vectors = (
+            {"embeddings": self.embeddings.contiguous()}
+            if self.embeddings is not None
+            else {"spot": (self.spot if self.spot is not None else torch.zeros(0, self.dim))}
+        )
         files = {
-            EMBEDDINGS_FILE: safetensors_bytes(
-                {"embeddings": self.embeddings.contiguous(), "uncertainty": self.uncertainty}
-            ),
+            EMBEDDINGS_FILE: safetensors_bytes({**vectors, "uncertainty": self.uncertainty}),
             ITEMS_FILE: json.dumps(
                 {"ids": self.ids, "paths": self.paths, "labels": self.labels}
             ).encode(),
@@ -532,26 +601,31 @@ class Index:
                 raise IndexFormatError(
                     f"{where / MANIFEST}: lists no {required}; rebuild the index"
                 )
-        emb, unc = _read_embeddings(where / EMBEDDINGS_FILE, data[EMBEDDINGS_FILE], manifest)
-        ids, paths, labels = _read_items(where / ITEMS_FILE, data[ITEMS_FILE], len(emb))
+        emb, unc, spot = _read_embeddings(where / EMBEDDINGS_FILE, data[EMBEDDINGS_FILE], manifest)
+        ids, paths, labels = _read_items(where / ITEMS_FILE, data[ITEMS_FILE], len(unc))
+        dim = manifest["dim"]
         model = None
         if manifest.get("model") is not None:
             try:
                 model = ModelInfo.from_dict(manifest["model"], str(where / MANIFEST))
             except (TypeError, ValueError) as err:
                 raise IndexFormatError(f"{err}; rebuild the index") from None
-            if model.embedding_dim != emb.shape[1]:
+            if model.embedding_dim != dim:
                 raise IndexFormatError(
                     f"{where / MANIFEST}: the model embeds in {model.embedding_dim} dimensions "
-                    f"but the embeddings have {emb.shape[1]}; they are not its embeddings. "
+                    f"but the embeddings have {dim}; they are not its embeddings. "
                     "Rebuild the index"
                 )
         backend = manifest["backend"]
         params = search_parameters or manifest.get("search_parameters")
         faiss_index = None
         if backend == "faiss":
-            faiss_index = _read_faiss(where / FAISS_FILE, data[FAISS_FILE], emb.shape)
+            faiss_index = _read_faiss(where / FAISS_FILE, data[FAISS_FILE], (len(unc), dim))
             faiss_parameters(faiss_index, params)
+        elif emb is None:
+            raise IndexFormatError(
+                f"{where / EMBEDDINGS_FILE}: an exact index needs its 'embeddings'; rebuild it"
+            )
         root = manifest.get("root")
         return cls(
             emb,
@@ -566,6 +640,7 @@ class Index:
             faiss_index,
             None if root is None else Path(root),
             bool(manifest.get("allow_outside_root", False)),
+            spot,
         )
 
 
@@ -729,7 +804,11 @@ def _verified_bytes(where: Path, name: str, entry: dict[str, Any]) -> bytes:
     return data
 
 
-def _read_embeddings(path: Path, data: bytes, manifest: dict[str, Any]) -> tuple[Tensor, Tensor]:
+def _read_embeddings(
+    path: Path, data: bytes, manifest: dict[str, Any]
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """The stored vectors (``None`` for an index without them), ``||u||`` and, without vectors,
+    the first items' exact vectors."""
     try:
         tensors = safetensors_load(data)
     except Exception as err:  # safetensors raises its own error types for malformed headers
@@ -737,23 +816,27 @@ def _read_embeddings(path: Path, data: bytes, manifest: dict[str, Any]) -> tuple
             f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]}); "
             "rebuild the index"
         ) from None
-    emb, unc = tensors.get("embeddings"), tensors.get("uncertainty")
+    stored = bool(manifest.get("vectors", True))
+    name = "embeddings" if stored else "spot"
+    emb, unc = tensors.get(name), tensors.get("uncertainty")
     if emb is None or unc is None:
-        raise IndexFormatError(f"{path}: needs tensors 'embeddings' and 'uncertainty'; rebuild it")
+        raise IndexFormatError(f"{path}: needs tensors {name!r} and 'uncertainty'; rebuild it")
+    rows = manifest["count"] if stored else min(manifest["count"], SPOT_VECTORS)
     if (
         emb.dtype != torch.float32
         or emb.dim() != 2
         or unc.dtype != torch.float32
-        or unc.shape != (emb.shape[0],)
+        or unc.shape != (manifest["count"],)
     ):
         raise IndexFormatError(
-            f"{path}: 'embeddings' must be float32 (N, d) and 'uncertainty' float32 (N,), got "
-            f"{emb.dtype} {tuple(emb.shape)} and {unc.dtype} {tuple(unc.shape)}; rebuild the index"
+            f"{path}: {name!r} must be float32 (N, d) and 'uncertainty' float32 (N,) of the "
+            f"manifest's {manifest['count']} items, got {emb.dtype} {tuple(emb.shape)} and "
+            f"{unc.dtype} {tuple(unc.shape)}; rebuild the index"
         )
-    if (emb.shape[0], emb.shape[1]) != (manifest["count"], manifest["dim"]):
+    if (emb.shape[0], emb.shape[1]) != (rows, manifest["dim"]):
         raise IndexFormatError(
-            f"{path}: holds {emb.shape[0]} × {emb.shape[1]} embeddings but the manifest says "
-            f"{manifest['count']} × {manifest['dim']}; rebuild the index"
+            f"{path}: holds {emb.shape[0]} × {emb.shape[1]} {name} but the manifest says "
+            f"{rows} × {manifest['dim']}; rebuild the index"
         )
     if not bool(torch.isfinite(emb).all()) or not bool(torch.isfinite(unc).all()):
         raise IndexFormatError(f"{path}: holds NaN or inf; rebuild the index")
@@ -765,7 +848,7 @@ def _read_embeddings(path: Path, data: bytes, manifest: dict[str, Any]) -> tuple
             f"{float(norms[off[0]]):.4g}); an index stores normalised embeddings, so this file "
             "was not written by `idml index`. Rebuild the index"
         )
-    return emb, unc
+    return (emb, unc, None) if stored else (None, unc, emb)
 
 
 def _read_items(
@@ -799,7 +882,7 @@ def _read_items(
     return columns[0], columns[1], columns[2]
 
 
-def _read_faiss(path: Path, data: bytes, shape: torch.Size) -> Any:
+def _read_faiss(path: Path, data: bytes, shape: tuple[int, int]) -> Any:
     try:
         import faiss
         import numpy as np
@@ -848,6 +931,19 @@ def relative_to_root(
     return Path(os.path.relpath(full, root)).as_posix()
 
 
+def unit_rows(x: Tensor, chunk: int = 1 << 20) -> Tensor:
+    """``x`` with every row divided by its L2 norm, the norm summed in float64 and rounded to
+    float32 once: a row's unit vector then does not depend on which rows are normalised with it
+    (a float32 reduction is vectorised by the row count), so the shards of a gallery normalised
+    apart give the bytes of the whole normalised at once. Slices of ``chunk`` rows bound the
+    float64 copy."""
+    norms = torch.cat(
+        [x[i : i + chunk].double().norm(dim=1) for i in range(0, len(x), chunk)]
+        or [torch.zeros(0, dtype=torch.float64)]
+    )
+    return (x / norms.float().clamp_min(1e-12).unsqueeze(1)).contiguous()
+
+
 def _check_items(
     embeddings: Tensor,
     uncertainty: Tensor | None,
@@ -864,7 +960,7 @@ def _check_items(
     if not bool(torch.isfinite(embeddings).all()):
         raise ValueError("embeddings contain NaN or inf; check the model that produced them")
     n = embeddings.shape[0]
-    emb = torch.nn.functional.normalize(embeddings.detach().float().cpu(), dim=1).contiguous()
+    emb = unit_rows(embeddings.detach().float().cpu())
     if uncertainty is None:
         unc = torch.zeros(n)
     else:

@@ -24,6 +24,7 @@ paths relative to it and refuses items outside it unless built with ``allow_outs
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from idml.app.distributed import DistributedContext, gather_shards
 from idml.app.inference import Encoder, ModelInfo
 from idml.app.retrieval.index import (
     Index,
@@ -43,6 +45,7 @@ from idml.app.retrieval.index import (
 from idml.app.retrieval.output import result_records
 from idml.data import IMAGE_EXTENSIONS
 from idml.data import read_images as read_records
+from idml.evaluation.search.faiss_backend import new_index, training_positions
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,19 @@ class ItemSource:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def share(self, start: int, stop: int) -> ItemSource:
+        """Items ``start..stop-1`` (one process's share of a gallery)."""
+        part = slice(start, stop)
+        return ItemSource(
+            self.ids[part],
+            self.paths[part],
+            self.labels[part],
+            None if self.images is None else self.images[part],
+            None if self.embeddings is None else self.embeddings[part],
+            None if self.uncertainty is None else self.uncertainty[part],
+            self.root,
+        )
 
 
 def read_images(source: str | Path) -> ItemSource:
@@ -180,7 +196,12 @@ def check_embeddings(index: Index, encoder: Encoder, sample: int = SPOT_CHECK_IT
     root) and refuse the index when their stored embeddings are not the model's: a manifest's
     model and checksums can be rewritten after an edit, the images' embeddings cannot."""
     picked = []
-    for position in range(len(index)):
+    # An index without vectors keeps the exact ones of its first items only.
+    if index.embeddings is not None:
+        candidates = len(index)
+    else:
+        candidates = 0 if index.spot is None else len(index.spot)
+    for position in range(candidates):
         path = index.item_file(position)
         if path is not None and path.is_file():
             picked.append((position, path))
@@ -192,7 +213,7 @@ def check_embeddings(index: Index, encoder: Encoder, sample: int = SPOT_CHECK_IT
         fresh = encoder.embed([p for _, p in picked], batch_size=len(picked))
     except (OSError, ValueError):
         return  # an unreadable image is the search's concern, not evidence against the index
-    stored = index.embeddings[[i for i, _ in picked]]
+    stored = index.stored_vectors([i for i, _ in picked])
     cosine = (fresh.embeddings.float() * stored).sum(dim=1)
     worst = int(torch.argmin(cosine))
     if float(cosine[worst]) < SPOT_CHECK_MIN_COSINE:
@@ -232,35 +253,57 @@ def build_index(
     search_parameters: str | None = None,
     root: str | Path | None = None,
     allow_outside_root: bool = False,
+    store_vectors: bool = True,
+    train_size: int | None = None,
     runtime: Runtime | None = None,
     log: Callable[[str], object] = lambda _: None,
-) -> Index:
+    distributed: DistributedContext | None = None,
+) -> Index | None:
     """Embed ``gallery`` with ``checkpoint`` and write an index to ``out`` (or extend it: ``add``).
 
-    ``backend``, ``faiss_factory``, ``search_parameters`` and ``allow_outside_root`` are those of
-    :meth:`Index.create <idml.app.retrieval.index.Index.create>`, ``root`` its gallery root
-    (default: the source's, see the module docstring); an extended index keeps its own.
-    ``runtime`` [``Runtime()``] says on which device the model runs, in which batches. The
-    folder's lock is held from reading the index to writing the new version, so two writers
-    never drop each other's items: the second is refused.
+    ``backend``, ``faiss_factory``, ``search_parameters``, ``allow_outside_root``,
+    ``store_vectors`` and ``train_size`` are those of :meth:`Index.create
+    <idml.app.retrieval.index.Index.create>`, ``root`` its gallery root (default: the source's,
+    see the module docstring); an extended index keeps its own. ``runtime`` [``Runtime()``] says
+    on which device the model runs, in which batches. The folder's lock is held from reading the
+    index to writing the new version, so two writers never drop each other's items: the second is
+    refused.
+
+    With a ``distributed`` context of several processes (``torchrun``), every process embeds its
+    contiguous share of the gallery and rank 0 merges the shares in order with :meth:`Index.add`
+    (a trained faiss index learns from the sample of the whole gallery that one process would
+    take), so the index equals one process's; rank 0 returns it, the others ``None``.
     """
     runtime = runtime if runtime is not None else Runtime()
+    context = distributed if distributed is not None else DistributedContext()
     out = Path(out)
-    if add and not holds_index(out):
-        Index.load(out)  # the error that says what ``out`` is not
-    if not add and holds_index(out):
-        raise FileExistsError(f"{out} already holds an index; pass --add to extend it")
-    with writing(out, log=log):
-        existing = Index.load(out) if add else None
+    if context.is_main:
+        if add and not holds_index(out):
+            Index.load(out)  # the error that says what ``out`` is not
+        if not add and holds_index(out):
+            raise FileExistsError(f"{out} already holds an index; pass --add to extend it")
+    lock = writing(out, log=log) if context.is_main else contextlib.nullcontext(out)
+    with lock:
+        existing = Index.load(out) if add and context.is_main else None
         source = read_source(gallery)
+        device = str(context.device) if context.is_distributed else runtime.device
         encoder = None
         if checkpoint is not None:
-            encoder = Encoder.load(checkpoint, which=which, device=runtime.device)
+            encoder = Encoder.load(checkpoint, which=which, device=device)
             if existing is not None:
                 check_model(existing, encoder.info)
                 check_embeddings(existing, encoder)
-        elif existing is not None and source.embeddings is None:
-            encoder = encoder_for_index(existing, device=runtime.device)
+        elif add and source.embeddings is None:
+            if existing is not None:
+                encoder = encoder_for_index(existing, which=which, device=device)
+            # The other processes load the model rank 0 found in the index's manifest.
+            model_source = context.broadcast_object(
+                None if encoder is None else encoder.info.source
+            )
+            if encoder is None:
+                # Rank 0's encoder_for_index found the index's model or raised.
+                assert model_source is not None
+                encoder = Encoder.load(model_source, which=which, device=device)
         if (
             source.embeddings is not None
             and encoder is not None
@@ -278,27 +321,73 @@ def build_index(
             for path in source.paths:
                 relative_to_root(path, item_root, allow_outside_root, adding=existing is not None)
         log(f"embedding {len(source)} items from {gallery}")
-        emb, unc = encode(source, encoder, runtime.batch_size, runtime.progress)
+        shares = _shares(len(source), context)
+        mine = source.share(*shares[context.rank])
+        emb, unc = encode(mine, encoder, runtime.batch_size, runtime.progress and context.is_main)
+        unc = torch.zeros(emb.shape[0]) if unc is None else unc.float()
+        embedded = gather_shards(emb.float().cpu(), context)
+        levels = gather_shards(unc.cpu(), context)
+        if embedded is None or levels is None:
+            context.barrier()  # rank 0 merges and writes meanwhile
+            return None
         model = encoder.info if encoder is not None else None
+        pieces = [
+            Index.create(e, u, *_items(source.share(*shares[r])), model)
+            for r, (e, u) in enumerate(zip(embedded, levels, strict=True))
+        ]
         if existing is not None:
-            new_items = Index.create(emb, unc, source.ids, source.paths, source.labels, model)
-            index = existing.add(new_items)
+            index = existing
         else:
+            sample = None
+            if backend == "faiss":
+                # Trained on the rows one process would take from the whole gallery.
+                empty = new_index(faiss_factory, pieces[0].dim)
+                positions = training_positions(len(source), empty, train_size)
+                sample = _rows(pieces, positions) if len(positions) else None
+            # The first share as given (normalised once, as one process normalises it).
+            pieces.pop(0)
             index = Index.create(
-                emb,
-                unc,
-                source.ids,
-                source.paths,
-                source.labels,
+                embedded[0],
+                levels[0],
+                *_items(source.share(*shares[0])),
                 model,
                 backend=backend,
                 faiss_factory=faiss_factory,
                 search_parameters=search_parameters,
                 root=item_root,
                 allow_outside_root=allow_outside_root,
+                store_vectors=store_vectors,
+                train_vectors=sample,
             )
+        del embedded
+        for piece in pieces:
+            index = index.add(piece)
         index.save(out, overwrite=add, log=log)
+    context.barrier()
     return index
+
+
+def _shares(count: int, context: DistributedContext) -> list[tuple[int, int]]:
+    """Each rank's contiguous ``[start, stop)`` of ``count`` items (``tensor_split`` sizes)."""
+    sizes = [len(part) for part in torch.arange(count).tensor_split(context.world_size)]
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    return [(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+
+
+def _items(source: ItemSource) -> tuple[list[str], list[str | None], list[str | None]]:
+    return source.ids, source.paths, source.labels
+
+
+def _rows(pieces: list[Index], positions: Tensor) -> Tensor:
+    """Rows ``positions`` of the concatenated embeddings of ``pieces`` (never concatenated)."""
+    sizes = torch.tensor([len(piece) for piece in pieces])
+    starts = torch.cumsum(sizes, 0) - sizes
+    which = torch.searchsorted(starts, positions, right=True) - 1
+    rows = []
+    for p, piece in enumerate(pieces):
+        assert piece.embeddings is not None
+        rows.append(piece.embeddings[positions[which == p] - starts[p]])
+    return torch.cat(rows)
 
 
 def search_source(

@@ -229,6 +229,9 @@ class Classification(Task):
         "data.horizontal_flip",
         "data.samples_per_class",
         "data.num_workers",
+        "data.decode",
+        "data.augment_on",
+        "data.cache",
         "sampler",
         "model",
         "metric",
@@ -317,7 +320,7 @@ class Classification(Task):
             test_transform=test_transform,
         )
         _check_class_count(cfg, split.num_classes)  # before any step
-        return split
+        return build.reading_images(split, cfg)
 
     def build_objective(self, cfg: Config, data: TrainTestPair) -> ClassifierObjective:
         return ClassifierObjective(

@@ -36,6 +36,7 @@ from idml.augment import AugmentationPipeline, AugmentedBatch
 from idml.data.datasets import TrainTestPair
 from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
 from idml.losses import MetricLoss
+from idml.losses.ambiguity import mixup_uncertainty_loss
 from idml.models import embed_dataset
 
 if TYPE_CHECKING:
@@ -48,15 +49,40 @@ class MetricLossObjective(Objective):
     for Mixup rows, or ``mixup.mode=interpolate``'s λ-weighted losses), the uncertainty embedding
     passed on only when the loss compares through ISM or models uncertainty itself (PEL)."""
 
-    def __init__(self, loss: MetricLoss, uses_uncertainty: bool) -> None:
+    def __init__(
+        self,
+        loss: MetricLoss,
+        uses_uncertainty: bool,
+        ambiguity: AmbiguityTerm | None = None,
+    ) -> None:
         self.module = loss
         self.uses_uncertainty = uses_uncertainty
+        self.ambiguity = ambiguity
 
     def __call__(self, embeddings: Embeddings, batch: AugmentedBatch) -> Tensor:
+        extra = None
+        if self.ambiguity is not None and embeddings.uncertainty is not None:
+            extra = self.ambiguity(embeddings.uncertainty, batch.ambiguity)
         if not self.uses_uncertainty:
             # The uncertainty head may exist (e.g. for logging) but the plain metric ignores it.
             embeddings = Embeddings(embeddings.semantic)
-        return batch.loss(self.module, embeddings)
+        loss = batch.loss(self.module, embeddings)
+        return loss if extra is None else loss + extra
+
+
+class AmbiguityTerm:
+    """The Mixup-supervised uncertainty extension (``mixup.uncertainty_weight`` η > 0; off by
+    default, not the paper's IDML): ``η · BCE(||u||/u_max, κ·t)`` with ``t = 1 − |2λ − 1|`` the
+    ambiguity of each row (0 for an original image), :func:`idml.losses.ambiguity.mixup_uncertainty_loss`."""
+
+    def __init__(self, weight: float, max_norm: float, level: float) -> None:
+        self.weight = weight
+        self.max_norm = max_norm
+        self.level = level
+
+    def __call__(self, uncertainty: Tensor, ambiguity: Tensor) -> Tensor:
+        rho = uncertainty.norm(dim=1) / self.max_norm
+        return self.weight * mixup_uncertainty_loss(rho, ambiguity, self.level)
 
 
 class MetricLearning(Task):
@@ -74,6 +100,8 @@ class MetricLearning(Task):
         "mixup.alpha",
         "mixup.fraction",
         "mixup.mode",
+        "mixup.uncertainty_weight",
+        "mixup.uncertainty_level",
         "degradations",
         "ssr",
         "optim",
@@ -99,7 +127,16 @@ class MetricLearning(Task):
 
     def build_objective(self, cfg: Config, data: TrainTestPair) -> MetricLossObjective:
         loss = build.build_loss(cfg, data.num_train_classes)
-        return MetricLossObjective(loss, cfg.metric.introspective or cfg.loss.probabilistic)
+        ambiguity = None
+        if cfg.mixup.uncertainty_weight > 0:
+            ambiguity = AmbiguityTerm(
+                cfg.mixup.uncertainty_weight,
+                cfg.model.uncertainty.max_norm,
+                cfg.mixup.uncertainty_level,
+            )
+        return MetricLossObjective(
+            loss, cfg.metric.introspective or cfg.loss.probabilistic, ambiguity
+        )
 
     def build_augmentations(self, cfg: Config) -> AugmentationPipeline:
         return build.build_augmentations(cfg)

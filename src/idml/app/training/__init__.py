@@ -135,6 +135,7 @@ class Trainer:
             cfg.metric.warmup_epochs,
             self.run_dir,
             cfg.optim.lr,
+            epochs=cfg.optim.epochs,
             warns=self.dist.is_main,
         )
         # One DDP over model, objective (proxies, classifier) and SSR head: their gradients are

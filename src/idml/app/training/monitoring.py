@@ -1,8 +1,8 @@
 """Is the run learning? :class:`LearningMonitor` follows a training run step by step: ISM's
-warm-up and saturation, the model's gradient norm, and the NaN or infinite losses and weights that
+warm-up, saturation and identity, the model's gradient norm, and the NaN or infinite losses and weights that
 stop a run at the step that broke it (:class:`NonFiniteError`).
 
-Is ISM working? The saturation monitor of the introspective metric.
+Is ISM working? The saturation and identity monitor of the introspective metric.
 
 ISM weakens each pair by ``e^{−y}``, ``y = (β + γ)/(τ·δ)`` (IDML, Wang et al. 2022, eq. 5–7). A
 factor near 1 trains like the plain metric; a factor near 0 means the pair is *saturated*: its
@@ -13,6 +13,13 @@ loss is a constant and the model learns nothing, whatever the final metric then 
 :class:`WeakeningMonitor` collects the factors a loss sees over an epoch, separately for positive
 and negative relations (pairs of the batch, or sample–proxy pairs for proxy losses), and
 summarises them as quantiles and the share of pairs below :data:`SATURATED` (``10⁻²``).
+
+The other failure is the opposite one: ISM that weakens nothing, or weakens every pair alike. Then
+the introspective metric is the plain metric (or a uniform rescaling of it) and an "IDML" run
+measures Mixup alone. :func:`identity_reasons` says so when the 10th percentile of the positive
+relations' factor is above :data:`IDENTITY_Q10` (0.98: nine pairs in ten lose under 2 % of their
+pull) or when ``||u||`` varies by less than :data:`IDENTITY_U_CV` (5 %, the coefficient of variation
+over a batch, averaged over the epoch's steps; ``u_cv`` in the summary).
 
 Example:
     >>> import torch
@@ -44,6 +51,13 @@ from idml.relations import LabelSets
 SATURATED = 1e-2
 """A pair whose weakening factor ``e^{−y}`` is below this is counted as saturated."""
 
+IDENTITY_Q10 = 0.98
+"""ISM counts as the identity when the 10th percentile of the positive relations' ``e^{−y}`` is
+above this."""
+
+IDENTITY_U_CV = 0.05
+"""... or when ``||u||`` varies across a batch by less than this coefficient of variation."""
+
 QUANTILES: tuple[float, ...] = (0.1, 0.5, 0.9)
 """The quantiles of the factor that are logged, for positive and for negative relations."""
 
@@ -56,15 +70,19 @@ class WeakeningMonitor:
     """Accumulates ISM weakening factors over steps and summarises them.
 
     ``summary()`` keys: ``pos_q10``, ``pos_q50``, ``pos_q90``, ``pos_saturated`` (share below
-    :data:`SATURATED`) and the same for ``neg``; relations that never occurred are left out.
+    :data:`SATURATED`) and the same for ``neg``; relations that never occurred are left out; and
+    ``u_cv``, the mean over steps of ``std/mean`` of ``||u||`` across the batch, when the
+    embeddings carried an uncertainty.
     """
 
     def __init__(self, samples_per_update: int = SAMPLES_PER_UPDATE) -> None:
         self.samples_per_update = samples_per_update
         self._values: dict[str, list[Tensor]] = {"pos": [], "neg": []}
+        self._u_cv: list[Tensor] = []
 
     def reset(self) -> None:
         self._values = {"pos": [], "neg": []}
+        self._u_cv = []
 
     def update(self, factors: Tensor, positive: Tensor, negative: Tensor) -> None:
         """Add one step's factors ``(B, B')`` with its positive and negative boolean masks."""
@@ -85,6 +103,10 @@ class WeakeningMonitor:
         found = None if weakening is None else weakening(embeddings.detach(), labels)
         if found is not None:
             self.update(*found)
+        if embeddings.uncertainty is not None and embeddings.uncertainty.shape[0] > 1:
+            level = embeddings.uncertainty.detach().float().norm(dim=1)
+            # A tensor, not a float: no host synchronisation inside the step.
+            self._u_cv.append(level.std() / level.mean().clamp_min(1e-12))
 
     def summary(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -96,6 +118,8 @@ class WeakeningMonitor:
             for q, v in zip(QUANTILES, qs.tolist(), strict=True):
                 out[f"{kind}_q{round(q * 100):02d}"] = v
             out[f"{kind}_saturated"] = float((values < SATURATED).double().mean())
+        if self._u_cv:
+            out["u_cv"] = float(torch.stack(self._u_cv).double().mean())
         return out
 
     def is_saturated(self, share: float = 0.5) -> bool:
@@ -107,6 +131,31 @@ def is_saturated(summary: dict[str, float], share: float = 0.5) -> bool:
     """:meth:`WeakeningMonitor.is_saturated` on a summary already computed (no second pass)."""
     kinds = [k for k in ("pos", "neg") if f"{k}_saturated" in summary]
     return bool(kinds) and all(summary[f"{k}_saturated"] > share for k in kinds)
+
+
+def identity_reasons(summary: dict[str, float]) -> list[str]:
+    """Why ISM acts as the identity (or a uniform rescaling) in an epoch summarised by
+    :meth:`WeakeningMonitor.summary`; empty when it weakens pairs unevenly.
+
+    >>> for reason in identity_reasons({"pos_q10": 0.993, "pos_q50": 0.996, "u_cv": 0.012}):
+    ...     print(reason)
+    the 10th percentile of the positive pairs' weakening e^(-y) is 0.993 (> 0.98)
+    ||u|| varies by 1.2 % across a batch (< 5 %)
+    >>> identity_reasons({"pos_q10": 0.6, "pos_q50": 0.95, "u_cv": 0.4})
+    []
+    """
+    reasons = []
+    if summary.get("pos_q10", 0.0) > IDENTITY_Q10:
+        reasons.append(
+            "the 10th percentile of the positive pairs' weakening e^(-y) is "
+            f"{summary['pos_q10']:.3f} (> {IDENTITY_Q10:g})"
+        )
+    if "u_cv" in summary and summary["u_cv"] < IDENTITY_U_CV:
+        reasons.append(
+            f"||u|| varies by {100 * summary['u_cv']:.1f} % across a batch "
+            f"(< {100 * IDENTITY_U_CV:g} %)"
+        )
+    return reasons
 
 
 class NonFiniteError(FloatingPointError):
@@ -121,6 +170,7 @@ class LearningMonitor:
         warmup_epochs: ISM warm-up (``metric.warmup_epochs``).
         run_dir: the run folder (errors name its latest checkpoint).
         lr: the configured learning rate (errors suggest lowering it).
+        epochs: the run's epochs (ISM may act as the identity in the first quarter of them).
         warns: whether this process issues the warnings (rank 0).
     """
 
@@ -130,9 +180,11 @@ class LearningMonitor:
         warmup_epochs: float,
         run_dir: Path,
         lr: float,
+        epochs: int = 1,
         warns: bool = True,
     ) -> None:
         self.ism = ism
+        self.epochs = epochs
         self.warmup_epochs = warmup_epochs
         self.run_dir = Path(run_dir)
         self.lr = lr
@@ -181,9 +233,26 @@ class LearningMonitor:
         return out
 
     def check(self, epoch: int, summary: dict[str, float]) -> None:
-        """Warn once when ISM saturates most relations, or when no gradient reaches the model."""
+        """Warn once when ISM saturates most relations, when it acts as the identity after the
+        first quarter of training, or when no gradient reaches the model."""
         if not self.warns:
             return
+        # The head starts every image at one level (w = 0), so the first quarter of training is
+        # allowed to be uniform; a run still there afterwards trains as the plain metric would.
+        settled = epoch >= 1 and epoch + 1 > self.epochs / 4
+        reasons = identity_reasons(summary) if self.ism is not None and settled else []
+        if reasons and "identity" not in self._warned:
+            self._warned.add("identity")
+            warnings.warn(
+                f"epoch {epoch + 1}: ISM acts as the identity: {'; '.join(reasons)}. The "
+                "introspective metric then trains like the plain metric (or a uniform rescaling "
+                "of it), so this run measures Mixup, not introspection. Check that the uncertainty "
+                "head trains (optim.uncertainty_lr_mult is not 0; model.uncertainty.level_input="
+                "standardized), or raise model.uncertainty.max_norm; the ism/pos_q10 and "
+                "ism/u_cv keys of metrics.jsonl show the trend",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if self.ism is not None and "saturated" not in self._warned and is_saturated(summary):
             self._warned.add("saturated")
             shares = ", ".join(

@@ -51,7 +51,10 @@ def build_optimizers(
     for n, p in loss.named_parameters():
         (proxies if n.startswith(("proxies", "proxy_")) else others).append(p)
     if proxies:
-        groups.append({"params": proxies, "lr": o.lr * o.proxy_lr_mult, "name": "proxies"})
+        # Proxies are heads of the loss: their rate follows the heads', not the backbone's, so a
+        # recipe that raises the heads' rate (a pretrained backbone) keeps the proxies' ratio.
+        proxy_lr = o.lr * o.head_lr_mult * o.proxy_lr_mult
+        groups.append({"params": proxies, "lr": proxy_lr, "name": "proxies"})
     if others:
         groups.append({"params": others, "lr": o.lr * o.head_lr_mult, "name": "loss"})
     ranking_opt = None

@@ -19,13 +19,14 @@ Queries are chunked only when ``queries × max relevant`` exceeds
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from idml.embeddings import Embeddings
-from idml.evaluation.scoring import MetricSpec, PairScorer, side_rows
+from idml.evaluation.scoring import MetricSpec, PairScorer, PreparedSide, side_rows
 from idml.evaluation.search import ranks, topk
 from idml.evaluation.search.candidates import candidates
 from idml.evaluation.search.execution import (
@@ -34,6 +35,13 @@ from idml.evaluation.search.execution import (
     SearchExecution,
     run_tiles,
     search_workers,
+)
+from idml.evaluation.search.kernels import (
+    MEASURE_MIN_WORK,
+    SCREEN_MIN_QUERIES,
+    ScoreKernels,
+    Screen,
+    choose_kernels,
 )
 from idml.evaluation.search.layout import (
     Layout,
@@ -91,7 +99,7 @@ def exact_search(
     n_q = len(q_labels)
     n_r = n_q if same_set else len(r_labels)  # type: ignore[arg-type]
     k = min(k, n_r - (1 if same_set else 0))
-    search = _prepare(scorer, layout, dev, query, reference)
+    search = _prepare(scorer, layout, dev, query, reference, execution, block_size)
     chunk_len, symmetric = _chunking(
         layout, block_size, execution.max_rank_entries, scorer.symmetric
     )
@@ -99,7 +107,11 @@ def exact_search(
 
     out_scores = torch.full((n_q, k), -INF, device=dev)
     out_indices = torch.full((n_q, k), -1, dtype=torch.long, device=dev)
-    output = SearchOutput(NeighborLists(out_indices, out_scores), symmetric=symmetric)
+    output = SearchOutput(
+        NeighborLists(out_indices, out_scores),
+        symmetric=symmetric,
+        kernels=search.kernels.describe(),
+    )
     for c0 in range(0, n_q, chunk_len):
         chunk = slice(c0, min(n_q, c0 + chunk_len))
         chunk_r_max = int(layout.num_relevant[chunk].max()) if chunk.stop > c0 else 0
@@ -109,11 +121,13 @@ def exact_search(
         ranks.fill_relevant_scores(state, search, chunk, band)
         # 2. The main pass over the tiles.
         tiles = _TileSearch(state, search, chunk)
-        for _ in run_tiles(
-            list(tile_order(chunk, n_r, block_size, symmetric)), tiles.process, search_workers(dev)
-        ):
-            output.num_tiles += 1
-            bar(1)
+        workers = search_workers(dev)
+        with search.kernels.threads(workers):
+            for _ in run_tiles(
+                list(tile_order(chunk, n_r, block_size, symmetric)), tiles.process, workers
+            ):
+                output.num_tiles += 1
+                bar(1)
         # 3. Ranks, and the lists in original query order.
         query_ids = layout.query_order[chunk]
         if k > 0:
@@ -133,15 +147,19 @@ def _prepare(
     dev: torch.device,
     query: Tensor | Embeddings,
     reference: Tensor | Embeddings | None,
+    execution: SearchExecution,
+    block_size: int,
 ) -> PreparedSearch:
     """Both sides in label-sorted order, prepared for the scorer (their uncertainty only for a
-    scorer that uses it)."""
+    scorer that uses it), with the score kernels chosen for this search (:func:`_kernels`)."""
     keep_unc = scorer.uses_uncertainty
     q_rows, q_unc = side_rows(query)
     q_sorted = q_rows.to(dev)[layout.query_order]
     qu = q_unc.to(dev)[layout.query_order] if keep_unc and q_unc is not None else None
     if reference is None:
-        return PreparedSearch(scorer, *scorer.prepare(q_sorted, qu), layout)
+        queries, refs = scorer.prepare(q_sorted, qu)
+        kernels = _kernels(scorer, execution, dev, queries, refs, block_size)
+        return PreparedSearch.create(scorer, queries, refs, layout, kernels)
     ref_rows, ref_unc = side_rows(reference)
     # A gallery already in label order (always, for neighbours without labels) is used as it is:
     # reordering would copy the whole gallery at every call, however few the queries.
@@ -152,7 +170,31 @@ def _prepare(
         ru = ru if in_order else ru[layout.ref_order]
     ref_rows = ref_rows.to(dev)
     refs = scorer.prepare_reference(ref_rows if in_order else ref_rows[layout.ref_order], ru)
-    return PreparedSearch(scorer, scorer.prepare_side(q_sorted, qu), refs, layout)
+    queries = scorer.prepare_side(q_sorted, qu)
+    kernels = _kernels(scorer, execution, dev, queries, refs, block_size)
+    return PreparedSearch.create(scorer, queries, refs, layout, kernels)
+
+
+def _kernels(
+    scorer: PairScorer,
+    execution: SearchExecution,
+    dev: torch.device,
+    queries: PreparedSide,
+    refs: PreparedSide,
+    block_size: int,
+) -> ScoreKernels:
+    """The kernels of :attr:`SearchExecution.kernel`; ``"auto"`` measures only when the search
+    is large enough for the choice to matter (:data:`MEASURE_MIN_WORK` multiply-adds) and its
+    scores are plain products, and screens only a search of many queries
+    (:data:`SCREEN_MIN_QUERIES`)."""
+    requested = execution.kernel
+    if scorer.kind == "metric":
+        return ScoreKernels()
+    n_q, dim = queries.vectors.shape
+    work = n_q * refs.vectors.shape[0] * dim
+    if requested == "auto" and work < MEASURE_MIN_WORK:
+        return ScoreKernels()
+    return choose_kernels(dev, dim, block_size, requested, screen=n_q >= SCREEN_MIN_QUERIES)
 
 
 def _chunking(
@@ -184,19 +226,53 @@ class _TileSearch:
 
     def process(self, rows: slice, cols: slice, both: bool) -> None:
         """Top-k merge and relevant-rank counting for one tile: its rows, and its columns if
-        ``both`` (a symmetric search's off-diagonal tile serves the queries on both sides)."""
-        tile, layout = self.search.tile(rows, cols), self.search.layout
-        if layout.same_set:
-            exclude_self(tile, rows.start, cols.start)
-        ref_ids = layout.ref_order  # sorted reference position -> original index
-        sides = [TileSide.of(tile, False, rows, self.chunk, cols.start, ref_ids[cols])]
-        if both:
-            sides.append(TileSide.of(tile, True, cols, self.chunk, rows.start, ref_ids[rows]))
-        for side in sides:
+        ``both`` (a symmetric search's off-diagonal tile serves the queries on both sides).
+        A screened search lists the candidates on the reduced-precision tile and re-scores them
+        (:func:`_update_side_screened`)."""
+        search = self.search
+        tile = _Tile(search, rows, cols)
+        for transposed in (False, True) if both else (False,):
+            queries = cols if transposed else rows
             # Row blocks of the chunk and column blocks of the reference set start at the same
             # positions in a symmetric search, so one lock per start covers both roles.
-            with self.locks[side.query0]:
-                _update_side(self.state, layout, side)
+            with self.locks[queries.start]:
+                if search.screen is not None:
+                    _update_side_screened(self.state, tile, transposed, self.chunk)
+                else:
+                    _update_side(self.state, search.layout, tile.side(transposed, self.chunk))
+
+
+class _Tile:
+    """One tile's scores: exact (computed on first use), and for a screened search the
+    reduced-precision ones; self-pairs of a same-set search are ``-inf`` in both."""
+
+    def __init__(self, search: PreparedSearch, rows: slice, cols: slice) -> None:
+        self.search, self.rows, self.cols = search, rows, cols
+        self._exact: Tensor | None = None
+        self._lock = threading.Lock()
+        self.screen: Tensor | None = None
+        if search.screen is not None:
+            self.screen = self._own(search.screen.tile(rows, cols))
+
+    def _own(self, scores: Tensor) -> Tensor:
+        if self.search.layout.same_set:
+            exclude_self(scores, self.rows.start, self.cols.start)
+        return scores
+
+    def exact(self) -> Tensor:
+        with self._lock:  # the two sides of a tile may ask at once
+            if self._exact is None:
+                self._exact = self._own(self.search.tile(self.rows, self.cols))
+            return self._exact
+
+    def side(self, transposed: bool, chunk: slice, screen: bool = False) -> TileSide:
+        """The queries along the rows (or the columns, ``transposed``) of the exact (or screening)
+        scores."""
+        scores = self.screen if screen else self.exact()
+        assert scores is not None
+        ref_ids = self.search.layout.ref_order  # sorted reference position -> original index
+        queries, refs = (self.cols, self.rows) if transposed else (self.rows, self.cols)
+        return TileSide.of(scores, transposed, queries, chunk, refs.start, ref_ids[refs])
 
 
 def _update_side(state: QueryState, layout: Layout, side: TileSide) -> None:
@@ -215,6 +291,52 @@ def _update_side(state: QueryState, layout: Layout, side: TileSide) -> None:
             ids = side.ref_ids[ref_local[keep]]
             topk.merge_sparse(state, side.query_rows, q_local[keep], ids, values[keep])
     ranks.count_side(state, layout, side, found, least)
+
+
+def _update_side_screened(state: QueryState, tile: _Tile, transposed: bool, chunk: slice) -> None:
+    """:func:`_update_side` on a screened tile: candidates are listed on the reduced-precision
+    scores with thresholds that no candidate can miss (:class:`~idml.evaluation.search.kernels.Screen`),
+    re-scored exactly, and then treated as the exact search treats its candidates.
+
+    A pair can matter only if its exact score reaches the query's k-th best ``θ`` or its least
+    relevant score. A query whose top-k is still empty (its first tile) takes the tile's ``k``
+    best: the k-th best screening score ``a_k`` bounds the tile's exact k-th best from below
+    (``lower_bound(a_k)``), and so every pair of its exact top-k. When the candidates are a large
+    share of the tile (large classes), the exact tile is computed and the side handled as in the
+    exact search.
+    """
+    search, layout, screen = tile.search, tile.search.layout, tile.search.screen
+    assert screen is not None
+    side = tile.side(transposed, chunk, screen=True)
+    rows = side.query_rows
+    margin = screen.margins(tile.rows, tile.cols, transposed)
+    least = state.least_relevant[rows]
+    if state.k > 0:
+        theta = state.kth_score[rows].clone()
+        fresh = theta == -INF
+        if bool(fresh.any()):
+            scores = side.scores if bool(fresh.all()) else side.scores[fresh]
+            take = min(state.k, scores.shape[1])
+            kth = scores.topk(take, dim=1).values[:, -1]
+            if take < state.k:  # fewer references than k: every one is a candidate
+                kth = torch.full_like(kth, -INF)
+            theta[fresh] = Screen.lower_bound(kth, margin[fresh])
+    else:
+        theta = torch.full_like(least, INF)
+    reach = Screen.reach(torch.minimum(theta, least), margin)
+    q_local, ref_local, screened = candidates(side.tile, reach, transposed)
+    if len(screened) * ranks.DENSE_CANDIDATE_FRACTION > side.tile.numel():
+        _update_side(state, layout, tile.side(transposed, chunk))
+        return
+    real = screened > -INF  # a same-set search's own pairs are excluded, never re-scored
+    q_local, ref_local = q_local[real], ref_local[real]
+    values = search.rescore(side, q_local, ref_local)
+    if state.k > 0:
+        keep = values >= theta[q_local]
+        if bool(keep.any()):
+            ids = side.ref_ids[ref_local[keep]]
+            topk.merge_sparse(state, side.query_rows, q_local[keep], ids, values[keep])
+    ranks.count_candidates(state, layout, side, (q_local, ref_local, values), least)
 
 
 def neighbors_only(

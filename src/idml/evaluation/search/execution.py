@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from idml.evaluation.search.kernels import KERNEL_NAMES, KernelName
+
 Tile = tuple[slice, slice, bool]
 """``(rows, cols, serves_columns_too)``, as :func:`idml.evaluation.search.layout.tiles` yields."""
 
@@ -47,10 +49,16 @@ class SearchExecution:
     progress: bool | Callable[[int], object] = False
     """``True`` for progress over tiles (:mod:`idml.progress`), or a callback receiving the tile
     count."""
+    kernel: KernelName = "auto"
+    """The products that compute scores (:mod:`~idml.evaluation.search.kernels`): ``auto``
+    measures the candidates on this machine for a large search; ``torch``, ``openblas``,
+    ``faiss`` or ``bf16`` (a screen re-scored exactly) force one."""
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kernel not in KERNEL_NAMES:
+            raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {self.kernel!r}")
 
     def device_for(self, data: torch.device) -> torch.device:
         """The device to compute on, for query embeddings on ``data``."""

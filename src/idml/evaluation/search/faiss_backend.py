@@ -19,6 +19,19 @@ DEFAULT_EF_CONSTRUCTION = 200
 whose recall@10 levels off at 0.91 on the 1M × 512 clustered benchmark gallery whatever the
 ``efSearch``; 200 reaches 0.999 at efSearch 128 (``benchmarks/RESULTS.md``, gallery search)."""
 
+DEFAULT_NPROBE = 32
+"""IVF ``nprobe`` (inverted lists visited per query) unless the parameters give one. faiss's own
+default (1) visits a single list and misses most neighbours of a query near a cell border
+(``benchmarks/RESULTS.md``, gallery past one machine's memory: recall@10 against nprobe)."""
+
+MIN_TRAIN_SIZE = 100_000
+"""A trained index (IVF, PQ) learns from at least this many vectors when the gallery has them:
+product quantisers fit 256 centroids per sub-vector, and faiss's k-means wants 39 or more points
+per centroid."""
+
+TRAIN_POINTS_PER_LIST = 64
+"""…and from 64 vectors per inverted list (faiss warns below 39, subsamples above 256)."""
+
 FaissMetric = Literal["inner_product", "l2"]
 """What the index ranks by: the inner product (cosine on unit vectors) or the squared L2 distance."""
 
@@ -38,27 +51,55 @@ def faiss_build(
     factory: str,
     parameters: str | None = None,
     metric: FaissMetric = "inner_product",
+    *,
+    train_vectors: Tensor | None = None,
+    train_size: int | None = None,
 ) -> Any:
-    """A trained faiss index of ``factory`` (``"Flat"``, ``"HNSW32"``, ``"IVF1024,Flat"``, …)
-    holding ``vectors`` ``(N, d)``, ranking by ``metric``.
+    """A trained faiss index of ``factory`` (``"Flat"``, ``"HNSW32"``, ``"IVF1024,Flat"``,
+    ``"IVF4096,PQ32"``, ``"IVF65536_HNSW32,PQ32"``, …) holding ``vectors`` ``(N, d)``, ranking by
+    ``metric``.
 
+    An index that must be trained (IVF coarse quantiser, product quantiser) learns from
+    ``train_vectors``, else from the rows :func:`training_positions` picks (``train_size`` of them; the
+    default is :func:`default_train_size`), so a gallery of 10⁷ items trains in minutes.
     ``parameters`` (``faiss.ParameterSpace`` syntax, e.g. ``"efSearch=128"``, ``"nprobe=32"``) are
     applied before the vectors are added, so build-time ones take effect (``efConstruction``, the
     HNSW graph's candidate list while it is built: the ceiling of the recall any ``efSearch``
-    reaches; :data:`DEFAULT_EF_CONSTRUCTION` when not given). A factory or parameter faiss refuses
-    is a ``ValueError`` naming it.
+    reaches; :data:`DEFAULT_EF_CONSTRUCTION` when not given); an IVF index searches
+    :data:`DEFAULT_NPROBE` lists unless told otherwise. A factory or parameter faiss refuses is a
+    ``ValueError`` naming it.
     """
+    index = faiss_trained(
+        vectors if train_vectors is None else train_vectors,
+        factory,
+        parameters,
+        metric,
+        train_size=None if train_vectors is not None else train_size,
+        sampled=train_vectors is None,
+    )
+    faiss_add(index, vectors)
+    return index
+
+
+def faiss_trained(
+    vectors: Tensor,
+    factory: str,
+    parameters: str | None = None,
+    metric: FaissMetric = "inner_product",
+    *,
+    train_size: int | None = None,
+    sampled: bool = True,
+) -> Any:
+    """An empty index of ``factory``, trained (when it must be) on ``vectors`` — on their
+    rows of :func:`training_positions` when ``sampled`` — with ``parameters`` set: :func:`faiss_build`
+    without the adding, for an index filled in pieces (:func:`faiss_add`)."""
     faiss = _faiss()
-    x = np.ascontiguousarray(vectors.detach().float().cpu().numpy(), dtype=np.float32)
-    kind = faiss.METRIC_INNER_PRODUCT if metric == "inner_product" else faiss.METRIC_L2
-    try:
-        index = faiss.index_factory(x.shape[1], factory, kind)
-    except RuntimeError as err:
-        raise ValueError(
-            f"faiss cannot build index {factory!r} ({str(err).splitlines()[-1]}); use a factory "
-            "string such as Flat, HNSW32 or IVF1024,Flat"
-        ) from None
+    index = new_index(factory, int(vectors.shape[1]), metric)
     if not index.is_trained:
+        sample = (
+            vectors[training_positions(len(vectors), index, train_size)] if sampled else vectors
+        )
+        x = _as_faiss_rows(sample)
         try:
             index.train(x)
         except RuntimeError as err:
@@ -68,9 +109,64 @@ def faiss_build(
             ) from None
     if hasattr(index, "hnsw") and "efConstruction" not in (parameters or ""):
         index.hnsw.efConstruction = DEFAULT_EF_CONSTRUCTION
+    if _ivf_lists(index) and "nprobe" not in (parameters or ""):
+        faiss.extract_index_ivf(index).nprobe = DEFAULT_NPROBE
     faiss_parameters(index, parameters)
-    index.add(x)
     return index
+
+
+def new_index(factory: str, dim: int, metric: FaissMetric = "inner_product") -> Any:
+    """An empty faiss index of ``factory`` for vectors of dimension ``dim``; a factory faiss
+    refuses is a ``ValueError`` naming it."""
+    faiss = _faiss()
+    kind = faiss.METRIC_INNER_PRODUCT if metric == "inner_product" else faiss.METRIC_L2
+    try:
+        return faiss.index_factory(dim, factory, kind)
+    except RuntimeError as err:
+        raise ValueError(
+            f"faiss cannot build index {factory!r} for dimension {dim} "
+            f"({str(err).splitlines()[-1]}); use a factory string such as Flat, HNSW32, "
+            "IVF1024,Flat or IVF4096,PQ32 (PQ's sub-vector count must divide the dimension)"
+        ) from None
+
+
+def faiss_add(index: Any, vectors: Tensor, chunk: int = 1 << 20) -> None:
+    """Add ``vectors`` to ``index`` in slices of ``chunk`` rows (a float32 copy of one slice at a
+    time, not of the whole gallery)."""
+    for start in range(0, int(vectors.shape[0]), chunk):
+        index.add(_as_faiss_rows(vectors[start : start + chunk]))
+
+
+def training_positions(count: int, index: Any, train_size: int | None = None) -> Tensor:
+    """The rows of a gallery of ``count`` items that faiss ``index`` (untrained) learns from: ``train_size`` (default :func:`default_train_size` of its lists) evenly spaced
+    rows, all when they are fewer, none when it needs no training. Evenly spaced: a gallery listed
+    folder by folder is sampled in every folder, and the sample does not depend on how the gallery
+    was sharded over processes."""
+    if index.is_trained:
+        return torch.zeros(0, dtype=torch.long)
+    size = train_size or default_train_size(_ivf_lists(index))
+    if size >= count:
+        return torch.arange(count)
+    return torch.div(torch.arange(size, dtype=torch.long) * count, size, rounding_mode="floor")
+
+
+def default_train_size(lists: int) -> int:
+    """Vectors a trained index learns from by default: :data:`TRAIN_POINTS_PER_LIST` per inverted
+    list, at least :data:`MIN_TRAIN_SIZE`."""
+    return max(MIN_TRAIN_SIZE, TRAIN_POINTS_PER_LIST * lists)
+
+
+def _ivf_lists(index: Any) -> int:
+    """The inverted lists of an IVF index (0 for any other)."""
+    faiss = _faiss()
+    try:
+        return int(faiss.extract_index_ivf(index).nlist)
+    except (RuntimeError, AttributeError):
+        return 0
+
+
+def _as_faiss_rows(vectors: Tensor) -> np.ndarray:
+    return np.ascontiguousarray(vectors.detach().float().cpu().numpy(), dtype=np.float32)
 
 
 def faiss_parameters(index: Any, parameters: str | None) -> None:

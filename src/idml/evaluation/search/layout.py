@@ -10,12 +10,13 @@ each serving its rows and its columns (:class:`TileSide`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from idml.evaluation.scoring import PairScorer, PreparedSide
+from idml.evaluation.search.kernels import ScoreKernels, Screen, rescore_pairs
 from idml.evaluation.search.state import INF
 
 
@@ -35,16 +36,57 @@ class Layout:
 @dataclass(frozen=True)
 class PreparedSearch:
     """Both sides of a search in label-sorted order, prepared for the scorer that scores their
-    tiles, and their layout: what every pass over the tiles reads."""
+    tiles, and their layout: what every pass over the tiles reads.
+
+    ``kernels`` compute the plain metrics' products (:mod:`~idml.evaluation.search.kernels`);
+    ``screen``, when the kernels have one, gives reduced-precision tiles on which candidates are
+    listed before :meth:`rescore` computes their exact scores.
+    """
 
     scorer: PairScorer
     queries: PreparedSide
     refs: PreparedSide
     layout: Layout
+    kernels: ScoreKernels = field(default_factory=ScoreKernels)
+    screen: Screen | None = None
+
+    @classmethod
+    def create(
+        cls,
+        scorer: PairScorer,
+        queries: PreparedSide,
+        refs: PreparedSide,
+        layout: Layout,
+        kernels: ScoreKernels | None = None,
+    ) -> PreparedSearch:
+        """The search, with the screen of ``kernels`` when it has one and the scores are plain
+        products (a general metric such as ISM is always computed exactly)."""
+        kernels = kernels if kernels is not None else ScoreKernels()
+        if kernels.screen is None or scorer.kind == "metric":
+            return cls(scorer, queries, refs, layout, replace(kernels, screen=None, margin=0.0))
+        screen = Screen.of(queries.vectors, refs.vectors, kernels)
+        return cls(scorer, queries, refs, layout, kernels, screen)
 
     def tile(self, rows: slice, cols: slice) -> Tensor:
         """Scores between the sorted queries ``rows`` and the sorted references ``cols``."""
-        return self.scorer.tile(self.queries, self.refs, rows, cols)
+        return self.scorer.tile(self.queries, self.refs, rows, cols, self.kernels.product)
+
+    def rescore(self, side: TileSide, q_local: Tensor, ref_local: Tensor) -> Tensor:
+        """Exact fp32 scores of the pairs ``(q_local[j], ref_local[j])`` of one tile side
+        (sorted by query), whatever the screen said of them."""
+        rows, cols = self.queries.vectors, self.refs.vectors
+        n_q, n_r = side.tile.shape[::-1] if side.transposed else side.tile.shape
+        if side.transposed:  # the side's queries are the tile's columns: references' rows
+            q_rows, r_rows = (
+                cols[side.query0 : side.query0 + n_q],
+                rows[side.ref0 : side.ref0 + n_r],
+            )
+        else:
+            q_rows, r_rows = (
+                rows[side.query0 : side.query0 + n_q],
+                cols[side.ref0 : side.ref0 + n_r],
+            )
+        return rescore_pairs(q_rows, r_rows, q_local, ref_local)
 
 
 def sort_order(labels: Tensor) -> tuple[Tensor, bool]:

@@ -85,11 +85,23 @@ def count_side(
     ``least``, each query's smallest relevant score). Relevant references are ranked by their own
     band scores, so only the others are counted.
     """
-    q_local, ref_local, values = candidates
-    if len(values) * DENSE_CANDIDATE_FRACTION > side.tile.numel():
+    if len(candidates[2]) * DENSE_CANDIDATE_FRACTION > side.tile.numel():
         # Large classes: counting over the whole tile is cheaper than one by one.
         count_dense(state, layout, side)
         return
+    count_candidates(state, layout, side, candidates, least)
+
+
+def count_candidates(
+    state: QueryState,
+    layout: Layout,
+    side: TileSide,
+    candidates: tuple[Tensor, Tensor, Tensor],
+    least: Tensor,
+) -> None:
+    """:func:`count_side` on the sparse list alone (the candidates' scores are exact even when
+    the side's tile is a screening one)."""
+    q_local, ref_local, values = candidates
     if q_local.numel() == 0:
         return
     ref_pos = side.ref0 + ref_local

@@ -39,3 +39,5 @@ class SearchOutput:
     rank_chunks: list[RankChunk] = field(default_factory=list)
     symmetric: bool = False
     num_tiles: int = 0
+    kernels: str = "torch (fp32)"
+    """Which products computed the scores (:meth:`~idml.evaluation.search.kernels.ScoreKernels.describe`)."""
