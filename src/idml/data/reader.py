@@ -245,6 +245,16 @@ def _header(path: Path, line: int, cells: list[str]) -> list[str] | None:
 
 def _read_rows(path: Path) -> list[_Row]:
     """The data rows of a CSV (module docstring: encoding, comments, header, column count)."""
+    try:
+        return _parse_rows(path)
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{path} is not UTF-8 text (a binary file, or a CSV saved in another encoding); "
+            "save it as UTF-8"
+        ) from None
+
+
+def _parse_rows(path: Path) -> list[_Row]:
     columns: list[str] | None = None
     rows: list[_Row] = []
     with path.open(newline="", encoding="utf-8-sig") as handle:

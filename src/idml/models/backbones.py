@@ -366,10 +366,13 @@ def build_backbone(
         raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
     if spec.name is BackboneName.TIMM:
         if pretrained is True and not download:
+            missing = (
+                f"backbone {str(spec)!r}: timm keeps pretrained weights in its own cache, which "
+                "idml never downloads into; the model's weights file is e.g. model.safetensors "
+                f"from https://huggingface.co/timm/{spec.timm_model}"
+            )
             raise MissingWeightsError(
-                f"backbone {str(spec)!r}: timm keeps pretrained weights in its own cache; pass "
-                "pretrained=<path to the model's weights file (e.g. model.safetensors from "
-                f"https://huggingface.co/timm/{spec.timm_model})> or set download=True"
+                f"{missing}; pass pretrained=<path to that file> or set download=True", missing
             )
         weights = (
             None if isinstance(pretrained, bool) else locate_weights(spec.name, pretrained, False)

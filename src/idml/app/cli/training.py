@@ -17,10 +17,30 @@ def _run_train(args: argparse.Namespace) -> int:
     from idml.app.training import Trainer
     from idml.progress import echo
 
-    cfg = load_config(args.config, args.overrides)
+    if (args.config is None) == (args.data is None):
+        raise ValueError(
+            "give a YAML config (idml train CONFIG) or a folder or CSV of your images (idml "
+            "train --data PATH), not both"
+            if args.config is not None
+            else "give a YAML config (idml train CONFIG) or your images (idml train --data PATH)"
+        )
+    if args.method is not None and args.data is None:
+        raise ValueError(
+            "--method applies to --data; a config chooses its method with include: method/<name>"
+        )
+    plan = None
+    if args.data is not None:
+        from idml.app.own_data import DEFAULT_METHOD, plan_own_data
+
+        plan = plan_own_data(args.data, args.method or DEFAULT_METHOD, args.overrides)
+        cfg = plan.config()
+    else:
+        cfg = load_config(args.config, args.overrides)
     out = args.out or Path("runs") / cfg.name
     # Under torchrun this joins the process group (NCCL on GPUs, gloo on CPU); else one process.
     context = init_distributed(device=cfg.device)
+    if plan is not None and context.is_main:
+        print("\n".join(plan.report()), flush=True)
     try:
         trainer = Trainer(
             cfg,
@@ -76,7 +96,13 @@ def _run_train(args: argparse.Namespace) -> int:
 def resume_command(args: argparse.Namespace, out: Path) -> str:
     """The ``idml train`` command that continues this run: the same config and ``--set``
     overrides (a resumed config must equal the run's), its folder, ``--resume``; shell-quoted."""
-    words = ["idml", "train", str(args.config), "--out", str(out), "--resume"]
+    words = ["idml", "train"]
+    if args.data is not None:
+        words += ["--data", str(args.data)]
+        words += ["--method", args.method] if args.method is not None else []
+    else:
+        words.append(str(args.config))
+    words += ["--out", str(out), "--resume"]
     for override in args.overrides:
         words += ["--set", override]
     if args.no_progress:
@@ -84,17 +110,50 @@ def resume_command(args: argparse.Namespace, out: Path) -> str:
     return shlex.join(words)
 
 
+def _train_epilog() -> str:
+    """The methods ``--method`` takes (the packaged fragments, read when the help is printed)."""
+    from idml.app.fragments import method_names
+
+    return "methods (--method): " + ", ".join(method_names())
+
+
 TRAIN = Command(
     "train",
     _run_train,
-    help="train (and evaluate) a model from a YAML config",
-    description="Train and evaluate a run. Several GPUs or nodes: start it with torchrun, e.g. "
-    "`torchrun --nproc_per_node=8 -m idml train CONFIG` (see the README).",
+    help="train (and evaluate) a model from a YAML config or on your own images (--data)",
+    # Printed as written (the epilog makes the help raw text), so the lines are broken here.
+    description="Train and evaluate a run, from a YAML config or on your own images:\n"
+    "`idml train --data PATH` inspects a folder of class folders (or a CSV), derives the\n"
+    "settings that follow from it and prints each with its reason. Several GPUs or nodes:\n"
+    "start it with torchrun, e.g. `torchrun --nproc_per_node=8 -m idml train CONFIG`\n"
+    "(see the README).",
+    epilog=_train_epilog,
     arguments=(
         Option(
-            "config", type=Path, help="YAML config, e.g. configs/idml/cub_proxy_anchor_idml.yaml"
+            "config",
+            type=Path,
+            nargs="?",
+            default=None,
+            help="YAML config, e.g. configs/idml/cub_proxy_anchor_idml.yaml (not with --data)",
         ),
-        OVERRIDES.but(help="override a config value, e.g. --set optim.epochs=10 (repeatable)"),
+        Option(
+            "--data",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help="your images instead of a config: a folder of class folders (root/<class>/"
+            "<image>, or deeper) or a CSV of path,label[,split] rows",
+        ),
+        Option(
+            "--method",
+            default=None,
+            help="with --data: the method, a packaged method/<name> fragment (default idml; "
+            "listed below)",
+        ),
+        OVERRIDES.but(
+            help="override a config value, e.g. --set optim.epochs=10 (repeatable); with --data "
+            "it wins over the derived value"
+        ),
         Option("--out", type=Path, default=None, help="run folder (default: runs/<name>)"),
         Option("--resume", action="store_true", help="continue from the run's last checkpoint"),
         Option(

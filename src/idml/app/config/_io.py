@@ -41,6 +41,7 @@ from idml.app.config._schema import (
     DataConfig,
     reads_key,
 )
+from idml.app.fragments import FRAGMENTS, fragment_names
 
 
 # --------------------------------------------------------------------------- loading
@@ -73,19 +74,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # --------------------------------------------------------------------------- composition
-FRAGMENTS = Path(__file__).with_name("fragments")
-"""The packaged fragments: ``include: method/idml`` reads ``FRAGMENTS / "method/idml.yaml"``."""
-
 INCLUDE_KEY = "include"
-
-
-def fragment_names() -> list[str]:
-    """Names of the packaged fragments (``method/idml``, ``dataset/cub``, …), sorted."""
-    return sorted(p.relative_to(FRAGMENTS).with_suffix("").as_posix() for p in _fragment_files())
-
-
-def _fragment_files() -> list[Path]:
-    return sorted(FRAGMENTS.rglob("*.yaml"))
 
 
 def read_fragment(name: str) -> dict[str, Any]:
