@@ -550,6 +550,7 @@ def test_uncertainty_head_spec_parses_the_shorthands_and_round_trips() -> None:
         "activation": "softplus",
         "normalize": False,
         "init_std": 0.01,
+        "level_input": "standardized",
     }
     assert UncertaintyHeadSpec.parse(stored) == spec
     with pytest.raises(UncertaintyHeadSpecError, match="uncertainty=None"):
@@ -615,12 +616,23 @@ def test_build_config_rebuilds_the_model_in_its_old_and_new_form() -> None:
     oldest = {k: v for k, v in old.items() if k not in bounded_keys}
     assert upgrade_build_config(oldest) == new
 
-    # The default bounded head, and a model without a head, the same way.
-    bounded = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=True)
+    # The bounded head, and a model without a head, the same way. A bounded head stored before
+    # level_input existed (flat keys, or a spec dict without the field) read the unit direction.
+    direction = UncertaintyHeadSpec(level_input="direction")
+    bounded = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=direction)
     old_bounded = {**old, "uncertainty_dim": None, "uncertainty_activation": "none"}
     old_bounded["uncertainty_form"] = "bounded"
     assert upgrade_build_config(old_bounded) == bounded.build_config
     _rebuilt_equal(bounded, old_bounded)
+    spec_before = {
+        k: v for k, v in bounded.build_config["uncertainty"].items() if k != "level_input"
+    }
+    assert upgrade_build_config({**bounded.build_config, "uncertainty": spec_before}) == (
+        bounded.build_config
+    )
+    today = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=True)
+    assert today.build_config["uncertainty"]["level_input"] == "standardized"
+    assert upgrade_build_config(today.build_config) == today.build_config
     plain = build_model("small_cnn", pretrained=False, embedding_dim=8)
     assert plain.build_config["uncertainty"] is None
     old_plain = {**old_bounded, "uncertainty": "none"}

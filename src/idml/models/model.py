@@ -350,7 +350,9 @@ def upgrade_build_config(config: Mapping[str, Any]) -> dict[str, Any]:
     keys beside ``uncertainty`` (the kind); they become one ``uncertainty`` spec dict (``None``
     without a head, whatever the flat keys said). The oldest have no ``uncertainty_form``: their
     head was the paper's linear layer, from before the bounded head became the default, so they
-    keep it. A config of today's form comes back as it is.
+    keep it. A bounded head stored without ``level_input`` (flat, or a spec dict from before that
+    field) read the unit feature direction, and its weights hold no standardisation statistics, so
+    it keeps ``level_input="direction"``. A config of today's form comes back as it is.
 
     Example:
         >>> old = {"backbone": "small_cnn", "embedding_dim": 8, "uncertainty": "ism",
@@ -358,15 +360,26 @@ def upgrade_build_config(config: Mapping[str, Any]) -> dict[str, Any]:
         >>> new = upgrade_build_config(old)
         >>> new["uncertainty"]["dim"], new["uncertainty"]["max_norm"], sorted(new)
         (4, 2.0, ['backbone', 'embedding_dim', 'uncertainty'])
+        >>> new["uncertainty"]["level_input"]
+        'direction'
         >>> upgrade_build_config(new) == new
         True
     """
     flat = {field: config[key] for key, field in _FLAT_HEAD_KEYS.items() if key in config}
     if not flat:
+        stored = config.get("uncertainty")
+        if (
+            isinstance(stored, Mapping)
+            and stored.get("form") == UncertaintyForm.BOUNDED.value
+            and "level_input" not in stored
+        ):
+            return {**config, "uncertainty": {**stored, "level_input": "direction"}}
         return dict(config)
     upgraded = {key: value for key, value in config.items() if key not in _FLAT_HEAD_KEYS}
     head = UncertaintyHeadSpec.parse(config.get("uncertainty", False))
     if head is not None:
         head = dataclasses.replace(head, **{"form": UncertaintyForm.LINEAR, **flat})
+        if head.form is UncertaintyForm.BOUNDED:
+            head = dataclasses.replace(head, level_input=LevelInput.DIRECTION)
     upgraded["uncertainty"] = None if head is None else head.to_dict()
     return upgraded
