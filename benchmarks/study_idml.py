@@ -238,13 +238,16 @@ DEGRADATIONS = {
     "blur": "degradations.blur_fraction=0.25",
     "occlusion": "degradations.occlusion_fraction=0.25",
 }
-DEGRADATION_ARMS = {
-    "deg_baseline": ("baseline + degraded images", BASELINE, False),
-    "deg_ism": ("ISM + degraded images", ISM, True),
-    "deg_ism_frozen_u": (
-        "ISM + degraded images, u frozen",
-        (*ISM, "optim.uncertainty_lr_mult=0"),
-        True,
+DEGRADATION_ARMS: dict[str, Arm] = {
+    "deg_baseline": Arm("baseline + degraded images", BASELINE),
+    "deg_ism": Arm("ISM + degraded images", ISM, has_head=True),
+    "deg_ism_frozen_u": Arm(
+        "ISM + degraded images, u frozen", (*ISM, "optim.uncertainty_lr_mult=0"), has_head=True
+    ),
+    "deg_uniform": Arm(
+        "ISM + degraded images, u = 0 and matched γ (uniform weakening)",
+        ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=false"),
+        matched=True,
     ),
 }
 DEGRADATION_LOSS = "multi_similarity"
