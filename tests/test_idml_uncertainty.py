@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from idml.app import build
-from idml.app.config import ConfigError, load_config
+from idml.app.config import ConfigError, fragment_overrides, load_config
 from idml.app.training import Trainer
 from idml.app.training.monitoring import WeakeningMonitor
 from idml.embeddings import Embeddings
@@ -225,14 +225,8 @@ def test_bounded_form_refuses_linear_only_keys() -> None:
 # Digits 0–4 train / 5–9 test at 16 px, the demo's small CNN, 8 epochs of 15 steps: long enough for
 # the uncertainty level to move (the study's `demo` setting, benchmarks/study_idml.py).
 MOVING = [
-    "data.dataset=digits",
-    "data.image_size=16",
-    "data.resize_size=null",
-    "data.train_crop_scale=[0.7, 1.0]",
-    "data.horizontal_flip=false",
-    "data.num_workers=0",
-    "model.backbone=small_cnn",
-    "model.pretrained=false",
+    *fragment_overrides("dataset/digits_demo"),
+    *fragment_overrides("backbone/small_cnn"),
     "model.embedding_dim=64",
     "sampler.classes_per_batch=5",
     "sampler.images_per_class=12",

@@ -29,14 +29,9 @@ from idml.losses import LOSSES
 from idml.models import embed_dataset
 
 SETTING = [
-    "data.dataset=digits",
-    "data.image_size=16",
-    "data.resize_size=null",
+    *fragment_overrides("dataset/digits_demo"),
     "data.train_crop_scale=[0.8, 1.0]",
-    "data.horizontal_flip=false",
-    "data.num_workers=0",
-    "model.backbone=small_cnn",
-    "model.pretrained=false",
+    *fragment_overrides("backbone/small_cnn"),
     "model.embedding_dim=32",
     "sampler.classes_per_batch=5",
     "sampler.images_per_class=8",
