@@ -101,13 +101,15 @@ def _confidence_table(
     qualities: dict[str, tuple[float, float]],
     oracle: float | None,
     answers: str,
-    error: str,
+    auroc_heading: str,
     wrong_answers: str,
 ) -> str:
-    """AUROC (detecting ``error``) and AURC (risk–coverage) of each confidence score.
+    """AUROC (right answers ranked above wrong ones) and AURC (risk–coverage) of each confidence
+    score.
 
     ``qualities`` maps a score's description to its ``(auroc, aurc)``; ``answers`` names what is
-    answered ("queries", "test images") and ``wrong_answers`` the wrong ones.
+    answered ("queries", "test images"), ``wrong_answers`` the wrong ones, and ``auroc_heading``
+    the AUROC column as the run's metrics name it (R-AUROC for retrieval, as the URL benchmark does).
     """
     rows = [
         f"<tr><td>{html.escape(name)}</td><td>{format_metric('auroc', auroc)}</td>"
@@ -122,12 +124,13 @@ def _confidence_table(
         else f" The best any score could reach: AURC {format_metric('aurc', oracle)}."
     )
     return (
-        f"<table><tr><th>confidence score</th><th>AUROC ({html.escape(error)})</th>"
+        f"<table><tr><th>confidence score</th><th>{html.escape(auroc_heading)}</th>"
         f"<th>{metric_heading('aurc')}</th></tr>"
         + "".join(rows)
         + "</table>"
         + note(
-            f"AUROC: how well the score ranks {wrong_answers} below right ones (0.5 = chance). "
+            f"{auroc_heading}: how well the score ranks {wrong_answers} below right ones (0.5 = "
+            "chance). "
             f"AURC: mean error rate when only the most confident {answers} are answered, over all "
             f"coverage levels (lower is better).{floor}"
         )
@@ -142,7 +145,7 @@ def _retrieval_confidence(metrics: dict[str, float]) -> str:
         if auroc is not None and aurc is not None:
             qualities[name] = (auroc, aurc)
     return _confidence_table(
-        qualities, metrics.get("aurc_oracle"), "queries", "wrong top-1", "wrong top-1 answers"
+        qualities, metrics.get("aurc_oracle"), "queries", "R-AUROC", "wrong top-1 answers"
     )
 
 
@@ -404,7 +407,7 @@ def classification_section(analysis: ClassificationAnalysis, slug: str, page: Pa
     parts.append("<h3>Can the prediction's confidence be trusted?</h3>")
     parts.append(
         _confidence_table(
-            qualities, selective.oracle_aurc, "test images", "wrong prediction", "wrong predictions"
+            qualities, selective.oracle_aurc, "test images", "AUROC", "wrong predictions"
         )
     )
     curves = {CLASSIFICATION_SCORES[k]: c for k, c in selective.curves.items()}
