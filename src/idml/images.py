@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from idml.checks import value_checks_enabled
+
 RANGE_TOLERANCE = 1e-4
 """Slack on the ``[0, 1]`` check: ``λ·x + (1 − λ)·y`` may exceed 1 by a rounding error."""
 
@@ -29,7 +31,8 @@ def check_images(images: Tensor, name: str = "images") -> None:
     """Raise naming ``name`` unless ``images`` is a float ``(B, C, H, W)`` batch in ``[0, 1]``.
 
     NaN fails the range test too. An empty batch passes (the caller decides whether it may be
-    empty). Costs one min/max reduction (a host sync on a GPU), so a batch is checked once per step.
+    empty). Costs one min/max reduction (a host sync on a GPU), so a batch is checked once per step;
+    skipped where :func:`idml.checks.value_checks` turned the value checks off.
     """
     if not isinstance(images, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(images).__name__}")
@@ -42,7 +45,7 @@ def check_images(images: Tensor, name: str = "images") -> None:
             f"{name} must be floating point in [0, 1], got dtype {images.dtype}; convert with "
             "images.float() / 255"
         )
-    if images.numel() == 0:
+    if images.numel() == 0 or not value_checks_enabled():
         return
     low, high = (float(v) for v in torch.aminmax(images.detach()))
     if not (low >= -RANGE_TOLERANCE and high <= 1 + RANGE_TOLERANCE):

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from idml.checks import value_checks_enabled
+
 PAD = -1
 """Padding value of an unused label slot."""
 
@@ -45,7 +47,7 @@ class LabelSets:
             )
         if self.labels.dtype.is_floating_point or self.labels.dtype == torch.bool:
             raise ValueError(f"labels must be integers, got dtype {self.labels.dtype}")
-        if self.labels.numel() and bool((self.labels[:, 0] < 0).any()):
+        if value_checks_enabled() and self.labels.numel() and bool((self.labels[:, 0] < 0).any()):
             raise ValueError(
                 "labels: every sample needs at least one label >= 0 in its first slot "
                 f"(got {self.labels[:, 0].min().item()}); remap labels to 0..C-1"
@@ -119,7 +121,7 @@ class LabelSets:
     # ----------------------------------------------------------------- relations
     def membership(self, num_classes: int) -> Tensor:
         """``(B, C)`` boolean matrix: sample ``i`` carries class ``c``."""
-        if self.max_label() >= num_classes:
+        if value_checks_enabled() and self.max_label() >= num_classes:
             raise ValueError(
                 f"labels: label {self.max_label()} is out of range for {num_classes} classes; "
                 "labels must lie in 0..num_classes-1 (set num_classes to the number of training classes)"

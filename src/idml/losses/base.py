@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from idml.checks import value_checks_enabled
 from idml.embeddings import Embeddings
 from idml.losses.registry import LossContext, LossParams
 from idml.metrics import EuclideanDistance, IntrospectiveMetric, Metric
@@ -77,7 +78,7 @@ class MetricLoss(nn.Module):
             )
         sets = sets.to(emb.semantic.device)
         loss = self.compute(emb, sets)
-        if not bool(torch.isfinite(loss).all()):
+        if value_checks_enabled() and not bool(torch.isfinite(loss).all()):
             raise FloatingPointError(
                 f"{type(self).__name__} produced a non-finite loss ({loss.item()}); "
                 "lower the learning rate or check the inputs"
@@ -196,7 +197,7 @@ class ProxyLoss(MetricLoss):
                 "the uncertainty head's output size"
             )
         sets = LabelSets.coerce(labels)
-        if sets.max_label() >= self.num_classes:
+        if value_checks_enabled() and sets.max_label() >= self.num_classes:
             raise ValueError(
                 f"labels: label {sets.max_label()} is out of range for {self.num_classes} proxies; "
                 "labels must lie in 0..num_classes-1"
