@@ -165,7 +165,14 @@ def per_core(files: list[Path], cache_dir: Path, device: torch.device, size: int
     return rows
 
 
-def config(method: str, args: argparse.Namespace, root: Path, cache: Path, path: str) -> object:
+def config(
+    method: str,
+    args: argparse.Namespace,
+    root: Path,
+    cache: Path,
+    path: str,
+    compute: list[str] | None = None,
+) -> object:
     from idml.app.config import load_config
 
     per_class = 4
@@ -186,6 +193,7 @@ def config(method: str, args: argparse.Namespace, root: Path, cache: Path, path:
         "eval.nmi=false",
         "tensorboard=false",
         *(o.format(cache=cache) for o in PATHS[path]),
+        *(compute or []),
     ]
     return load_config(METHODS[method], overrides)
 
@@ -217,11 +225,30 @@ def loader_ceiling(cfg: object, batches: int, device: torch.device) -> float:
     return timed * cfg.sampler.effective_batch_size / seconds  # type: ignore[attr-defined]
 
 
-def model_step(cfg: object, steps: int, device: torch.device, run_dir: Path) -> tuple[float, int]:
-    """Unique images per second of ``Trainer.train_step`` on one batch kept on the device, and
-    the rows the model sees per step (batch + Mixup's half batch for IDML)."""
+COMPUTE = {
+    "fp32-eager": [
+        "optim.amp=false",
+        "optim.channels_last=false",
+        "optim.fused=false",
+        "optim.sync_every=1",
+    ],
+    "auto": [],
+    "auto+compile": ["optim.compile=default"],
+}
+"""The step's compute plans (``idml.app.training.compute``) measured: float32 eager read every step
+(the step before the plan existed), the device's defaults, and those with a compiled backbone."""
+
+
+def model_step(
+    cfg: object, steps: int, device: torch.device, run_dir: Path
+) -> tuple[float, int, str]:
+    """Unique images per second of ``Trainer.step`` on one batch kept on the device, as the epoch
+    loop runs it (the host reads the step's values every ``optim.sync_every`` steps), the rows the
+    model sees per step (batch + Mixup's images for IDML), and the compute plan."""
     from idml.app import build
     from idml.app.training import Trainer
+    from idml.app.training.step_values import StepValues
+    from idml.checks import value_checks
 
     trainer = Trainer(cfg, run_dir, progress=False)  # type: ignore[arg-type]
     loader = build.train_loader(cfg, trainer.data, 0, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
@@ -230,13 +257,20 @@ def model_step(cfg: object, steps: int, device: torch.device, run_dir: Path) -> 
     gen = torch.Generator().manual_seed(0)
     rows = trainer.plan.augment(trainer.augment, images, labels, [gen]).images.shape[0]
     trainer.model.train()
-    trainer.train_step(images, labels, gen, gen, False)  # warm-up
+    images = trainer.compute.prepare_images(images)
+    values = StepValues()
+    for _ in range(2):  # warm-up (and compilation, with optim.compile)
+        trainer.step(images, labels, gen, gen, False, values, 0)
     sync(device)
+    every = trainer.compute.sync_every
     start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(images, labels, gen, gen, False)
+    for step in range(steps):
+        reads = (step + 1) % every == 0 or step + 1 == steps
+        with value_checks(reads):
+            trainer.step(images, labels, gen, gen, False, values, step if reads else None)
     sync(device)
-    return steps * images.shape[0] / (time.perf_counter() - start), int(rows)
+    seconds = time.perf_counter() - start
+    return steps * images.shape[0] / seconds, int(rows), trainer.compute.describe() or "float32"
 
 
 def end_to_end(cfg: object, steps: int, run_dir: Path) -> float:
@@ -264,9 +298,17 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS), help="data paths to measure")
     parser.add_argument("--methods", default="baseline,idml")
     parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--compute",
+        default=",".join(COMPUTE),
+        help=f"compute plans of the model step, of {', '.join(COMPUTE)}",
+    )
     parser.add_argument("--end-to-end", action="store_true", help="also loader + step together")
     parser.add_argument("--data", type=Path, default=None, help="reuse this synthetic folder")
     args = parser.parse_args()
+    unknown = sorted(set(args.compute.split(",")) - set(COMPUTE))
+    if unknown:
+        parser.error(f"--compute {','.join(unknown)}: choose among {', '.join(COMPUTE)}")
     from bench_evaluation import cpu_model  # the one reading of the CPU's model name
 
     if args.batch % 4:
@@ -314,11 +356,14 @@ def main() -> None:
         print(
             f"\n3. model step (ResNet-50, {args.image_size} px, batch {args.batch}, amp {args.amp})\n"
         )
-        print("| method | rows per step | unique images/s |\n| --- | --- | --- |")
+        print("| method | compute | rows per step | unique images/s |\n| --- | --- | --- | --- |")
         for method in methods if args.steps > 0 else []:
-            cfg = config(method, args, root, cache, "reference")
-            value, rows = model_step(cfg, args.steps, device, work / f"run-{method}")
-            print(f"| {method} | {rows} | {value:,.1f} |", flush=True)
+            for plan in args.compute.split(","):
+                cfg = config(method, args, root, cache, "reference", COMPUTE[plan])
+                value, rows, described = model_step(
+                    cfg, args.steps, device, work / f"run-{method}-{plan}"
+                )
+                print(f"| {method} | {plan}: {described} | {rows} | {value:,.1f} |", flush=True)
 
         if args.end_to_end:
             print("\n4. end to end (loader + step, Trainer.train_epoch)\n")

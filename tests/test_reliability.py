@@ -176,17 +176,17 @@ def test_divergence_after_a_good_epoch_leaves_that_epoch_latest(
 ) -> None:
     cfg = load_config(None, [*TINY, "optim.epochs=2"])
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
-    real = trainer.train_step
+    real = trainer.step
 
     def poisoned(*args, **kwargs):
-        parts = real(*args, **kwargs)
+        read = real(*args, **kwargs)
         if trainer.monitor.position == (1, 1):
             with torch.no_grad():
                 next(trainer.model.parameters()).fill_(float("nan"))
             trainer.check_finite_weights()
-        return parts
+        return read
 
-    monkeypatch.setattr(trainer, "train_step", poisoned)
+    monkeypatch.setattr(trainer, "step", poisoned)
     with pytest.raises(FloatingPointError, match=r"epoch 2, step 2.*epoch_0001\) stays latest"):
         trainer.fit()
     root = tmp_path / "run" / "checkpoints"

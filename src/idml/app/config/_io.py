@@ -350,7 +350,7 @@ def _upgrade(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 RUNTIME_KEYS: frozenset[str] = frozenset(
-    {"device", "data.num_workers", "tensorboard", "eval.batch_size"}
+    {"device", "data.num_workers", "tensorboard", "eval.batch_size", "optim.sync_every"}
     | {"mlflow.enabled", "mlflow.tracking_uri", "mlflow.experiment"}
     | {"published"}
 )

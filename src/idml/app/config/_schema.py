@@ -603,7 +603,43 @@ class OptimConfig(Section):
 
     warmup_epochs: int = Field(0, ge=0, description="epochs that train only heads and proxies")
     grad_clip: float | None = Field(10.0, gt=0)
-    amp: bool = Field(True, description="mixed precision (CUDA only)")
+    amp: bool = Field(
+        True,
+        description="mixed precision: autocast in amp_dtype on an accelerator (on the CPU only "
+        "when amp_dtype=bfloat16 is asked for)",
+    )
+    amp_dtype: Literal["auto", "bfloat16", "float16"] = Field(
+        "auto",
+        description="autocast dtype: auto is bfloat16 where the device supports it, else float16 "
+        "(with loss scaling); auto leaves a CPU in float32",
+    )
+    channels_last: bool | Literal["auto"] = Field(
+        "auto",
+        description="model and image batches in channels-last memory format (auto: on CUDA)",
+    )
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
+        "off", description="torch.compile the backbone in this mode (off: eager)"
+    )
+    fused: bool | Literal["auto"] = Field(
+        "auto",
+        description="the optimizer's fused kernel (auto: on an accelerator; true: also on the CPU)",
+    )
+    sync_every: int | Literal["auto"] = Field(
+        "auto",
+        description="read the step's logged values and run the NaN checks every N steps (auto: 1 on "
+        "the CPU, where reading costs nothing; 25 on an accelerator, whose queue a read would "
+        "drain); a NaN is then caught up to N-1 steps late, always before a checkpoint",
+    )
+
+    @field_validator("sync_every")
+    @classmethod
+    def _positive_sync_every(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(
+                f"optim.sync_every must be a positive number of steps or auto, got {value}"
+            )
+        return value
+
     max_steps_per_epoch: int | None = Field(None, gt=0, description="cap iterations (smoke runs)")
 
 

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 T = TypeVar("T")
 
@@ -58,6 +59,15 @@ class DistributedContext:
         box: list[Any] = [value if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def average(self, tensor: Tensor) -> Tensor:
+        """``tensor`` averaged over ranks (one all-reduce; unchanged for one process); it stays on
+        the device, so nothing waits for it until it is read."""
+        if not self.is_distributed:
+            return tensor
+        out = tensor.to(self.device).clone()
+        dist.all_reduce(out)
+        return out / self.world_size
 
     def mean(self, values: Mapping[str, float]) -> dict[str, float]:
         """Average each value over ranks (one all-reduce; every rank must pass the same keys).

@@ -23,10 +23,8 @@ depend on the number of processes, so a run may resume with another one.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import warnings
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -49,12 +47,15 @@ from idml.app.preflight import check_model_input, check_run_config
 from idml.app.run_folder import claim_run_folder
 from idml.app.tasks import EvaluationContext, task_of
 from idml.app.training.checkpoints import BestEpoch, Checkpointing, TrainingWeights
+from idml.app.training.compute import ComputePlan
 from idml.app.training.console import resume_line, startup_summary
 from idml.app.training.epoch_log import EpochLog, EpochRecord, TrainResult
 from idml.app.training.interrupt import interrupts_deferred
 from idml.app.training.monitoring import LearningMonitor
 from idml.app.training.optim import build_optimizers, build_scheduler, restore_schedule
+from idml.app.training.step_values import StepValues, non_finite
 from idml.augment import AugmentedBatch
+from idml.checks import value_checks
 from idml.embeddings import Embeddings, NonFiniteEmbeddingsError
 from idml.progress import Progress
 from idml.ranking import RankingOutput, draw_images
@@ -114,6 +115,10 @@ class Trainer:
         self.data = self.task.build_data(cfg)
         self.model = build.build_model(cfg).to(self.device)
         check_model_input(self.model, cfg)
+        self.compute = ComputePlan.resolve(cfg.optim, self.device)
+        """How the step uses the device: autocast, memory format, compilation, fused optimizer,
+        host reads (:mod:`idml.app.training.compute`)."""
+        self.compute.prepare_model(self.model)
         self.objective = self.task.build_objective(cfg, self.data)
         self.objective.module.to(self.device)
         self.ssr = build.build_ssr(cfg, self.model.feature_dim)
@@ -121,11 +126,10 @@ class Trainer:
             self.ssr = self.ssr.to(self.device)
         self.augment = self.task.build_augmentations(cfg)
         self.optimizer, self.ranking_optimizer = build_optimizers(
-            cfg, self.model, self.objective.module, self.ssr
+            cfg, self.model, self.objective.module, self.ssr, fused=self.compute.fused
         )
         self.scheduler = build_scheduler(cfg, self.optimizer)
-        self.amp = cfg.optim.amp and self.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
+        self.scaler = self.compute.grad_scaler()
         self.start_epoch = 0
         self.best = BestEpoch()
         self.eval_notes: dict[str, str] = {}
@@ -203,7 +207,7 @@ class Trainer:
             restored.epoch,
             restored.epochs_changed,
         )
-        if state.get("scaler"):
+        if state.get("scaler") and self.compute.loss_scaling:
             self.scaler.load_state_dict(state["scaler"])
         self.start_epoch = restored.epoch
         self.best = BestEpoch.from_state(state)
@@ -213,7 +217,14 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         epochs = self.cfg.optim.epochs
         self._say(
-            *startup_summary(self.cfg, self.data, self.run_dir, self.device, self.dist.world_size)
+            *startup_summary(
+                self.cfg,
+                self.data,
+                self.run_dir,
+                self.device,
+                self.dist.world_size,
+                self.compute.describe(),
+            )
         )
         if resume:
             self.resume()
@@ -273,7 +284,7 @@ class Trainer:
             "config": config_to_dict(self.cfg),
             "num_train_classes": self.data.num_train_classes,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.amp else None,
+            "scaler": self.scaler.state_dict() if self.compute.loss_scaling else None,
             **self.best.to_state(),
             "metrics": self.history[-1] if self.history else {},
             **self.task.checkpoint_state(self.data),
@@ -313,29 +324,42 @@ class Trainer:
         ssr_shard_gen = self.plan.generators(ssr_gen)
         if gate is not None:
             gate.new_epoch()
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
+        values = StepValues()
         start = time.perf_counter()
         steps = 0
         limit = cfg.optim.max_steps_per_epoch
         total = len(loader) if limit is None else min(limit, len(loader))
         self.monitor.start_epoch(epoch)
         bar = Progress(total, f"epoch {epoch + 1}/{cfg.optim.epochs}", enabled=self.progress)
+        first_unread = 0  # the first step since the host last read
         for images, labels, _ in loader:
             if limit is not None and steps >= limit:
                 break
-            images = images.to(self.device, non_blocking=True)
+            images = self.compute.prepare_images(images.to(self.device, non_blocking=True))
             labels = labels.to(self.device, non_blocking=True)
             ssr_on = gate() if gate is not None else False
             self.monitor.step(epoch, steps, total)
-            parts = self.train_step(images, labels, aug_gen, ssr_shard_gen, ssr_on)
-            for k, v in parts.items():
-                sums[k] += v
-                counts[k] += 1
+            # The host reads the step's values every compute.sync_every steps; the library's checks
+            # of values (input range, finite embeddings, labels) run at those steps only.
+            reads = self.compute.reads_at(steps, total)
+            with value_checks(reads):
+                read = self.step(
+                    images,
+                    labels,
+                    aug_gen,
+                    ssr_shard_gen,
+                    ssr_on,
+                    values,
+                    first_unread if reads else None,
+                )
             steps += 1
-            bar.update(1, loss=parts["total"])
+            if read is None:
+                bar.update(1)
+            else:
+                first_unread = steps
+                bar.update(1, loss=read["total"])
         bar.close()
-        means = {k: sums[k] / counts[k] for k in sums}
+        means = values.read(self.dist)
         losses = {k: v for k, v in means.items() if not k.startswith("u_")}
         unc = {k[2:]: v for k, v in means.items() if k.startswith("u_")}
         lr = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
@@ -353,57 +377,83 @@ class Trainer:
         ssr_gen: torch.Generator | Sequence[torch.Generator],
         ssr_on: bool,
     ) -> dict[str, float]:
-        """One optimisation step; returns the loss parts and uncertainty levels for logging.
+        """One optimisation step, read at once: its loss parts and uncertainty levels.
 
         ``images``/``labels`` are this process's rows; ``aug_gen``/``ssr_gen`` hold one generator per
         shard it computes (or a single generator for a single shard). With several processes the loss
         sees the gathered global batch and the returned values are those of the global batch.
+        (The epoch loop keeps the values on the device and reads them every
+        ``compute.sync_every`` steps.)
+        """
+        values = StepValues()
+        self.step(images, labels, aug_gen, ssr_gen, ssr_on, values, self.monitor.position[1])
+        return values.read(self.dist)
+
+    def step(
+        self,
+        images: Tensor,
+        labels: Tensor,
+        aug_gen: torch.Generator | Sequence[torch.Generator],
+        ssr_gen: torch.Generator | Sequence[torch.Generator],
+        ssr_on: bool,
+        values: StepValues,
+        read_from: int | None,
+    ) -> dict[str, float] | None:
+        """One optimisation step that adds its values to ``values`` on the device.
+
+        With ``read_from`` (the first step since the host last read) the host reads ``values``
+        before the update, stops the run on a NaN or infinite loss among the steps since
+        ``read_from``, and checks the weights after it; returns what it read. Without, nothing in
+        the step waits for the device (``None``) when it runs as the epoch loop runs it, with the
+        library's value checks off (:func:`idml.checks.value_checks`).
         """
         aug_gens = [aug_gen] if isinstance(aug_gen, torch.Generator) else list(aug_gen)
         ssr_gens = [ssr_gen] if isinstance(ssr_gen, torch.Generator) else list(ssr_gen)
         joint = self.ranking_optimizer is None
         batch = self.plan.augment(self.augment, images, labels, aug_gens)
 
-        def forward() -> tuple[Tensor, Embeddings, AugmentedBatch, dict[str, float]]:
-            parts: dict[str, float] = {}
-            with torch.autocast(self.device.type, enabled=self.amp):
+        def forward() -> tuple[Tensor, Embeddings, AugmentedBatch]:
+            with self.compute.autocast():
                 try:
                     out = self.model(batch.images)  # Embeddings refuse NaN/inf rows themselves
                 except NonFiniteEmbeddingsError as err:
                     # With several processes this rank ends here and torchrun stops the others.
                     raise self.monitor.non_finite(
-                        f"NaN or inf in the training batch's {err}"
+                        f"NaN or inf in the training batch's {err}", first_step=read_from
                     ) from err
                 unc = None if out.uncertainty is None else _upcast(out.uncertainty)
                 emb, global_batch = self.plan.gather(Embeddings(_upcast(out.semantic), unc), batch)
                 metric_loss = self.objective(emb, global_batch)
                 self.monitor.record_weakening(self.objective.module, emb, global_batch.labels)
-            parts["metric"] = float(metric_loss.detach())
+            values.add("metric", metric_loss)
             total = metric_loss
             if ssr_on and joint and self.ssr is not None:
-                total = total + self.ssr.weight * self._ranking_loss(images, ssr_gens, parts)
-            parts["total"] = float(total.detach())
-            return total, emb, global_batch, parts
+                total = total + self.ssr.weight * self._ranking_loss(images, ssr_gens, values)
+            values.add("total", total)
+            return total, emb, global_batch
 
-        total, emb, batch, parts = self._forward(forward)
+        total, emb, batch = self._forward(forward)
         if emb.uncertainty is not None:
             level = self.model.uncertainty_level(emb.detach())
-            parts["u_original"] = (
-                float(level[~batch.mixed].mean()) if (~batch.mixed).any() else math.nan
-            )
-            if batch.mixed.any():
-                parts["u_mixed"] = float(level[batch.mixed].mean())
-            if batch.degraded is not None and batch.degraded.any():
-                parts["u_degraded"] = float(level[batch.degraded].mean())
-        parts = self.dist.mean(parts)
-        if not math.isfinite(parts["total"]):
-            raise self.monitor.non_finite(f"non-finite loss {parts}")
+            values.add_masked_mean("u_original", level, ~batch.mixed)
+            values.add_masked_mean("u_mixed", level, batch.mixed)
+            if batch.degraded is not None:
+                values.add_masked_mean("u_degraded", level, batch.degraded)
+        read = None
+        if read_from is not None:
+            read = values.read(self.dist)
+            bad = non_finite(read)
+            if bad:
+                found = ", ".join(f"{k} {read[k]}" for k in bad)
+                raise self.monitor.non_finite(f"non-finite loss ({found})", first_step=read_from)
+            self.monitor.settle()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ranking_optimizer is not None:
             self.ranking_optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(total).backward()
         self.monitor.record_grad_norm(self._clip_and_step(self.optimizer)[0])
-        self.check_finite_weights()
+        if read_from is not None:
+            self.check_finite_weights(read_from)
         if ssr_on and not joint and self.ssr is not None:
             # Alternating (SSR Alg. 1): after the metric step, a second forward, backward and step
             # on γ_r·L_ranking alone (it must see the updated weights, so it cannot reuse a graph).
@@ -411,17 +461,19 @@ class Trainer:
             assert ranking_optimizer is not None  # not joint
             self.optimizer.zero_grad(set_to_none=True)
             ranking_optimizer.zero_grad(set_to_none=True)
-            ranking_parts: dict[str, float] = {}
-            ranking = self._forward(lambda: self._ranking_loss(images, ssr_gens, ranking_parts))
-            parts.update(self.dist.mean(ranking_parts))
+            ranking = self._forward(lambda: self._ranking_loss(images, ssr_gens, values))
             self.scaler.scale(self.ssr.weight * ranking).backward()
             self._clip_and_step(self.optimizer, ranking_optimizer)
-            self.check_finite_weights()
-        return {k: v for k, v in parts.items() if not (isinstance(v, float) and math.isnan(v))}
+            if read_from is not None:
+                self.check_finite_weights(read_from)
+        return read
 
-    def check_finite_weights(self) -> None:
-        """Stop at this step if a weight of the model or the other modules is NaN or inf."""
-        self.monitor.check_finite_weights({"model": self.model, **self.training_modules()})
+    def check_finite_weights(self, read_from: int | None = None) -> None:
+        """Stop if a weight of the model or the other modules is NaN or inf (``read_from``: the
+        first step since the host last read, where the fault may have begun)."""
+        self.monitor.check_finite_weights(
+            {"model": self.model, **self.training_modules()}, first_step=read_from
+        )
 
     def _forward(self, compute: Callable[[], _T]) -> _T:
         """Run a loss computation, through DDP when there are several processes.
@@ -432,7 +484,7 @@ class Trainer:
         return self._ddp(compute) if self._ddp is not None else compute()
 
     def _ranking_loss(
-        self, images: Tensor, gens: Sequence[torch.Generator], parts: dict[str, float]
+        self, images: Tensor, gens: Sequence[torch.Generator], values: StepValues
     ) -> Tensor:
         """SSR's L_ranking on M images from the metric batch or sampled separately.
 
@@ -449,12 +501,12 @@ class Trainer:
                 chosen = draw_images(shard, count, gen)
             else:
                 chosen = build.sample_images(self.data.train, count, gen).to(self.device)
-            with torch.autocast(self.device.type, enabled=self.amp):
+            with self.compute.autocast():
                 weighted.append((weight, self.ssr.loss(self.model.features, chosen, generator=gen)))
         loss = cast(Tensor, sum(w * out.loss for w, out in weighted))
-        parts["ranking"] = float(loss.detach())
-        parts["ranking_sort"] = float(sum(w * out.sort.detach() for w, out in weighted))
-        parts["ranking_pos"] = float(sum(w * out.pos.detach() for w, out in weighted))
+        values.add("ranking", loss)
+        values.add("ranking_sort", cast(Tensor, sum(w * out.sort.detach() for w, out in weighted)))
+        values.add("ranking_pos", cast(Tensor, sum(w * out.pos.detach() for w, out in weighted)))
         return _upcast(loss)
 
     def _clip_and_step(self, *optimizers: torch.optim.Optimizer) -> list[Tensor]:

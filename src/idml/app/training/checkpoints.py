@@ -38,8 +38,9 @@ from idml.app.config import (
 )
 from idml.app.distributed import DistributedContext
 
-RESUMABLE_CHANGES = RUNTIME_KEYS | {"optim.epochs"}
-"""Config keys a resumed run may change (more epochs, another machine); any other change is refused."""
+RESUMABLE_CHANGES = RUNTIME_KEYS | {"optim.epochs", "optim.compile"}
+"""Config keys a resumed run may change (more epochs, another machine, compiled or not); any other
+change is refused."""
 
 
 @dataclass

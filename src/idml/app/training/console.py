@@ -63,10 +63,12 @@ def startup_summary(
     run_dir: Path,
     device: torch.device,
     processes: int = 1,
+    compute: str | None = None,
 ) -> list[str]:
     """What the run is about to do: where it writes, the data it loaded (images and classes of
     each side, and whether the test classes are new ones), the model, the method, the schedule
-    and the device. ``data`` has ``name``, ``train`` and ``test`` image datasets (with
+    and the device (with ``compute``, how the step uses it:
+    :meth:`~idml.app.training.compute.ComputePlan.describe`). ``data`` has ``name``, ``train`` and ``test`` image datasets (with
     ``class_names``), and perhaps a ``val`` one."""
     train, test = data.train, data.test
     shared = set(train.classes) & set(test.classes)
@@ -97,6 +99,7 @@ def startup_summary(
     warmup = f", backbone frozen for {o.warmup_epochs}" if o.warmup_epochs else ""
     schedule = "constant lr" if o.scheduler == "none" else f"{o.scheduler} schedule"
     where = f"{device}" + (f", {processes} processes" if processes > 1 else "")
+    where += f" ({compute})" if compute else ""
     return [
         f"run {cfg.name} in {run_dir}",
         f"  data    {source}: {split}",

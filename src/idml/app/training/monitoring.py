@@ -78,22 +78,35 @@ class WeakeningMonitor:
     def __init__(self, samples_per_update: int = SAMPLES_PER_UPDATE) -> None:
         self.samples_per_update = samples_per_update
         self._values: dict[str, list[Tensor]] = {"pos": [], "neg": []}
+        self._pending: list[tuple[Tensor, Tensor, Tensor]] = []
         self._u_cv: list[Tensor] = []
 
     def reset(self) -> None:
         self._values = {"pos": [], "neg": []}
+        self._pending = []
         self._u_cv = []
 
     def update(self, factors: Tensor, positive: Tensor, negative: Tensor) -> None:
-        """Add one step's factors ``(B, B')`` with its positive and negative boolean masks."""
-        for kind, mask in (("pos", positive), ("neg", negative)):
-            values = factors.detach()[mask].float().cpu()
-            if values.numel() > self.samples_per_update:
-                stride = values.numel() / self.samples_per_update
-                index = (torch.arange(self.samples_per_update) * stride).long()
-                values = values[index]
-            if values.numel():
-                self._values[kind].append(values)
+        """Add one step's factors ``(B, B')`` with its positive and negative boolean masks.
+
+        They are kept on their device until :meth:`settle` (selecting by a mask reads its count
+        to the host, which a step on an accelerator must not wait for)."""
+        self._pending.append((factors.detach(), positive, negative))
+
+    def settle(self) -> None:
+        """Select and subsample the pending steps' factors on the host (the trainer calls this
+        at the steps it reads; :meth:`summary` calls it too)."""
+        for factors, positive, negative in self._pending:
+            host = factors.float().cpu()
+            for kind, mask in (("pos", positive.cpu()), ("neg", negative.cpu())):
+                values = host[mask]
+                if values.numel() > self.samples_per_update:
+                    stride = values.numel() / self.samples_per_update
+                    index = (torch.arange(self.samples_per_update) * stride).long()
+                    values = values[index]
+                if values.numel():
+                    self._values[kind].append(values)
+        self._pending = []
 
     def record(self, loss: Any, embeddings: Embeddings, labels: LabelSets) -> None:
         """Add the factors of the relations ``loss`` compares in this step (no gradient: the
@@ -109,6 +122,7 @@ class WeakeningMonitor:
             self._u_cv.append(level.std() / level.mean().clamp_min(1e-12))
 
     def summary(self) -> dict[str, float]:
+        self.settle()
         out: dict[str, float] = {}
         for kind, parts in self._values.items():
             if not parts:
@@ -285,25 +299,42 @@ class LearningMonitor:
                 stacklevel=3,
             )
 
-    def check_finite_weights(self, modules: Mapping[str, nn.Module]) -> None:
+    def check_finite_weights(
+        self, modules: Mapping[str, nn.Module], first_step: int | None = None
+    ) -> None:
         """Stop at the step that made a weight NaN or infinite (e.g. a learning rate far too
-        high): a checkpoint of such weights would be useless, and training on is wasted time."""
+        high): a checkpoint of such weights would be useless, and training on is wasted time.
+        ``first_step``: the first step since the host last read (the fault lies in
+        ``first_step..`` the current step)."""
         named = [
             (f"{prefix}.{name}", p)
             for prefix, module in modules.items()
             for name, p in module.named_parameters()
         ]
         finite = torch.stack([torch.isfinite(p).all() for _, p in named])
-        if not bool(finite.all()):  # one device sync per step, not one per tensor
+        if not bool(finite.all()):  # one host read, not one per tensor
             bad = [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
-            raise self.non_finite(f"non-finite weights in {', '.join(bad[:3])}")
+            raise self.non_finite(
+                f"non-finite weights in {', '.join(bad[:3])}", first_step=first_step
+            )
 
-    def non_finite(self, what: str, after_epoch: bool = False) -> NonFiniteError:
-        """The error that stops the run at the current step (or after its epoch's training)."""
+    def settle(self) -> None:
+        """Bring what the steps since the last read recorded on the device to the host."""
+        self.weakening.settle()
+
+    def non_finite(
+        self, what: str, after_epoch: bool = False, first_step: int | None = None
+    ) -> NonFiniteError:
+        """The error that stops the run at the current step (or after its epoch's training);
+        ``first_step``: the first step since the host last read, when it read only now, so the
+        fault lies in ``first_step..`` the current step."""
         epoch, step = self.position
-        where = (
-            f"after epoch {epoch + 1}" if after_epoch else f"at epoch {epoch + 1}, step {step + 1}"
-        )
+        if after_epoch:
+            where = f"after epoch {epoch + 1}"
+        elif first_step is not None and first_step < step:
+            where = f"at epoch {epoch + 1}, in steps {first_step + 1}-{step + 1}"
+        else:
+            where = f"at epoch {epoch + 1}, step {step + 1}"
         latest = self.run_dir / "checkpoints" / "latest"
         kept = (
             f"the last good checkpoint ({latest.read_text().strip()}) stays latest"

@@ -12,10 +12,12 @@ from idml.app.config import Config
 
 
 def build_optimizers(
-    cfg: Config, model: Any, loss: nn.Module, ssr: nn.Module | None
+    cfg: Config, model: Any, loss: nn.Module, ssr: nn.Module | None, fused: bool = False
 ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
     """The main optimizer (backbone, heads, uncertainty head, proxies and loss parameters in
-    named groups) and, for alternating SSR updates, the ranking head's own optimizer."""
+    named groups) and, for alternating SSR updates, the ranking head's own optimizer; ``fused``:
+    their fused kernels (one launch for every parameter; else torch's default, ``foreach``)."""
+    kernel: dict[str, Any] = {"fused": True} if fused else {}
     o = cfg.optim
     # The uncertainty head gets its own group only when asked to: the default layout (and so
     # the optimizer state of existing checkpoints) stays two model groups.
@@ -65,7 +67,9 @@ def build_optimizers(
             "name": "ranking",
         }
         if cfg.ssr.task.update == "alternating":
-            ranking_opt = torch.optim.AdamW([ranking], lr=o.lr, weight_decay=o.weight_decay)
+            ranking_opt = torch.optim.AdamW(
+                [ranking], lr=o.lr, weight_decay=o.weight_decay, **kernel
+            )
         else:
             groups.append(ranking)
     groups = [g for g in groups if g["params"]]
@@ -76,9 +80,10 @@ def build_optimizers(
             momentum=o.momentum,
             nesterov=o.nesterov,
             weight_decay=o.weight_decay,
+            **kernel,
         )
         return sgd, ranking_opt
-    return torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay), ranking_opt
+    return torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay, **kernel), ranking_opt
 
 
 def build_scheduler(
