@@ -420,3 +420,30 @@ def test_headless_check_catches_a_broken_page(tmp_path: Path) -> None:
     )
     assert any("undefinedFunction" in json.dumps(e) for e in result["errors"])
     assert result["images"] == [[True, 0]]
+
+
+@pytest.mark.parametrize(
+    ("last", "says"),
+    [
+        (
+            {"ism/pos_q10": 0.62, "ism/pos_q50": 0.91, "ism/u_cv": 0.4},
+            "In the last epoch (2) ISM weakens pairs unevenly: positive pairs' weakening e^(-y) "
+            "has 10th percentile 0.620 and median 0.910; ||u|| varies by 40 % across a batch.",
+        ),
+        (
+            {"ism/pos_q10": 0.993, "ism/pos_q50": 0.996, "ism/u_cv": 0.012},
+            "In the last epoch (2) ISM acts as the identity (or a uniform rescaling): the 10th "
+            "percentile of the positive pairs' weakening e^(-y) is 0.993 (> 0.98); ||u|| varies by "
+            "1.2 % across a batch (< 5 %).",
+        ),
+    ],
+)
+def test_the_ism_verdict_reads_the_last_epoch_by_the_monitors_rule(
+    last: dict[str, float], says: str
+) -> None:
+    from idml.app.reports.runs import RunLog
+    from idml.app.reports.sections import ism_verdict
+
+    first = {"epoch": 1, "ism/pos_q10": 0.5, "ism/pos_q50": 0.5, "ism/u_cv": 0.9}
+    run = RunLog(Path("run"), load_config(None), (first, {"epoch": 2, **last}))
+    assert ism_verdict(run).startswith(says)

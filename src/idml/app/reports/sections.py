@@ -29,6 +29,7 @@ from idml.app.reports.classification import (
     ClassificationAnalysis,
 )
 from idml.app.reports.runs import RunLog, TestAnalysis
+from idml.app.training.monitoring import identity_reasons
 from idml.diagnostics import UncertaintyProbe
 
 
@@ -266,6 +267,7 @@ def _run_body(index: int, report: RunReport, page: PageFigures) -> str:
                 "similarity pinned and its gradient gone) and the share of saturated relations.",
             )
         )
+        parts.append(note(ism_verdict(run)))
     else:
         parts.append(
             note(
@@ -277,6 +279,34 @@ def _run_body(index: int, report: RunReport, page: PageFigures) -> str:
     if analysis is not None:
         parts.append(cfg.task.spec.report_section(analysis, slug, page))
     return "\n".join(parts)
+
+
+def ism_verdict(run: RunLog) -> str:
+    """Whether ISM weakened pairs unevenly in the run's last epoch, or acted as the identity (or
+    a uniform rescaling), by the training monitor's own rule
+    (:func:`~idml.app.training.monitoring.identity_reasons`), with the numbers it read."""
+    last: dict[str, float] = {}
+    for key in ("pos_q10", "pos_q50", "u_cv"):
+        values = run.series(f"ism/{key}")[1]
+        if len(values):
+            last[key] = float(values[-1])
+    epoch = int(run.series("ism/pos_q50")[0][-1]) if "pos_q50" in last else None
+    when = f"In the last epoch ({epoch})" if epoch is not None else "In the last epoch"
+    reasons = identity_reasons(last)
+    if reasons:
+        return (
+            f"{when} ISM acts as the identity (or a uniform rescaling): {'; '.join(reasons)}. "
+            "The run then trains like the plain metric, and whatever IDML gains here is Mixup's."
+        )
+    found = []
+    if "pos_q10" in last:
+        found.append(
+            f"positive pairs' weakening e^(-y) has 10th percentile {last['pos_q10']:.3f} and "
+            f"median {last.get('pos_q50', float('nan')):.3f}"
+        )
+    if "u_cv" in last:
+        found.append(f"||u|| varies by {100 * last['u_cv']:.0f} % across a batch")
+    return f"{when} ISM weakens pairs unevenly: {'; '.join(found) or 'no factors were logged'}."
 
 
 def retrieval_section(analysis: TestAnalysis, slug: str, page: PageFigures) -> str:
