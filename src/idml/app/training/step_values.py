@@ -53,7 +53,7 @@ class StepValues:
         """One step's mean of ``values[mask]``, computed without indexing by the mask (which
         would read the mask's count to the host); a step whose mask selects nothing does not
         count towards ``name``'s mean."""
-        mask = mask.to(torch.float64)
+        mask = mask.to(device=values.device, dtype=torch.float64)
         count = mask.sum()
         chosen = count > 0
         mean = (values.detach().double() * mask).sum() / count.clamp_min(1.0)
