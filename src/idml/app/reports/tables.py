@@ -47,7 +47,7 @@ FAMILY_CAPTIONS = {
     "retrieval": "retrieval",
     "classification": "classification",
     "uncertainty": "uncertainty level ||u||",
-    "auroc": "confidence — R-AUROC: ranking right answers above wrong ones (0.5 = chance)",
+    "auroc": "confidence — R-AUROC: ranking right answers above wrong ones (50 % = chance)",
     "aurc": "confidence — AURC: error rate over the coverage (lower is better)",
     "abstention": "confidence — abstention: R@1 of the most confident answers; precision and "
     "coverage of the threshold certified for each target precision",
