@@ -13,6 +13,7 @@ import torch
 from idml.app.metric_display import (
     format_delta,
     format_metric,
+    metric_direction,
     metric_heading,
     metric_unit,
     table_decimals,
@@ -126,6 +127,9 @@ def test_metric_units_are_a_property_of_the_key() -> None:
     assert format_metric("r_auroc_top1", 0.75) == "75.00"
     assert metric_heading("r_auroc") == "R-AUROC (%)" and metric_heading("auroc") == "AUROC (%)"
     assert metric_heading("aurc_top1") == "AURC top-1 (%)"
+    directions = [metric_direction(k) for k in ("map@r", "r_auroc_top1", "aurc_oracle", "ece")]
+    assert directions == [1, 1, -1, -1]
+    assert [metric_direction(k) for k in ("nll", "u_clean", "seconds")] == [-1, 0, 0]
     assert format_delta("nll", -0.05) == "-0.050" and format_delta("map@r", 0.012) == "+1.20"
     assert [metric_unit(k) for k in ("aurc_oracle", "map", "nmi", "nll", "u_clean")] == [
         "%",

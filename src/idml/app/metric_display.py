@@ -4,9 +4,9 @@ idml stores every metric in its natural unit: retrieval, accuracy and confidence
 (Recall@K, MAP@R, NMI, top-k, ECE, R-AUROC and AUROC, AURC) as fractions in [0, 1], which the
 tables show in % (so one page reads in one unit: R-AUROC 91.2 beside R@1 67.2, 50 = chance), and
 the rest as they are: NLL (``nll``) in nats, uncertainty levels ``u_*`` as the norm ``||u||``.
-:func:`metric_unit` is the one place that says which is which; every table (the report's
-comparison, confidence and seed tables, ablation tables, paper comparisons) formats through
-:func:`format_metric` and :func:`metric_heading`.
+:func:`metric_unit` is the one place that says which is which, and :func:`metric_direction` which
+side is better; every table (the report's comparison, confidence and seed tables, ablation tables,
+paper comparisons) formats through :func:`format_metric` and :func:`metric_heading`.
 
 Numbers are shown with the precision their spread needs (:func:`decimals_for`): ``||u||`` levels
 of a trained head often differ in the third significant digit (0.02003 … 0.02008), which two
@@ -207,13 +207,28 @@ def metric_family(key: str) -> str:
     return "other"
 
 
-def beyond_spread(delta: float, stds: Iterable[float]) -> bool | None:
-    """Whether a difference of means exceeds the seed spread of both sides: ``|Δ|`` larger than
-    each (sample) standard deviation; ``None`` when a side has none (one seed) or ``Δ`` is NaN."""
-    spreads = [float(s) for s in stds]
-    if math.isnan(delta) or not spreads or any(math.isnan(s) for s in spreads):
-        return None
-    return abs(delta) > max(spreads)
+HIGHER_IS_BETTER = 1
+LOWER_IS_BETTER = -1
+NO_BETTER_SIDE = 0
+
+_LOWER_IS_BETTER = re.compile(r"^(aurc(_.+)?|ece|nll)$")
+
+
+def metric_direction(key: str) -> int:
+    """Which side of a metric is better: :data:`LOWER_IS_BETTER` for the risk–coverage area
+    (``aurc_*``), the calibration error (``ece``) and the negative log-likelihood (``nll``);
+    :data:`NO_BETTER_SIDE` for the ``||u||`` levels (``u_*``, a measurement of the images, not a
+    quality) and keys this module does not know; :data:`HIGHER_IS_BETTER` for the rest (Recall@K,
+    RP, MAP@R, MAP, MRR, NMI, top-k, (R-)AUROC, selective R@1, conformal precision and coverage).
+
+    >>> metric_direction("recall@1"), metric_direction("aurc_top1"), metric_direction("u_mixup")
+    (1, -1, 0)
+    """
+    if _LOWER_IS_BETTER.match(key):
+        return LOWER_IS_BETTER
+    if key.startswith("u_") or metric_unit(key) == PLAIN:
+        return NO_BETTER_SIDE
+    return HIGHER_IS_BETTER
 
 
 def metric_sort_key(key: str) -> tuple[int, float, str]:

@@ -1,8 +1,9 @@
 """``idml report``: one offline HTML page (plus its PNG figures) for one or several runs.
 
 The page leads with the answer: the seed table (each recipe's mean ± std over its seeds, the
-reference first, Δ against it marked where it is beyond the seed spread) with its Recall@K figure and
-the papers' numbers. Then the runs one by one: a comparison of every run (tables of its method and
+reference first, Δ against it with its 95 % interval, marked better or worse where a test over the
+seeds finds it significant after Holm's correction over the table) with its Recall@K figure and the
+papers' numbers. Then the runs one by one: a comparison of every run (tables of its method and
 test metrics, Recall@K dots, precision–recall curves) and a section per run — training curves, the
 uncertainty trend of original vs mixed training images (Wang et al. 2022, Fig. 7), the histogram
 of test-set uncertainty levels of original vs mixed test images (Fig. 9), a top-5 retrieval grid
@@ -52,7 +53,8 @@ th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; white-
 th { background: #f3f3f3; white-space: normal; }  /* a long heading wraps; numbers never */
 td.text, th.text { text-align: left; white-space: normal; max-width: 24em;
                    overflow-wrap: break-word; }
-td.beyond { font-weight: bold; }
+td.significant { font-weight: bold; }
+td .interval { font-size: 0.85em; font-weight: normal; color: #555; }
 figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption { font-size: 0.85em; color: #555; }
 p.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: 0.4em 0.8em; }
