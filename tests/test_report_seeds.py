@@ -146,7 +146,7 @@ def test_the_reference_comes_first_and_significant_deltas_are_marked(tmp_path: P
     logs = [read_run(r) for r in runs]
     table = seed_table(logs, [x.config.name for x in logs])
     assert [g.label for g in table.groups] == ["fake", "fake-idml", "fake (one)"]
-    assert table.reference is table.groups[0]
+    assert table.reference is table.groups[0] and table.compares
     # Paired over seeds 0 and 1: d = (0.10, 0.09), t = 0.095 / (0.005√2 / √2) = 19 with one
     # degree of freedom (Cauchy): p = 1 − (2/π)·atan 19 = 0.03348; the only test of the table
     # (one seed has no spread), so Holm leaves it: ▲.
@@ -276,6 +276,29 @@ def test_other_seeds_are_compared_unpaired_and_the_mark_knows_which_side_is_bett
     legend = table.legend
     assert "lower is better for AURC top-1" in legend and "≠ different" in legend
     assert "each Welch's t-test" in legend
+
+
+def test_one_run_has_no_seed_table_and_keeps_the_papers_numbers(tmp_path: Path) -> None:
+    run = _fake(tmp_path / "run", 0, 0.61)
+    table = seed_table([read_run(run)], ["fake"])
+    assert not table.compares
+    out = tmp_path / "report"
+    assert main(["report", str(run), "--no-test", "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    assert "Seeds and differences" not in page and "Δ [95 % CI]" not in page
+    assert "<h2>Published numbers</h2>" in page and "Paper vs this run: fake" in page
+    # Without published numbers there is nothing of that section left.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    cfg = load_config(None, [*TINY, "name=plain"])
+    dump_config(cfg, plain / "config.yaml")
+    (plain / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "test/recall@1": 0.5}) + "\n")
+    assert main(["report", str(plain), "--no-test", "--out", str(tmp_path / "r2")]) == 0
+    page = (tmp_path / "r2" / "index.html").read_text()
+    assert "Seeds and differences" not in page and "Published numbers" not in page
+    # Two seeds of one recipe: a table to read (mean ± std), though no Δ.
+    second = _fake(tmp_path / "run1", 1, 0.63)
+    assert seed_table([read_run(run), read_run(second)], ["fake", "fake"]).compares
 
 
 def test_an_ablation_folder_without_runs_is_refused(tmp_path: Path) -> None:

@@ -214,6 +214,12 @@ class SeedTable:
     reference: Group
     metrics: list[str]
 
+    @property
+    def compares(self) -> bool:
+        """Whether there is anything to compare: two groups, or a group of two seeds or more (one
+        run alone is its own numbers, shown in the run's table)."""
+        return len(self.groups) > 1 or any(len(g.runs) > 1 for g in self.groups)
+
     def cell(self, group: Group, metric: str) -> tuple[float, float, int, float]:
         """Mean, std, n and Δ (``group − reference``; NaN for the reference), as fractions."""
         mean, std, n = group.mean_std(metric)
@@ -445,15 +451,26 @@ def _num(value: float) -> str:
 
 # --------------------------------------------------------------------------- HTML
 def seeds_section(table: SeedTable) -> str:
-    """The report's section: the seed table and, per group with published numbers, the paper."""
+    """The report's section: the seed table (when it :attr:`~SeedTable.compares` anything) and,
+    per group with published numbers, the paper; "" when there is neither."""
     import html
 
+    papers = _paper_sections(table)
+    if not table.compares:
+        # One run: its numbers are the run table's; only the paper's are new.
+        return "\n".join(["<h2>Published numbers</h2>", *papers]) if papers else ""
     legend = f"{table.legend} Also in seeds.md and seeds.csv beside this page."
     parts = [
         "<h2>Seeds and differences</h2>",
         table.html(),
         f'<p class="meta">{html.escape(legend)}</p>',
     ]
+    return "\n".join(parts + papers)
+
+
+def _paper_sections(table: SeedTable) -> list[str]:
+    """:func:`paper_section` of each group with published numbers."""
+    parts = []
     for group in table.groups:
         published = group.runs[0].config.published
         if published is not None:
@@ -470,7 +487,7 @@ def seeds_section(table: SeedTable) -> str:
                     group, published.source, published.metrics, differences, bool(published.recipe)
                 )
             )
-    return "\n".join(parts)
+    return parts
 
 
 def _training_classes(run: RunLog) -> int | None:
