@@ -193,6 +193,24 @@ def test_histogram_ticks_of_levels_close_together_stay_apart() -> None:
     assert overlapping_texts(figure) == []
 
 
+def test_conditions_figure_names_each_auroc_in_percent() -> None:
+    """The ||u|| of clean vs altered images: each alteration's AUROC in %, as the page's tables."""
+    from idml.app.reports import analysis_figures
+
+    rng = np.random.default_rng(0)
+    levels = {name: rng.random(20) for name in ("clean", "mixup", "low_resolution", "blur")}
+    auroc = {"mixup": 0.7567, "low_resolution": 1.0, "blur": 0.5}
+    figure = analysis_figures.uncertainty_by_condition(levels, auroc)
+    labels = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert labels == [
+        "clean",
+        "mixup\nAUROC 75.7 %",
+        "low resolution\nAUROC 100.0 %",
+        "blur\nAUROC 50.0 %",
+    ]
+    assert overlapping_texts(figure) == []
+
+
 def test_many_runs_become_small_multiples(tmp_path: Path) -> None:
     names = [f"metric=ism, mixup=on, run {i}" for i in range(8)]
     recall = np.linspace(0, 1, 11)

@@ -66,7 +66,11 @@ def uncertainty_by_condition(levels: dict[str, np.ndarray], auroc: dict[str, flo
     names = list(levels)
     labels = [
         name.replace("_", " ")
-        + ("" if name not in auroc else f"\nAUROC {format_metric('auroc', auroc[name], 1)} %")
+        + (
+            ""
+            if name not in auroc
+            else f"\nAUROC {format_metric('auroc', auroc[name], percent_digits=1)} %"
+        )
         for name in names
     ]
     axes.boxplot([levels[n] for n in names], showfliers=False, widths=0.6)
