@@ -274,7 +274,7 @@ def test_other_seeds_are_compared_unpaired_and_the_mark_knows_which_side_is_bett
     assert marks == {"recall@1": "▼", "aurc_top1": "▲", "u_clean": "≠"}
     assert table.tests == (3, 0)
     legend = table.legend
-    assert "lower is better for AURC top-1" in legend and "≠ different" in legend
+    assert "(lower is better for AURC)" in legend and "≠ different where no side" in legend
     assert "each Welch's t-test" in legend
 
 

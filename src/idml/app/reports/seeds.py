@@ -301,8 +301,12 @@ class SeedTable:
     def legend(self) -> str:
         """What the numbers and marks are (below every rendering of the table)."""
         tested, paired = self.tests
-        lower = sorted(
-            {metric_label(m) for m in self.metrics if metric_direction(m) == LOWER_IS_BETTER}
+        lower = sorted(  # every AURC column under one name
+            {
+                "AURC" if m.startswith("aurc") else metric_label(m)
+                for m in self.metrics
+                if metric_direction(m) == LOWER_IS_BETTER
+            }
         )
         undirected = any(metric_direction(m) == NO_BETTER_SIDE for m in self.metrics)
         text = (
@@ -328,7 +332,7 @@ class SeedTable:
         return text + (
             f"{BETTER} better / {WORSE} worse than the reference"
             + (f" (lower is better for {', '.join(lower)})" if lower else "")
-            + (f", {DIFFERENT} different (||u||: no better side)" if undirected else "")
+            + (f", {DIFFERENT} different where no side is better (||u||)" if undirected else "")
             + f": p < {DEFAULT_ALPHA:g} after Holm's correction over the {tested} tested Δ of "
             f"this table, each {tests}. A Δ without an interval is not tested (fewer than two "
             "seeds on a side, or no spread)."
