@@ -86,6 +86,39 @@ def test_npy_embeddings_and_labels_table(tmp_path: Path, data, capsys) -> None:
     assert "lowest recall@1" in out
 
 
+def test_per_class_results_are_keyed_by_the_files_class_names(tmp_path: Path, data, capsys) -> None:
+    """A file that names its classes (``classes``, as ``idml embed`` writes) keys the per-class
+    results by name and says so; a file without names keys them by label, and says that."""
+    x, labels, _ = data
+    names = np.array(["ant", "bee", "cat", "dog", "eel", "fox"])
+    named = _write(
+        tmp_path / "named.npz", "npz", {"embeddings": x, "labels": labels, "classes": names}
+    )
+    plain = _write(tmp_path / "plain.npz", "npz", {"embeddings": x, "labels": labels})
+    expected = evaluate_embeddings(x, labels, EvaluationSettings(nmi=False)).retrieval.per_class
+    args = ["--no-nmi", "--per-class", "2"]
+    code, out, _ = _run(capsys, "evaluate", "--embeddings", str(named), *args, "--json")
+    result = json.loads(out)
+    assert code == 0 and result["per_class_keys"] == "class names"
+    # The same computation on the same float32 data: the same float64 means, bit for bit.
+    assert result["per_class"] == {str(names[c]): row for c, row in expected.items()}
+    code, out, _ = _run(capsys, "evaluate", "--embeddings", str(plain), *args, "--json")
+    result = json.loads(out)
+    assert result["per_class_keys"] == "labels" and set(result["per_class"]) == set("012345")
+    # The table: the worst two classes by name (the lowest R@1; ties by label).
+    worst = sorted(expected, key=lambda c: (expected[c]["recall@1"], c))[:2]
+    code, out, _ = _run(capsys, "evaluate", "--embeddings", str(named), *args)
+    lines = out.split("classes with the lowest recall@1 (by class name):\n")[1].splitlines()
+    assert [line.split(":")[0].strip() for line in lines[:2]] == [names[c] for c in worst]
+    # A separate labels file numbers the classes its own way: the file's names do not apply.
+    np.save(tmp_path / "y.npy", labels)
+    code, out, _ = _run(
+        capsys, "evaluate", "--embeddings", str(named), "--labels", str(tmp_path / "y.npy"),
+        *args, "--json",
+    )  # fmt: skip
+    assert json.loads(out)["per_class_keys"] == "labels"
+
+
 def test_separate_query_set_and_euclidean(tmp_path: Path, data, capsys) -> None:
     x, labels, _ = data
     q = np.arange(30) % 5 == 0  # one query per class, the rest is the gallery

@@ -113,6 +113,7 @@ def test_a_nested_folder_trains_and_every_command_sees_the_same_classes_and_metr
     # idml evaluate of the run: its test split (4 classes, 20 images), the metrics it logged.
     scored = _evaluate_run(run, capsys)
     assert (scored["num_queries"], len(scored["per_class"])) == (len(test_rows), 4)
+    assert sorted(scored["per_class"]) == test_classes  # by the classes' paths, not labels 0–3
     _assert_same_metrics(scored["metrics"], logged)
 
     # idml embed of the whole folder: the 8 classes by their path below the root.
@@ -186,6 +187,7 @@ def test_a_csv_with_a_header_trains_and_evaluates_the_same_classes(
     scored = _evaluate_run(run, capsys)
     test_rows = [(p, c) for p, c in rows if c in test_classes]
     assert (scored["num_queries"], len(scored["per_class"])) == (len(test_rows), 4)
+    assert sorted(scored["per_class"]) == test_classes  # four classes named char02, told apart
     _assert_same_metrics(scored["metrics"], logged)
 
     # idml embed of the CSV's test split: its four classes, and the run's metrics again.

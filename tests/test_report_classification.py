@@ -13,6 +13,7 @@ import torch
 from idml.app.metric_display import (
     format_delta,
     format_metric,
+    metric_direction,
     metric_heading,
     metric_unit,
     table_decimals,
@@ -122,7 +123,13 @@ def test_metric_units_are_a_property_of_the_key() -> None:
     assert format_metric("ece", 0.0412) == "4.12" and metric_heading("ece") == "ECE (%)"
     assert format_metric("u_mixup", 1.25) == "1.250" and metric_heading("u_mixup") == "||u|| mixup"
     assert format_metric("recall@1", 0.6, 0.01) == "60.00 ± 1.00"
-    assert format_metric("r_auroc_top1", 0.75) == "0.750"
+    # One unit per page: (R-)AUROC and AURC in % beside R@1 and MAP@R.
+    assert format_metric("r_auroc_top1", 0.75) == "75.00"
+    assert metric_heading("r_auroc") == "R-AUROC (%)" and metric_heading("auroc") == "AUROC (%)"
+    assert metric_heading("aurc_top1") == "AURC top-1 (%)"
+    directions = [metric_direction(k) for k in ("map@r", "r_auroc_top1", "aurc_oracle", "ece")]
+    assert directions == [1, 1, -1, -1]
+    assert [metric_direction(k) for k in ("nll", "u_clean", "seconds")] == [-1, 0, 0]
     assert format_delta("nll", -0.05) == "-0.050" and format_delta("map@r", 0.012) == "+1.20"
     assert [metric_unit(k) for k in ("aurc_oracle", "map", "nmi", "nll", "u_clean")] == [
         "%",

@@ -140,7 +140,7 @@ def test_ablation_page_leads_with_the_seed_table_and_collapses_each_run(
     assert page.count("<details>") == 7 and "<details open>" not in page
     assert page.count("<summary>Run ") == 6
     csv_head = (pages["ablation"].parent / "seeds.csv").read_text().splitlines()[0]
-    assert "recall@1_beyond_spread" in csv_head
+    assert "recall@1_p_holm" in csv_head and "recall@1_delta_low" in csv_head
     if CHROMIUM is not None:
         layout = measure_layout(pages["ablation"], tmp_path / "profile", WIDTH)
         # Closed it is a page of tables; opened it holds eight runs' figures.
@@ -193,6 +193,24 @@ def test_histogram_ticks_of_levels_close_together_stay_apart() -> None:
     assert overlapping_texts(figure) == []
 
 
+def test_conditions_figure_names_each_auroc_in_percent() -> None:
+    """The ||u|| of clean vs altered images: each alteration's AUROC in %, as the page's tables."""
+    from idml.app.reports import analysis_figures
+
+    rng = np.random.default_rng(0)
+    levels = {name: rng.random(20) for name in ("clean", "mixup", "low_resolution", "blur")}
+    auroc = {"mixup": 0.7567, "low_resolution": 1.0, "blur": 0.5}
+    figure = analysis_figures.uncertainty_by_condition(levels, auroc)
+    labels = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert labels == [
+        "clean",
+        "mixup\nAUROC 75.7 %",
+        "low resolution\nAUROC 100.0 %",
+        "blur\nAUROC 50.0 %",
+    ]
+    assert overlapping_texts(figure) == []
+
+
 def test_many_runs_become_small_multiples(tmp_path: Path) -> None:
     names = [f"metric=ism, mixup=on, run {i}" for i in range(8)]
     recall = np.linspace(0, 1, 11)
@@ -222,6 +240,56 @@ def test_many_runs_become_small_multiples(tmp_path: Path) -> None:
     assert titles == ["losses", "test Recall@K", "test retrieval metrics", "learning rate"]
     assert max(lines_per_panel(figure)) <= MAX_LINES
     assert overlapping_texts(figure) == []
+
+
+WIDE_METRICS = [
+    *(f"recall@{k}" for k in (1, 2, 4, 8)),
+    *("r_precision", "map@r", "map", "mrr", "nmi"),
+    *("u_clean", "u_mixup", "u_low_resolution", "u_blur", "u_occlusion"),
+    *(f"r_auroc_{s}" for s in ("top1", "margin@10", "agreement@10", "csls@10", "norm_u")),
+    *(f"aurc_{s}" for s in ("top1", "margin@10", "agreement@10", "csls@10", "norm_u", "oracle")),
+    *(f"selective_recall@1_cov{c}" for c in (50, 80, 90)),
+    *(f"conformal_{k}@{t}" for k in ("precision", "coverage") for t in (0.9, 0.95)),
+]
+"""Every metric family a retrieval run logs, with the widest cells they make."""
+
+
+@pytest.mark.slow
+@_needs_chromium
+def test_seed_table_with_intervals_fits_1400_px(tmp_path: Path) -> None:
+    """The seed table at its widest: long group labels, three seeds each (every Δ tested, with
+    an interval as its second line), negative intervals, ||u|| levels at six decimals."""
+    from idml.app.config import dump_config, load_config
+
+    rng = np.random.default_rng(0)
+    runs = []
+    for arm, extra in (
+        ("baseline", []),
+        ("metric=ism, mixup=on, ssr=on, a long name", ["optim.lr=0.01"]),
+    ):
+        for seed in range(3):
+            run = tmp_path / f"{len(runs)}"
+            run.mkdir()
+            dump_config(
+                load_config(None, [*_TINY, f"name={arm}", f"seed={seed}", *extra]),
+                run / "config.yaml",
+            )
+            values = {
+                f"test/{m}": (0.0200 + 3e-5 * rng.random())
+                if m.startswith("u_")
+                else 0.5 + 0.4 * rng.random()
+                for m in WIDE_METRICS
+            }
+            (run / "metrics.jsonl").write_text(json.dumps({"epoch": 0, **values}) + "\n")
+            runs.append(run)
+    index = write_report(runs, tmp_path / "report", analyse=False)
+    page = index.read_text(encoding="utf-8")
+    assert page.count('<span class="interval">[-') > 10  # wide, signed intervals throughout
+    layout = measure_layout(index, tmp_path / "profile", WIDTH)
+    for state in ("closed", "opened"):
+        seen = layout[state]
+        assert seen["scrollWidth"] <= seen["clientWidth"] <= WIDTH, (state, seen["wide"])
+        assert seen["wide"] == [] and seen["clipped"] == [] and seen["overlaps"] == [], state
 
 
 def test_overlap_check_finds_colliding_labels() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -132,9 +133,7 @@ def test_the_paper_is_compared_only_with_its_own_recipe(tmp_path: Path) -> None:
     assert "model.embedding_dim: 16 (source: 512)" in sections[1]
 
 
-def test_the_reference_comes_first_and_deltas_beyond_the_seed_spread_are_marked(
-    tmp_path: Path,
-) -> None:
+def test_the_reference_comes_first_and_significant_deltas_are_marked(tmp_path: Path) -> None:
     idml = [*IDML, "name=fake-idml"]
     # IDML runs first on the command line; the baseline is the reference and leads the table.
     runs = [
@@ -147,17 +146,159 @@ def test_the_reference_comes_first_and_deltas_beyond_the_seed_spread_are_marked(
     logs = [read_run(r) for r in runs]
     table = seed_table(logs, [x.config.name for x in logs])
     assert [g.label for g in table.groups] == ["fake", "fake-idml", "fake (one)"]
-    assert table.reference is table.groups[0]
-    # Δ 0.095 against stds of 0.014 and 0.007: beyond; one seed has no spread to compare.
-    assert table.beyond(table.groups[1], "recall@1") is True
-    assert table.beyond(table.groups[2], "recall@1") is None
-    assert table.beyond(table.groups[0], "recall@1") is None
+    assert table.reference is table.groups[0] and table.compares
+    # Paired over seeds 0 and 1: d = (0.10, 0.09), t = 0.095 / (0.005√2 / √2) = 19 with one
+    # degree of freedom (Cauchy): p = 1 − (2/π)·atan 19 = 0.03348; the only test of the table
+    # (one seed has no spread), so Holm leaves it: ▲.
+    found = table.difference(table.groups[1], "recall@1")
+    assert found is not None and found.comparison is not None and found.comparison.paired
+    # float64 t-test of two-decimal inputs: differences of ~1e-16 in t, far below 1e-9 relative.
+    assert found.adjusted_p == pytest.approx(1 - 2 / math.pi * math.atan(19), rel=1e-9)
+    assert found.mark == "▲" and table.tests == (1, 1)
+    untested = table.difference(table.groups[2], "recall@1")
+    assert untested is not None and untested.comparison is None and untested.mark == ""
+    assert table.difference(table.groups[0], "recall@1") is None
     rows = table.rows()
-    assert rows[0][0] == "fake (reference)" and rows[1][3] == "+9.50 *" and rows[2][3] == "+29.00"
-    assert "*: beyond the seed spread" in table.markdown()
+    assert rows[0][0] == "fake (reference)" and rows[1][3].startswith("+9.50 ▲ [")
+    assert rows[2][3] == "+29.00"  # not tested: no mark, no interval
     lines = list(csv.DictReader(io.StringIO(table.csv())))
-    assert [x["recall@1_beyond_spread"] for x in lines] == ["", "1", ""]
-    assert 'class="beyond">+9.50 *</td>' in table.html()
+    assert [x["recall@1_significant"] for x in lines] == ["", "1", ""]
+    assert [x["recall@1_test"] for x in lines] == ["", "paired", ""]
+    page = table.html()
+    assert (
+        '<td class="significant" title="paired t-test over 2 seeds: p = 0.0335, Holm-adjusted 0.0335; Cohen'
+        in page
+    )
+    assert '+9.50 ▲<br><span class="interval">[' in page
+
+
+def _runs(root: Path, name: str, values: list[float], extra: list[str], seeds: list[int]) -> list:
+    """Fake runs of one recipe, seed ``seeds[i]`` logging R@1 ``values[i]``."""
+    return [
+        read_run(_fake(root / f"{name}{s}", s, v, [f"name={name}", *extra]))
+        for s, v in zip(seeds, values, strict=True)
+    ]
+
+
+def test_paired_holm_marks_by_hand_where_the_spread_said_otherwise(tmp_path: Path) -> None:
+    """Three seeds each, the same seeds in every group (paired). With two degrees of freedom the
+    t-distribution has a closed form: two-sided p = 1 − t/√(t² + 2), and t_0.975 = √(2·0.95²/
+    (1 − 0.95²)) = 4.30265."""
+    ref = [0.620, 0.595, 0.570]  # mean 0.595, std 0.025
+    small = [0.640, 0.616, 0.592]  # d = (0.020, 0.021, 0.022): Δ 0.021 < std 0.025 and 0.024
+    noisy = [0.630, 0.615, 0.630]  # d = (0.01, 0.02, 0.06): Δ 0.03 > std 0.025 and 0.0087
+    logs = [
+        *_runs(tmp_path, "base", ref, [], [0, 1, 2]),
+        *_runs(tmp_path, "small", small, ["optim.lr=0.01"], [0, 1, 2]),
+        *_runs(tmp_path, "noisy", noisy, ["optim.lr=0.02"], [0, 1, 2]),
+    ]
+    table = seed_table(logs, [x.config.name for x in logs])
+    assert [g.label for g in table.groups] == ["base", "small", "noisy"]
+    small_found = table.difference(table.groups[1], "recall@1")
+    noisy_found = table.difference(table.groups[2], "recall@1")
+    assert small_found is not None and noisy_found is not None
+    assert small_found.comparison is not None and noisy_found.comparison is not None
+    # small: d̄ = 0.021, s_d = 0.001, t = 0.021·√3/0.001 = 21√3, t² = 1323: p = 1 − √(1323/1325)
+    # = 7.55e-4, Holm ×2 (two tests) = 1.51e-3 < 0.05: ▲, though |Δ| is inside both spreads.
+    p_small = 1 - math.sqrt(1323 / 1325)
+    # noisy: d̄ = 0.03, s_d² = 0.0014/2, t² = 0.0009·3/0.0007 = 27/7: p = 1 − √(27/41) = 0.1885,
+    # Holm max(2·p_small, p) = 0.1885: no mark, though |Δ| exceeds both spreads.
+    p_noisy = 1 - math.sqrt(27 / 41)
+    # Inputs with three decimals, float64 sums of three terms: each p within ~1e-12 of the closed
+    # form, far inside rel 1e-6 (the closed form itself is exact).
+    assert small_found.comparison.p_value == pytest.approx(p_small, rel=1e-6)
+    assert small_found.adjusted_p == pytest.approx(2 * p_small, rel=1e-6)
+    assert noisy_found.comparison.p_value == pytest.approx(p_noisy, rel=1e-6)
+    assert noisy_found.adjusted_p == pytest.approx(p_noisy, rel=1e-6)
+    assert (small_found.mark, noisy_found.mark) == ("▲", "")
+    # 95 % intervals: Δ ± 4.30265·s_d/√3 — small ±0.002484, noisy ±0.065726 (in points below).
+    half = math.sqrt(2 * 0.95**2 / (1 - 0.95**2))
+    assert small_found.comparison.high - 0.021 == pytest.approx(half * 0.001 / math.sqrt(3))
+    rows = table.rows()
+    assert rows[1][2:] == ["61.60 ± 2.40", "+2.10 ▲ [+1.85, +2.35]"]
+    assert rows[2][2:] == ["62.50 ± 0.87", "+3.00 [-3.57, +9.57]"]
+    markdown = table.markdown()
+    assert "| base (reference) | 3 | 59.50 ± 2.50 |  |" in markdown
+    legend = markdown.splitlines()[-1]
+    assert "p < 0.05 after Holm's correction over the 2 tested Δ of this table" in legend
+    assert "each a paired t-test over the seeds both groups ran (matched by seed" in legend
+    lines = {x["group"]: x for x in csv.DictReader(io.StringIO(table.csv()))}
+    assert float(lines["small"]["recall@1_p_holm"]) == pytest.approx(2 * p_small, rel=1e-6)
+    assert float(lines["noisy"]["recall@1_delta_low"]) == pytest.approx(
+        0.03 - half * math.sqrt(0.0007 / 3), rel=1e-6
+    )
+    assert (lines["small"]["recall@1_significant"], lines["noisy"]["recall@1_significant"]) == (
+        "1",
+        "0",
+    )
+
+
+def test_other_seeds_are_compared_unpaired_and_the_mark_knows_which_side_is_better(
+    tmp_path: Path,
+) -> None:
+    """Welch where the seeds differ (scipy's test as the oracle); ▲ for a lower AURC, ▼ for a
+    lower R@1, ≠ for a different ||u|| level (no better side)."""
+    from scipy import stats
+
+    def fake(root: Path, seed: int, metrics: dict[str, float], extra: list[str]) -> Path:
+        run = _fake(root, seed, 0.0, extra)
+        line = {
+            "epoch": 0,
+            "steps": 2,
+            "seconds": 1.0,
+            **{f"test/{k}": v for k, v in metrics.items()},
+        }
+        (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        return run
+
+    base = [(0.60, 0.30, 1.00), (0.61, 0.31, 1.01), (0.62, 0.29, 1.02)]
+    other = [(0.50, 0.10, 2.00), (0.52, 0.11, 2.01), (0.51, 0.12, 2.03)]
+    keys = ("recall@1", "aurc_top1", "u_clean")
+    runs = [fake(tmp_path / f"b{s}", s, dict(zip(keys, v)), []) for s, v in enumerate(base)]
+    runs += [
+        fake(tmp_path / f"o{s}", s + 3, dict(zip(keys, v)), ["optim.lr=0.01"])
+        for s, v in enumerate(other)
+    ]
+    logs = [read_run(r) for r in runs]
+    table = seed_table(logs, [x.config.name + x.run_dir.name[0] for x in logs])
+    group = table.groups[1]
+    marks = {}
+    for i, key in enumerate(keys):
+        found = table.difference(group, key)
+        assert found is not None and found.comparison is not None
+        assert not found.comparison.paired  # seeds 3–5 against 0–2
+        reference = stats.ttest_ind([v[i] for v in other], [v[i] for v in base], equal_var=False)
+        # The same float64 Welch statistic: a few ulp apart.
+        assert found.comparison.p_value == pytest.approx(reference.pvalue, rel=1e-9)
+        marks[key] = found.mark
+    assert marks == {"recall@1": "▼", "aurc_top1": "▲", "u_clean": "≠"}
+    assert table.tests == (3, 0)
+    legend = table.legend
+    assert "(lower is better for AURC)" in legend and "≠ different where no side" in legend
+    assert "each Welch's t-test" in legend
+
+
+def test_one_run_has_no_seed_table_and_keeps_the_papers_numbers(tmp_path: Path) -> None:
+    run = _fake(tmp_path / "run", 0, 0.61)
+    table = seed_table([read_run(run)], ["fake"])
+    assert not table.compares
+    out = tmp_path / "report"
+    assert main(["report", str(run), "--no-test", "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    assert "Seeds and differences" not in page and "Δ [95 % CI]" not in page
+    assert "<h2>Published numbers</h2>" in page and "Paper vs this run: fake" in page
+    # Without published numbers there is nothing of that section left.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    cfg = load_config(None, [*TINY, "name=plain"])
+    dump_config(cfg, plain / "config.yaml")
+    (plain / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "test/recall@1": 0.5}) + "\n")
+    assert main(["report", str(plain), "--no-test", "--out", str(tmp_path / "r2")]) == 0
+    page = (tmp_path / "r2" / "index.html").read_text()
+    assert "Seeds and differences" not in page and "Published numbers" not in page
+    # Two seeds of one recipe: a table to read (mean ± std), though no Δ.
+    second = _fake(tmp_path / "run1", 1, 0.63)
+    assert seed_table([read_run(run), read_run(second)], ["fake", "fake"]).compares
 
 
 def test_an_ablation_folder_without_runs_is_refused(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from idml.statistics import compare_paired, compare_welch, holm
+from idml.statistics import compare_paired, compare_seeds, compare_welch, holm
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -71,3 +71,19 @@ def test_significance_follows_the_adjusted_p_value() -> None:
     c = compare_paired([70, 71, 69, 70, 72, 71], [72, 73, 71.5, 72, 74, 72.8])
     assert c.p_value < 0.05 and c.significant()
     assert not c.significant(adjusted_p=0.2)
+
+
+def test_runs_by_seed_are_paired_only_on_the_same_seeds() -> None:
+    reference = [(2, 70.0), (0, 71.5), (1, 69.0)]
+    method = [(0, 72.0), (1, 70.5), (2, 71.0)]  # another order: matched by seed, not position
+    paired = compare_seeds(reference, method)
+    assert paired is not None and paired.paired
+    by_seed = compare_paired([71.5, 69.0, 70.0], [72.0, 70.5, 71.0])
+    assert paired == by_seed  # the same computation on the same seed-ordered values
+    # Other seeds, or a seed run twice: the runs are not pairs, so Welch on every value.
+    for other in ([(0, 72.0), (1, 70.5), (3, 71.0)], [(0, 72.0), (0, 70.5), (2, 71.0), (1, 70.0)]):
+        unpaired = compare_seeds(reference, other)
+        assert unpaired == compare_welch([v for _, v in reference], [v for _, v in other])
+    # One run on a side: no spread to test against.
+    assert compare_seeds(reference[:1], method) is None
+    assert compare_seeds(reference, method[:1]) is None

@@ -388,7 +388,16 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
     ]
     assert main(args) == 0
     scored_again = json.loads(_last_json(capsys))
-    assert scored_again["per_class"]  # --per-class reaches the JSON as for files
+    # --per-class reaches the JSON as for files, keyed by the dataset's class names: the unseen
+    # digits 5–9 (their labels on the test side are 0–4, which would name the wrong digits).
+    assert scored_again["per_class_keys"] == "class names"
+    assert set(scored_again["per_class"]) == {"5", "6", "7", "8", "9"}
+    assert set(scored_again["uncertainty"]["per_class_mean"]) == {"5", "6", "7", "8", "9"}
+    assert main(["evaluate", "--checkpoint", run_dir, "--per-class", "5"]) == 0
+    table = capsys.readouterr().out
+    assert "classes with the lowest recall@1 (by class name):" in table
+    worst = table.split("(by class name):\n")[1].splitlines()[:5]  # then "confidence: …"
+    assert sorted(line.split(":")[0].strip() for line in worst) == ["5", "6", "7", "8", "9"]
     with_nmi = scored_again["metrics"]
     assert 0.0 <= with_nmi["nmi"] <= 1.0
     assert with_nmi["recall@1"] == pytest.approx(logged["test/recall@1"])

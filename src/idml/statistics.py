@@ -12,6 +12,9 @@ gives the three pieces:
   Welch–Satterthwaite degrees of freedom, the interval of ``b̄ − ā`` and Hedges' ``g`` (Cohen's
   ``d`` on the pooled standard deviation with the small-sample correction
   ``1 − 3/(4(n_a + n_b) − 9)``).
+- :func:`compare_seeds`: the choice between the two for runs given by seed: paired when both
+  sides ran the same seeds (matched by seed), Welch otherwise, no test with fewer than two runs a
+  side.
 - :func:`holm`: Holm's step-down adjustment of the p-values of a family (the cells of a table):
   the ``k``-th smallest of ``m`` p-values becomes ``max_{j ≤ k} min(1, (m − j + 1)·p_(j))``, which
   controls the family-wise error rate at ``α`` under any dependence (Holm 1979).
@@ -128,6 +131,35 @@ def compare_welch(
     pooled = math.sqrt(((na - 1) * va + (nb - 1) * vb) / (na + nb - 2))
     g = (diff / pooled) * (1 - 3 / (4 * (na + nb) - 9)) if pooled > 0 else math.nan
     return Comparison(diff, diff - half, diff + half, p, g, min(na, nb), False, confidence)
+
+
+def compare_seeds(
+    reference: Sequence[tuple[int, float]],
+    method: Sequence[tuple[int, float]],
+    confidence: float = 0.95,
+) -> Comparison | None:
+    """``method`` against ``reference`` over their runs, each given as ``(seed, value)``.
+
+    Paired (:func:`compare_paired`, seed matched with seed) when both sides hold exactly the same
+    seeds, each once: the same ``seed`` shares the initialisation and the batches, so the arm is
+    all that differs. Otherwise (other seeds, a seed run twice) Welch's test
+    (:func:`compare_welch`). ``None`` when a side has fewer than two runs: there is no spread to
+    test against.
+
+    >>> compare_seeds([(0, 70.0), (1, 71.0)], [(1, 72.5), (0, 71.0)]).paired  # d = 1.0, 1.5
+    True
+    >>> compare_seeds([(0, 70.0), (1, 71.0)], [(0, 71.0), (2, 72.5)]).paired
+    False
+    >>> compare_seeds([(0, 70.0)], [(0, 71.0), (1, 72.5)]) is None
+    True
+    """
+    if min(len(reference), len(method)) < 2:
+        return None
+    ref, other = dict(reference), dict(method)
+    if len(ref) == len(reference) and len(other) == len(method) and ref.keys() == other.keys():
+        seeds = sorted(ref)
+        return compare_paired([ref[s] for s in seeds], [other[s] for s in seeds], confidence)
+    return compare_welch([v for _, v in reference], [v for _, v in method], confidence)
 
 
 def holm(p_values: Sequence[float]) -> list[float]:

@@ -211,19 +211,28 @@ def describe_fit(calibration: ConfidenceCalibration, path: Path) -> str:
 def describe_outcome(report: ConfidenceReport, where: str) -> str:
     """One line: how the calibrated confidence did on ``where`` (R-AUROC against the top-1
     similarity's, ECE, and the precision and coverage at each target)."""
+    from idml.app.metric_display import format_metric
+
     metrics = report.metrics()
+    nan = float("nan")
+
+    def percent(key: str, value: float) -> str:  # as the report's tables show it; "–": NaN
+        text = format_metric(key, value, percent_digits=1)
+        return text if value != value else f"{text} %"
+
     parts = [
         f"calibrated confidence on {where}: R-AUROC "
-        f"{metrics.get('r_auroc_calibrated', float('nan')):.3f} (top-1 similarity "
-        f"{metrics.get('r_auroc_top1', float('nan')):.3f})",
-        f"ECE {metrics.get('ece', float('nan')):.3f}",
+        f"{percent('r_auroc_calibrated', metrics.get('r_auroc_calibrated', nan))} (top-1 "
+        f"similarity {percent('r_auroc_top1', metrics.get('r_auroc_top1', nan))})",
+        f"ECE {percent('ece', metrics.get('ece', nan))}",
     ]
     for target, outcome in report.thresholds.items():
         if outcome.coverage == 0:
             parts.append(f"every query abstains at target precision {target:g}")
         else:
             parts.append(
-                f"precision {outcome.precision:.3f} at coverage {outcome.coverage:.3f} for "
+                f"precision {percent(f'conformal_precision@{target:g}', outcome.precision)} at "
+                f"coverage {percent(f'conformal_coverage@{target:g}', outcome.coverage)} for "
                 f"target {target:g}"
             )
     return ", ".join(parts)

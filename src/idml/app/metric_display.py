@@ -1,11 +1,12 @@
 """How a metric key is shown in tables: its column name, its order and its unit.
 
-idml stores every metric in its natural unit: retrieval and accuracy metrics (Recall@K, MAP@R,
-NMI, top-k, ECE, AURC) as fractions in [0, 1], which the tables show in %, and the rest as they
-are: NLL (``nll``) in nats, uncertainty levels ``u_*`` as the norm ``||u||``, AUROCs as
-probabilities in [0, 1]. :func:`metric_unit` is the one place that says which is which; every
-table (the report's comparison and seed tables, ablation tables, paper comparisons) formats
-through :func:`format_metric` and :func:`metric_heading`.
+idml stores every metric in its natural unit: retrieval, accuracy and confidence metrics
+(Recall@K, MAP@R, NMI, top-k, ECE, R-AUROC and AUROC, AURC) as fractions in [0, 1], which the
+tables show in % (so one page reads in one unit: R-AUROC 91.2 beside R@1 67.2, 50 = chance), and
+the rest as they are: NLL (``nll``) in nats, uncertainty levels ``u_*`` as the norm ``||u||``.
+:func:`metric_unit` is the one place that says which is which, and :func:`metric_direction` which
+side is better; every table (the report's comparison, confidence and seed tables, ablation tables,
+paper comparisons) formats through :func:`format_metric` and :func:`metric_heading`.
 
 Numbers are shown with the precision their spread needs (:func:`decimals_for`): ``||u||`` levels
 of a trained head often differ in the third significant digit (0.02003 … 0.02008), which two
@@ -33,7 +34,8 @@ _PERCENT_KEYS = frozenset(
     {"r_precision", "map@r", "map_at_r", "map", "mrr", "nmi", "ece"},
 )
 _PERCENT_PATTERN = re.compile(
-    r"^(recall@\d+|mrr@\d+|top\d+|aurc(_.+)?|selective_recall@1_cov\d+|conformal_(precision|coverage)@.+)$"
+    r"^(recall@\d+|mrr@\d+|top\d+|(r_)?auroc(_.+)?|aurc(_.+)?|selective_recall@1_cov\d+"
+    r"|conformal_(precision|coverage)@.+)$"
 )
 
 _METRIC_LABELS = {
@@ -47,6 +49,7 @@ _METRIC_LABELS = {
     "nll": "NLL",
     "aurc": "AURC",
     "auroc": "AUROC",
+    "r_auroc": "R-AUROC",
 }
 
 _CONFIDENCE_SCORES = {
@@ -63,9 +66,9 @@ _CONFIDENCE_SCORES = {
 
 
 def metric_unit(key: str) -> str:
-    """The unit a metric is shown in: :data:`PERCENT` (a fraction shown ×100), :data:`NATS`
-    (``nll``), :data:`NORM` (``u_*``, mean ``||u||``) or :data:`PLAIN` (AUROCs and unknown keys,
-    shown as stored)."""
+    """The unit a metric is shown in: :data:`PERCENT` (a fraction shown ×100: retrieval,
+    accuracy, ECE, (R-)AUROC, AURC, abstention), :data:`NATS` (``nll``), :data:`NORM` (``u_*``,
+    mean ``||u||``) or :data:`PLAIN` (unknown keys, shown as stored)."""
     if key in _PERCENT_KEYS or _PERCENT_PATTERN.match(key):
         return PERCENT
     if key == "nll":
@@ -204,13 +207,28 @@ def metric_family(key: str) -> str:
     return "other"
 
 
-def beyond_spread(delta: float, stds: Iterable[float]) -> bool | None:
-    """Whether a difference of means exceeds the seed spread of both sides: ``|Δ|`` larger than
-    each (sample) standard deviation; ``None`` when a side has none (one seed) or ``Δ`` is NaN."""
-    spreads = [float(s) for s in stds]
-    if math.isnan(delta) or not spreads or any(math.isnan(s) for s in spreads):
-        return None
-    return abs(delta) > max(spreads)
+HIGHER_IS_BETTER = 1
+LOWER_IS_BETTER = -1
+NO_BETTER_SIDE = 0
+
+_LOWER_IS_BETTER = re.compile(r"^(aurc(_.+)?|ece|nll)$")
+
+
+def metric_direction(key: str) -> int:
+    """Which side of a metric is better: :data:`LOWER_IS_BETTER` for the risk–coverage area
+    (``aurc_*``), the calibration error (``ece``) and the negative log-likelihood (``nll``);
+    :data:`NO_BETTER_SIDE` for the ``||u||`` levels (``u_*``, a measurement of the images, not a
+    quality) and keys this module does not know; :data:`HIGHER_IS_BETTER` for the rest (Recall@K,
+    RP, MAP@R, MAP, MRR, NMI, top-k, (R-)AUROC, selective R@1, conformal precision and coverage).
+
+    >>> metric_direction("recall@1"), metric_direction("aurc_top1"), metric_direction("u_mixup")
+    (1, -1, 0)
+    """
+    if _LOWER_IS_BETTER.match(key):
+        return LOWER_IS_BETTER
+    if key.startswith("u_") or metric_unit(key) == PLAIN:
+        return NO_BETTER_SIDE
+    return HIGHER_IS_BETTER
 
 
 def metric_sort_key(key: str) -> tuple[int, float, str]:

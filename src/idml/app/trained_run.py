@@ -244,4 +244,7 @@ def evaluate_checkpoint(
         reranking=reranking,
     )
     report.settings["calibration"] = found.note
+    # Per-class results by the dataset's class names (the test side's labels are renumbered
+    # 0..C−1, so a label would not say which class it is).
+    report.class_names = data.test.class_names
     return report

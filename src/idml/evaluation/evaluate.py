@@ -560,11 +560,12 @@ def evaluate_files(
     unlabelled = replace(entry_names, labels=None)
     ref = load_embedding_file(embeddings_path, entry_names if labels_path is None else unlabelled)
     labels = _file_labels(ref, labels_path, entry_names.labels)
-    query = None
+    query, query_classes = None, None
     if query_embeddings_path is not None:
         q = load_embedding_file(
             query_embeddings_path, entry_names if query_labels_path is None else unlabelled
         )
+        query_classes = q.classes
         query = (
             Embeddings(q.semantic.float(), _file_uncertainty(q, ism)),
             _file_labels(q, query_labels_path, entry_names.labels),
@@ -576,7 +577,7 @@ def evaluate_files(
             f"{embeddings_path} marks query and gallery images (a 'roles' entry); its queries are "
             "searched against its gallery, so drop the separate query file"
         )
-    return evaluate_embeddings(
+    report = evaluate_embeddings(
         Embeddings(ref.semantic.float(), _file_uncertainty(ref, ism)),
         labels,
         settings,
@@ -587,6 +588,16 @@ def evaluate_files(
         device=device,
         progress=progress,
     )
+    # The file's class names (``idml embed`` writes them) name the per-class results, when they
+    # are the names of these labels: the labels come from the same file, and a query file, if
+    # any, names its classes the same.
+    names = ref.classes if labels_path is None else None
+    if query is not None and (query_labels_path is not None or query_classes != names):
+        names = None
+    every = [labels] if query is None else [labels, query[1]]
+    if names is not None and all(t.numel() == 0 or int(t.max()) < len(names) for t in every):
+        report.class_names = tuple(names)
+    return report
 
 
 def _file_uncertainty(source: EmbeddingFile, ism: bool) -> Tensor | None:

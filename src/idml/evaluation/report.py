@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +96,31 @@ class EvaluationReport:
     for."""
     uncertainty_levels: Tensor | None = None
     """``||u||`` of every query (``None`` without uncertainty embeddings)."""
+    class_names: Sequence[str] | None = None
+    """The name of each label ``0..C−1`` (the dataset's class names, e.g. an ``idml embed`` file's
+    ``classes``), by which the per-class results are keyed; ``None``: by the label itself."""
+
+    def class_keys(self) -> dict[int, str]:
+        """What the per-class results call each class label: its name (with the label where two
+        classes share a name), else the label."""
+        labels = set(self.retrieval.per_class)
+        if self.uncertainty is not None:
+            labels |= set(self.uncertainty.per_class_mean)
+        names = self.class_names
+        if names is None:
+            return {c: str(c) for c in labels}
+        if labels and max(labels) >= len(names):
+            raise ValueError(
+                f"class_names names {len(names)} classes but the labels reach {max(labels)}; "
+                "give one name per label 0..C−1"
+            )
+        counts = Counter(names)
+        return {c: names[c] if counts[names[c]] == 1 else f"{names[c]} (label {c})" for c in labels}
+
+    @property
+    def per_class_keys(self) -> str:
+        """What the per-class keys are, as the JSON (``per_class_keys``) and the table say."""
+        return "labels" if self.class_names is None else "class names"
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -122,6 +149,17 @@ class EvaluationReport:
             out["confidence"] = self.confidence.to_dict()
         if self.uncertainty is not None:
             out["uncertainty"] = self.uncertainty.to_dict(per_class)
+        if per_class:
+            keys = self.class_keys()
+            out["per_class_keys"] = self.per_class_keys
+            out["per_class"] = {
+                keys[c]: {k: _clean(v) for k, v in row.items()}
+                for c, row in self.retrieval.per_class.items()
+            }
+            if self.uncertainty is not None:
+                out["uncertainty"]["per_class_mean"] = {
+                    keys[c]: v for c, v in self.uncertainty.per_class_mean.items()
+                }
         out["timings_s"] = {k: round(v, 4) for k, v in self.timings.items()}
         out["settings"] = self.settings
         return out
@@ -160,10 +198,11 @@ class EvaluationReport:
                 r.per_class.items(),
                 key=lambda item: (math.inf if math.isnan(item[1][key]) else item[1][key], item[0]),
             )[:per_class]
+            names = self.class_keys()
             lines.append("")
-            lines.append(f"classes with the lowest {key}:")
+            lines.append(f"classes with the lowest {key} (by {self.per_class_keys[:-1]}):")
             lines += [
-                f"  class {c}: {key} {_fmt(row[key])}, map@r {_fmt(row['map@r'])}, "
+                f"  {names[c]}: {key} {_fmt(row[key])}, map@r {_fmt(row['map@r'])}, "
                 f"{row['num_queries']} queries"
                 for c, row in rows
             ]

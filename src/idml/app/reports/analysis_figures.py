@@ -15,7 +15,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from idml.app.metric_display import decimals_for
+from idml.app.metric_display import decimals_for, format_metric
 from idml.app.reports.figure_style import (
     CORRECT,
     WRONG,
@@ -65,7 +65,12 @@ def uncertainty_by_condition(levels: dict[str, np.ndarray], auroc: dict[str, flo
     axes = figure.subplots()
     names = list(levels)
     labels = [
-        name.replace("_", " ") + ("" if name not in auroc else f"\nAUROC {auroc[name]:.2f}")
+        name.replace("_", " ")
+        + (
+            ""
+            if name not in auroc
+            else f"\nAUROC {format_metric('auroc', auroc[name], percent_digits=1)} %"
+        )
         for name in names
     ]
     axes.boxplot([levels[n] for n in names], showfliers=False, widths=0.6)

@@ -1,9 +1,11 @@
 """``idml report``: one offline HTML page (plus its PNG figures) for one or several runs.
 
 The page leads with the answer: the seed table (each recipe's mean ± std over its seeds, the
-reference first, Δ against it marked where it is beyond the seed spread) with its Recall@K figure and
-the papers' numbers. Then the runs one by one: a comparison of every run (tables of its method and
-test metrics, Recall@K dots, precision–recall curves) and a section per run — training curves, the
+reference first, Δ against it with its 95 % interval, marked better or worse where a test over the
+seeds finds it significant after Holm's correction over the table) with its Recall@K figure and the
+papers' numbers; a single run has no seed table, its own numbers are the answer. Then the runs one
+by one: a comparison of every run (tables of its method and test metrics, Recall@K dots,
+precision–recall curves) and a section per run — training curves, the
 uncertainty trend of original vs mixed training images (Wang et al. 2022, Fig. 7), the histogram
 of test-set uncertainty levels of original vs mixed test images (Fig. 9), a top-5 retrieval grid
 (Fu et al. 2021, Fig. 5) and a t-SNE of test embeddings. With several runs these are collapsed
@@ -52,7 +54,8 @@ th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; white-
 th { background: #f3f3f3; white-space: normal; }  /* a long heading wraps; numbers never */
 td.text, th.text { text-align: left; white-space: normal; max-width: 24em;
                    overflow-wrap: break-word; }
-td.beyond { font-weight: bold; }
+td.significant { font-weight: bold; }
+td .interval { font-size: 0.85em; font-weight: normal; color: #555; }
 figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption { font-size: 0.85em; color: #555; }
 p.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: 0.4em 0.8em; }
@@ -155,9 +158,10 @@ def write_report(
     figure_dir.mkdir(parents=True, exist_ok=True)
     page = PageFigures(out_dir, inline)
     # Seeds of one recipe averaged: the seed table is the answer and leads; the single runs
-    # follow, collapsed. One run (or one seed each): its own numbers lead, open.
+    # follow, collapsed. One run (or one seed each): its own numbers lead, open. One run alone has
+    # nothing to compare: no seed table, only the paper's numbers after its own, if it has any.
     averaged = any(len(g.runs) > 1 for g in seeds.groups)
-    body = [seeds_section(seeds)] if len(reports) > 1 else []
+    body = [seeds_section(seeds)] if seeds.compares else []
     if averaged and any(k.startswith("recall@") for k in seeds.metrics):
         labels = [g.label for g in seeds.groups]
         means = [{k: g.mean_std(k)[0] for k in seeds.metrics} for g in seeds.groups]
@@ -171,7 +175,7 @@ def write_report(
         else "The run: method and test metrics"
     )
     body.append(collapsible(runs_heading, comparison, opened=not averaged))
-    if len(reports) == 1:
+    if not seeds.compares:
         body.append(seeds_section(seeds))
     atomic_write_text(out_dir / "seeds.md", seeds.markdown())
     atomic_write_text(out_dir / "seeds.csv", seeds.csv())
@@ -190,7 +194,10 @@ def write_report(
     atomic_write_text(
         index,
         _PAGE.format(
-            title=html.escape(title), style=_STYLE, meta=html.escape(meta), body="\n".join(body)
+            title=html.escape(title),
+            style=_STYLE,
+            meta=html.escape(meta),
+            body="\n".join(p for p in body if p),
         ),
     )
     return index

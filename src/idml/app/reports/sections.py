@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from idml.app.metric_display import (
     format_metric,
     metric_heading,
+    metric_label,
     metric_sort_key,
     table_decimals,
 )
@@ -102,18 +103,19 @@ def _confidence_table(
     qualities: dict[str, tuple[float, float]],
     oracle: float | None,
     answers: str,
-    auroc_heading: str,
+    auroc_key: str,
     wrong_answers: str,
 ) -> str:
     """AUROC (right answers ranked above wrong ones) and AURC (risk–coverage) of each confidence
-    score.
+    score, in the units of the run's other tables (:func:`~idml.app.metric_display.metric_unit`).
 
     ``qualities`` maps a score's description to its ``(auroc, aurc)``; ``answers`` names what is
-    answered ("queries", "test images"), ``wrong_answers`` the wrong ones, and ``auroc_heading``
-    the AUROC column as the run's metrics name it (R-AUROC for retrieval, as the URL benchmark does).
+    answered ("queries", "test images"), ``wrong_answers`` the wrong ones, and ``auroc_key`` the
+    AUROC as the run's metrics name it (``r_auroc`` for retrieval, R-AUROC as the URL benchmark
+    names it; ``auroc`` for classification).
     """
     rows = [
-        f"<tr><td>{html.escape(name)}</td><td>{format_metric('auroc', auroc)}</td>"
+        f"<tr><td>{html.escape(name)}</td><td>{format_metric(auroc_key, auroc)}</td>"
         f"<td>{format_metric('aurc', aurc)}</td></tr>"
         for name, (auroc, aurc) in qualities.items()
     ]
@@ -124,14 +126,15 @@ def _confidence_table(
         if oracle is None
         else f" The best any score could reach: AURC {format_metric('aurc', oracle)}."
     )
+    chance = format_metric(auroc_key, 0.5, percent_digits=0)
     return (
-        f"<table><tr><th>confidence score</th><th>{html.escape(auroc_heading)}</th>"
-        f"<th>{metric_heading('aurc')}</th></tr>"
+        f"<table><tr><th>confidence score</th><th>{html.escape(metric_heading(auroc_key))}</th>"
+        f"<th>{html.escape(metric_heading('aurc'))}</th></tr>"
         + "".join(rows)
         + "</table>"
         + note(
-            f"{auroc_heading}: how well the score ranks {wrong_answers} below right ones (0.5 = "
-            "chance). "
+            f"{metric_label(auroc_key)}: how well the score ranks {wrong_answers} below right ones "
+            f"({chance} = chance). "
             f"AURC: mean error rate when only the most confident {answers} are answered, over all "
             f"coverage levels (lower is better).{floor}"
         )
@@ -146,7 +149,7 @@ def _retrieval_confidence(metrics: dict[str, float]) -> str:
         if auroc is not None and aurc is not None:
             qualities[name] = (auroc, aurc)
     return _confidence_table(
-        qualities, metrics.get("aurc_oracle"), "queries", "R-AUROC", "wrong top-1 answers"
+        qualities, metrics.get("aurc_oracle"), "queries", "r_auroc", "wrong top-1 answers"
     )
 
 
@@ -437,7 +440,7 @@ def classification_section(analysis: ClassificationAnalysis, slug: str, page: Pa
     parts.append("<h3>Can the prediction's confidence be trusted?</h3>")
     parts.append(
         _confidence_table(
-            qualities, selective.oracle_aurc, "test images", "AUROC", "wrong predictions"
+            qualities, selective.oracle_aurc, "test images", "auroc", "wrong predictions"
         )
     )
     curves = {CLASSIFICATION_SCORES[k]: c for k, c in selective.curves.items()}

@@ -6,11 +6,19 @@ several run folders given to ``idml report``. Each metric of a group is shown as
 ``mean ± std`` over its seeds (sample standard deviation, ``ddof = 1``, as the ablation tables)
 with the number of seeds ``n``, and ``Δ = mean(group) − mean(reference)`` in percentage points
 against a chosen reference group (by default the baseline: the first group trained without ISM,
-Mixup or SSR, else the first group), which the table lists first. A Δ is marked *beyond the seed
-spread* (``*``) when ``|Δ|`` exceeds both groups' standard deviations
-(:func:`~idml.app.metric_display.beyond_spread`); with one seed there is no spread to compare. The
-numbers are each run's last logged evaluation (``test/<metric>`` of ``metrics.jsonl``), so the
-table equals what the runs logged.
+Mixup or SSR, else the first group), which the table lists first. The numbers are each run's last
+logged evaluation (``test/<metric>`` of ``metrics.jsonl``), so the table equals what the runs
+logged.
+
+Whether a Δ is real is decided as in the project's studies (``benchmarks/study_idml.py``), by
+:mod:`idml.statistics`: each Δ is tested over the seeds — a paired t-test when the two groups ran
+exactly the same seeds (seed ``s`` of both shares its initialisation and batches, matched by the
+``seed`` value), Welch's t-test otherwise, no test with fewer than two seeds on a side
+(:func:`~idml.statistics.compare_seeds`) — the p-values of every tested Δ of the table are
+Holm-adjusted together (:func:`~idml.statistics.holm`), and a Δ whose adjusted p is below 0.05 is
+marked ``▲`` (better than the reference) or ``▼`` (worse), the better side of each metric given by
+:func:`~idml.app.metric_display.metric_direction` (AURC, ECE, NLL: lower); ``≠`` where no side is
+better (``||u||`` levels). Every tested Δ comes with its 95 % t-interval.
 
 The layout is the papers' (Wang et al. 2022, Table I; Fu et al. 2021, Table 1): one row per method,
 Recall@K by K, then RP, MAP@R, NMI; Markdown and CSV come with it for papers and spreadsheets.
@@ -32,19 +40,25 @@ import numpy as np
 
 from idml.app.config import RUNTIME_KEYS, config_difference, config_to_dict
 from idml.app.metric_display import (
-    beyond_spread,
+    LOWER_IS_BETTER,
+    NO_BETTER_SIDE,
     format_delta,
     format_metric,
+    metric_direction,
     metric_heading,
+    metric_label,
     table_decimals,
 )
 from idml.app.reports.runs import RunLog
 from idml.app.reports.tables import Cell, html_table, split_columns, text_cell
+from idml.statistics import DEFAULT_ALPHA, Comparison, compare_seeds, holm
 
-BEYOND = "*"
-"""The mark of a Δ beyond the seed spread."""
-SEED_METRICS_PER_TABLE = 4
-"""Metrics per HTML seed table (two columns each, mean ± std and Δ): fits 1400 px."""
+BETTER, WORSE, DIFFERENT = "▲", "▼", "≠"
+"""The marks of a significant Δ: better or worse than the reference (by
+:func:`~idml.app.metric_display.metric_direction`), or different where no side is better."""
+SEED_METRICS_PER_TABLE = 3
+"""Metrics per HTML seed table (two columns each, mean ± std and Δ over its interval): fits
+1400 px."""
 
 GROUP_IGNORED_KEYS = RUNTIME_KEYS | {"seed", "name"}
 """Config keys that may differ between the seeds of one group."""
@@ -110,6 +124,11 @@ class Group:
         """The metric of each seed's last evaluation (NaN where a run lacks it)."""
         return np.array([r.last_metrics.get(metric, math.nan) for r in self.runs], float)
 
+    def seed_values(self, metric: str) -> list[tuple[int, float]]:
+        """``(seed, value)`` of each run that has the metric (what a test over seeds takes)."""
+        values = self.values(metric)
+        return [(s, float(v)) for s, v in zip(self.seeds, values, strict=True) if np.isfinite(v)]
+
     def mean_std(self, metric: str) -> tuple[float, float, int]:
         """Mean, sample std (``ddof = 1``; NaN for one seed) and the number of seeds used."""
         values = self.values(metric)
@@ -156,13 +175,50 @@ def pick_reference(groups: Sequence[Group], reference: str | None = None) -> Gro
     return next((g for g in groups if g.is_baseline), groups[0])
 
 
+@dataclass(frozen=True)
+class Difference:
+    """One group's Δ against the reference on one metric, tested over seeds
+    (:func:`~idml.statistics.compare_seeds`), with its Holm-adjusted p-value over the table."""
+
+    comparison: Comparison | None
+    """The test (``None``: fewer than two seeds on a side)."""
+    adjusted_p: float
+    """Holm-adjusted over every tested Δ of the table (NaN: not tested)."""
+    direction: int
+    """:func:`~idml.app.metric_display.metric_direction` of the metric."""
+
+    @property
+    def tested(self) -> bool:
+        return not math.isnan(self.adjusted_p)
+
+    @property
+    def significant(self) -> bool:
+        return self.comparison is not None and self.comparison.significant(self.adjusted_p)
+
+    @property
+    def mark(self) -> str:
+        """:data:`BETTER`, :data:`WORSE` or :data:`DIFFERENT` when significant, else ``""``."""
+        if not self.significant:
+            return ""
+        assert self.comparison is not None
+        sign = self.direction * (1 if self.comparison.difference > 0 else -1)
+        return {1: BETTER, -1: WORSE}.get(sign, DIFFERENT)
+
+
 @dataclass
 class SeedTable:
-    """The comparison: groups × metrics, mean ± std (n) and Δ against the reference."""
+    """The comparison: groups × metrics, mean ± std (n) and Δ against the reference, each Δ
+    tested over seeds with Holm's correction over the table (:meth:`difference`)."""
 
     groups: list[Group]
     reference: Group
     metrics: list[str]
+
+    @property
+    def compares(self) -> bool:
+        """Whether there is anything to compare: two groups, or a group of two seeds or more (one
+        run alone is its own numbers, shown in the run's table)."""
+        return len(self.groups) > 1 or any(len(g.runs) > 1 for g in self.groups)
 
     def cell(self, group: Group, metric: str) -> tuple[float, float, int, float]:
         """Mean, std, n and Δ (``group − reference``; NaN for the reference), as fractions."""
@@ -171,26 +227,52 @@ class SeedTable:
         delta = math.nan if group is self.reference else mean - ref
         return mean, std, n, delta
 
-    def beyond(self, group: Group, metric: str) -> bool | None:
-        """Whether the group's Δ exceeds both groups' seed spread (``None``: the reference, or a
-        side with fewer than two seeds)."""
-        if group is self.reference:
-            return None
-        _, std, _, delta = self.cell(group, metric)
-        return beyond_spread(delta, (std, self.reference.mean_std(metric)[1]))
+    @functools.cached_property
+    def _differences(self) -> dict[tuple[int, str], Difference]:
+        """Every non-reference group × metric, tested and Holm-adjusted over the whole table."""
+        cells = [
+            (i, metric, compare_seeds(self.reference.seed_values(metric), g.seed_values(metric)))
+            for i, g in enumerate(self.groups)
+            if g is not self.reference
+            for metric in self.metrics
+        ]
+        adjusted = holm([math.nan if c is None else c.p_value for *_, c in cells])
+        return {
+            (i, metric): Difference(c, p, metric_direction(metric))
+            for (i, metric, c), p in zip(cells, adjusted, strict=True)
+        }
+
+    def difference(self, group: Group, metric: str) -> Difference | None:
+        """The group's tested Δ on ``metric`` (``None`` for the reference)."""
+        index = next(i for i, g in enumerate(self.groups) if g is group)
+        return self._differences.get((index, metric))
+
+    @property
+    def tests(self) -> tuple[int, int]:
+        """How many Δ of the table were tested (the Holm family's size) and how many paired."""
+        tested = [d for d in self._differences.values() if d.tested]
+        return len(tested), sum(1 for d in tested if d.comparison and d.comparison.paired)
 
     def group_label(self, group: Group) -> str:
         return group.label + (" (reference)" if group is self.reference else "")
 
-    def display(self, group: Group, metric: str) -> tuple[str, str, bool]:
-        """``mean ± std`` and ``Δ`` (marked :data:`BEYOND` when beyond the seed spread) of one
-        cell in the metric's unit (:func:`~idml.app.metric_display.metric_unit`: % for
-        fractions), with as many decimals as the column's spread needs, and whether it is beyond."""
+    def display(self, group: Group, metric: str) -> tuple[str, str, str]:
+        """``mean ± std``, ``Δ`` with its mark (:meth:`difference`) and the Δ's 95 % interval
+        ``[low, high]`` ("" when untested) of one cell, in the metric's unit
+        (:func:`~idml.app.metric_display.metric_unit`: % and percentage points for fractions),
+        with as many decimals as the column's spread needs."""
         digits = self._decimals[metric]
         mean, std, _, delta = self.cell(group, metric)
-        beyond = bool(self.beyond(group, metric))
-        text = format_delta(metric, delta, **digits) + (f" {BEYOND}" if beyond else "")
-        return format_metric(metric, mean, std, **digits), text, beyond
+        found = self.difference(group, metric)
+        text = format_delta(metric, delta, **digits)
+        interval = ""
+        if found is not None and found.comparison is not None:
+            text += f" {found.mark}" if found.mark else ""
+            c = found.comparison
+            if math.isfinite(c.low):
+                low, high = (format_delta(metric, v, **digits) for v in (c.low, c.high))
+                interval = f"[{low}, {high}]"
+        return format_metric(metric, mean, std, **digits), text, interval
 
     @functools.cached_property
     def _decimals(self) -> dict[str, dict[str, int]]:
@@ -198,29 +280,62 @@ class SeedTable:
         return table_decimals({m: [self.cell(g, m)[0] for g in self.groups] for m in self.metrics})
 
     def rows(self) -> list[list[str]]:
-        """Display rows: label, seeds, then ``mean ± std`` and ``Δ`` per metric (:meth:`display`)."""
+        """Display rows: label, seeds, then ``mean ± std`` and ``Δ [interval]`` per metric
+        (:meth:`display`)."""
         out = []
         for group in self.groups:
             row = [self.group_label(group), str(len(group.runs))]
             for metric in self.metrics:
-                row += self.display(group, metric)[:2]
+                value, delta, interval = self.display(group, metric)
+                row += [value, f"{delta} {interval}".strip()]
             out.append(row)
         return out
 
     def header(self) -> list[str]:
         head = ["method", "seeds"]
         for metric in self.metrics:
-            head += [metric_heading(metric), "Δ"]
+            head += [metric_heading(metric), "Δ [95 % CI]"]
         return head
 
     @property
     def legend(self) -> str:
         """What the numbers and marks are (below every rendering of the table)."""
-        return (
+        tested, paired = self.tests
+        lower = sorted(  # every AURC column under one name
+            {
+                "AURC" if m.startswith("aurc") else metric_label(m)
+                for m in self.metrics
+                if metric_direction(m) == LOWER_IS_BETTER
+            }
+        )
+        undirected = any(metric_direction(m) == NO_BETTER_SIDE for m in self.metrics)
+        text = (
             "Mean ± sample std over seeds of each run's last evaluation, in each column's unit; "
             f"Δ = mean − mean of {self.reference.label!r} (the reference, first), in the same unit "
-            f"(percentage points for %); {BEYOND}: beyond the seed spread, |Δ| larger than the "
-            "std of both groups (with one seed there is no spread to compare)."
+            "(percentage points for %), with its 95 % t-interval [low, high]. "
+        )
+        if not tested:
+            return text + (
+                "No Δ is tested: a test needs at least two seeds (with some spread) in both the "
+                "group and the reference."
+            )
+        same = "matched by seed: same initialisation and batches"
+        if paired == tested:
+            tests = f"a paired t-test over the seeds both groups ran ({same})"
+        elif paired == 0:
+            tests = "Welch's t-test (the groups ran different seeds)"
+        else:
+            tests = (
+                f"a paired t-test where both groups ran the same seeds ({paired} of them; {same}), "
+                "Welch's t-test otherwise"
+            )
+        return text + (
+            f"{BETTER} better / {WORSE} worse than the reference"
+            + (f" (lower is better for {', '.join(lower)})" if lower else "")
+            + (f", {DIFFERENT} different where no side is better (||u||)" if undirected else "")
+            + f": p < {DEFAULT_ALPHA:g} after Holm's correction over the {tested} tested Δ of "
+            f"this table, each {tests}. A Δ without an interval is not tested (fewer than two "
+            "seeds on a side, or no spread)."
         )
 
     def markdown(self) -> str:
@@ -237,41 +352,80 @@ class SeedTable:
 
     def html(self) -> str:
         """The table in HTML: several tables of at most :data:`SEED_METRICS_PER_TABLE` metrics
-        (families together), each repeating the group labels, so it fits a 1400 px screen."""
+        (families together), each repeating the group labels, so it fits a 1400 px screen; a Δ's
+        interval is its cell's second line, its test the cell's tooltip."""
         parts = []
         for caption, keys in split_columns(self.metrics, SEED_METRICS_PER_TABLE):
             head = [text_cell("method"), Cell("seeds")]
             for metric in keys:
-                head += [Cell(metric_heading(metric)), Cell("Δ")]
+                head += [Cell(metric_heading(metric)), Cell("Δ [95 % CI]")]
             rows = []
             for group in self.groups:
                 row = [text_cell(self.group_label(group)), Cell(str(len(group.runs)))]
                 for metric in keys:
-                    value, delta, beyond = self.display(group, metric)
-                    row += [Cell(value), Cell(delta, "beyond" if beyond else "")]
+                    value, delta, interval = self.display(group, metric)
+                    found = self.difference(group, metric)
+                    significant = found is not None and found.significant
+                    tooltip = "" if found is None else _describe_test(found)
+                    css = "significant" if significant else ""
+                    row += [Cell(value), Cell(delta, css, note=interval, title=tooltip)]
                 rows.append(row)
             parts.append(html_table(head, rows, caption))
         return "\n".join(parts)
 
     def csv(self) -> str:
-        """CSV with fractions: ``<metric>_mean``, ``_std``, ``_n``, ``_delta`` and
-        ``_beyond_spread`` (1, 0, or empty without a spread) per metric."""
+        """CSV with fractions per metric: ``<metric>_mean``, ``_std``, ``_n``, ``_delta``, its
+        interval ``_delta_low``/``_delta_high``, ``_test`` (``paired``, ``welch``, or empty:
+        untested), ``_p``, ``_p_holm``, ``_effect_size`` (Cohen's d_z paired, Hedges' g Welch)
+        and ``_significant`` (1, 0, or empty when untested)."""
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
-        parts = ("mean", "std", "n", "delta", "beyond_spread")
+        parts = (
+            "mean",
+            "std",
+            "n",
+            "delta",
+            "delta_low",
+            "delta_high",
+            "test",
+            "p",
+            "p_holm",
+            "effect_size",
+            "significant",
+        )
         cols = [f"{m}_{s}" for m in self.metrics for s in parts]
         writer.writerow(["group", "reference", "seeds", *cols])
         for group in self.groups:
             values: list[str] = []
             for metric in self.metrics:
                 mean, std, n, delta = self.cell(group, metric)
-                beyond = self.beyond(group, metric)
-                flag = "" if beyond is None else str(int(beyond))
-                values += [_num(mean), _num(std), str(n), _num(delta), flag]
+                values += [_num(mean), _num(std), str(n), _num(delta)]
+                found = self.difference(group, metric)
+                c = None if found is None else found.comparison
+                if found is None or c is None:
+                    values += [""] * 7
+                    continue
+                values += [_num(c.low), _num(c.high), "paired" if c.paired else "welch"]
+                values += [_num(c.p_value), _num(found.adjusted_p), _num(c.effect_size)]
+                values.append(str(int(found.significant)) if found.tested else "")
             writer.writerow(
                 [group.label, group is self.reference, " ".join(map(str, group.seeds)), *values]
             )
         return buffer.getvalue()
+
+
+def _describe_test(found: Difference) -> str:
+    """A Δ cell's tooltip: which test, over how many seeds, its p-values and effect size."""
+    c = found.comparison
+    if c is None:
+        return "not tested: fewer than two seeds on a side"
+    if not found.tested:
+        return f"not tested: no spread over the {c.n} seeds"
+    if c.paired:
+        test, effect = f"paired t-test over {c.n} seeds", f"Cohen's d_z {c.effect_size:+.2f}"
+    else:
+        test, effect = "Welch's t-test", f"Hedges' g {c.effect_size:+.2f}"
+    return f"{test}: p = {c.p_value:.3g}, Holm-adjusted {found.adjusted_p:.3g}; {effect}"
 
 
 def seed_table(
@@ -301,16 +455,26 @@ def _num(value: float) -> str:
 
 # --------------------------------------------------------------------------- HTML
 def seeds_section(table: SeedTable) -> str:
-    """The report's section: the seed table and, per group with published numbers, the paper."""
+    """The report's section: the seed table (when it :attr:`~SeedTable.compares` anything) and,
+    per group with published numbers, the paper; "" when there is neither."""
     import html
 
+    papers = _paper_sections(table)
+    if not table.compares:
+        # One run: its numbers are the run table's; only the paper's are new.
+        return "\n".join(["<h2>Published numbers</h2>", *papers]) if papers else ""
+    legend = f"{table.legend} Also in seeds.md and seeds.csv beside this page."
     parts = [
         "<h2>Seeds and differences</h2>",
         table.html(),
-        '<p class="meta">'
-        + html.escape(f"{table.legend} Also in seeds.md and seeds.csv beside this page.")
-        + "</p>",
+        f'<p class="meta">{html.escape(legend)}</p>',
     ]
+    return "\n".join(parts + papers)
+
+
+def _paper_sections(table: SeedTable) -> list[str]:
+    """:func:`paper_section` of each group with published numbers."""
+    parts = []
     for group in table.groups:
         published = group.runs[0].config.published
         if published is not None:
@@ -327,7 +491,7 @@ def seeds_section(table: SeedTable) -> str:
                     group, published.source, published.metrics, differences, bool(published.recipe)
                 )
             )
-    return "\n".join(parts)
+    return parts
 
 
 def _training_classes(run: RunLog) -> int | None:

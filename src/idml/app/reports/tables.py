@@ -19,15 +19,21 @@ from idml.app.metric_display import METRIC_FAMILIES, metric_family
 
 @dataclass(frozen=True)
 class Cell:
-    """One table cell: its text (escaped when written) and its CSS classes (``text``: a
-    left-aligned label that may wrap; ``beyond``: a difference beyond the seed spread)."""
+    """One table cell: its text (escaped when written), its CSS classes (``text``: a
+    left-aligned label that may wrap; ``significant``: a significant difference), a second,
+    smaller line (``note``: a difference's interval) and a tooltip (``title``)."""
 
     text: str
     css: str = ""
+    note: str = ""
+    title: str = ""
 
     def html(self, tag: str = "td") -> str:
         attribute = f' class="{self.css}"' if self.css else ""
-        return f"<{tag}{attribute}>{html.escape(self.text)}</{tag}>"
+        if self.title:
+            attribute += f' title="{html.escape(self.title)}"'
+        note = f'<br><span class="interval">{html.escape(self.note)}</span>' if self.note else ""
+        return f"<{tag}{attribute}>{html.escape(self.text)}{note}</{tag}>"
 
 
 def text_cell(text: str) -> Cell:
@@ -47,7 +53,7 @@ FAMILY_CAPTIONS = {
     "retrieval": "retrieval",
     "classification": "classification",
     "uncertainty": "uncertainty level ||u||",
-    "auroc": "confidence — R-AUROC: ranking right answers above wrong ones (0.5 = chance)",
+    "auroc": "confidence — R-AUROC: ranking right answers above wrong ones (50 % = chance)",
     "aurc": "confidence — AURC: error rate over the coverage (lower is better)",
     "abstention": "confidence — abstention: R@1 of the most confident answers; precision and "
     "coverage of the threshold certified for each target precision",
