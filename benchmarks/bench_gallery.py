@@ -88,7 +88,8 @@ def sweep(search, set_parameters, queries: torch.Tensor, truth: torch.Tensor, ar
         start = time.perf_counter()
         found = search(queries, 10)
         batch_s = time.perf_counter() - start
-        found = getattr(found, "indices", found)
+        if not isinstance(found, torch.Tensor):  # idml's SearchResult (a Tensor has .indices too)
+            found = found.indices
         times = []
         for q in queries[: args.single]:
             start = time.perf_counter()
