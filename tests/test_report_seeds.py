@@ -15,7 +15,7 @@ from idml.app.ablation import parse_grid, run_ablation
 from idml.app.cli import main
 from idml.app.config import dump_config, load_config
 from idml.app.reports import read_run
-from idml.app.reports.seeds import expand_run_dirs, seed_table
+from idml.app.reports.seeds import expand_run_dirs, group_runs, seed_table
 from tiny_run import IDML, TINY
 
 
@@ -339,3 +339,23 @@ def test_coinciding_lines_are_named_in_the_legend_below_the_axes(tmp_path: Path)
     assert len(styles) == 2  # drawn with different dashes, so both remain visible
     # The legend sits below the axes (anchored under them), not on the data.
     assert legend._loc == 9 and legend.get_bbox_to_anchor().y0 < rate.bbox.y0
+
+
+def test_groups_without_a_label_are_named_by_what_differs(tmp_path: Path) -> None:
+    # One-cell `idml ablate` folders (an empty grid) give their runs no label.
+    plain = _runs(tmp_path, "a", [0.5, 0.6], [], [0, 1])
+    mixed = _runs(tmp_path, "b", [0.7, 0.8], ["mixup.enabled=true"], [0, 1])
+    groups = group_runs([*plain, *mixed], [""] * 4)
+    # The name differs too (a, b), but a run's name never separates groups (GROUP_IGNORED_KEYS).
+    assert [g.label for g in groups] == ["mixup.enabled=False", "mixup.enabled=True"]
+    assert [len(g.runs) for g in groups] == [2, 2]
+
+
+def test_run_labels_are_the_shortest_distinct_path_endings(tmp_path: Path) -> None:
+    from idml.app.reports.page import _labels
+
+    runs = [
+        read_run(_fake(tmp_path / arm / "s0" / "cells" / "base" / "seed0", 0, 0.5))
+        for arm in ("baseline", "idml")
+    ]
+    assert _labels(runs) == ["baseline/s0/cells/base/seed0", "idml/s0/cells/base/seed0"]

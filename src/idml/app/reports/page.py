@@ -204,13 +204,14 @@ def write_report(
 
 
 def _labels(runs: Sequence[RunLog]) -> list[str]:
-    """Distinct display names: the folder name, with its parent when folder names repeat."""
-    labels = [run.run_dir.name or str(run.run_dir) for run in runs]
-    if len(set(labels)) < len(labels):
-        labels = [f"{run.run_dir.parent.name}/{run.run_dir.name}" for run in runs]
-    if len(set(labels)) < len(labels):
-        labels = [f"{i + 1}: {label}" for i, label in enumerate(labels)]
-    return labels
+    """Distinct display names: the shortest ending of the folder paths that tells the runs apart
+    (``seed0``, else ``base/seed0``, ``s3/cells/base/seed0``, ...), numbered if none does."""
+    parts = [run.run_dir.parts or (str(run.run_dir),) for run in runs]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{i + 1}: {label}" for i, label in enumerate(labels)]
 
 
 def _metric_keys(reports: Sequence[RunReport]) -> list[str]:

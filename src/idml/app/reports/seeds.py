@@ -155,11 +155,38 @@ def group_runs(runs: Sequence[RunLog], labels: Sequence[str]) -> list[Group]:
                 group.runs.append(run)
                 break
         else:
-            if any(g.label == label for g in groups):  # two recipes with one name
+            if label and any(g.label == label for g in groups):  # two recipes with one name
                 label = f"{label} ({run.run_dir.name})"
             groups.append(Group(label, [run]))
             dicts.append(wanted)
+    _label_unnamed(groups, dicts)
     return groups
+
+
+def _label_unnamed(groups: list[Group], dicts: list[dict]) -> None:
+    """Name the groups that came without a label (e.g. an ``idml ablate`` folder of one cell, whose
+    grid assigned nothing) by the config keys in which the groups differ, with this group's values:
+    ``mixup.enabled=True, metric.introspective=True``."""
+    if all(g.label for g in groups):
+        return
+    keys: list[str] = []
+    for other in dicts[1:]:
+        for line in config_difference(dicts[0], other, GROUP_IGNORED_KEYS):
+            key = line.split(":", 1)[0]
+            if key not in keys:
+                keys.append(key)
+    for group, stored in zip(groups, dicts, strict=True):
+        if not group.label:
+            values = [f"{key}={_dotted(stored, key)}" for key in keys]
+            group.label = ", ".join(values) or group.runs[0].run_dir.name
+
+
+def _dotted(config: dict, key: str) -> object:
+    """The value at a dotted key of a config dict (``None`` where a section lacks it)."""
+    value: object = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def pick_reference(groups: Sequence[Group], reference: str | None = None) -> Group:
