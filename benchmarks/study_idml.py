@@ -269,6 +269,25 @@ def recipe_candidates(setting: str, loss: str) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def grid_edges(setting: str, loss: str, chosen: str) -> list[str]:
+    """The knobs whose largest tried value ``chosen`` (a :func:`recipe_candidates` name) takes:
+    the epoch budget at twice the setting's, the proxy-rate multiplier at 100, m_pos at 0.4.
+
+    >>> grid_edges("demo", "contrastive", "m_pos=0.4, 16 epochs")
+    ['m_pos=0.4 is the largest m_pos tried', '16 epochs is the largest budget tried']
+    >>> grid_edges("demo", "contrastive", "m_pos=0.2, 8 epochs")
+    []
+    """
+    names = list(recipe_candidates(setting, loss))
+    last = names[-1].split(", ")
+    edges = []
+    for part in chosen.split(", "):
+        if part in last:
+            kind = "budget" if part.endswith("epochs") else part.split("=")[0].split("×")[0]
+            edges.append(f"{part} is the largest {kind} tried")
+    return edges
+
+
 # --------------------------------------------------------------------------- configuration
 def setting_overrides(setting: str, omniglot_root: Path, quick: bool) -> list[str]:
     spec = SETTINGS[setting]
@@ -477,6 +496,7 @@ def validate(args: argparse.Namespace) -> None:
         "| loss | recipe | R@1 | MAP@R | NMI | |",
         "|---|---|---|---|---|---|",
     ]
+    notes: list[str] = []
     for loss in args.losses:
         scores = {}
         for name in recipe_candidates(setting, loss):
@@ -488,11 +508,20 @@ def validate(args: argparse.Namespace) -> None:
                 f"| {LOSS_NAMES[loss]} | {name} | {fmt(metrics['recall@1'])} | "
                 f"{fmt(metrics['map@r'])} | {fmt(metrics['nmi'])} | {'**chosen**' if name == best else ''} |"
             )
+        edges = grid_edges(setting, loss, best)
+        if edges:
+            notes.append(
+                f"- {LOSS_NAMES[loss]}: the chosen recipe ({best}) lies at the edge of the grid "
+                f"({'; '.join(edges)}): a larger value was not tried, so the baseline may not have "
+                "reached its best there."
+            )
         recipes.setdefault(setting, {})[loss] = {
             "recipe": best,
             "overrides": list(recipe_candidates(setting, loss)[best]),
             "validation_map@r": mean(scores[best]["map@r"]),
         }
+    if notes:
+        lines += ["", *notes]
     if not args.quick:
         TABLES.mkdir(parents=True, exist_ok=True)
         RECIPES.write_text(json.dumps(recipes, indent=2, sort_keys=True) + "\n")
