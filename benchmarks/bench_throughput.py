@@ -262,10 +262,9 @@ def model_step(
     for _ in range(2):  # warm-up (and compilation, with optim.compile)
         trainer.step(images, labels, gen, gen, False, values, 0)
     sync(device)
-    every = trainer.compute.sync_every
     start = time.perf_counter()
     for step in range(steps):
-        reads = (step + 1) % every == 0 or step + 1 == steps
+        reads = trainer.compute.reads_at(step, steps)
         with value_checks(reads):
             trainer.step(images, labels, gen, gen, False, values, step if reads else None)
     sync(device)

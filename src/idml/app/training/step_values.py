@@ -35,9 +35,6 @@ class StepValues:
         self._sums: dict[str, Tensor] = {}
         self._counts: dict[str, Tensor] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._sums)
-
     def add(self, name: str, value: Tensor) -> None:
         """One step's ``value`` (a 0-d tensor) of ``name``; a NaN or inf is kept, to be found by
         :meth:`non_finite`."""
