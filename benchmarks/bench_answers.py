@@ -3,7 +3,10 @@ re-ranking per query, beside the search itself, through :meth:`idml.app.retrieva
 
 A synthetic clustered gallery (``--n`` unit vectors of ``--dim`` around ``--clusters`` centres,
 labels = cluster ids, as in ``bench_confidence.py``) in an exact index with labels, and held-out
-queries of the same clusters. It times, for a batch of ``--batch`` queries (median of
+queries of the same clusters. A share ``--label-noise`` of the gallery is labelled as another
+cluster: the geometry alone makes every top-1 answer right once clusters hold ~1,000 items (at 1M,
+128 or 512 dimensions, noise 1.2), and a calibration needs wrong answers to learn from; a mislabelled
+top-1 is also the wrong answer the confidence features can see (its neighbours disagree with it). It times, for a batch of ``--batch`` queries (median of
 ``--repeats``) and for single queries (median of ``--singles``), top-``k`` search with:
 
 * the plain answer (the top-1 similarity, no abstention): the search itself, ``k`` deep;
@@ -48,12 +51,33 @@ RERANKERS: dict[str, Reranker] = {
 }
 
 
+def mislabel(labels: torch.Tensor, clusters: int, share: float, seed: int) -> torch.Tensor:
+    """``labels`` with a random ``share`` of them moved to another cluster (never their own).
+
+    >>> out = mislabel(torch.zeros(1000, dtype=torch.long), 5, 0.1, seed=0)
+    >>> int((out != 0).sum()), int(out.max()) <= 4
+    (100, True)
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = labels.clone()
+    which = torch.randperm(len(labels), generator=g)[: round(share * len(labels))]
+    shift = torch.randint(1, clusters, (len(which),), generator=g)
+    out[which] = (out[which] + shift) % clusters
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=1_000_000, help="gallery size")
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--clusters", type=int, default=1000)
     p.add_argument("--noise", type=float, default=1.2, help="noise norm relative to the centre")
+    p.add_argument(
+        "--label-noise",
+        type=float,
+        default=0.1,
+        help="share of gallery items labelled as a random other cluster (wrong answers)",
+    )
     p.add_argument("--batch", type=int, default=1000)
     p.add_argument("--singles", type=int, default=20)
     p.add_argument("--calibration-queries", type=int, default=2000)
@@ -65,11 +89,15 @@ def main() -> None:
     points, labels = clustered(total, args.dim, args.clusters, args.noise, seed=0)
     g, q = slice(0, args.n), slice(args.n, args.n + args.batch)
     c = slice(args.n + args.batch, total)
-    index = Index.create(points[g], labels=[str(int(v)) for v in labels[g]])
+    if not 0.0 <= args.label_noise < 1.0:
+        p.error(f"--label-noise must be in [0, 1), got {args.label_noise}")
+    gallery_labels = mislabel(labels[g], args.clusters, args.label_noise, seed=1)
+    index = Index.create(points[g], labels=[str(int(v)) for v in gallery_labels])
     queries = points[q].clone()
     results: dict[str, object] = {
         "n": args.n,
         "dim": args.dim,
+        "label_noise": args.label_noise,
         "threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
     }
@@ -79,7 +107,7 @@ def main() -> None:
     start = time.perf_counter()
     recipe = CalibrationRecipe()
     calibration, _ = fit_on_embeddings(
-        Embeddings(points[c].clone()), labels[c], recipe, {}, (index.embeddings, labels[g])
+        Embeddings(points[c].clone()), labels[c], recipe, {}, (index.embeddings, gallery_labels)
     )
     once["fit the calibration (idml calibrate)"] = time.perf_counter() - start
     del points

@@ -62,7 +62,7 @@ from scipy.stats import binom
 
 from idml.app import build
 from idml.app.calibration import CALIBRATION_FILE, model_levels
-from idml.app.config import fragment_overrides, load_config
+from idml.app.config import config_difference, config_to_dict, fragment_overrides, load_config
 from idml.app.demo import DEMO_BASE, DEMO_IDML
 from idml.app.trained_run import load_trained_run
 from idml.app.training import Trainer
@@ -199,17 +199,27 @@ def consistent(right: int, answered: int, target: float, level: float = 0.05) ->
 
 def train_or_reuse(overrides: list[str], run_dir: Path) -> Path:
     """Train the run under ``run_dir`` unless a finished one (with its calibration step done:
-    ``calibration.json``, or a log that ended) is there."""
+    ``calibration.json``, or a log that ended) of the same config is there.
+
+    A finished run whose config differs from today's (an override changed, or a default the
+    library changed since it was trained, such as the uncertainty head's) is trained again, and
+    the differences are printed: reusing it would report a model this command no longer trains."""
+    wanted = load_config(None, overrides)
     if (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists():
         try:
             load_trained_run(run_dir, "latest")
             cfg = load_config(run_dir / "config.yaml")
             lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-            if len([line for line in lines if line.strip()]) == cfg.optim.epochs:
-                return run_dir
+            finished = len([line for line in lines if line.strip()]) == cfg.optim.epochs
         except Exception:  # an unfinished run: train it again
-            pass
-    Trainer(load_config(None, overrides), run_dir, progress=False).fit(overwrite=True)
+            finished = False
+        else:
+            changed = config_difference(config_to_dict(cfg), config_to_dict(wanted))
+            if finished and not changed:
+                return run_dir
+            if finished:
+                print(f"{run_dir}: trained with another config, training again: {changed}")
+    Trainer(wanted, run_dir, progress=False).fit(overwrite=True)
     return run_dir
 
 
