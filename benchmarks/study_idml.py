@@ -477,11 +477,10 @@ def validate(args: argparse.Namespace) -> None:
         "data.protocol=validation",
         *SETTINGS[setting].validation,
     ]
-    jobs, cells = [], {}
+    jobs = []
     for loss in args.losses:
         for name, overrides in recipe_candidates(setting, loss).items():
             folder = args.out / setting / "validation" / loss / slug(name)
-            cells[(loss, name)] = folder
             for seed in range(args.seeds):
                 config = [*base, f"loss.name={loss}", *BASELINE, *overrides, f"seed={seed}"]
                 jobs.append(Job(folder / f"s{seed}", tuple(config), mechanism=False))
@@ -497,11 +496,22 @@ def validate(args: argparse.Namespace) -> None:
         "|---|---|---|---|---|---|",
     ]
     notes: list[str] = []
-    for loss in args.losses:
+    # Every loss validated so far goes in the table, not only this call's: the file is the
+    # setting's one record of how its recipes were chosen.
+    validated = [
+        loss
+        for loss in LOSSES
+        if loss in args.losses
+        or all(
+            seed_results(args.out / setting / "validation" / loss / slug(name))
+            for name in recipe_candidates(setting, loss)
+        )
+    ]
+    for loss in validated:
         scores = {}
         for name in recipe_candidates(setting, loss):
-            metrics = final_metrics(cells[(loss, name)], args.seeds)
-            scores[name] = metrics
+            folder = args.out / setting / "validation" / loss / slug(name)
+            scores[name] = final_metrics(folder, args.seeds)
         best = max(scores, key=lambda n: mean(scores[n]["map@r"]))
         for name, metrics in scores.items():
             lines.append(
@@ -515,6 +525,8 @@ def validate(args: argparse.Namespace) -> None:
                 f"({'; '.join(edges)}): a larger value was not tried, so the baseline may not have "
                 "reached its best there."
             )
+        if loss not in args.losses:
+            continue
         recipes.setdefault(setting, {})[loss] = {
             "recipe": best,
             "overrides": list(recipe_candidates(setting, loss)[best]),
