@@ -24,6 +24,12 @@ Arms (:data:`ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
   ``e^{−γ/(τδ)}`` has the same median over positive pairs as ``idml``'s learned one) and, for
   Contrastive, ``mixup_margin`` (Mixup with the positive margin moved by the median amount ISM
   moves positive pairs in ``idml``: the margin ISM acts as, :func:`matched_controls`);
+- ``idml_u_high``: ``idml`` with ``u`` starting at a quarter of its bound instead of 2 %
+  (``model.uncertainty.init_level=0.25``): does the objective bring ``u`` back to the level where
+  ISM is near the identity, or does the weakening stay where it starts? And where ISM does weaken
+  pairs unevenly, does it help? Its own controls: ``idml_u_high_frozen_u`` (the same start, the
+  head never trains) and ``idml_u_high_uniform`` (``u ≡ 0``, γ matched to its weakening), compared
+  in a table of their own (:data:`U_HIGH_COMPARISONS`, Holm within it).
 - ``idml_ext``: ``idml`` plus the Mixup-supervised uncertainty *extension*
   (``mixup.uncertainty_weight``, :mod:`idml.losses.ambiguity`), never the default.
 
@@ -200,6 +206,10 @@ ISM = ("model.uncertainty.enabled=true", "metric.introspective=true", "mixup.ena
 IDML = ("model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true")
 
 
+U_HIGH = "model.uncertainty.init_level=0.25"
+"""``u`` starting at a quarter of its bound (the default starts at 2 %)."""
+
+
 @dataclass(frozen=True)
 class Arm:
     """One arm: its overrides, and the losses it applies to (``None``: all)."""
@@ -208,8 +218,9 @@ class Arm:
     overrides: tuple[str, ...]
     losses: tuple[str, ...] | None = None
     matched: bool = False
-    """Its overrides depend on the ``idml`` arm's trained runs (:func:`matched_controls`)."""
+    """Its overrides depend on the trained runs of arm ``matched_to`` (:func:`matched_controls`)."""
     has_head: bool = False
+    matched_to: str = "idml"
 
 
 ARMS: dict[str, Arm] = {
@@ -226,12 +237,27 @@ ARMS: dict[str, Arm] = {
     "mixup_margin": Arm(
         "Mixup only, margin matched to IDML", MIXUP, losses=("contrastive",), matched=True
     ),
+    "idml_u_high": Arm("IDML, u starting high", (*IDML, U_HIGH), has_head=True),
+    "idml_u_high_frozen_u": Arm(
+        "IDML, u starting high, frozen",
+        (*IDML, U_HIGH, "optim.uncertainty_lr_mult=0"),
+        has_head=True,
+    ),
+    "idml_u_high_uniform": Arm(
+        "IDML, u = 0 and γ matched to u starting high (uniform weakening)",
+        ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=true"),
+        matched=True,
+        matched_to="idml_u_high",
+    ),
     "idml_ext": Arm(
         "IDML + Mixup-supervised u (extension)",
         (*IDML, "mixup.uncertainty_weight=1.0"),
         has_head=True,
     ),
 }
+
+MATCHED_TO = frozenset(arm.matched_to for arm in ARMS.values() if arm.matched)
+"""The arms whose runs record what their matched controls take (``mechanism.json``'s ``matched``)."""
 
 DEGRADATIONS = {
     "low_resolution": "degradations.low_resolution_fraction=0.25",
@@ -552,7 +578,7 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
             if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
                 continue
             control = "uniform" if name == "idml_uniform" else "margin"
-            idml_folder = args.out / setting / loss / "idml"
+            idml_folder = args.out / setting / loss / arm.matched_to
             extra = matched_overrides(idml_folder, control) if matched else []
             for seed in range(args.seeds):
                 config = (
@@ -564,7 +590,7 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
                     f"seed={seed}",
                 )
                 folder = args.out / setting / loss / name / f"s{seed}"
-                jobs.append(Job(folder, config, arm.has_head, match_controls=name == "idml"))
+                jobs.append(Job(folder, config, arm.has_head, match_controls=name in MATCHED_TO))
     return jobs
 
 
@@ -657,6 +683,13 @@ COMPARISONS: list[tuple[str, str, str]] = [
     ("extension − IDML", "idml", "idml_ext"),
     ("extension − Mixup only", "mixup", "idml_ext"),
 ]
+U_HIGH_COMPARISONS: list[tuple[str, str, str]] = [
+    ("u high − IDML (u at 2 %)", "idml", "idml_u_high"),
+    ("u high − Mixup only", "mixup", "idml_u_high"),
+    ("u high − u high, frozen", "idml_u_high_frozen_u", "idml_u_high"),
+    ("u high − uniform weakening matched to it", "idml_u_high_uniform", "idml_u_high"),
+]
+"""Where ISM weakens pairs unevenly (``u`` starting high): does it help? A family of its own."""
 TABLE_METRICS = ("recall@1", "map@r")
 
 
@@ -846,6 +879,18 @@ def tables(args: argparse.Namespace) -> None:
     ]
     lines += ["\n## Differences (paired over seeds that share initialisation and batches)\n"]
     lines += difference_table(pairs)
+    probe = [
+        (LOSS_NAMES[loss], label, runs[(loss, ref)], runs[(loss, arm)])
+        for loss in args.losses
+        for label, ref, arm in U_HIGH_COMPARISONS
+        if (loss, ref) in runs and (loss, arm) in runs
+    ]
+    if probe:
+        lines += [
+            "\n## Where ISM acts: `u` starting at a quarter of its bound "
+            f"(`{U_HIGH}`), against its own controls\n"
+        ]
+        lines += difference_table(probe)
     lines += ["\n## Is the introspection real? (runs with an uncertainty head, mean over seeds)\n"]
     lines += MECHANISM_HEADER
     for (loss, arm), seeds in runs.items():
