@@ -5,12 +5,13 @@ Settings (``--only``; each with a baseline arm — Multi-Similarity, plain metri
 ISM + Mixup — and ``--seeds`` seeds):
 
 - ``demo``: ``idml demo``'s small CNN on scikit-learn's digits at 16 px; digits 0–5 are the
-  training classes, of which 2–5 are held out (``calibration.held_out_classes=0.6``) and 0–1
-  learned; 6–9 test. (The demo's own split, learn 0–2, leaves too few wrong answers on held-out
+  training classes, of which 0, 2, 3 and 5 are held out (``calibration.held_out_classes=0.6``,
+  spread over the ids as by default) and 1 and 4 learned; 6–9 test. (The demo's own split, learn 0–2, leaves too few wrong answers on held-out
   classes to fit a calibrator.)
 - ``omniglot_cnn``, ``omniglot_lite0``, ``fashion_lite0``: the recipes of
   ``benchmarks/study_idml.py`` (same data, model, schedule), with a quarter of Omniglot's 136
-  training characters (34) or two of Fashion-MNIST's five training classes held out.
+  training characters (34, every fourth by id: all five training alphabets lend some) or two of
+  Fashion-MNIST's five training classes (1 and 3) held out.
 
 Each run is trained by :class:`~idml.app.training.Trainer` with ``calibration.held_out_classes``:
 the product's path. After the last epoch it writes ``calibration.json``, a logistic calibrator on

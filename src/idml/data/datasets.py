@@ -380,6 +380,26 @@ class ArrayImageDataset(ImageDataset):
         return taken
 
 
+HeldOutOrder = Literal["spread", "last"]
+
+
+def held_out_positions(classes: int, held_out: int, order: HeldOutOrder) -> np.ndarray:
+    """Positions (in class-id order) of the ``held_out`` of ``classes`` classes to hold out.
+
+    ``"last"``: the last ones. ``"spread"``: one from each of ``held_out`` equal runs of ids, at
+    its middle, so a dataset whose ids run by group (alphabets, super-categories) lends every
+    group its share instead of handing over its last group whole.
+
+    >>> held_out_positions(8, 4, "spread").tolist(), held_out_positions(8, 4, "last").tolist()
+    ([1, 3, 5, 7], [4, 5, 6, 7])
+    >>> held_out_positions(136, 34, "spread")[:4].tolist()
+    [2, 6, 10, 14]
+    """
+    if order == "last":
+        return np.arange(classes - held_out, classes)
+    return ((np.arange(held_out) + 0.5) * classes / held_out).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class TrainTestPair:
     """What every train/test split shares: the two sides' images, the check that neither side is
@@ -512,21 +532,24 @@ class DMLSplit(TrainTestPair):
         kept, held = self._carve_train_classes(fraction, "data.validation_classes")
         return DMLSplit(kept, held, f"{self.name}/validation")
 
-    def held_out(self, fraction: float) -> DMLSplit:
-        """The same split with the last ``ceil(fraction·C)`` *train* classes (by original class
-        id) moved to the ``val`` side, which the model never trains on (e.g. to fit a calibrated
-        confidence on classes it did not learn, like the unseen test classes it will meet). A
-        split whose source names a ``val`` side already is returned as it is.
+    def held_out(self, fraction: float, order: HeldOutOrder = "spread") -> DMLSplit:
+        """The same split with ``ceil(fraction·C)`` *train* classes moved to the ``val`` side,
+        which the model never trains on (e.g. to fit a calibrated confidence on classes it did not
+        learn, like the unseen test classes it will meet): spread evenly over the original class
+        ids, or the last ones (``order``, :func:`held_out_positions`). A split whose source names a
+        ``val`` side already is returned as it is.
         """
         if self.val is not None:
             return self
-        kept, held = self._carve_train_classes(fraction, "calibration.held_out_classes")
+        kept, held = self._carve_train_classes(fraction, "calibration.held_out_classes", order)
         return DMLSplit(kept, self.test, self.name, held)
 
-    def _carve_train_classes(self, fraction: float, key: str) -> tuple[ImageDataset, ImageDataset]:
-        """``(train without its last ceil(fraction·C) classes, those classes)``, the second with
-        the test side's transform (it is evaluated, never trained on); ``key`` names the setting
-        in errors."""
+    def _carve_train_classes(
+        self, fraction: float, key: str, order: HeldOutOrder = "last"
+    ) -> tuple[ImageDataset, ImageDataset]:
+        """``(train without ceil(fraction·C) of its classes, those classes)`` — which ones:
+        :func:`held_out_positions` — the second with the test side's transform (it is evaluated,
+        never trained on); ``key`` names the setting in errors."""
         if not 0.0 < fraction < 1.0:
             raise ValueError(
                 f"{key}: the share of train classes must lie in (0, 1), got {fraction}"
@@ -539,7 +562,7 @@ class DMLSplit(TrainTestPair):
                 f"class on one side; change {key}"
             )
         ids = self.train.class_ids.numpy()
-        held = np.isin(ids, classes[-held_out:])
+        held = np.isin(ids, classes[held_out_positions(len(classes), held_out, order)])
         return (
             self.train.subset(np.flatnonzero(~held)),
             self.train.subset(np.flatnonzero(held)).with_transform(self.test.transform),

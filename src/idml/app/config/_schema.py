@@ -681,6 +681,13 @@ class CalibrationConfig(Section):
         "confidence on after the last epoch (0: none; a val side the dataset names is used "
         "instead when it has one; without either, fit one later with `idml calibrate`)",
     )
+    held_out_order: Literal["spread", "last"] = Field(
+        "spread",
+        description="which training classes held_out_classes keeps out: 'spread' evenly over "
+        "the class ids (every group of a dataset whose ids run by group — Omniglot's alphabets, "
+        "SOP's super-categories — lends some, as the unseen classes come from every group), or "
+        "'last' by id (runs written before this key hold out the last)",
+    )
     calibrator: Literal["logistic", "isotonic"] = Field(
         "logistic", description="logistic regression on the features, or isotonic on one"
     )

@@ -262,8 +262,9 @@ class LearningMonitor:
                 "introspective metric then trains like the plain metric (or a uniform rescaling "
                 "of it), so this run measures Mixup, not introspection. Check that the uncertainty "
                 "head trains (optim.uncertainty_lr_mult is not 0; model.uncertainty.level_input="
-                "standardized), or raise model.uncertainty.max_norm; the ism/pos_q10 and "
-                "ism/u_cv keys of metrics.jsonl show the trend",
+                "standardized), or start u higher (model.uncertainty.init_level, e.g. 0.25: "
+                "training lowers u slowly from where it starts, so a low start stays low); the "
+                "ism/pos_q10 and ism/u_cv keys of metrics.jsonl show the trend",
                 RuntimeWarning,
                 stacklevel=3,
             )
