@@ -577,7 +577,7 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
             arm = ARMS[name]
             if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
                 continue
-            control = "uniform" if name == "idml_uniform" else "margin"
+            control = "margin" if name == "mixup_margin" else "uniform"
             idml_folder = args.out / setting / loss / arm.matched_to
             extra = matched_overrides(idml_folder, control) if matched else []
             for seed in range(args.seeds):

@@ -33,7 +33,7 @@ from tiny_run import train_tiny
 
 HELD_OUT = [
     "data.num_train_classes=8",
-    "calibration.held_out_classes=0.5",  # digits 1, 3, 5, 7 held out, 0, 2, 4, 6 trained, 8-9 test
+    "calibration.held_out_classes=0.5",  # digits 4-7 held out, 0-3 trained, 8-9 test
     "sampler.classes_per_batch=4",
     "optim.max_steps_per_epoch=1",  # a weak model: many wrong answers to calibrate on
 ]
@@ -111,9 +111,9 @@ def test_held_out_classes_are_never_trained_on() -> None:
     assert plain.val is None and len(plain.train.class_names) == 8
 
 
-def test_held_out_classes_are_spread_over_the_ids_unless_asked_for_the_last() -> None:
-    """Where ids run by group (Omniglot's alphabets) the last ids would be one group: the
-    calibration classes would not resemble the unseen classes, which come from every group."""
+def test_held_out_classes_are_the_last_ids_unless_asked_to_spread_them() -> None:
+    """The last ids hold out whole groups where ids run by group (Omniglot's alphabets, unseen
+    like the test classes' alphabets); ``spread`` lends every group's share instead."""
     from idml.app import build
 
     names = {}
@@ -125,23 +125,7 @@ def test_held_out_classes_are_spread_over_the_ids_unless_asked_for_the_last() ->
         assert split.val is not None
         names[order] = sorted(split.val.class_names)
     assert names == {"spread": ["1", "3", "5", "7"], "last": ["4", "5", "6", "7"]}
-    assert load_config(None, HELD_OUT).calibration.held_out_order == "spread"
-
-
-def test_a_run_written_before_the_order_existed_keeps_its_last_classes(tmp_path: Path) -> None:
-    """Its model trained on the first classes: rebuilding its data (``idml calibrate RUN``) with
-    today's default would calibrate on classes it learned."""
-    import yaml
-
-    from idml.app.config import config_to_dict
-
-    stored = config_to_dict(load_config(None, ["data.dataset=digits", *HELD_OUT]))
-    del stored["calibration"]["held_out_order"]
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(stored))
-    assert load_config(tmp_path / "config.yaml").calibration.held_out_order == "last"
-    # A user's file that names only some keys of the section gets today's default.
-    (tmp_path / "mine.yaml").write_text("calibration:\n  held_out_classes: 0.5\n")
-    assert load_config(tmp_path / "mine.yaml").calibration.held_out_order == "spread"
+    assert load_config(None, HELD_OUT).calibration.held_out_order == "last"
 
 
 def test_calibration_config_is_validated() -> None:

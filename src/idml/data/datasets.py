@@ -380,15 +380,16 @@ class ArrayImageDataset(ImageDataset):
         return taken
 
 
-HeldOutOrder = Literal["spread", "last"]
+HeldOutOrder = Literal["last", "spread"]
 
 
 def held_out_positions(classes: int, held_out: int, order: HeldOutOrder) -> np.ndarray:
     """Positions (in class-id order) of the ``held_out`` of ``classes`` classes to hold out.
 
-    ``"last"``: the last ones. ``"spread"``: one from each of ``held_out`` equal runs of ids, at
-    its middle, so a dataset whose ids run by group (alphabets, super-categories) lends every
-    group its share instead of handing over its last group whole.
+    ``"last"``: the last ones — where ids run by group (Omniglot's alphabets) whole groups, unseen
+    like the groups of zero-shot test classes. ``"spread"``: one from each of ``held_out`` equal
+    runs of ids, at its middle, so every group lends its share (for test classes drawn from the
+    training classes' groups).
 
     >>> held_out_positions(8, 4, "spread").tolist(), held_out_positions(8, 4, "last").tolist()
     ([1, 3, 5, 7], [4, 5, 6, 7])
@@ -532,11 +533,11 @@ class DMLSplit(TrainTestPair):
         kept, held = self._carve_train_classes(fraction, "data.validation_classes")
         return DMLSplit(kept, held, f"{self.name}/validation")
 
-    def held_out(self, fraction: float, order: HeldOutOrder = "spread") -> DMLSplit:
+    def held_out(self, fraction: float, order: HeldOutOrder = "last") -> DMLSplit:
         """The same split with ``ceil(fraction·C)`` *train* classes moved to the ``val`` side,
         which the model never trains on (e.g. to fit a calibrated confidence on classes it did not
-        learn, like the unseen test classes it will meet): spread evenly over the original class
-        ids, or the last ones (``order``, :func:`held_out_positions`). A split whose source names a
+        learn, like the unseen test classes it will meet): the last ones by original class id, or
+        spread evenly over the ids (``order``, :func:`held_out_positions`). A split whose source names a
         ``val`` side already is returned as it is.
         """
         if self.val is not None:

@@ -335,34 +335,15 @@ def _keep_direction_level_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-_CALIBRATION_KEYS = ("held_out_classes", "calibrator", "features", "threshold_share")
-
-
-def _keep_last_held_out_of_old_runs(raw: dict[str, Any]) -> dict[str, Any]:
-    """A run written before ``calibration.held_out_order`` existed spells out every other key of
-    the section; it held out the *last* training classes, so it still does (its model trained on
-    the others: holding out a spread would calibrate on classes it learned)."""
-    section = raw.get("calibration")
-    if (
-        isinstance(section, dict)
-        and "held_out_order" not in section
-        and all(k in section for k in _CALIBRATION_KEYS)
-    ):
-        return {**raw, "calibration": {**section, "held_out_order": "last"}}
-    return raw
-
-
 def _upgrade(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Old spellings as today's schema reads them: a run written before
     ``model.uncertainty.form`` existed keeps its linear head, one written before
-    ``model.uncertainty.level_input`` keeps its level read from the feature direction, one written
-    before ``calibration.held_out_order`` keeps its last classes held out, and each
+    ``model.uncertainty.level_input`` keeps its level read from the feature direction, and each
     task reads its own old keys (:meth:`idml.app.tasks.Task.upgrade`)."""
     from idml.app.tasks import TASKS
 
     raw = _keep_linear_head_of_old_runs(raw)
     raw = _keep_direction_level_of_old_runs(raw)
-    raw = _keep_last_held_out_of_old_runs(raw)
     for task in TASKS.values():
         raw = task.upgrade(raw, source)
     return raw

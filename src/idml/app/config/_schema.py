@@ -681,12 +681,12 @@ class CalibrationConfig(Section):
         "confidence on after the last epoch (0: none; a val side the dataset names is used "
         "instead when it has one; without either, fit one later with `idml calibrate`)",
     )
-    held_out_order: Literal["spread", "last"] = Field(
-        "spread",
-        description="which training classes held_out_classes keeps out: 'spread' evenly over "
-        "the class ids (every group of a dataset whose ids run by group — Omniglot's alphabets, "
-        "SOP's super-categories — lends some, as the unseen classes come from every group), or "
-        "'last' by id (runs written before this key hold out the last)",
+    held_out_order: Literal["last", "spread"] = Field(
+        "last",
+        description="which training classes held_out_classes keeps out: the 'last' by id (where "
+        "ids run by group — Omniglot's alphabets — whole groups, unseen like the test classes' "
+        "groups; measured the better calibration on Omniglot) or 'spread' evenly over the ids "
+        "(every group lends some: for test classes from the training classes' groups)",
     )
     calibrator: Literal["logistic", "isotonic"] = Field(
         "logistic", description="logistic regression on the features, or isotonic on one"
