@@ -68,6 +68,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -344,8 +345,7 @@ def matched_overrides(idml_folder: Path, control: str) -> list[str]:
     """The overrides that match a control (``uniform`` or ``margin``) to the trained runs of the
     ISM arm in ``idml_folder`` (their ``mechanism.json``)."""
     values = [
-        json.loads(m.read_text())["matched"]
-        for m in sorted(idml_folder.glob("s*/cells/base/seed*/mechanism.json"))
+        json.loads(m.read_text())["matched"] for m in run_files(idml_folder, "mechanism.json")
     ]
     if not values:
         raise SystemExit(f"{idml_folder}: the controls are matched to it, but it has no run yet")
@@ -651,10 +651,20 @@ def fmt(values: Sequence[float], scale: float = 100.0) -> str:
     return f"{scale * m:.1f} ± {scale * sd:.1f}"
 
 
+def run_files(arm_folder: Path, name: str) -> list[Path]:
+    """``name`` in each seed's run folder of an arm — not in the ``seedN.replaced-…`` folders a
+    re-run set aside (a run retrained after its config changed keeps the old one there)."""
+    return sorted(
+        path
+        for path in arm_folder.glob(f"s*/cells/base/seed*/{name}")
+        if re.fullmatch(r"seed\d+", path.parent.name)
+    )
+
+
 def seed_results(arm_folder: Path) -> dict[int, dict[str, Any]]:
     """``{seed: {"metrics": …, "mechanism": … | None}}`` of an arm's finished runs."""
     out = {}
-    for result in sorted(arm_folder.glob("s*/cells/base/seed*/result.json")):
+    for result in run_files(arm_folder, "result.json"):
         record = json.loads(result.read_text())
         mech = result.parent / "mechanism.json"
         out[int(record["seed"])] = {
