@@ -124,13 +124,16 @@ def test_ctrl_c_leaves_a_resumable_run_and_the_command_that_resumes_it(tmp_path:
     config = tmp_path / "tiny.yaml"
     config.write_text("name: tiny\n")
     out = tmp_path / "run"
-    # Many epochs: it is interrupted long before the end, once the first one is saved.
+    # Many epochs: it is interrupted long before the end, once the first one is saved. The child
+    # gets SIGINT's default disposition, as a terminal's foreground job has it: a test process
+    # started with `&` by a shell without job control inherits SIGINT ignored and would pass it on.
     child = subprocess.Popen(
         _train_command(config, out, "optim.epochs=500"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 600

@@ -21,8 +21,12 @@ def interrupts_deferred() -> Iterator[None]:
     (by default: raise :class:`KeyboardInterrupt`). Signals are only delivered to the main thread,
     so elsewhere the block runs unchanged.
 
-    Example:
+    Where SIGINT is ignored (a process started with ``&`` by a shell without job control
+    inherits that), the held signal is ignored too.
+
+    Example (with Python's own Ctrl-C handler, as a terminal gives it):
         >>> import os, signal
+        >>> before = signal.signal(signal.SIGINT, signal.default_int_handler)
         >>> finished = []
         >>> try:
         ...     with interrupts_deferred():
@@ -32,6 +36,7 @@ def interrupts_deferred() -> Iterator[None]:
         ...     finished.append("stopped")
         >>> finished
         ['saved', 'stopped']
+        >>> _ = signal.signal(signal.SIGINT, before)
     """
     if threading.current_thread() is not threading.main_thread():
         yield
