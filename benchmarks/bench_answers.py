@@ -6,8 +6,9 @@ labels = cluster ids, as in ``bench_confidence.py``) in an exact index with labe
 queries of the same clusters. A share ``--label-noise`` of the gallery is labelled as another
 cluster: the geometry alone makes every top-1 answer right once clusters hold ~1,000 items (at 1M,
 128 or 512 dimensions, noise 1.2), and a calibration needs wrong answers to learn from; a mislabelled
-top-1 is also the wrong answer the confidence features can see (its neighbours disagree with it). It times, for a batch of ``--batch`` queries (median of
-``--repeats``) and for single queries (median of ``--singles``), top-``k`` search with:
+top-1 is also the wrong answer the confidence features can see (its neighbours disagree with it).
+It times, for a batch of ``--batch`` queries (median of ``--repeats``) and for single queries
+(median of ``--singles``), top-``k`` search with:
 
 * the plain answer (the top-1 similarity, no abstention): the search itself, ``k`` deep;
 * the calibrated confidence of ``idml calibrate`` (logistic on top-1, margin@10, agreement@10; the
@@ -85,12 +86,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args()
+    if not 0.0 <= args.label_noise < 1.0:
+        p.error(f"--label-noise must be in [0, 1), got {args.label_noise}")
     total = args.n + args.batch + args.calibration_queries
     points, labels = clustered(total, args.dim, args.clusters, args.noise, seed=0)
     g, q = slice(0, args.n), slice(args.n, args.n + args.batch)
     c = slice(args.n + args.batch, total)
-    if not 0.0 <= args.label_noise < 1.0:
-        p.error(f"--label-noise must be in [0, 1), got {args.label_noise}")
     gallery_labels = mislabel(labels[g], args.clusters, args.label_noise, seed=1)
     index = Index.create(points[g], labels=[str(int(v)) for v in gallery_labels])
     queries = points[q].clone()

@@ -433,7 +433,9 @@ def main() -> None:
     parser.add_argument("--omniglot-root", type=Path, default=DEFAULT_OMNIGLOT)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "study_confidence")
     parser.add_argument("--runs", type=Path, nargs="+", help="study these run folders instead")
-    parser.add_argument("--name", default=None, help="table name suffix (default: epochs note)")
+    parser.add_argument(
+        "--name", default=None, help="suffix of the tables and run folders of a variant (--set)"
+    )
     parser.add_argument(
         "--set",
         dest="extra",
@@ -463,7 +465,7 @@ def main() -> None:
             groups[tag] = [
                 train_or_reuse(
                     [*overrides, f"seed={seed}", f"name=confidence-{setting}-{arm}"],
-                    args.out / setting / arm / f"seed{seed}",
+                    args.out / setting / tag.removeprefix(f"{setting}_") / f"seed{seed}",
                 )
                 for seed in seeds
             ]

@@ -75,7 +75,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot"
@@ -212,16 +212,28 @@ U_HIGH = "model.uncertainty.init_level=0.25"
 
 
 @dataclass(frozen=True)
+class Match:
+    """A control matched to another arm's trained runs (:func:`matched_controls`): the uniform
+    weakening (γ) or the positive margin ISM acts as, taken from the runs of arm ``to``."""
+
+    control: Literal["uniform", "margin"]
+    to: str
+
+
+@dataclass(frozen=True)
 class Arm:
     """One arm: its overrides, and the losses it applies to (``None``: all)."""
 
     label: str
     overrides: tuple[str, ...]
     losses: tuple[str, ...] | None = None
-    matched: bool = False
-    """Its overrides depend on the trained runs of arm ``matched_to`` (:func:`matched_controls`)."""
+    match: Match | None = None
+    """Set for a control whose overrides depend on another arm's trained runs."""
     has_head: bool = False
-    matched_to: str = "idml"
+
+    @property
+    def matched(self) -> bool:
+        return self.match is not None
 
 
 ARMS: dict[str, Arm] = {
@@ -233,10 +245,13 @@ ARMS: dict[str, Arm] = {
     "idml_uniform": Arm(
         "IDML, u = 0 and matched γ (uniform weakening)",
         ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=true"),
-        matched=True,
+        match=Match("uniform", "idml"),
     ),
     "mixup_margin": Arm(
-        "Mixup only, margin matched to IDML", MIXUP, losses=("contrastive",), matched=True
+        "Mixup only, margin matched to IDML",
+        MIXUP,
+        losses=("contrastive",),
+        match=Match("margin", "idml"),
     ),
     "idml_u_high": Arm("IDML, u starting high", (*IDML, U_HIGH), has_head=True),
     "idml_u_high_frozen_u": Arm(
@@ -247,8 +262,7 @@ ARMS: dict[str, Arm] = {
     "idml_u_high_uniform": Arm(
         "IDML, u = 0 and γ matched to u starting high (uniform weakening)",
         ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=true"),
-        matched=True,
-        matched_to="idml_u_high",
+        match=Match("uniform", "idml_u_high"),
     ),
     "idml_ext": Arm(
         "IDML + Mixup-supervised u (extension)",
@@ -256,9 +270,6 @@ ARMS: dict[str, Arm] = {
         has_head=True,
     ),
 }
-
-MATCHED_TO = frozenset(arm.matched_to for arm in ARMS.values() if arm.matched)
-"""The arms whose runs record what their matched controls take (``mechanism.json``'s ``matched``)."""
 
 DEGRADATIONS = {
     "low_resolution": "degradations.low_resolution_fraction=0.25",
@@ -274,10 +285,14 @@ DEGRADATION_ARMS: dict[str, Arm] = {
     "deg_uniform": Arm(
         "ISM + degraded images, u = 0 and matched γ (uniform weakening)",
         ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=false"),
-        matched=True,
+        match=Match("uniform", "deg_ism"),
     ),
 }
 DEGRADATION_LOSS = "multi_similarity"
+MATCHED_TO = frozenset(
+    arm.match.to for arm in (*ARMS.values(), *DEGRADATION_ARMS.values()) if arm.match is not None
+)
+"""The arms whose runs record what their matched controls take (``mechanism.json``'s ``matched``)."""
 
 
 def recipe_candidates(setting: str, loss: str) -> dict[str, tuple[str, ...]]:
@@ -524,20 +539,13 @@ def validate(args: argparse.Namespace) -> None:
     notes: list[str] = []
     # Every loss validated so far goes in the table, not only this call's: the file is the
     # setting's one record of how its recipes were chosen.
-    validated = [
-        loss
-        for loss in LOSSES
-        if loss in args.losses
-        or all(
-            seed_results(args.out / setting / "validation" / loss / slug(name))
+    for loss in LOSSES:
+        scores = {
+            name: final_metrics(args.out / setting / "validation" / loss / slug(name), args.seeds)
             for name in recipe_candidates(setting, loss)
-        )
-    ]
-    for loss in validated:
-        scores = {}
-        for name in recipe_candidates(setting, loss):
-            folder = args.out / setting / "validation" / loss / slug(name)
-            scores[name] = final_metrics(folder, args.seeds)
+        }
+        if loss not in args.losses and not all(m["map@r"] for m in scores.values()):
+            continue  # not validated yet
         best = max(scores, key=lambda n: mean(scores[n]["map@r"]))
         for name, metrics in scores.items():
             lines.append(
@@ -577,9 +585,11 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
             arm = ARMS[name]
             if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
                 continue
-            control = "margin" if name == "mixup_margin" else "uniform"
-            idml_folder = args.out / setting / loss / arm.matched_to
-            extra = matched_overrides(idml_folder, control) if matched else []
+            extra = (
+                matched_overrides(args.out / setting / loss / arm.match.to, arm.match.control)
+                if arm.match is not None
+                else []
+            )
             for seed in range(args.seeds):
                 config = (
                     *base,
@@ -604,7 +614,11 @@ def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
         for name, arm in DEGRADATION_ARMS.items():
             if arm.matched != matched:
                 continue
-            extra = matched_overrides(folder / "deg_ism", "uniform") if matched else []
+            extra = (
+                matched_overrides(folder / arm.match.to, arm.match.control)
+                if arm.match is not None
+                else []
+            )
             for seed in range(args.seeds):
                 config = (*base, f"loss.name={loss}", *chosen, *arm.overrides, knob, *extra)
                 jobs.append(
@@ -612,7 +626,7 @@ def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
                         folder / name / f"s{seed}",
                         (*config, f"seed={seed}"),
                         arm.has_head,
-                        match_controls=name == "deg_ism",
+                        match_controls=name in MATCHED_TO,
                     )
                 )
     return jobs

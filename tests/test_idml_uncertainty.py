@@ -287,6 +287,7 @@ def test_the_identity_warning_fires_for_a_frozen_head(
     assert frozen.history[-1]["ism/u_cv"] < 0.05
     warned = [m for m in messages if "acts as the identity" in m]
     assert len(warned) == 1 and "optim.uncertainty_lr_mult" in warned[0], messages
+    assert "model.uncertainty.init_level" in warned[0], warned
     assert not any("acts as the identity" in m for m in contrastive_idml[1])
 
 
