@@ -280,14 +280,15 @@ def test_the_identity_warning_fires_for_a_frozen_head(
     tmp_path: Path, contrastive_idml: tuple[Trainer, list[str], Any]
 ) -> None:
     """A head that never trains leaves every image at its starting level: the trainer says ISM is
-    the identity and names the keys to check; the same run with the head training does not."""
+    the identity, names the key that froze it and calls the run the control it is; the same run
+    with the head training does not warn."""
     frozen, messages = _fit(
         [*MOVING, "loss.name=contrastive", "optim.uncertainty_lr_mult=0"], tmp_path
     )
     assert frozen.history[-1]["ism/u_cv"] < 0.05
     warned = [m for m in messages if "acts as the identity" in m]
-    assert len(warned) == 1 and "optim.uncertainty_lr_mult" in warned[0], messages
-    assert "model.uncertainty.init_level" in warned[0], warned
+    assert len(warned) == 1 and "frozen (optim.uncertainty_lr_mult=0)" in warned[0], messages
+    assert "frozen-u control" in warned[0], warned
     assert not any("acts as the identity" in m for m in contrastive_idml[1])
 
 

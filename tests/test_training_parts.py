@@ -127,6 +127,65 @@ def test_monitor_warns_once_when_nothing_learns(tmp_path: Path) -> None:
         silent.check(0, {"grad_norm_max": 0.0})  # another rank: rank 0 warns
 
 
+@pytest.mark.parametrize(
+    ("overrides", "says", "not_says"),
+    [
+        (
+            {"model": {"uncertainty": {"enabled": False}}, "metric": {"gamma": 0.5}},
+            "uniform-weakening control",
+            "init_level",
+        ),
+        (
+            {"optim": {"uncertainty_lr_mult": 0.0}},
+            "frozen (optim.uncertainty_lr_mult=0)",
+            "init_level",
+        ),
+        ({"optim": {"head_lr_mult": 0.0}}, "frozen (optim.head_lr_mult=0)", "init_level"),
+        ({}, "model.uncertainty.init_level is 0.02", "frozen"),
+        (
+            {"model": {"uncertainty": {"init_level": 0.25}}},
+            "optim.uncertainty_lr_mult",
+            "init_level is",
+        ),
+        (
+            {"model": {"uncertainty": {"level_input": "direction"}}},
+            "model.uncertainty.level_input=standardized",
+            "frozen",
+        ),
+        ({"model": {"uncertainty": {"form": "linear"}}}, "form=bounded", "init_level"),
+    ],
+)
+def test_the_identity_warning_advises_what_this_run_can_change(
+    tmp_path: Path, overrides: dict, says: str, not_says: str
+) -> None:
+    """A control that is the identity on purpose (frozen head, no head) is told so; a training
+    head is told which of its own keys keep u from moving, not a generic list."""
+    from idml.app.config import Config
+    from idml.app.training.monitoring import identity_advice
+
+    raw: dict = {"model": {"uncertainty": {"enabled": True}}, "metric": {"introspective": True}}
+    for section, values in overrides.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                raw.setdefault(section, {}).setdefault(key, {}).update(value)
+            else:
+                raw.setdefault(section, {})[key] = value
+    advice = identity_advice(Config.model_validate(raw))
+    assert says in advice and not_says not in advice, advice
+    monitor = LearningMonitor(
+        IntrospectiveMetric(CosineSimilarity()),
+        0.0,
+        tmp_path,
+        lr=1e-3,
+        epochs=4,
+        identity_advice=advice,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.check(3, {"pos_q10": 0.995, "pos_q50": 0.997, "u_cv": 0.01})
+    assert len(caught) == 1 and advice in str(caught[0].message), caught
+
+
 def test_monitor_names_the_step_and_the_checkpoint_kept(tmp_path: Path) -> None:
     monitor = LearningMonitor(None, 0.0, tmp_path, lr=0.5)
     monitor.step(2, 6, steps_per_epoch=10)

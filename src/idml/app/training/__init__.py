@@ -51,7 +51,7 @@ from idml.app.training.compute import ComputePlan
 from idml.app.training.console import resume_line, startup_summary
 from idml.app.training.epoch_log import EpochLog, EpochRecord, TrainResult
 from idml.app.training.interrupt import interrupts_deferred
-from idml.app.training.monitoring import LearningMonitor
+from idml.app.training.monitoring import LearningMonitor, identity_advice
 from idml.app.training.optim import build_optimizers, build_scheduler, restore_schedule
 from idml.app.training.step_values import StepValues, non_finite
 from idml.augment import AugmentedBatch
@@ -143,6 +143,7 @@ class Trainer:
             cfg.optim.lr,
             epochs=cfg.optim.epochs,
             warns=self.dist.is_main,
+            identity_advice=identity_advice(cfg),
         )
         # One DDP over model, objective (proxies, classifier) and SSR head: their gradients are
         # averaged over ranks.

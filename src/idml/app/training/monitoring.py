@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from idml.app.config import Config
 from idml.embeddings import Embeddings
 from idml.metrics import IntrospectiveMetric
 from idml.relations import LabelSets
@@ -172,6 +173,69 @@ def identity_reasons(summary: dict[str, float]) -> list[str]:
     return reasons
 
 
+GENERIC_IDENTITY_ADVICE = (
+    "Check that the uncertainty head trains (optim.uncertainty_lr_mult is not 0; "
+    "model.uncertainty.level_input=standardized), or start u higher "
+    "(model.uncertainty.init_level, e.g. 0.25: training lowers u slowly from where it starts, so a "
+    "low start stays low)"
+)
+"""What to change when ISM acts as the identity, for a monitor that was not given the run's
+config."""
+
+
+def identity_advice(cfg: Config) -> str:
+    """What to change, for this run's config, when ISM acts as the identity: a control run (a
+    frozen head, or no head and a uniform weakening by γ) is the identity on purpose and is told
+    so; a training head is told which of its keys keep ``u`` from moving.
+
+    >>> from idml.app.config import Config
+    >>> cfg = Config.model_validate({"model": {"uncertainty": {"enabled": True}}})
+    >>> print(identity_advice(cfg))
+    Start u higher (model.uncertainty.init_level is 0.02; e.g. 0.25: training lowers u slowly from where it starts, so a low start stays low)
+    >>> cfg.optim.uncertainty_lr_mult = 0.0
+    >>> print(identity_advice(cfg))
+    The uncertainty head is frozen (optim.uncertainty_lr_mult=0), so every image keeps its starting ||u||: expected of a frozen-u control; set it above 0 to train u
+    """
+    head = cfg.model.uncertainty
+    if not head.enabled:
+        return (
+            "There is no uncertainty head (model.uncertainty.enabled=false), so ISM weakens every "
+            "pair by metric.gamma alone: expected of a uniform-weakening control; set "
+            "model.uncertainty.enabled=true for introspection"
+        )
+    lr_mult = cfg.optim.uncertainty_lr_mult
+    head_lr = cfg.optim.head_lr_mult if lr_mult is None else lr_mult
+    if head_lr == 0:
+        key = "optim.head_lr_mult" if lr_mult is None else "optim.uncertainty_lr_mult"
+        return (
+            f"The uncertainty head is frozen ({key}=0), so every image keeps its starting ||u||: "
+            "expected of a frozen-u control; set it above 0 to train u"
+        )
+    if head.form != "bounded":
+        return (
+            "The linear head (model.uncertainty.form=linear) starts wherever its weights put "
+            "||u||; the bounded head (form=bounded, the default) lets u vary from its start"
+        )
+    advice = []
+    if head.level_input != "standardized":
+        advice.append(
+            "read the level from standardised features (model.uncertainty.level_input="
+            "standardized; the unit direction moves every image's ||u|| as one number)"
+        )
+    if head.init_level < 0.25:
+        advice.append(
+            f"start u higher (model.uncertainty.init_level is {head.init_level:g}; e.g. 0.25: "
+            "training lowers u slowly from where it starts, so a low start stays low)"
+        )
+    else:
+        advice.append(
+            "give the head a larger learning rate (optim.uncertainty_lr_mult) or more epochs: "
+            "u started at a quarter of its bound or more and still moves too little"
+        )
+    text = "; or ".join(advice)
+    return text[0].upper() + text[1:]
+
+
 class NonFiniteError(FloatingPointError):
     """Training produced a NaN or infinite loss or weight; the message names the epoch and step."""
 
@@ -186,6 +250,8 @@ class LearningMonitor:
         lr: the configured learning rate (errors suggest lowering it).
         epochs: the run's epochs (ISM may act as the identity in the first quarter of them).
         warns: whether this process issues the warnings (rank 0).
+        identity_advice: what the identity warning tells the user to change
+            (:func:`identity_advice` of the run's config).
     """
 
     def __init__(
@@ -196,8 +262,10 @@ class LearningMonitor:
         lr: float,
         epochs: int = 1,
         warns: bool = True,
+        identity_advice: str = GENERIC_IDENTITY_ADVICE,
     ) -> None:
         self.ism = ism
+        self.identity_advice = identity_advice
         self.epochs = epochs
         self.warmup_epochs = warmup_epochs
         self.run_dir = Path(run_dir)
@@ -260,11 +328,8 @@ class LearningMonitor:
             warnings.warn(
                 f"epoch {epoch + 1}: ISM acts as the identity: {'; '.join(reasons)}. The "
                 "introspective metric then trains like the plain metric (or a uniform rescaling "
-                "of it), so this run measures Mixup, not introspection. Check that the uncertainty "
-                "head trains (optim.uncertainty_lr_mult is not 0; model.uncertainty.level_input="
-                "standardized), or start u higher (model.uncertainty.init_level, e.g. 0.25: "
-                "training lowers u slowly from where it starts, so a low start stays low); the "
-                "ism/pos_q10 and ism/u_cv keys of metrics.jsonl show the trend",
+                f"of it), so this run measures Mixup, not introspection. {self.identity_advice}. "
+                "The ism/pos_q10 and ism/u_cv keys of metrics.jsonl show the trend",
                 RuntimeWarning,
                 stacklevel=3,
             )
