@@ -575,6 +575,14 @@ def validate(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def control_overrides(arms_folder: Path, arm: Arm) -> list[str]:
+    """The overrides a matched control takes from the runs of the arm it matches (a sibling folder
+    in ``arms_folder``); none for an arm that is not a matched control."""
+    if arm.match is None:
+        return []
+    return matched_overrides(arms_folder / arm.match.to, arm.match.control)
+
+
 def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     setting = args.setting
     base = setting_overrides(setting, args.omniglot_root, args.quick)
@@ -585,11 +593,7 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
             arm = ARMS[name]
             if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
                 continue
-            extra = (
-                matched_overrides(args.out / setting / loss / arm.match.to, arm.match.control)
-                if arm.match is not None
-                else []
-            )
+            extra = control_overrides(args.out / setting / loss, arm)
             for seed in range(args.seeds):
                 config = (
                     *base,
@@ -614,11 +618,7 @@ def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
         for name, arm in DEGRADATION_ARMS.items():
             if arm.matched != matched:
                 continue
-            extra = (
-                matched_overrides(folder / arm.match.to, arm.match.control)
-                if arm.match is not None
-                else []
-            )
+            extra = control_overrides(folder, arm)
             for seed in range(args.seeds):
                 config = (*base, f"loss.name={loss}", *chosen, *arm.overrides, knob, *extra)
                 jobs.append(

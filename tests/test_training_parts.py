@@ -127,8 +127,11 @@ def test_monitor_warns_once_when_nothing_learns(tmp_path: Path) -> None:
         silent.check(0, {"grad_norm_max": 0.0})  # another rank: rank 0 warns
 
 
+HEAD_ON = {"enabled": True}
+
+
 @pytest.mark.parametrize(
-    ("overrides", "says", "not_says"),
+    ("raw", "says", "not_says"),
     [
         (
             {"model": {"uncertainty": {"enabled": False}}, "metric": {"gamma": 0.5}},
@@ -136,41 +139,44 @@ def test_monitor_warns_once_when_nothing_learns(tmp_path: Path) -> None:
             "init_level",
         ),
         (
-            {"optim": {"uncertainty_lr_mult": 0.0}},
+            {"model": {"uncertainty": HEAD_ON}, "optim": {"uncertainty_lr_mult": 0.0}},
             "frozen (optim.uncertainty_lr_mult=0)",
             "init_level",
         ),
-        ({"optim": {"head_lr_mult": 0.0}}, "frozen (optim.head_lr_mult=0)", "init_level"),
-        ({}, "model.uncertainty.init_level is 0.02", "frozen"),
         (
-            {"model": {"uncertainty": {"init_level": 0.25}}},
+            {"model": {"uncertainty": HEAD_ON}, "optim": {"head_lr_mult": 0.0}},
+            "frozen (optim.head_lr_mult=0)",
+            "init_level",
+        ),
+        ({"model": {"uncertainty": HEAD_ON}}, "model.uncertainty.init_level is 0.02", "frozen"),
+        (
+            {"model": {"uncertainty": {**HEAD_ON, "init_level": 0.25}}},
             "optim.uncertainty_lr_mult",
             "init_level is",
         ),
         (
-            {"model": {"uncertainty": {"level_input": "direction"}}},
+            {"model": {"uncertainty": {**HEAD_ON, "level_input": "direction"}}},
             "model.uncertainty.level_input=standardized",
             "frozen",
         ),
-        ({"model": {"uncertainty": {"form": "linear"}}}, "form=bounded", "init_level"),
+        (
+            {"model": {"uncertainty": {**HEAD_ON, "form": "linear"}}},
+            "form=bounded",
+            "init_level",
+        ),
     ],
 )
 def test_the_identity_warning_advises_what_this_run_can_change(
-    tmp_path: Path, overrides: dict, says: str, not_says: str
+    tmp_path: Path, raw: dict, says: str, not_says: str
 ) -> None:
     """A control that is the identity on purpose (frozen head, no head) is told so; a training
     head is told which of its own keys keep u from moving, not a generic list."""
     from idml.app.config import Config
     from idml.app.training.monitoring import identity_advice
 
-    raw: dict = {"model": {"uncertainty": {"enabled": True}}, "metric": {"introspective": True}}
-    for section, values in overrides.items():
-        for key, value in values.items():
-            if isinstance(value, dict):
-                raw.setdefault(section, {}).setdefault(key, {}).update(value)
-            else:
-                raw.setdefault(section, {})[key] = value
-    advice = identity_advice(Config.model_validate(raw))
+    advice = identity_advice(
+        Config.model_validate({**raw, "metric": {"introspective": True, **raw.get("metric", {})}})
+    )
     assert says in advice and not_says not in advice, advice
     monitor = LearningMonitor(
         IntrospectiveMetric(CosineSimilarity()),

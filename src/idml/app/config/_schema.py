@@ -589,6 +589,14 @@ class OptimConfig(Section):
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     nesterov: bool = Field(False, description="SGD with Nesterov momentum")
 
+    @property
+    def uncertainty_head_lr(self) -> tuple[float, str]:
+        """The uncertainty head's learning-rate multiplier and the key that sets it: its own
+        (``uncertainty_lr_mult``) when given, else the heads' group it then shares."""
+        if self.uncertainty_lr_mult is None:
+            return self.head_lr_mult, "optim.head_lr_mult"
+        return self.uncertainty_lr_mult, "optim.uncertainty_lr_mult"
+
     @model_validator(mode="after")
     def _optimizer_settings(self) -> OptimConfig:
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):

@@ -21,8 +21,7 @@ def build_optimizers(
     o = cfg.optim
     # The uncertainty head gets its own group only when asked to: the default layout (and so
     # the optimizer state of existing checkpoints) stays two model groups.
-    uncertainty_mult = o.uncertainty_lr_mult
-    own_uncertainty_group = uncertainty_mult is not None
+    own_uncertainty_group = o.uncertainty_lr_mult is not None
     uncertainty = {id(p) for p in model.uncertainty_head_parameters()}
     groups = [
         {
@@ -40,11 +39,11 @@ def build_optimizers(
             "name": "heads",
         },
     ]
-    if uncertainty_mult is not None:
+    if own_uncertainty_group:
         groups.append(
             {
                 "params": list(model.uncertainty_head_parameters()),
-                "lr": o.lr * uncertainty_mult,
+                "lr": o.lr * o.uncertainty_head_lr[0],
                 "name": "uncertainty",
             }
         )
