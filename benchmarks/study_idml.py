@@ -21,7 +21,8 @@ Arms (:data:`ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
   ``idml`` (ISM + Mixup: the paper's method with the default uncertainty head);
 - the controls of ``idml``: ``idml_frozen_u`` (the head never trains: ``u`` stays at its start),
   ``idml_uniform`` (no head, ``u ≡ 0``, and ``γ`` chosen so that the uniform weakening
-  ``e^{−γ/(τδ)}`` has the same median over positive pairs as ``idml``'s learned one) and, for
+  ``e^{−γ/(τδ)}`` has the same median over the positive relations the loss compares — pairs of
+  samples, or samples and their proxies for ProxyAnchor — as ``idml``'s learned one) and, for
   Contrastive, ``mixup_margin`` (Mixup with the positive margin moved by the median amount ISM
   moves positive pairs in ``idml``: the margin ISM acts as, :func:`matched_controls`);
 - ``idml_u_high``: ``idml`` with ``u`` starting at a quarter of its bound instead of 2 %
@@ -76,6 +77,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot"
@@ -391,8 +394,11 @@ def run_job(job: Job) -> tuple[str, float]:
         None, parse_grid([]), 1, job.folder, overrides=list(job.overrides), log=lambda _: None
     )
     run_dir = result.cells[0].runs[0].run_dir
-    if job.mechanism and not (run_dir / "mechanism.json").is_file():
+    mechanism = run_dir / "mechanism.json"
+    if job.mechanism and not mechanism.is_file():
         write_mechanism(run_dir, job.match_controls)
+    elif job.match_controls and stale_match(run_dir):
+        rematch(run_dir)
     return str(job.folder), time.perf_counter() - start
 
 
@@ -451,32 +457,75 @@ def write_mechanism(run_dir: Path, match_controls: bool) -> None:
         "ism_at_test": {k: ism_at_test[k] for k in ("recall@1", "map@r") if k in ism_at_test},
     }
     if match_controls:
-        out["matched"] = matched_controls(cfg, model, data)
+        out["matched"] = matched_controls(cfg, model, data, run.checkpoint)
     atomic_write_text(run_dir / "mechanism.json", json.dumps(out, indent=2))
 
 
-def matched_controls(cfg: Any, model: Any, data: Any, batches: int = 8) -> dict[str, float]:
-    """What the uniform-weakening and margin-matched controls take from a trained IDML model, on
-    training batches drawn and mixed as in training (model in eval mode):
+def stale_match(run_dir: Path) -> bool:
+    """Whether a run's matched values (``mechanism.json``) are missing, or predate
+    :func:`matched_controls` taking its loss's own relations for a proxy loss (they were taken over
+    sample–sample pairs, which for a pair loss are its own relations)."""
+    from idml.losses import LOSSES
 
-    - ``gamma``: the ``γ`` whose uniform weakening ``e^{−γ/(τδ)}`` has the same median over the
-      positive pairs as the learned ``e^{−y}`` (bisection; ``δ`` the semantic chord);
-    - ``pos_margin``: the margin ISM acts as on Contrastive's positive term. The distance form
+    matched = json.loads((run_dir / "mechanism.json").read_text()).get("matched")
+    if matched is None:
+        return True
+    loss = yaml.safe_load((run_dir / "config.yaml").read_text())["loss"]["name"]
+    return "relations" not in matched and LOSSES[loss].needs_proxies
+
+
+def rematch(run_dir: Path) -> None:
+    """Recompute ``mechanism.json``'s matched values of a finished run (the rest is kept)."""
+    from idml.app import build
+    from idml.app.checkpoint import atomic_write_text
+    from idml.app.trained_run import load_trained_run
+
+    run = load_trained_run(run_dir, "latest")
+    mechanism = run_dir / "mechanism.json"
+    out = json.loads(mechanism.read_text())
+    data = build.build_data(run.config)
+    out["matched"] = matched_controls(run.config, run.model, data, run.checkpoint)
+    atomic_write_text(mechanism, json.dumps(out, indent=2))
+
+
+def matched_controls(
+    cfg: Any, model: Any, data: Any, checkpoint: Path, batches: int = 8
+) -> dict[str, Any]:
+    """What the uniform-weakening and margin-matched controls take from a trained IDML model, on
+    training batches drawn and mixed as in training (model in eval mode), over the relations its
+    loss compares (``loss.weakening``: sample–sample pairs, or sample–proxy relations with the
+    run's trained proxies for a proxy loss):
+
+    - ``gamma``: the ``γ`` whose uniform weakening (no head, ``u ≡ 0``: ``y = γ·k`` with
+      ``k = 1/(τ·α^p)`` per relation) has the same median over the positive relations as the
+      learned ``e^{−y}``. ``e^{−γk}`` falls monotonically in ``k``, so its median is
+      ``e^{−γ·median(k)}`` and ``γ = −log(median e^{−y}) / median(k)`` exactly;
+    - ``pos_margin`` (pair losses; ``None`` for a proxy loss, which has no positive margin to
+      move): the margin ISM acts as on Contrastive's positive term. The distance form
       ``D_IN = δ·e^{−y}`` takes ``δ(1 − e^{−y})`` off a positive distance, which ``[D − m_pos]₊``
       reads as ``m_pos`` raised by that much; the similarity form ``S_IN = 1 − (δ²/2)·e^{−y}``
       adds ``(δ²/2)(1 − e^{−y})`` to a positive similarity, which ``[m_pos − S]₊`` reads as
       ``m_pos`` lowered by that much. The median over the positive pairs is taken.
+
+    (Until 2026-12-02 the relations were always the batch's sample–sample pairs: right for the
+    pair losses, but for ProxyAnchor a weakening about ten times the one its proxies saw.)
     """
+    from unittest.mock import patch
+
     import torch
 
     from idml.app import build
-    from idml.relations import pair_masks
+    from idml.app.checkpoint import load_training_state
+    from idml.embeddings import Embeddings
+    from idml.losses.base import ProxyLoss
 
     loss = build.build_loss(cfg, data.num_train_classes)
+    load_training_state(checkpoint, {"loss": loss}, {})
+    proxy = isinstance(loss, ProxyLoss)
     augment = build.build_augmentations(cfg)
-    tau, gamma0 = cfg.metric.tau, cfg.metric.gamma
-    chords, factors = [], []
+    learned, unit, chords = [], [], []
     generator = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the loader's crops draw from the global generator
     loader = build.train_loader(cfg, data, 0, generator, num_replicas=1, rank=0)
     with torch.no_grad():
         for step, (images, labels, *_) in enumerate(loader):
@@ -484,31 +533,40 @@ def matched_controls(cfg: Any, model: Any, data: Any, batches: int = 8) -> dict[
                 break
             batch = augment(images, labels, generator)
             emb = model(batch.images)
-            positive, _ = pair_masks(batch.labels)
-            positive = positive & ~torch.eye(positive.shape[0], dtype=torch.bool)
-            s = emb.semantic
-            chord = (2 - 2 * s @ s.T).clamp_min(0).sqrt()
-            u = emb.uncertainty
-            beta = (u[:, None, :] + u[None, :, :]).norm(dim=2)
-            y = (beta + gamma0) / (tau * chord.clamp_min(1e-6))
-            chords.append(chord[positive])
-            factors.append(torch.exp(-y[positive]))
-    delta = torch.cat(chords).double()
-    weakening = torch.cat(factors).double()
+            found = loss.weakening(emb, batch.labels)
+            assert found is not None, "the matched controls need an introspective loss"
+            factors, positive, _ = found
+            learned.append(factors[positive])
+            no_head = Embeddings(emb.semantic, torch.zeros_like(emb.uncertainty))
+            # γ = 1 and u ≡ 0 (proxies' too): the factor is e^{−k}, so −log of it is k.
+            with patch.object(loss.metric, "gamma", 1.0):
+                if proxy:
+                    with patch.object(loss, "proxy_uncertainty", None):
+                        at_one = loss.weakening(no_head, batch.labels)
+                else:
+                    at_one = loss.weakening(no_head, batch.labels)
+            assert at_one is not None
+            unit.append(-torch.log(at_one[0][positive].double()))
+            if not proxy:
+                s = emb.semantic
+                chords.append((2 - 2 * s @ s.T).clamp_min(0).sqrt()[positive])
+    weakening = torch.cat(learned).double()
     target = float(weakening.median())
-    low, high = 0.0, 100.0
-    for _ in range(60):  # median of e^{−γ/(τδ)} falls monotonically in γ
-        mid = (low + high) / 2
-        if float(torch.exp(-mid / (tau * delta.clamp_min(1e-6))).median()) > target:
-            low = mid
+    gamma = -math.log(target) / float(torch.cat(unit).median())
+    pos_margin = None
+    if not proxy:
+        delta = torch.cat(chords).double()
+        base_margin = float(getattr(loss, "pos_margin", 0.0) or 0.0)
+        if loss.metric.is_similarity:
+            pos_margin = base_margin - float((delta**2 / 2 * (1 - weakening)).median())
         else:
-            high = mid
-    base_margin = float(getattr(loss, "pos_margin", 0.0) or 0.0)
-    if loss.metric.is_similarity:
-        pos_margin = base_margin - float((delta**2 / 2 * (1 - weakening)).median())
-    else:
-        pos_margin = base_margin + float((delta * (1 - weakening)).median())
-    return {"gamma": (low + high) / 2, "median_weakening": target, "pos_margin": pos_margin}
+            pos_margin = base_margin + float((delta * (1 - weakening)).median())
+    return {
+        "gamma": gamma,
+        "median_weakening": target,
+        "pos_margin": pos_margin,
+        "relations": "proxy" if proxy else "pair",
+    }
 
 
 # --------------------------------------------------------------------------- commands
