@@ -103,6 +103,9 @@ def create_app(
     if paths not in PATH_STYLES:
         raise ValueError(f"paths must be one of {PATH_STYLES}, got {paths!r}")
     answering = Answering() if answering is None else answering
+    # Each item's class (what the answers report) is built on the index's first search: about
+    # 3 s at 10M unlabelled items. Built here, before the service starts, no request pays it.
+    _ = index.class_ids
     fastapi = _require_fastapi()
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse
