@@ -510,6 +510,7 @@ def matched_controls(
     (Until 2026-12-02 the relations were always the batch's sample–sample pairs: right for the
     pair losses, but for ProxyAnchor a weakening about ten times the one its proxies saw.)
     """
+    from contextlib import nullcontext
     from unittest.mock import patch
 
     import torch
@@ -539,12 +540,9 @@ def matched_controls(
             learned.append(factors[positive])
             no_head = Embeddings(emb.semantic, torch.zeros_like(emb.uncertainty))
             # γ = 1 and u ≡ 0 (proxies' too): the factor is e^{−k}, so −log of it is k.
-            with patch.object(loss.metric, "gamma", 1.0):
-                if proxy:
-                    with patch.object(loss, "proxy_uncertainty", None):
-                        at_one = loss.weakening(no_head, batch.labels)
-                else:
-                    at_one = loss.weakening(no_head, batch.labels)
+            no_proxy_u = patch.object(loss, "proxy_uncertainty", None) if proxy else nullcontext()
+            with patch.object(loss.metric, "gamma", 1.0), no_proxy_u:
+                at_one = loss.weakening(no_head, batch.labels)
             assert at_one is not None
             unit.append(-torch.log(at_one[0][positive].double()))
             if not proxy:

@@ -197,3 +197,14 @@ def test_openapi_document_and_its_offline_page(served) -> None:
     assert "POST /search" in text and "GET /info" in text and "multipart/form-data" in text
     # Offline: no script, and nothing fetched from another host.
     assert "<script" not in text and "https://" not in text and "http://" not in text
+
+
+def test_the_service_builds_the_item_classes_before_it_starts(served) -> None:
+    """An index builds each item's class on its first search (seconds at 10M items, measured in
+    RESULTS.md's gallery section); the service builds it at start-up so no request pays it."""
+    _, index_dir, _ = served
+    index = Index.load(index_dir)
+    assert "class_ids" not in vars(index)  # a cached property, not built by loading
+    create_app(index, None)
+    assert "class_ids" in vars(index)
+    assert vars(index)["class_ids"].tolist() == Index.load(index_dir).class_ids.tolist()
