@@ -84,6 +84,14 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot"
 TABLES = REPO / "benchmarks" / "study"
 RECIPES = TABLES / "idml_recipes.json"
+FOLDER_RECIPE = "recipe.json"
+"""Beside a loss's arms in a run folder: the recipe its runs were trained with (:func:`pin_recipe`)."""
+
+CONVERGED_GAIN = 1.0
+"""Validation MAP@R points: a budget counts as converged when twice its epochs gain less than this
+(paired mean over seeds); ``converge --adopt`` doubles a recipe's budget while the gain reaches it.
+One point is about the seed-to-seed spread of a validation MAP@R, and a third of the smallest
+difference the study's tables call (▲/▼) with 10 seeds."""
 
 LOSSES = ("multi_similarity", "proxy_anchor", "contrastive")
 LOSS_NAMES = {
@@ -348,15 +356,47 @@ def load_recipes() -> dict[str, Any]:
     return json.loads(RECIPES.read_text()) if RECIPES.is_file() else {}
 
 
-def recipe(setting: str, loss: str) -> list[str]:
-    """The validated recipe's overrides of ``loss`` in ``setting`` (an error before ``validate``)."""
+def recipe_record(setting: str, loss: str) -> dict[str, Any]:
+    """The validated recipe of ``loss`` in ``setting`` (``idml_recipes.json``; an error before
+    ``validate``)."""
     chosen = load_recipes().get(setting, {}).get(loss)
     if chosen is None:
         raise SystemExit(
             f"no validated recipe for {setting}/{loss}: run `python benchmarks/study_idml.py "
             f"validate --setting {setting}` first ({RECIPES} holds the chosen ones)"
         )
-    return list(chosen["overrides"])
+    return dict(chosen)
+
+
+def recipe(setting: str, loss: str) -> list[str]:
+    """The validated recipe's overrides of ``loss`` in ``setting``."""
+    return list(recipe_record(setting, loss)["overrides"])
+
+
+def pin_recipe(loss_folder: Path, chosen: dict[str, Any]) -> None:
+    """Record the recipe a loss's runs in ``loss_folder`` train with, or stop if its runs used
+    another: a grid never mixes budgets or knobs across arms. ``converge --adopt`` changes a
+    recipe; its grid then goes to a new ``--out``, the old grid keeping the recipe it was run at."""
+    path = loss_folder / FOLDER_RECIPE
+    if path.is_file():
+        pinned = json.loads(path.read_text())
+        if list(pinned["overrides"]) != list(chosen["overrides"]):
+            raise SystemExit(
+                f"{loss_folder}: its runs used the recipe {pinned['recipe']!r} "
+                f"({' '.join(pinned['overrides'])}), the validated recipe is now "
+                f"{chosen['recipe']!r} ({' '.join(chosen['overrides'])}); run the new recipe in a "
+                "new --out (with --label for its tables), or move this folder away"
+            )
+        return
+    loss_folder.mkdir(parents=True, exist_ok=True)
+    record = {"recipe": chosen["recipe"], "overrides": list(chosen["overrides"])}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def pinned_recipe(loss_folder: Path) -> str | None:
+    """The recipe name :func:`pin_recipe` recorded in ``loss_folder``, if any."""
+    path = loss_folder / FOLDER_RECIPE
+    return str(json.loads(path.read_text())["recipe"]) if path.is_file() else None
 
 
 def matched_overrides(idml_folder: Path, control: str) -> list[str]:
@@ -652,52 +692,95 @@ def doubled_budget(chosen: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
 
 def converge(args: argparse.Namespace) -> None:
     """Has the baseline converged at its chosen budget? Each loss's validated recipe trained again
-    at twice its epochs on the validation split, the same seeds, compared paired over seeds. The
-    recipes are not changed: a budget that still gains is reported, for the next grid to use."""
+    at twice its epochs on the validation split, the same seeds, compared paired over seeds. A
+    budget whose doubling gains at least :data:`CONVERGED_GAIN` MAP@R points has not converged;
+    with ``--adopt`` the doubled recipe replaces it in ``idml_recipes.json`` (call again to check
+    the new budget). The table covers every loss of the setting with both budgets' runs."""
     setting = args.setting
     base = [
         *setting_overrides(setting, args.omniglot_root, args.quick),
         "data.protocol=validation",
         *SETTINGS[setting].validation,
     ]
-    recipes = load_recipes().get(setting, {})
+    all_recipes = load_recipes()
+    recipes = all_recipes.get(setting, {})
     missing = [loss for loss in args.losses if loss not in recipes]
     if missing:
         raise SystemExit(f"no validated recipe for {setting}/{missing}: run `validate` first")
-    folders: dict[str, list[tuple[str, Path]]] = {}
-    jobs = []
-    for loss in args.losses:
+
+    def budgets(loss: str) -> list[tuple[str, tuple[str, ...], Path]]:
         chosen = recipes[loss]
-        recipes_of_loss = [(chosen["recipe"], tuple(chosen["overrides"])), doubled_budget(chosen)]
-        folders[loss] = []
-        for name, overrides in recipes_of_loss:
-            folder = args.out / setting / "validation" / loss / slug(name)
-            folders[loss].append((name, folder))
-            for seed in range(args.seeds):
-                config = (*base, f"loss.name={loss}", *BASELINE, *overrides, f"seed={seed}")
-                jobs.append(Job(folder / f"s{seed}", config, mechanism=False))
+        return [
+            (name, overrides, args.out / setting / "validation" / loss / slug(name))
+            for name, overrides in (
+                (chosen["recipe"], tuple(chosen["overrides"])),
+                doubled_budget(chosen),
+            )
+        ]
+
+    jobs = [
+        Job(
+            folder / f"s{seed}",
+            (*base, f"loss.name={loss}", *BASELINE, *overrides, f"seed={seed}"),
+            mechanism=False,
+        )
+        for loss in args.losses
+        for _, overrides, folder in budgets(loss)
+        for seed in range(args.seeds)
+    ]
     run_jobs(jobs, args.workers)
     lines = [
         f"# IDML study, {setting}: has the baseline converged at its chosen budget?\n",
         "The validated baseline recipe of each loss (`idml_recipes.json`) against the same recipe "
         "at twice its epochs, on the validation split of the training classes, seeds "
-        f"0–{args.seeds - 1} of both (last epoch). A clear gain means the chosen budget stops "
-        "before convergence; the recipes are not changed by this check.\n",
-        "| loss | recipe | R@1 | MAP@R |",
-        "|---|---|---|---|",
+        f"0–{args.seeds - 1} of both (last epoch). A budget counts as converged when its doubling "
+        f"gains less than {CONVERGED_GAIN:g} validation MAP@R point (paired mean); `converge "
+        "--adopt` replaces one that has not by the doubled recipe.\n",
+        "| loss | recipe | R@1 | MAP@R | |",
+        "|---|---|---|---|---|",
     ]
-    pairs = []
-    for loss in args.losses:
+    pairs, adopted = [], []
+    for loss in LOSSES:
+        if loss not in recipes:
+            continue
         runs = []
-        for name, folder in folders[loss]:
-            seeds = {s: r for s, r in seed_results(folder).items() if s < args.seeds}
+        for _, _, folder in budgets(loss):
+            runs.append({s: r for s, r in seed_results(folder).items() if s < args.seeds})
+        common = sorted(set(runs[0]) & set(runs[1]))
+        if not common:
+            continue  # this loss's budget was not checked yet
+        (name, _, _), (doubled, overrides, _) = budgets(loss)
+        gain = 100 * mean(
+            [runs[1][s]["metrics"]["map@r"] - runs[0][s]["metrics"]["map@r"] for s in common]
+        )
+        verdict = "converged" if gain < CONVERGED_GAIN else "**not converged**"
+        if gain >= CONVERGED_GAIN and args.adopt and loss in args.losses and not args.quick:
+            history = [
+                *recipes[loss].get("history", []),
+                (
+                    f"{name} → {doubled}: converge gained {gain:+.2f} validation MAP@R "
+                    f"({len(common)} seeds)"
+                ),
+            ]
+            recipes[loss] = {
+                "recipe": doubled,
+                "overrides": list(overrides),
+                "validation_map@r": mean([runs[1][s]["metrics"]["map@r"] for s in common]),
+                "history": history,
+            }
+            adopted.append(f"- {LOSS_NAMES[loss]}: adopted {doubled} (was {name}).")
+            verdict += ", doubled"
+        for label, seeds in zip((name, doubled), runs, strict=True):
             r1, map_r = ([r["metrics"][k] for r in seeds.values()] for k in TABLE_METRICS)
-            lines.append(f"| {LOSS_NAMES[loss]} | {name} | {fmt(r1)} | {fmt(map_r)} |")
-            runs.append(seeds)
-        label = f"{folders[loss][1][0]} − {folders[loss][0][0]}"
-        pairs.append((LOSS_NAMES[loss], label, runs[0], runs[1]))
+            note = f"{gain:+.2f} MAP@R: {verdict}" if label == doubled else ""
+            lines.append(f"| {LOSS_NAMES[loss]} | {label} | {fmt(r1)} | {fmt(map_r)} | {note} |")
+        pairs.append((LOSS_NAMES[loss], f"{doubled} − {name}", runs[0], runs[1]))
     lines += ["\n## Twice the budget − the chosen budget (paired over seeds)\n"]
     lines += difference_table(pairs)
+    if adopted:
+        lines += ["", *adopted]
+        all_recipes[setting] = recipes
+        RECIPES.write_text(json.dumps(all_recipes, indent=2, sort_keys=True) + "\n")
     write_table(args, f"idml_convergence_{setting}.md", lines)
 
 
@@ -715,6 +798,8 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     jobs = []
     for loss in args.losses:
         chosen = [] if args.quick else recipe(setting, loss)
+        if not args.quick:
+            pin_recipe(args.out / setting / loss, recipe_record(setting, loss))
         for name in args.arms:
             arm = ARMS[name]
             if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
@@ -738,6 +823,9 @@ def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     setting, loss = args.setting, DEGRADATION_LOSS
     base = setting_overrides(setting, args.omniglot_root, args.quick)
     chosen = [] if args.quick else recipe(setting, loss)
+    if not args.quick:
+        # The degraded arms are compared with this loss's clean baseline of the main grid.
+        pin_recipe(args.out / setting / loss, recipe_record(setting, loss))
     jobs = []
     for degradation, knob in DEGRADATIONS.items():
         folder = args.out / setting / "degradations" / degradation
@@ -977,16 +1065,18 @@ def mechanism_row(group: str, label: str, seeds: Runs) -> str | None:
 
 
 def settings_lines(args: argparse.Namespace) -> list[str]:
+    """The setting's overrides and each loss's recipe: the one its runs were trained with (the run
+    folder's :data:`FOLDER_RECIPE`), else the validated one."""
     base = setting_overrides(args.setting, args.omniglot_root, False)
     recipes = load_recipes().get(args.setting, {})
+    names = {
+        loss: pinned_recipe(args.out / args.setting / loss) or recipes.get(loss, {}).get("recipe")
+        for loss in args.losses
+    }
     return [
         "Settings: `" + " ".join(o for o in base if not o.startswith("data.root=")) + "`\n",
         "Baseline recipes (validation split of the training classes): "
-        + "; ".join(
-            f"{LOSS_NAMES[k]}: {v['recipe'] or 'as set'}"
-            for k, v in recipes.items()
-            if k in args.losses
-        )
+        + "; ".join(f"{LOSS_NAMES[k]}: {v or 'as set'}" for k, v in names.items() if v is not None)
         + ".\n",
     ]
 
@@ -1095,7 +1185,10 @@ def degradation_tables(args: argparse.Namespace) -> None:
 
 
 def write_table(args: argparse.Namespace, name: str, lines: list[str]) -> None:
+    """Write ``name`` (``<name>_<label>.md`` with ``--label``) under ``benchmarks/study``."""
     text = "\n".join(lines) + "\n"
+    if args.label:
+        name = name.removesuffix(".md") + f"_{args.label}.md"
     if not args.quick:
         TABLES.mkdir(parents=True, exist_ok=True)
         (TABLES / name).write_text(text)
@@ -1114,7 +1207,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--omniglot-root", type=Path, default=DEFAULT_OMNIGLOT)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "study_idml")
     parser.add_argument("--quick", action="store_true", help="3 steps an epoch: a pipeline check")
+    parser.add_argument(
+        "--label",
+        default="",
+        help="suffix of the tables written (idml_<setting>_<label>.md): a grid in its own --out",
+    )
+    parser.add_argument(
+        "--adopt",
+        action="store_true",
+        help=f"converge: double a recipe's budget when that gains ≥ {CONVERGED_GAIN} validation "
+        "MAP@R points",
+    )
     args = parser.parse_args(argv)
+    if args.label and not re.fullmatch(r"[A-Za-z0-9_]+", args.label):
+        parser.error(f"--label {args.label!r}: letters, digits and underscores only")
     args.losses = [x for x in args.losses.split(",") if x]
     args.arms = [x for x in args.arms.split(",") if x]
     unknown = [x for x in args.arms if x not in ARMS] + [x for x in args.losses if x not in LOSSES]
