@@ -41,6 +41,11 @@ are the ones a broken baseline recipe was traced to: ProxyAnchor's proxy learnin
 of the heads'), Contrastive's positive margin, and the step budget (``optim.epochs``: the setting's
 and twice that). Pretrained settings train heads only for the first epoch (``optim.warmup_epochs=1``,
 as the presets do). The chosen recipes are stored in ``benchmarks/study/idml_recipes.json``.
+``converge`` then trains each chosen recipe at twice its budget: a budget is converged when that
+gains less than :data:`CONVERGED_GAIN` validation MAP@R points, and ``--adopt`` doubles the ones that
+are not (each doubling in the recipe's ``history``). A run folder pins the recipe its runs used
+(``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new ``--out``, its tables named by
+``--label``.
 
 Mechanism (``mechanism.json`` beside each run with an uncertainty head): ``||u||`` over the test
 images (mean and coefficient of variation), the AUROC of ``||u||`` for "altered vs clean" test
@@ -56,6 +61,7 @@ Run (each step reuses finished runs; ``--workers 2`` trains two runs at a time, 
 
     python benchmarks/study_idml.py validate --setting demo --seeds 2
     python benchmarks/study_idml.py converge --setting demo --seeds 3   # the chosen budget, doubled
+    python benchmarks/study_idml.py converge --setting demo --seeds 3 --adopt   # ... and adopted
     python benchmarks/study_idml.py run --setting demo --seeds 10
     python benchmarks/study_idml.py tables --setting demo
 
