@@ -545,7 +545,8 @@ def matched_controls(
     - ``gamma``: the ``γ`` whose uniform weakening (no head, ``u ≡ 0``: ``y = γ·k`` with
       ``k = 1/(τ·α^p)`` per relation) has the same median over the positive relations as the
       learned ``e^{−y}``. ``e^{−γk}`` falls monotonically in ``k``, so its median is
-      ``e^{−γ·median(k)}`` and ``γ = −log(median e^{−y}) / median(k)`` exactly;
+      ``e^{−γ·median(k)}`` and ``γ = −log(median e^{−y}) / median(k)`` (exactly for an odd count of
+      relations; to the neighbouring order statistic for an even one);
     - ``pos_margin`` (pair losses; ``None`` for a proxy loss, which has no positive margin to
       move): the margin ISM acts as on Contrastive's positive term. The distance form
       ``D_IN = δ·e^{−y}`` takes ``δ(1 − e^{−y})`` off a positive distance, which ``[D − m_pos]₊``
@@ -556,8 +557,7 @@ def matched_controls(
     (Until 2026-12-02 the relations were always the batch's sample–sample pairs: right for the
     pair losses, but for ProxyAnchor a weakening about ten times the one its proxies saw.)
     """
-    from contextlib import nullcontext
-    from unittest.mock import patch
+    import copy
 
     import torch
 
@@ -565,10 +565,18 @@ def matched_controls(
     from idml.app.checkpoint import load_training_state
     from idml.embeddings import Embeddings
     from idml.losses.base import ProxyLoss
+    from idml.metrics import IntrospectiveMetric
 
     loss = build.build_loss(cfg, data.num_train_classes)
     load_training_state(checkpoint, {"loss": loss}, {})
     proxy = isinstance(loss, ProxyLoss)
+    # The same relations at γ = 1 with u ≡ 0 (proxies' too): their factor is e^{−k}, so −log of
+    # it is k.
+    unit_loss = copy.deepcopy(loss)
+    assert isinstance(unit_loss.metric, IntrospectiveMetric), "the controls need ISM"
+    unit_loss.metric.gamma = 1.0
+    if isinstance(unit_loss, ProxyLoss):
+        unit_loss.proxy_uncertainty = None
     augment = build.build_augmentations(cfg)
     learned, unit, chords = [], [], []
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -585,10 +593,7 @@ def matched_controls(
             factors, positive, _ = found
             learned.append(factors[positive])
             no_head = Embeddings(emb.semantic, torch.zeros_like(emb.uncertainty))
-            # γ = 1 and u ≡ 0 (proxies' too): the factor is e^{−k}, so −log of it is k.
-            no_proxy_u = patch.object(loss, "proxy_uncertainty", None) if proxy else nullcontext()
-            with patch.object(loss.metric, "gamma", 1.0), no_proxy_u:
-                at_one = loss.weakening(no_head, batch.labels)
+            at_one = unit_loss.weakening(no_head, batch.labels)
             assert at_one is not None
             unit.append(-torch.log(at_one[0][positive].double()))
             if not proxy:

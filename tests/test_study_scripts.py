@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import yaml
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "study_idml.py"
 
@@ -78,3 +79,59 @@ def test_a_table_label_must_be_a_plain_name(
     with pytest.raises(SystemExit):
         study.main(["tables", "--setting", "demo", "--label", "../escape"])
     assert "--label" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_uniform_control_weakens_as_much_as_the_learned_one(
+    study: ModuleType, tmp_path: Path
+) -> None:
+    """The ``idml_uniform`` control of a proxy loss takes the γ whose uniform weakening ``e^{−γk}``
+    has the median of IDML's learned one over the sample–proxy relations (with the trained
+    proxies), and trains with it; checked here on the same batches by applying that γ."""
+    import torch
+
+    from idml.app import build
+    from idml.app.checkpoint import load_training_state
+    from idml.app.trained_run import load_trained_run
+    from idml.embeddings import Embeddings
+
+    args = ["run", "--setting", "demo", "--quick", "--losses", "proxy_anchor", "--seeds", "1"]
+    study.main([*args, "--arms", "idml,idml_uniform", "--workers", "1", "--out", str(tmp_path)])
+    root = tmp_path.with_name(tmp_path.name + "_quick") / "demo" / "proxy_anchor"
+    run_dir = next((root / "idml").rglob("mechanism.json")).parent
+    matched = json.loads((run_dir / "mechanism.json").read_text())["matched"]
+    assert matched["relations"] == "proxy" and matched["pos_margin"] is None
+    assert 0 < matched["median_weakening"] < 1 and 0 < matched["gamma"] < 10
+
+    control = yaml.safe_load(next((root / "idml_uniform").rglob("config.yaml")).read_text())
+    # The control's override is written with 6 significant digits: a relative 5e-6 at most.
+    assert control["metric"]["gamma"] == pytest.approx(matched["gamma"], rel=1e-5)
+    assert control["model"]["uncertainty"]["enabled"] is False
+
+    run = load_trained_run(run_dir, "latest")
+    cfg = run.config
+    data = build.build_data(cfg)
+    loss = build.build_loss(cfg, data.num_train_classes)
+    load_training_state(run.checkpoint, {"loss": loss}, {})
+    loss.metric.gamma = matched["gamma"]
+    loss.proxy_uncertainty = None
+    augment = build.build_augmentations(cfg)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    loader = build.train_loader(cfg, data, 0, generator, num_replicas=1, rank=0)
+    uniform = []
+    with torch.no_grad():
+        for step, (images, labels, *_) in enumerate(loader):
+            if step >= 8:
+                break
+            batch = augment(images, labels, generator)
+            emb = run.model(batch.images)
+            no_head = Embeddings(emb.semantic, torch.zeros_like(emb.uncertainty))
+            factors, positive, _ = loss.weakening(no_head, batch.labels)
+            uniform.append(factors[positive])
+    ordered = torch.cat(uniform).double().sort().values
+    middle = (len(ordered) - 1) // 2
+    # e^{−γk} falls with k, so its median is e^{−γ·median k} up to the neighbouring order
+    # statistic when the count is even; float32 factors, float64 γ: a relative 1e-6 on top.
+    low, high = float(ordered[middle - 1]), float(ordered[min(middle + 1, len(ordered) - 1)])
+    assert low * (1 - 1e-6) <= matched["median_weakening"] <= high * (1 + 1e-6)
