@@ -45,7 +45,7 @@ as the presets do). The chosen recipes are stored in ``benchmarks/study/idml_rec
 gains less than :data:`CONVERGED_GAIN` validation MAP@R points, and ``--adopt`` doubles the ones that
 are not (each doubling in the recipe's ``history``). A run folder pins the recipe its runs used
 (``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new ``--out``, its tables named by
-``--label``.
+``--label``; ``run --recipe pinned`` adds arms or seeds to an older grid at the recipe it pins.
 
 Mechanism (``mechanism.json`` beside each run with an uncertainty head): ``||u||`` over the test
 images (mean and coefficient of variation), the AUROC of ``||u||`` for "altered vs clean" test
@@ -374,11 +374,6 @@ def recipe_record(setting: str, loss: str) -> dict[str, Any]:
     return dict(chosen)
 
 
-def recipe(setting: str, loss: str) -> list[str]:
-    """The validated recipe's overrides of ``loss`` in ``setting``."""
-    return list(recipe_record(setting, loss)["overrides"])
-
-
 def pin_recipe(loss_folder: Path, chosen: dict[str, Any]) -> None:
     """Record the recipe a loss's runs in ``loss_folder`` train with, or stop if its runs used
     another: a grid never mixes budgets or knobs across arms. ``converge --adopt`` changes a
@@ -403,6 +398,26 @@ def pinned_recipe(loss_folder: Path) -> str | None:
     """The recipe name :func:`pin_recipe` recorded in ``loss_folder``, if any."""
     path = loss_folder / FOLDER_RECIPE
     return str(json.loads(path.read_text())["recipe"]) if path.is_file() else None
+
+
+def grid_recipe(args: argparse.Namespace, loss: str, loss_folder: Path) -> list[str]:
+    """The overrides a grid's runs of ``loss`` in ``loss_folder`` train with: the validated recipe,
+    pinned to the folder (:func:`pin_recipe`), or with ``--recipe pinned`` the one the folder
+    already pins, so that arms or seeds can be added to a grid after ``converge --adopt`` moved the
+    validated recipe on."""
+    if args.quick:
+        return []
+    if args.recipe == "pinned":
+        path = loss_folder / FOLDER_RECIPE
+        if not path.is_file():
+            raise SystemExit(
+                f"--recipe pinned: {loss_folder} pins no recipe ({FOLDER_RECIPE} is missing); "
+                "start a grid with the validated recipe (the default --recipe validated)"
+            )
+        return list(json.loads(path.read_text())["overrides"])
+    chosen = recipe_record(args.setting, loss)
+    pin_recipe(loss_folder, chosen)
+    return list(chosen["overrides"])
 
 
 def matched_overrides(idml_folder: Path, control: str) -> list[str]:
@@ -808,9 +823,7 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     base = setting_overrides(setting, args.omniglot_root, args.quick)
     jobs = []
     for loss in args.losses:
-        chosen = [] if args.quick else recipe(setting, loss)
-        if not args.quick:
-            pin_recipe(args.out / setting / loss, recipe_record(setting, loss))
+        chosen = grid_recipe(args, loss, args.out / setting / loss)
         for name in args.arms:
             arm = ARMS[name]
             if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
@@ -833,10 +846,8 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
 def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     setting, loss = args.setting, DEGRADATION_LOSS
     base = setting_overrides(setting, args.omniglot_root, args.quick)
-    chosen = [] if args.quick else recipe(setting, loss)
-    if not args.quick:
-        # The degraded arms are compared with this loss's clean baseline of the main grid.
-        pin_recipe(args.out / setting / loss, recipe_record(setting, loss))
+    # The degraded arms are compared with this loss's clean baseline of the main grid.
+    chosen = grid_recipe(args, loss, args.out / setting / loss)
     jobs = []
     for degradation, knob in DEGRADATIONS.items():
         folder = args.out / setting / "degradations" / degradation
@@ -1084,8 +1095,10 @@ def settings_lines(args: argparse.Namespace) -> list[str]:
         loss: pinned_recipe(args.out / args.setting / loss) or recipes.get(loss, {}).get("recipe")
         for loss in args.losses
     }
+    # The setting's default budget is not printed: every recipe sets its own (optim.epochs).
+    shown = [o for o in base if not o.startswith(("data.root=", "optim.epochs="))]
     return [
-        "Settings: `" + " ".join(o for o in base if not o.startswith("data.root=")) + "`\n",
+        "Settings: `" + " ".join(shown) + "`\n",
         "Baseline recipes (validation split of the training classes): "
         + "; ".join(f"{LOSS_NAMES[k]}: {v or 'as set'}" for k, v in names.items() if v is not None)
         + ".\n",
@@ -1222,6 +1235,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--label",
         default="",
         help="suffix of the tables written (idml_<setting>_<label>.md): a grid in its own --out",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=("validated", "pinned"),
+        default="validated",
+        help="run: train with the validated recipe (pinned to the run folder), or with the one the "
+        "run folder already pins (add arms or seeds to a grid after its recipe was adopted away)",
     )
     parser.add_argument(
         "--adopt",

@@ -7,6 +7,7 @@ and lives in ``benchmarks/``; these tests check its pure parts.
 
 from __future__ import annotations
 
+import argparse
 import doctest
 import importlib.util
 import json
@@ -60,6 +61,30 @@ def test_a_grid_keeps_the_recipe_its_runs_were_trained_with(
     assert "10 epochs" in message and "20 epochs" in message and "--out" in message
     assert study.pinned_recipe(folder) == "proxy_lr×10, 10 epochs"  # the old pin is untouched
     assert study.pinned_recipe(tmp_path / "elsewhere") is None
+
+
+def test_a_grid_grows_at_its_pinned_recipe_only_when_asked(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    twenty = {"recipe": "proxy_lr×10, 20 epochs", "overrides": ["optim.epochs=20"]}
+    forty = {"recipe": "proxy_lr×10, 40 epochs", "overrides": ["optim.epochs=40"]}
+    monkeypatch.setattr(study, "load_recipes", lambda: {"omniglot_cnn": {"proxy_anchor": forty}})
+    folder = tmp_path / "omniglot_cnn" / "proxy_anchor"
+    study.pin_recipe(folder, twenty)
+
+    def args(recipe: str) -> argparse.Namespace:
+        return argparse.Namespace(quick=False, recipe=recipe, setting="omniglot_cnn")
+
+    # The validated recipe moved on: a grid at the old pin refuses it, and adds arms at its pin.
+    with pytest.raises(SystemExit):
+        study.grid_recipe(args("validated"), "proxy_anchor", folder)
+    assert study.grid_recipe(args("pinned"), "proxy_anchor", folder) == ["optim.epochs=20"]
+    fresh = tmp_path / "new" / "proxy_anchor"
+    assert study.grid_recipe(args("validated"), "proxy_anchor", fresh) == ["optim.epochs=40"]
+    assert study.pinned_recipe(fresh) == forty["recipe"]
+    with pytest.raises(SystemExit) as stop:
+        study.grid_recipe(args("pinned"), "proxy_anchor", tmp_path / "none" / "proxy_anchor")
+    assert "pins no recipe" in str(stop.value)
 
 
 def test_doubling_a_budget_keeps_every_other_knob(study: ModuleType) -> None:
