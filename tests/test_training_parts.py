@@ -192,6 +192,20 @@ def test_the_identity_warning_advises_what_this_run_can_change(
     assert len(caught) == 1 and advice in str(caught[0].message), caught
 
 
+@pytest.mark.parametrize("mixup", [True, False])
+def test_identity_warning_says_what_the_run_measures_instead(tmp_path: Path, mixup: bool) -> None:
+    # An ISM run that acts as the identity measures Mixup only when it trains with Mixup.
+    monitor = LearningMonitor(
+        IntrospectiveMetric(CosineSimilarity()), 0.0, tmp_path, lr=1e-3, epochs=4, mixup=mixup
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.check(3, {"pos_q10": 0.995, "pos_q50": 0.997, "u_cv": 0.01})
+    message = str(caught[0].message)
+    expected, wrong = ("Mixup", "the plain metric,") if mixup else ("the plain metric,", "Mixup")
+    assert f"measures {expected}" in message and f"measures {wrong}" not in message, message
+
+
 def test_monitor_names_the_step_and_the_checkpoint_kept(tmp_path: Path) -> None:
     monitor = LearningMonitor(None, 0.0, tmp_path, lr=0.5)
     monitor.step(2, 6, steps_per_epoch=10)

@@ -144,6 +144,7 @@ class Trainer:
             epochs=cfg.optim.epochs,
             warns=self.dist.is_main,
             identity_advice=identity_advice(cfg),
+            mixup=cfg.mixup.enabled,
         )
         # One DDP over model, objective (proxies, classifier) and SSR head: their gradients are
         # averaged over ranks.

@@ -247,6 +247,8 @@ class LearningMonitor:
         warns: whether this process issues the warnings (rank 0).
         identity_advice: what the identity warning tells the user to change
             (:func:`identity_advice` of the run's config; ``None``: the warning gives no advice).
+        mixup: whether the run trains with Mixup (the identity warning then says that the run
+            measures Mixup; without it, the plain metric).
     """
 
     def __init__(
@@ -258,8 +260,10 @@ class LearningMonitor:
         epochs: int = 1,
         warns: bool = True,
         identity_advice: str | None = None,
+        mixup: bool = False,
     ) -> None:
         self.ism = ism
+        self.mixup = mixup
         self.identity_advice = identity_advice
         self.epochs = epochs
         self.warmup_epochs = warmup_epochs
@@ -321,10 +325,11 @@ class LearningMonitor:
         if reasons and "identity" not in self._warned:
             self._warned.add("identity")
             advice = f" {self.identity_advice}." if self.identity_advice else ""
+            measures = "Mixup" if self.mixup else "the plain metric"
             warnings.warn(
                 f"epoch {epoch + 1}: ISM acts as the identity: {'; '.join(reasons)}. The "
                 "introspective metric then trains like the plain metric (or a uniform rescaling "
-                f"of it), so this run measures Mixup, not introspection.{advice} "
+                f"of it), so this run measures {measures}, not introspection.{advice} "
                 "The ism/pos_q10 and ism/u_cv keys of metrics.jsonl show the trend",
                 RuntimeWarning,
                 stacklevel=3,
