@@ -71,6 +71,26 @@ class PreparedSearch:
         """Scores between the sorted queries ``rows`` and the sorted references ``cols``."""
         return self.scorer.tile(self.queries, self.refs, rows, cols, self.kernels.product)
 
+    PAIR_COST = 16
+    """A listed pair costs about this many entries of a tile product (a sampled product of one
+    pair per listed entry against a GEMM's blocked reuse; measured on CPU, 512-d fp32:
+    ``rescore_pairs`` 4·10⁹ multiply-adds a second against 5·10¹⁰ for a 1024² tile)."""
+
+    def pairs_cheaper(self, pairs: int, tile_entries: int) -> bool:
+        """Whether :meth:`pair_scores` of ``pairs`` listed pairs costs less than the tile of
+        ``tile_entries`` scores they lie in (plain products only: a general metric is scored by
+        its tiles)."""
+        return self.scorer.kind != "metric" and pairs * self.PAIR_COST < tile_entries
+
+    def pair_scores(self, rows: slice, cols: slice, q_local: Tensor, ref_local: Tensor) -> Tensor:
+        """Exact fp32 scores of the pairs ``(rows.start + q_local[j], cols.start + ref_local[j])``
+        of sorted positions (``q_local`` ascending), computing nothing else; plain products only
+        (:meth:`pairs_cheaper`)."""
+        assert self.scorer.kind != "metric"
+        return rescore_pairs(
+            self.queries.vectors[rows], self.refs.vectors[cols], q_local, ref_local
+        )
+
     def rescore(self, side: TileSide, q_local: Tensor, ref_local: Tensor) -> Tensor:
         """Exact fp32 scores of the pairs ``(q_local[j], ref_local[j])`` of one tile side
         (sorted by query), whatever the screen said of them."""
@@ -107,7 +127,7 @@ def make_layout(query_labels: Tensor, ref_labels: Tensor | None) -> Layout:
     else:
         assert ref_labels is not None
         ref_order, ref_in_order = sort_order(ref_labels)
-        sorted_ref_labels = ref_labels if ref_in_order else ref_labels[ref_order]
+        sorted_ref_labels = ref_labels.contiguous() if ref_in_order else ref_labels[ref_order]
     start = torch.searchsorted(sorted_ref_labels, sorted_query_labels, right=False)
     end = torch.searchsorted(sorted_ref_labels, sorted_query_labels, right=True)
     num_relevant = end - start - (1 if same_set else 0)

@@ -8,8 +8,9 @@ For a query with relevant references of scores ``v_1 ≥ … ≥ v_R``, the posi
 after them). So the search needs, per query and per ``v_t``, a count of the non-relevant scores at
 or above it:
 
-1. the band pass (:func:`fill_relevant_scores`) computes every ``v_t`` first, from one thin tile
-   per block of label-sorted queries (their relevant references are one contiguous range);
+1. the band pass (:func:`fill_relevant_scores`) computes every ``v_t`` first, per block of
+   label-sorted queries (their relevant references are one contiguous range): the listed pairs
+   alone when they are few, else the range's thin tile;
 2. each tile then adds its non-relevant scores to the counts, in one of three regimes:
    sparse candidates searched one by one in their query's sorted ``v`` (:func:`count_sparse`,
    the usual case), the same with one batched search per query row when candidates and classes
@@ -47,8 +48,10 @@ def fill_relevant_scores(
     """Scores of every (query, relevant reference) pair of ``chunk``, sorted ascending per query
     into ``state.relevant_scores`` (run once, before the tiles: the counts compare against them).
 
-    Each block of label-sorted queries needs one thin tile: its relevant references are the
-    contiguous range spanned by its classes.
+    Each block of label-sorted queries has its relevant references in the contiguous range
+    spanned by its classes. Where they are a small share of that band (many small classes, as in
+    SOP), only the relevant pairs are computed (:meth:`PreparedSearch.pair_scores`); where they
+    fill much of it (a few large classes), or the scores are a general metric, the band's tile is.
     """
     r_max, layout = state.relevant_scores.shape[1], search.layout
     for b0 in range(chunk.start, chunk.stop, block):
@@ -58,18 +61,22 @@ def fill_relevant_scores(
             continue
         start, end = layout.relevant_start[b0:b1], layout.relevant_end[b0:b1]
         lo, hi = int(start.min()), int(end.max())
-        band = search.tile(slice(b0, b1), slice(lo, hi))
-        t = torch.arange(r_max, device=band.device).unsqueeze(0)
+        t = torch.arange(r_max, device=n_rel.device).unsqueeze(0)
         col = start.unsqueeze(1) - lo + t
         if layout.same_set:
             # Skip the query's own position inside its class range.
-            own = (torch.arange(b0, b1, device=band.device) - start).unsqueeze(1)
+            own = (torch.arange(b0, b1, device=n_rel.device) - start).unsqueeze(1)
             col = col + (t >= own).long()
         valid = t < n_rel.unsqueeze(1)
-        values = band.gather(1, col.clamp(max=hi - lo - 1))
-        values = values.masked_fill(~valid, INF)
-        rows = slice(b0 - chunk.start, b1 - chunk.start)
-        state.relevant_scores[rows] = values.sort(dim=1).values
+        rows, band = slice(b0, b1), slice(lo, hi)
+        if search.pairs_cheaper(int(n_rel.sum()), (b1 - b0) * (hi - lo)):
+            q_local, slot = valid.nonzero(as_tuple=True)
+            values = torch.full((b1 - b0, r_max), INF, device=n_rel.device)
+            values[q_local, slot] = search.pair_scores(rows, band, q_local, col[q_local, slot])
+        else:
+            tile = search.tile(rows, band)
+            values = tile.gather(1, col.clamp(max=hi - lo - 1)).masked_fill(~valid, INF)
+        state.relevant_scores[b0 - chunk.start : b1 - chunk.start] = values.sort(dim=1).values
 
 
 def count_side(
