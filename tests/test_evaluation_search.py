@@ -26,6 +26,7 @@ from idml.evaluation import (
 )
 from idml.evaluation.retrieval_metrics import default_cutoffs
 from idml.evaluation.search import reference_search
+from idml.evaluation.search.layout import PreparedSearch
 from synthetic import clustered
 
 pytestmark = pytest.mark.numerics  # compares numbers across runs/processes/implementations
@@ -231,6 +232,32 @@ def test_sparse_and_dense_counting_agree_with_brute_force(
     assert_matches(ref, out, acc, ks)
 
 
+@pytest.mark.parametrize("pair_cost", [0, 10**9])
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+@pytest.mark.parametrize("same_set", [True, False])
+def test_relevant_scores_by_listed_pairs_or_by_band_tiles_agree_with_brute_force(
+    pair_cost: int, metric: str, same_set: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 0: every band block's relevant scores come from the listed pairs alone; 10**9: from the
+    # band's tile. Class sizes from 1 to 12 put both small and large classes in a block.
+    monkeypatch.setattr(PreparedSearch, "PAIR_COST", pair_cost)
+    rng = np.random.default_rng(5)
+    y = np.repeat(np.arange(12), np.arange(1, 13))
+    x = rng.standard_normal((12, 6))[y] + 0.8 * rng.standard_normal((len(y), 6))
+    x = x.astype(np.float32)
+    ks, cutoffs = (1, 3), (1, 5, 30)
+    kw = {"metric": metric, "normalize": metric == "cosine"}
+    if same_set:
+        ref = brute_force(x, y, k=4, ks=ks, cutoffs=cutoffs, **kw)
+        out, acc = ours(x, y, k=4, ks=ks, cutoffs=cutoffs, block_size=7, **kw)
+    else:
+        ref = brute_force(x[::2], y[::2], x[1::2], y[1::2], k=4, ks=ks, cutoffs=cutoffs, **kw)
+        out, acc = ours(
+            x[::2], y[::2], x[1::2], y[1::2], k=4, ks=ks, cutoffs=cutoffs, block_size=7, **kw
+        )
+    assert_matches(ref, out, acc, ks)
+
+
 def test_batched_count_path_for_many_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     # Force the padded searchsorted path that large classes with many candidates take.
     monkeypatch.setattr(ranks_module, "FLAT_COUNT_MAX_ENTRIES", 0)
@@ -431,6 +458,38 @@ def test_numpy_and_torch_candidate_paths_agree(shape: tuple[int, int], transpose
     assert int((q == 0).sum()) == dense.shape[1] - 1  # all but the -inf score
     assert len(q) == int((dense >= reach.unsqueeze(1)).sum())
     assert torch.equal(dense[q, r], v)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("positive", [True, False])
+@pytest.mark.parametrize("shape", [(7, 5), (64, 300), (300, 64)])
+def test_bfloat16_candidates_list_every_score_that_reaches_its_threshold(
+    shape: tuple[int, int], positive: bool, transposed: bool
+) -> None:
+    # A screen's bf16 tile, listed on its bits against thresholds rounded down to bf16 (all
+    # positive), or through the float32 path (a threshold ≤ 0): every score ≥ its query's
+    # threshold is listed, in the float32 listing's order, and anything more lies below the
+    # threshold by less than one bf16 step of it.
+    gen = torch.Generator().manual_seed(sum(shape) + positive)
+    tile = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    tile[0, 0] = -math.inf
+    n_queries = shape[1] if transposed else shape[0]
+    reach = torch.rand(n_queries, generator=gen) * 2 + 1e-3
+    if not positive:
+        reach[1] = -0.5
+    reach[-1] = tile.float().max() + 1  # a query reaching nothing
+    exact = candidates_module.candidates_numpy(tile.float(), reach, transposed)
+    q, r, v = candidates_module.candidates(tile, reach, transposed)
+    assert v.dtype == torch.float32
+    dense = (tile.T if transposed else tile).float()
+    assert torch.equal(dense[q, r], v)
+    assert bool((q[1:] >= q[:-1]).all())  # sorted by query
+    listed = set(zip(q.tolist(), r.tolist(), strict=True))
+    assert set(zip(exact[0].tolist(), exact[1].tolist(), strict=True)) <= listed
+    extra = v < reach[q]
+    assert bool((v[extra] >= reach[q[extra]] - reach[q[extra]].abs() * 2.0**-7).all())
+    if not positive:  # the float32 path lists exactly
+        assert not bool(extra.any())
 
 
 # ----------------------------------------------------------------------------- dense specification

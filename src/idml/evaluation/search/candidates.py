@@ -24,6 +24,8 @@ def candidates(tile: Tensor, reach: Tensor, transposed: bool) -> tuple[Tensor, T
     both return the same lists.
     """
     if tile.device.type == "cpu":
+        if tile.dtype == torch.bfloat16:
+            return candidates_bfloat16(tile, reach, transposed)
         return candidates_numpy(tile, reach, transposed)
     return candidates_torch(tile, reach, transposed)
 
@@ -34,7 +36,7 @@ def candidates_torch(
     """:func:`candidates` with torch ops (any device)."""
     hit = tile >= (reach.unsqueeze(0) if transposed else reach.unsqueeze(1))
     major, minor = hit.nonzero(as_tuple=True)
-    values = tile[major, minor]
+    values = tile[major, minor].float()
     if not transposed:
         return major, minor, values
     order = minor.argsort(stable=True)
@@ -56,6 +58,36 @@ def candidates_numpy(
         order = np.argsort(minor.astype(narrow), kind="stable")
         major, minor, values = minor[order], major[order], values[order]
     return torch.from_numpy(major), torch.from_numpy(minor), torch.from_numpy(values)
+
+
+def candidates_bfloat16(
+    tile: Tensor, reach: Tensor, transposed: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`candidates` on a bfloat16 tile (a screen's) on CPU, compared as 16-bit integers.
+
+    A positive bfloat16's bit pattern, read as a signed 16-bit integer, is positive and orders
+    like its value, and every negative value, ``-0`` and ``-inf`` read as negative integers. So
+    when every threshold is positive, comparing the raw bits with the bits of the thresholds
+    rounded to bfloat16 lists every score that reaches its threshold (and perhaps a few one step
+    below it, which the caller's exact thresholds drop), reading half the bytes of a float32 tile
+    and never converting it. Any other threshold falls back to :func:`candidates_numpy` on
+    a float32 copy. Scores are returned as float32 (exactly: bfloat16 ⊂ float32).
+    """
+    # Rounded to nearest: the least bfloat16 at or above a threshold (then a bfloat16 score
+    # reaches one exactly when it reaches the other) or the greatest below it (a superset).
+    keys_bits = reach.to(torch.bfloat16).view(torch.int16)
+    if not bool((keys_bits > 0).all()):
+        return candidates_numpy(tile.float(), reach, transposed)
+    bits = tile.view(torch.int16).numpy()
+    bar = keys_bits.numpy()
+    flat = np.flatnonzero(bits >= (bar[None, :] if transposed else bar[:, None]))
+    values = torch.from_numpy(bits.reshape(-1)[flat]).view(torch.bfloat16).float()
+    major, minor = np.divmod(flat, bits.shape[1])
+    if transposed:
+        narrow = np.int16 if bits.shape[1] <= np.iinfo(np.int16).max else np.int32
+        order = np.argsort(minor.astype(narrow), kind="stable")
+        major, minor, values = minor[order], major[order], values[order]
+    return torch.from_numpy(major), torch.from_numpy(minor), values
 
 
 def pad_by_row(

@@ -317,7 +317,7 @@ def _update_side_screened(state: QueryState, tile: _Tile, transposed: bool, chun
         if bool(fresh.any()):
             scores = side.scores if bool(fresh.all()) else side.scores[fresh]
             take = min(state.k, scores.shape[1])
-            kth = scores.topk(take, dim=1).values[:, -1]
+            kth = scores.topk(take, dim=1).values[:, -1].float()
             if take < state.k:  # fewer references than k: every one is a candidate
                 kth = torch.full_like(kth, -INF)
             theta[fresh] = Screen.lower_bound(kth, margin[fresh])

@@ -339,8 +339,9 @@ class Screen:
         return cls(q, r, PRODUCTS[kernels.screen], queries.shape[1])
 
     def tile(self, rows: slice, cols: slice) -> Tensor:
-        """The screening scores of the tile, as float32."""
-        return self.product(self.queries.low[rows], self.refs.low[cols]).float()
+        """The screening scores of the tile, in bfloat16 (listed as such:
+        :func:`~idml.evaluation.search.candidates.candidates_bfloat16`)."""
+        return self.product(self.queries.low[rows], self.refs.low[cols])
 
     def margins(self, rows: slice, cols: slice, transposed: bool) -> Tensor:
         """``m`` per query of one side of the tile (its rows, or its columns when ``transposed``)
