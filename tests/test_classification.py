@@ -410,6 +410,8 @@ def test_ism_cutmix_run_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["evaluate", "--checkpoint", str(tmp_path / "b"), "--ks", "1,2"]) != 0
     assert "--ks do not apply to classification runs" in capsys.readouterr().err
     calibration = ["--rerank", "k-reciprocal", "--calibration", str(tmp_path / "c.json")]
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "b"), "--no-full-ranking"]) != 0
+    assert "--no-full-ranking do not apply to classification runs" in capsys.readouterr().err
     assert main(["evaluate", "--checkpoint", str(tmp_path / "b"), *calibration]) != 0
     assert "--rerank, --calibration do not apply to classification runs" in capsys.readouterr().err
     # A classifier's answers carry its softmax probability: training fitted no retrieval

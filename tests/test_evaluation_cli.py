@@ -214,6 +214,21 @@ def test_fast_nmi_backend_flag(tmp_path: Path, data, capsys) -> None:
     )
 
 
+def test_no_full_ranking_flag_gives_the_lists_metrics(tmp_path: Path, data, capsys) -> None:
+    x, labels, _ = data
+    path = _write(tmp_path / "e.npz", "npz", {"embeddings": x, "labels": labels})
+    argv = ["evaluate", "--embeddings", str(path), "--no-nmi", "--ks", "1,2", "--json"]
+    full = json.loads(_run(capsys, *argv)[1])
+    code, out, _ = _run(capsys, *argv, "--no-full-ranking")
+    assert code == 0
+    lists = json.loads(out)
+    assert lists["settings"]["full_ranking"] is False
+    assert "map" not in lists["metrics"] and "mrr@10" in lists["metrics"]
+    # The same per-query values from the lists as from the full ranking (no ties here): equal.
+    for key in ("recall@1", "recall@2", "r_precision", "map@r"):
+        assert lists["metrics"][key] == full["metrics"][key], key
+
+
 def test_a_baseline_embedding_file_has_no_uncertainty_rows(tmp_path: Path, data, capsys) -> None:
     """``idml embed`` of a model without an uncertainty head writes ``||u||`` = 0 for every image:
     the report must not summarise that constant (quartiles of nothing, an AUROC of 0.5)."""

@@ -80,16 +80,18 @@ def _pml(query, q_labels, reference=None, r_labels=None):
     return calc.get_accuracy(query, q_labels, reference, r_labels, reference is None)
 
 
+@pytest.mark.parametrize("full_ranking", [True, False])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_pytorch_metric_learning_on_clustered_data(seed: int) -> None:
+def test_matches_pytorch_metric_learning_on_clustered_data(seed: int, full_ranking: bool) -> None:
     x, y = clustered(600, 40, 16, 1.3, seed)
     x[0] = x[1]  # a duplicate pair
     y[5] = 1000  # a lone query
     xn = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
     pml = _pml(xn, torch.from_numpy(y))
-    report = evaluate_embeddings(
-        x, y, EvaluationSettings(ks=(1, 2, 4, 8), nmi=False, block_size=128)
+    settings = EvaluationSettings(
+        ks=(1, 2, 4, 8), nmi=False, block_size=128, full_ranking=full_ranking
     )
+    report = evaluate_embeddings(x, y, settings)
     # Same float32 neighbours (the only exact tie, the duplicate pair, shares a label), so the
     # per-query values agree; the means differ only by pml's float32 averaging of 600 values in
     # [0, 1] (~1e-7 typical; measured equal), hence 1e-6. Recall@1 is a count: float64-exact.
@@ -99,19 +101,51 @@ def test_matches_pytorch_metric_learning_on_clustered_data(seed: int) -> None:
     assert report.retrieval.num_lone_queries == 1
 
 
-def test_matches_pytorch_metric_learning_with_separate_gallery() -> None:
+@pytest.mark.parametrize("full_ranking", [True, False])
+def test_matches_pytorch_metric_learning_with_separate_gallery(full_ranking: bool) -> None:
     q, qy = clustered(150, 20, 12, 1.2, seed=4)
     g, gy = clustered(400, 20, 12, 1.2, seed=4)
     qn = torch.nn.functional.normalize(torch.from_numpy(q), dim=1)
     gn = torch.nn.functional.normalize(torch.from_numpy(g), dim=1)
     pml = _pml(qn, torch.from_numpy(qy), gn, torch.from_numpy(gy))
-    report = evaluate_embeddings(g, gy, EvaluationSettings(nmi=False, block_size=64), query=(q, qy))
+    settings = EvaluationSettings(nmi=False, block_size=64, full_ranking=full_ranking)
+    report = evaluate_embeddings(g, gy, settings, query=(q, qy))
     assert not report.retrieval.same_set
     # As above: the same float32 neighbours, float64-exact counts for recall@1, and pml's float32
     # pairwise mean of 150 values in [0, 1] (≲ log2(150)·ε ≈ 9e-7 bound) for the others: 1e-6.
     assert report.metrics["recall@1"] == pytest.approx(pml["precision_at_1"], abs=1e-12)
     assert report.metrics["r_precision"] == pytest.approx(pml["r_precision"], abs=1e-6)
     assert report.metrics["map@r"] == pytest.approx(pml["mean_average_precision_at_r"], abs=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "bf16"])
+@pytest.mark.parametrize("same_set", [True, False])
+def test_neighbour_lists_give_the_full_rankings_top_metrics(same_set: bool, kernel: str) -> None:
+    # full_ranking=False: the exact search's lists, as deep as max(ks) and the largest class,
+    # give Recall@K, R-Precision and MAP@R equal to the full ranking's (no ties in this data);
+    # MAP and MRR over the whole gallery are replaced by MRR within the lists.
+    x, y = clustered(1300, 60, 12, 1.4, seed=8)
+    query = None if same_set else (x[:300], y[:300])
+    gallery, gallery_y = (x, y) if same_set else (x[300:], y[300:])
+    reports = {
+        full: evaluate_embeddings(
+            gallery,
+            gallery_y,
+            EvaluationSettings(
+                ks=(1, 3, 30), nmi=False, block_size=256, score_kernel=kernel, full_ranking=full
+            ),
+            query=query,
+        )
+        for full in (True, False)
+    }
+    full, lists = reports[True].metrics, reports[False].metrics
+    for key in ("recall@1", "recall@3", "recall@30", "r_precision", "map@r"):
+        assert lists[key] == full[key], key  # the same float64 sums of the same per-query values
+    assert "map" not in lists and "mrr" not in lists
+    (mrr_at,) = (key for key in lists if key.startswith("mrr@"))
+    assert int(mrr_at.removeprefix("mrr@")) >= 30
+    assert lists[mrr_at] <= full["mrr"]
+    assert reports[False].settings["knn_backend"].startswith("exact")
 
 
 # ----------------------------------------------------------------------------- NMI

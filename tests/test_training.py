@@ -393,6 +393,11 @@ def test_cli_train_embed_and_evaluate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert scored_again["per_class_keys"] == "class names"
     assert set(scored_again["per_class"]) == {"5", "6", "7", "8", "9"}
     assert set(scored_again["uncertainty"]["per_class_mean"]) == {"5", "6", "7", "8", "9"}
+    # --no-full-ranking reaches a run's evaluation too: the lists' metrics, the same R@1.
+    assert main(["evaluate", "--checkpoint", run_dir, "--json", "--no-full-ranking"]) == 0
+    lists = json.loads(_last_json(capsys))
+    assert lists["settings"]["full_ranking"] is False and "map" not in lists["metrics"]
+    assert lists["metrics"]["recall@1"] == scored["metrics"]["recall@1"]
     assert main(["evaluate", "--checkpoint", run_dir, "--per-class", "5"]) == 0
     table = capsys.readouterr().out
     assert "classes with the lowest recall@1 (by class name):" in table

@@ -192,6 +192,7 @@ def evaluate_checkpoint(
     *,
     nmi: bool | None = None,
     nmi_backend: KMeansBackend | None = None,
+    full_ranking: bool | None = None,
     block_size: int | None = None,
     seed: int = 1234,
     reranking: Reranker | None = None,
@@ -200,8 +201,8 @@ def evaluate_checkpoint(
     """Evaluate a trained run on its own test split, with its config's evaluation settings.
 
     ``ks`` (when not empty), ``introspective``, ``nmi`` and ``nmi_backend`` override ``eval.ks``,
-    ``eval.introspective``, ``eval.nmi`` and ``eval.nmi_backend`` when given; ``block_size``,
-    ``seed`` (k-means) and ``reranking`` are passed to
+    ``eval.introspective``, ``eval.nmi`` and ``eval.nmi_backend`` when given; ``full_ranking``
+    (when given), ``block_size``, ``seed`` (k-means) and ``reranking`` are passed to
     :func:`~idml.evaluation.evaluate_embeddings`. The calibrated confidence judged is
     ``calibration`` (a file; an error when it was fitted for other weights or another
     re-ranking), else the run's ``calibration.json`` when it applies
@@ -242,6 +243,7 @@ def evaluate_checkpoint(
         block_size=block_size,
         seed=seed,
         reranking=reranking,
+        **({} if full_ranking is None else {"full_ranking": full_ranking}),
     )
     report.settings["calibration"] = found.note
     # Per-class results by the dataset's class names (the test side's labels are renumbered

@@ -70,6 +70,7 @@ from idml.evaluation.search import (
     SearchExecution,
     exact_search,
     faiss_search,
+    neighbor_search,
     neighbors_only,
 )
 from idml.evaluation.settings import EvaluationSettings, KnnBackend
@@ -360,6 +361,7 @@ def evaluate_embeddings(
         "normalize": s.normalize,
         "ks": list(s.ks),
         "knn_backend": backend,
+        "full_ranking": retrieved.ranks.complete,
         "score_kernels": retrieved.kernels,
         "block_size": s.block_size,
         "nmi_backend": kmeans,
@@ -397,8 +399,8 @@ def _retrieve(
     progress: bool | Callable[[int], object],
 ) -> _Retrieved:
     """Search ``depth`` neighbours per query, and accumulate the ranks of the relevant items:
-    exact (with the products that computed its scores), exact then re-ranked, or from faiss's
-    lists."""
+    exact over the whole gallery (with the products that computed its scores), or from lists:
+    the exact search's (``full_ranking=False``), re-ranked ones, or faiss's."""
     same_set = sets.same_set
     num_ranked = sets.ref_semantic.shape[0] - (1 if same_set else 0)
     cutoffs = s.pr_cutoffs if s.pr_cutoffs is not None else default_cutoffs(num_ranked)
@@ -409,7 +411,8 @@ def _retrieve(
     execution = SearchExecution(
         block_size=s.block_size, device=device, progress=progress, kernel=s.score_kernel
     )
-    if s.knn_backend == "exact" and s.reranking is None:
+    kernels = None
+    if s.knn_backend == "exact" and s.reranking is None and s.full_ranking:
         out = exact_search(
             Embeddings(sets.q_semantic, sets.q_unc),
             sets.q_labels,
@@ -424,7 +427,19 @@ def _retrieve(
             acc.add(query_ids, ranks, num_rel_chunk)
         gallery = out.neighbors if same_set else None
         return _Retrieved(acc, out.neighbors, "exact", gallery, out.kernels)
-    if s.knn_backend == "exact":
+    if s.knn_backend == "exact" and s.reranking is None:
+        # Lists alone: no label is relevant to the search, so nothing below each query's k-th
+        # best score is counted.
+        lists = neighbor_search(
+            Embeddings(sets.q_semantic, sets.q_unc),
+            list_depth,
+            None if same_set else Embeddings(sets.ref_semantic, sets.ref_unc),
+            metric=scorer,
+            execution=execution,
+        )
+        found, kernels = lists.neighbors, lists.kernels
+        backend, gallery_neighbors = "exact (neighbour lists)", found if same_set else None
+    elif s.knn_backend == "exact":
         assert s.reranking is not None
         reranker = s.reranking
         shortlist_depth = min(max(list_depth, reranker.depth, reranker.gallery_depth), num_ranked)
@@ -475,7 +490,7 @@ def _retrieve(
         known_depth=found.k,
     )
     acc.add(torch.arange(n_q), ranks, num_rel)
-    return _Retrieved(acc, found, backend, gallery_neighbors)
+    return _Retrieved(acc, found, backend, gallery_neighbors, kernels)
 
 
 def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: str, graph: Tensor | None) -> float:

@@ -42,6 +42,15 @@ class EvaluationSettings:
         knn_backend: ``"exact"`` (default) or ``"faiss"`` (approximate index ``faiss_index`` with
             ``faiss_parameters``; metrics then come from the neighbour lists, which are made long
             enough for R-Precision and MAP@R, and MAP/MRR over the whole gallery are not reported).
+        full_ranking: rank every relevant item in the whole gallery (default): MAP and MRR over
+            the whole gallery and the precision–recall curve at every cut-off need it. ``False``:
+            the exact search keeps only each query's neighbour list, as deep as the largest K of
+            Recall@K and the largest class, which gives Recall@K, R-Precision and MAP@R exactly
+            (pytorch-metric-learning's ``AccuracyCalculator`` metrics) without counting the
+            gallery below it: several times faster on a large gallery of small classes (SOP).
+            MAP and MRR over the whole gallery are then not reported (``mrr@k`` is), as with
+            ``knn_backend="faiss"``; a relevant item tied in score with an irrelevant one is
+            ordered by index, as in the lists, instead of after it.
         score_kernel: the products of the exact search (:mod:`idml.evaluation.search.kernels`):
             ``"auto"`` (default) measures the candidates on this machine for a large search;
             ``"torch"``, ``"openblas"``, ``"faiss"`` or ``"bf16"`` force one. Results are exact
@@ -72,6 +81,7 @@ class EvaluationSettings:
     pr_cutoffs: Sequence[int] | None = None
     recall_levels: Sequence[float] = DEFAULT_RECALL_LEVELS
     knn_backend: KnnBackend = "exact"
+    full_ranking: bool = True
     faiss_index: str = "HNSW32"
     faiss_parameters: str | None = None
     score_kernel: KernelName = "auto"

@@ -106,6 +106,8 @@ class EvaluationRequest:
     introspective: bool | None = None
     nmi: bool | None = None
     nmi_backend: str | None = None
+    full_ranking: bool | None = None
+    """``False``: metrics from each query's neighbour list only (Recall@K, R-Precision, MAP@R)."""
     block_size: int | None = None
     seed: int | None = None
     reranking: Reranker | None = None

@@ -47,7 +47,7 @@ Example:
     [[[1], [1], [1], [1]]]
 """
 
-from idml.evaluation.search.exact import exact_search, neighbors_only
+from idml.evaluation.search.exact import exact_search, neighbor_search, neighbors_only
 from idml.evaluation.search.execution import SearchExecution
 from idml.evaluation.search.faiss_backend import faiss_search
 from idml.evaluation.search.reference import reference_search
@@ -60,6 +60,7 @@ __all__ = [
     "SearchOutput",
     "exact_search",
     "faiss_search",
+    "neighbor_search",
     "neighbors_only",
     "reference_search",
 ]

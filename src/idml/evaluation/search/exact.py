@@ -316,6 +316,8 @@ def _update_side_screened(state: QueryState, tile: _Tile, transposed: bool, chun
         fresh = theta == -INF
         if bool(fresh.any()):
             scores = side.scores if bool(fresh.all()) else side.scores[fresh]
+            # A column side's scores are a transposed view: top-k reads rows twice as fast.
+            scores = scores.contiguous()
             take = min(state.k, scores.shape[1])
             kth = scores.topk(take, dim=1).values[:, -1].float()
             if take < state.k:  # fewer references than k: every one is a candidate
@@ -339,19 +341,15 @@ def _update_side_screened(state: QueryState, tile: _Tile, transposed: bool, chun
     ranks.count_candidates(state, layout, side, (q_local, ref_local, values), least)
 
 
-def neighbors_only(
+def neighbor_search(
     query: Tensor | Embeddings,
     k: int,
     reference: Tensor | Embeddings | None = None,
     **kwargs: object,
-) -> NeighborLists:
-    """Exact k-nearest neighbours without labels (no ranks): a convenience over :func:`exact_search`.
-
-    Example:
-        >>> import torch
-        >>> neighbors_only(torch.eye(3), k=1, metric="euclidean").indices.flatten().tolist()
-        [1, 0, 0]
-    """
+) -> SearchOutput:
+    """Exact k-nearest neighbours without labels (no ranks are counted), with what computed the
+    scores (:attr:`SearchOutput.kernels`): :func:`exact_search` where no reference is relevant to
+    any query, so nothing below a query's k-th best score is ever listed."""
     rows = side_rows(query)[0]
     n_q = rows.shape[0]
     labels = torch.arange(n_q, device=rows.device)
@@ -360,4 +358,20 @@ def neighbors_only(
         # Distinct labels on both sides: nothing is relevant, only neighbours are computed.
         n_r = side_rows(reference)[0].shape[0]
         ref_labels = torch.arange(n_q, n_q + n_r, device=rows.device)
-    return exact_search(query, labels, k, reference, ref_labels, **kwargs).neighbors  # type: ignore[arg-type]
+    return exact_search(query, labels, k, reference, ref_labels, **kwargs)  # type: ignore[arg-type]
+
+
+def neighbors_only(
+    query: Tensor | Embeddings,
+    k: int,
+    reference: Tensor | Embeddings | None = None,
+    **kwargs: object,
+) -> NeighborLists:
+    """Exact k-nearest neighbours without labels (no ranks): :func:`neighbor_search`'s lists.
+
+    Example:
+        >>> import torch
+        >>> neighbors_only(torch.eye(3), k=1, metric="euclidean").indices.flatten().tolist()
+        [1, 0, 0]
+    """
+    return neighbor_search(query, k, reference, **kwargs).neighbors
