@@ -48,16 +48,8 @@ def candidates_numpy(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`candidates` on CPU with NumPy, whose vectorised compare and ``flatnonzero`` take a
     third of the time of torch's, and whose stable sort of small integer keys is a radix sort."""
-    scores = tile.detach().numpy()
-    bar = reach.numpy()
-    flat = np.flatnonzero(scores >= (bar[None, :] if transposed else bar[:, None]))
-    values = scores.reshape(-1)[flat]
-    major, minor = np.divmod(flat, scores.shape[1])
-    if transposed:
-        narrow = np.int16 if scores.shape[1] <= np.iinfo(np.int16).max else np.int32
-        order = np.argsort(minor.astype(narrow), kind="stable")
-        major, minor, values = minor[order], major[order], values[order]
-    return torch.from_numpy(major), torch.from_numpy(minor), torch.from_numpy(values)
+    major, minor, values = _list_at_or_above(tile.detach().numpy(), reach.numpy(), transposed)
+    return major, minor, torch.from_numpy(values)
 
 
 def candidates_bfloat16(
@@ -78,13 +70,22 @@ def candidates_bfloat16(
     keys_bits = reach.to(torch.bfloat16).view(torch.int16)
     if not bool((keys_bits > 0).all()):
         return candidates_numpy(tile.float(), reach, transposed)
-    bits = tile.view(torch.int16).numpy()
-    bar = keys_bits.numpy()
-    flat = np.flatnonzero(bits >= (bar[None, :] if transposed else bar[:, None]))
-    values = torch.from_numpy(bits.reshape(-1)[flat]).view(torch.bfloat16).float()
-    major, minor = np.divmod(flat, bits.shape[1])
+    major, minor, bits = _list_at_or_above(
+        tile.view(torch.int16).numpy(), keys_bits.numpy(), transposed
+    )
+    return major, minor, torch.from_numpy(bits).view(torch.bfloat16).float()
+
+
+def _list_at_or_above(
+    scores: np.ndarray, bar: np.ndarray, transposed: bool
+) -> tuple[Tensor, Tensor, np.ndarray]:
+    """``(query, reference, score)`` of the entries of ``scores`` at or above their query's
+    ``bar`` (queries along the rows, or the columns when ``transposed``), sorted by query."""
+    flat = np.flatnonzero(scores >= (bar[None, :] if transposed else bar[:, None]))
+    values = scores.reshape(-1)[flat]
+    major, minor = np.divmod(flat, scores.shape[1])
     if transposed:
-        narrow = np.int16 if bits.shape[1] <= np.iinfo(np.int16).max else np.int32
+        narrow = np.int16 if scores.shape[1] <= np.iinfo(np.int16).max else np.int32
         order = np.argsort(minor.astype(narrow), kind="stable")
         major, minor, values = minor[order], major[order], values[order]
     return torch.from_numpy(major), torch.from_numpy(minor), values
