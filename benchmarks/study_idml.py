@@ -78,7 +78,7 @@ import multiprocessing
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -849,9 +849,11 @@ def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     # The degraded arms are compared with this loss's clean baseline of the main grid.
     chosen = grid_recipe(args, loss, args.out / setting / loss)
     jobs = []
-    for degradation, knob in DEGRADATIONS.items():
+    for degradation in args.kinds:
+        knob = DEGRADATIONS[degradation]
         folder = args.out / setting / "degradations" / degradation
-        for name, arm in DEGRADATION_ARMS.items():
+        for name in args.arms:
+            arm = DEGRADATION_ARMS[name]
             if arm.matched != matched:
                 continue
             extra = control_overrides(folder, arm)
@@ -1187,7 +1189,7 @@ def degradation_tables(args: argparse.Namespace) -> None:
         arm_row("none", "baseline (clean images)", clean),
     ]
     pairs, mechanism = [], []
-    for degradation in DEGRADATIONS:
+    for degradation in args.kinds:
         folder = args.out / setting / "degradations" / degradation
         runs = {"baseline": clean}
         for name, arm in DEGRADATION_ARMS.items():
@@ -1225,9 +1227,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--setting", choices=sorted(SETTINGS), required=True)
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--losses", default=",".join(LOSSES))
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument(
+        "--arms",
+        default=None,
+        help=f"the main grid's arms (default all: {', '.join(ARMS)}); with --degradations, the "
+        f"degraded grid's (default all: {', '.join(DEGRADATION_ARMS)})",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--degradations", action="store_true", help="the Table 3 grid instead")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(DEGRADATIONS),
+        help="with --degradations: which degradations to train (default all)",
+    )
     parser.add_argument("--omniglot-root", type=Path, default=DEFAULT_OMNIGLOT)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "study_idml")
     parser.add_argument("--quick", action="store_true", help="3 steps an epoch: a pipeline check")
@@ -1253,11 +1265,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.label and not re.fullmatch(r"[A-Za-z0-9_]+", args.label):
         parser.error(f"--label {args.label!r}: letters, digits and underscores only")
     args.losses = [x for x in args.losses.split(",") if x]
-    args.arms = [x for x in args.arms.split(",") if x]
-    unknown = [x for x in args.arms if x not in ARMS] + [x for x in args.losses if x not in LOSSES]
+    arms: Mapping[str, Arm] = DEGRADATION_ARMS if args.degradations else ARMS
+    args.arms = [x for x in (args.arms or ",".join(arms)).split(",") if x]
+    args.kinds = [x for x in args.kinds.split(",") if x]
+    unknown = (
+        [x for x in args.arms if x not in arms]
+        + [x for x in args.losses if x not in LOSSES]
+        + [x for x in args.kinds if x not in DEGRADATIONS]
+    )
     if unknown:
         parser.error(
-            f"unknown arm or loss {unknown}; arms: {', '.join(ARMS)}; losses: {', '.join(LOSSES)}"
+            f"unknown arm, loss or degradation {unknown}; arms: {', '.join(arms)}; losses: "
+            f"{', '.join(LOSSES)}; degradations: {', '.join(DEGRADATIONS)}"
         )
     if args.quick:
         args.out = args.out.with_name(args.out.name + "_quick")

@@ -106,6 +106,47 @@ def test_a_table_label_must_be_a_plain_name(
     assert "--label" in capsys.readouterr().err
 
 
+def test_a_degraded_grid_trains_only_the_kinds_and_arms_asked_for(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--degradations --kinds ... --arms ...`` stages the Table 3 grid: the cost of each kind
+    first (its baseline), the ISM arms only where there is a cost to recover."""
+    batches: list[list[Path]] = []
+    monkeypatch.setattr(
+        study, "run_jobs", lambda jobs, workers: batches.append([j.folder for j in jobs])
+    )
+    args = ["run", "--setting", "demo", "--quick", "--degradations", "--seeds", "2"]
+    study.main([*args, "--kinds", "blur", "--arms", "deg_baseline", "--out", str(tmp_path)])
+    root = tmp_path.with_name(tmp_path.name + "_quick") / "demo" / "degradations"
+    assert batches == [
+        [root / "blur" / "deg_baseline" / "s0", root / "blur" / "deg_baseline" / "s1"],
+        [],
+    ]
+
+    batches.clear()
+    unmatched = [name for name, arm in study.DEGRADATION_ARMS.items() if not arm.matched]
+    study.main([*args, "--arms", ",".join(unmatched), "--out", str(tmp_path)])  # every kind
+    trained = {(f.parent.parent.name, f.parent.name) for batch in batches for f in batch}
+    assert trained == {(kind, arm) for kind in study.DEGRADATIONS for arm in unmatched}
+
+    # The uniform control takes its γ from the ISM runs: none trained here, so it says so.
+    with pytest.raises(SystemExit, match="no run yet"):
+        study.main([*args, "--kinds", "blur", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "option",
+    [("--kinds", "fog"), ("--arms", "idml")],  # an unknown kind; a main-grid arm
+)
+def test_a_degraded_grid_names_what_it_does_not_know(
+    study: ModuleType, option: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        study.main(["run", "--setting", "demo", "--quick", "--degradations", *option])
+    error = capsys.readouterr().err
+    assert repr(option[1]) in error and "low_resolution" in error and "deg_uniform" in error
+
+
 @pytest.mark.slow
 def test_the_uniform_control_weakens_as_much_as_the_learned_one(
     study: ModuleType, tmp_path: Path
