@@ -55,7 +55,8 @@ trend of ``||u||`` for original and Mixup images, and the test metrics with ISM 
 paper's Table 5 ablation).
 
 Degradations (``--degradations``): the paper's Table 3 (low resolution, blur, occlusion of a quarter
-of each batch instead of Mixup), for baseline, ISM and ISM's two controls.
+of each batch instead of Mixup), for baseline, ISM and ISM's two controls, and ISM with ``u``
+starting high with its own two (``--kinds`` and ``--arms`` stage it: each kind's cost first).
 
 Run (each step reuses finished runs; ``--workers 2`` trains two runs at a time, one thread each):
 
@@ -303,6 +304,17 @@ DEGRADATION_ARMS: dict[str, Arm] = {
         "ISM + degraded images, u = 0 and matched γ (uniform weakening)",
         ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=false"),
         match=Match("uniform", "deg_ism"),
+    ),
+    "deg_ism_u_high": Arm("ISM + degraded images, u starting high", (*ISM, U_HIGH), has_head=True),
+    "deg_ism_u_high_frozen_u": Arm(
+        "ISM + degraded images, u starting high, frozen",
+        (*ISM, U_HIGH, "optim.uncertainty_lr_mult=0"),
+        has_head=True,
+    ),
+    "deg_ism_u_high_uniform": Arm(
+        "ISM + degraded images, u = 0 and γ matched to u starting high (uniform weakening)",
+        ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=false"),
+        match=Match("uniform", "deg_ism_u_high"),
     ),
 }
 DEGRADATION_LOSS = "multi_similarity"
@@ -1171,6 +1183,13 @@ DEGRADATION_COMPARISONS: list[tuple[str, str, str]] = [
     ("ISM − degraded baseline (the recovery)", "deg_baseline", "deg_ism"),
     ("ISM − ISM with u frozen", "deg_ism_frozen_u", "deg_ism"),
     ("ISM − uniform weakening", "deg_uniform", "deg_ism"),
+    ("ISM, u starting high − degraded baseline", "deg_baseline", "deg_ism_u_high"),
+    ("ISM, u starting high − the same start, frozen", "deg_ism_u_high_frozen_u", "deg_ism_u_high"),
+    (
+        "ISM, u starting high − uniform weakening matched to it",
+        "deg_ism_u_high_uniform",
+        "deg_ism_u_high",
+    ),
 ]
 
 
