@@ -51,8 +51,8 @@ Mechanism (``mechanism.json`` beside each run with an uncertainty head): ``||u||
 images (mean and coefficient of variation), the AUROC of ``||u||`` for "altered vs clean" test
 images (Mixup, low resolution, blur, occlusion; :func:`idml.diagnostics.uncertainty_probe`), the
 last epoch's weakening quantiles and ``||u||`` spread over training batches (``metrics.jsonl``), the
-trend of ``||u||`` for original and Mixup images, and the test metrics with ISM at test time (the
-paper's Table 5 ablation).
+trend of ``||u||`` for original and Mixup (or degraded) training images, and the test metrics with
+ISM at test time (the paper's Table 5 ablation).
 
 Degradations (``--degradations``): the paper's Table 3 (low resolution, blur, occlusion of a quarter
 of each batch instead of Mixup), for baseline, ISM and ISM's two controls, and ISM with ``u``
@@ -1059,21 +1059,25 @@ def difference_table(pairs: Sequence[tuple[str, str, Runs, Runs]]) -> list[str]:
     return lines
 
 
-MECHANISM_HEADER = [
-    "Test images: `||u||` mean and coefficient of variation; AUROC of `||u||` for Mixup / blurred / "
-    "low-resolution / occluded images against the same images clean (0.5: no difference). "
-    "Training batches, last epoch: the 10th and 50th percentile of the weakening `e^{−y}` over "
-    "positive pairs and the CV of `||u||` across a batch. `||u||` of original and of Mixup images "
-    "in the first → last epoch. ISM at test: R@1 / MAP@R with the introspective metric at test "
-    "time (the paper's Table 5).\n",
-    "| | arm | test ‖u‖ | test CV | AUROC mixup / blur / low-res / occl. | pos q10 / q50 | batch CV "
-    "| ‖u‖ original | ‖u‖ Mixup | ISM at test R@1 / MAP@R |",
-    "|---|---|---|---|---|---|---|---|---|---|",
-]
+def mechanism_header(altered: str = "Mixup") -> list[str]:
+    """The mechanism table's preamble and header; ``altered`` names the training images whose
+    ``||u||`` trend is shown beside the originals' (Mixup images, or the degraded ones)."""
+    return [
+        "Test images: `||u||` mean and coefficient of variation; AUROC of `||u||` for Mixup / "
+        "blurred / low-resolution / occluded images against the same images clean (0.5: no "
+        "difference). Training batches, last epoch: the 10th and 50th percentile of the weakening "
+        f"`e^{{−y}}` over positive pairs and the CV of `||u||` across a batch. `||u||` of original "
+        f"and of {altered} training images in the first → last epoch. ISM at test: R@1 / MAP@R "
+        "with the introspective metric at test time (the paper's Table 5).\n",
+        "| | arm | test ‖u‖ | test CV | AUROC mixup / blur / low-res / occl. | pos q10 / q50 | "
+        f"batch CV | ‖u‖ original | ‖u‖ {altered} | ISM at test R@1 / MAP@R |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
 
-def mechanism_row(group: str, label: str, seeds: Runs) -> str | None:
-    """The mechanism of an arm's runs (mean over seeds), or ``None`` without an uncertainty head."""
+def mechanism_row(group: str, label: str, seeds: Runs, altered: str = "mixed") -> str | None:
+    """The mechanism of an arm's runs (mean over seeds), or ``None`` without an uncertainty head;
+    ``altered`` is the ``uncertainty/<altered>`` training key trended beside the originals'."""
     mechs = [r["mechanism"] for r in seeds.values() if r["mechanism"]]
     if not mechs:
         return None
@@ -1095,7 +1099,7 @@ def mechanism_row(group: str, label: str, seeds: Runs) -> str | None:
         f"{avg(lambda m: m['last_epoch'].get('ism/pos_q10')):.3f} / "
         f"{avg(lambda m: m['last_epoch'].get('ism/pos_q50')):.3f} | "
         f"{avg(lambda m: m['last_epoch'].get('ism/u_cv')):.2f} | {trend('original')} | "
-        f"{trend('mixed')} | {100 * avg(lambda m: m['ism_at_test'].get('recall@1')):.1f} / "
+        f"{trend(altered)} | {100 * avg(lambda m: m['ism_at_test'].get('recall@1')):.1f} / "
         f"{100 * avg(lambda m: m['ism_at_test'].get('map@r')):.1f} |"
     )
 
@@ -1170,7 +1174,7 @@ def tables(args: argparse.Namespace) -> None:
         ]
         lines += difference_table(probe)
     lines += ["\n## Is the introspection real? (runs with an uncertainty head, mean over seeds)\n"]
-    lines += MECHANISM_HEADER
+    lines += mechanism_header()
     for (loss, arm), seeds in runs.items():
         row = mechanism_row(LOSS_NAMES[loss], ARMS[arm].label, seeds)
         if row is not None:
@@ -1216,7 +1220,7 @@ def degradation_tables(args: argparse.Namespace) -> None:
             if seeds:
                 runs[name] = seeds
                 lines.append(arm_row(degradation, arm.label, seeds))
-                row = mechanism_row(degradation, arm.label, seeds)
+                row = mechanism_row(degradation, arm.label, seeds, altered="degraded")
                 if row is not None:
                     mechanism.append(row)
         pairs += [
@@ -1225,7 +1229,7 @@ def degradation_tables(args: argparse.Namespace) -> None:
             if ref in runs and arm in runs and runs[ref] and runs[arm]
         ]
     lines += ["\n## Differences (paired over seeds)\n", *difference_table(pairs)]
-    lines += ["\n## Mechanism\n", *MECHANISM_HEADER, *mechanism]
+    lines += ["\n## Mechanism\n", *mechanism_header("degraded"), *mechanism]
     write_table(args, f"idml_{setting}_degradations.md", lines)
 
 
