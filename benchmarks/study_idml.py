@@ -254,16 +254,41 @@ class Arm:
         return self.match is not None
 
 
+FROZEN_U = "optim.uncertainty_lr_mult=0"
+"""Trains with the uncertainty head frozen at its start."""
+
+
+def with_controls(
+    name: str,
+    labels: tuple[str, str, str],
+    overrides: tuple[str, ...],
+    uniform_name: str | None = None,
+) -> dict[str, Arm]:
+    """An ISM arm and the two controls that isolate it: the same arm with ``u`` frozen at its start
+    (``<name>_frozen_u``), and no head (``u ≡ 0``) with γ matched so the uniform weakening has the
+    learned one's median (``uniform_name``, default ``<name>_uniform``); Mixup as in ``overrides``.
+    ``labels`` are the three arms' table labels."""
+    mixup = "mixup.enabled=true" in overrides
+    no_head = (
+        "model.uncertainty.enabled=false",
+        "metric.introspective=true",
+        f"mixup.enabled={'true' if mixup else 'false'}",
+    )
+    return {
+        name: Arm(labels[0], overrides, has_head=True),
+        f"{name}_frozen_u": Arm(labels[1], (*overrides, FROZEN_U), has_head=True),
+        uniform_name or f"{name}_uniform": Arm(labels[2], no_head, match=Match("uniform", name)),
+    }
+
+
 ARMS: dict[str, Arm] = {
     "baseline": Arm("baseline", BASELINE),
     "mixup": Arm("Mixup only", MIXUP),
     "ism": Arm("ISM only", ISM, has_head=True),
-    "idml": Arm("IDML", IDML, has_head=True),
-    "idml_frozen_u": Arm("IDML, u frozen", (*IDML, "optim.uncertainty_lr_mult=0"), has_head=True),
-    "idml_uniform": Arm(
-        "IDML, u = 0 and matched γ (uniform weakening)",
-        ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=true"),
-        match=Match("uniform", "idml"),
+    **with_controls(
+        "idml",
+        ("IDML", "IDML, u frozen", "IDML, u = 0 and matched γ (uniform weakening)"),
+        IDML,
     ),
     "mixup_margin": Arm(
         "Mixup only, margin matched to IDML",
@@ -271,16 +296,14 @@ ARMS: dict[str, Arm] = {
         losses=("contrastive",),
         match=Match("margin", "idml"),
     ),
-    "idml_u_high": Arm("IDML, u starting high", (*IDML, U_HIGH), has_head=True),
-    "idml_u_high_frozen_u": Arm(
-        "IDML, u starting high, frozen",
-        (*IDML, U_HIGH, "optim.uncertainty_lr_mult=0"),
-        has_head=True,
-    ),
-    "idml_u_high_uniform": Arm(
-        "IDML, u = 0 and γ matched to u starting high (uniform weakening)",
-        ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=true"),
-        match=Match("uniform", "idml_u_high"),
+    **with_controls(
+        "idml_u_high",
+        (
+            "IDML, u starting high",
+            "IDML, u starting high, frozen",
+            "IDML, u = 0 and γ matched to u starting high (uniform weakening)",
+        ),
+        (*IDML, U_HIGH),
     ),
     "idml_ext": Arm(
         "IDML + Mixup-supervised u (extension)",
@@ -296,25 +319,24 @@ DEGRADATIONS = {
 }
 DEGRADATION_ARMS: dict[str, Arm] = {
     "deg_baseline": Arm("baseline + degraded images", BASELINE),
-    "deg_ism": Arm("ISM + degraded images", ISM, has_head=True),
-    "deg_ism_frozen_u": Arm(
-        "ISM + degraded images, u frozen", (*ISM, "optim.uncertainty_lr_mult=0"), has_head=True
+    **with_controls(
+        "deg_ism",
+        (
+            "ISM + degraded images",
+            "ISM + degraded images, u frozen",
+            "ISM + degraded images, u = 0 and matched γ (uniform weakening)",
+        ),
+        ISM,
+        uniform_name="deg_uniform",  # the name its run folders already have
     ),
-    "deg_uniform": Arm(
-        "ISM + degraded images, u = 0 and matched γ (uniform weakening)",
-        ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=false"),
-        match=Match("uniform", "deg_ism"),
-    ),
-    "deg_ism_u_high": Arm("ISM + degraded images, u starting high", (*ISM, U_HIGH), has_head=True),
-    "deg_ism_u_high_frozen_u": Arm(
-        "ISM + degraded images, u starting high, frozen",
-        (*ISM, U_HIGH, "optim.uncertainty_lr_mult=0"),
-        has_head=True,
-    ),
-    "deg_ism_u_high_uniform": Arm(
-        "ISM + degraded images, u = 0 and γ matched to u starting high (uniform weakening)",
-        ("model.uncertainty.enabled=false", "metric.introspective=true", "mixup.enabled=false"),
-        match=Match("uniform", "deg_ism_u_high"),
+    **with_controls(
+        "deg_ism_u_high",
+        (
+            "ISM + degraded images, u starting high",
+            "ISM + degraded images, u starting high, frozen",
+            "ISM + degraded images, u = 0 and γ matched to u starting high (uniform weakening)",
+        ),
+        (*ISM, U_HIGH),
     ),
 }
 DEGRADATION_LOSS = "multi_similarity"
