@@ -1088,9 +1088,10 @@ def mechanism_header(altered: str = "Mixup") -> list[str]:
         "Test images: `||u||` mean and coefficient of variation; AUROC of `||u||` for Mixup / "
         "blurred / low-resolution / occluded images against the same images clean (0.5: no "
         "difference). Training batches, last epoch: the 10th and 50th percentile of the weakening "
-        f"`e^{{−y}}` over positive pairs and the CV of `||u||` across a batch. `||u||` of original "
-        f"and of {altered} training images in the first → last epoch. ISM at test: R@1 / MAP@R "
-        "with the introspective metric at test time (the paper's Table 5).\n",
+        f"`e^{{−y}}` over positive pairs and the CV of `||u||` across a batch. `||u||` of the "
+        f"original training images (those no augmentation changed) and of the {altered} ones in "
+        "the first → last epoch. ISM at test: R@1 / MAP@R with the introspective metric at test "
+        "time (the paper's Table 5).\n",
         "| | arm | test ‖u‖ | test CV | AUROC mixup / blur / low-res / occl. | pos q10 / q50 | "
         f"batch CV | ‖u‖ original | ‖u‖ {altered} | ISM at test R@1 / MAP@R |",
         "|---|---|---|---|---|---|---|---|---|---|",

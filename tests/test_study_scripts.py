@@ -201,3 +201,46 @@ def test_the_uniform_control_weakens_as_much_as_the_learned_one(
     # statistic when the count is even; float32 factors, float64 γ: a relative 1e-6 on top.
     low, high = float(ordered[middle - 1]), float(ordered[min(middle + 1, len(ordered) - 1)])
     assert low * (1 - 1e-6) <= matched["median_weakening"] <= high * (1 + 1e-6)
+
+
+def test_the_mechanism_row_trends_the_altered_images_it_names(study: ModuleType) -> None:
+    """The degraded grid's mechanism table trends ``||u||`` of the degraded training images (the
+    trainer's ``uncertainty/degraded``) beside the originals', averaged over seeds; the main grid's
+    trends the mixed ones, and an arm without that key shows a dash, not a number."""
+
+    def record(original: tuple[float, float], degraded: tuple[float, float]) -> dict:
+        return {
+            "test_u_mean": 0.05,
+            "test_u_cv": 0.4,
+            "probe_auroc": {"mixup": 0.5, "blur": 0.6, "low_resolution": 0.7, "occlusion": 0.9},
+            "first_epoch": {
+                "uncertainty/original": original[0],
+                "uncertainty/degraded": degraded[0],
+            },
+            "last_epoch": {
+                "uncertainty/original": original[1],
+                "uncertainty/degraded": degraded[1],
+                "ism/pos_q10": 0.9,
+                "ism/pos_q50": 0.95,
+                "ism/u_cv": 0.3,
+            },
+            "ism_at_test": {"recall@1": 0.8, "map@r": 0.4},
+        }
+
+    seeds = {
+        0: {"metrics": {}, "mechanism": record((0.020, 0.010), (0.030, 0.100))},
+        1: {"metrics": {}, "mechanism": record((0.020, 0.014), (0.034, 0.140))},
+        2: {"metrics": {}, "mechanism": None},  # a run without an uncertainty head
+    }
+    row = study.mechanism_row("occlusion", "ISM", seeds, altered="degraded")
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    header = study.mechanism_header("degraded")[1]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert len(cells) == len(columns)
+    assert columns[7:9] == ["‖u‖ original", "‖u‖ degraded"]
+    assert cells[7:9] == ["0.020 → 0.012", "0.032 → 0.120"]
+    assert cells[4] == "0.50 / 0.60 / 0.70 / 0.90" and cells[5] == "0.900 / 0.950"
+    assert cells[9] == "80.0 / 40.0"
+    mixed = study.mechanism_row("occlusion", "ISM", seeds)  # the main grid's column
+    assert [c.strip() for c in mixed.strip("|").split("|")][8] == "–"
+    assert study.mechanism_row("occlusion", "baseline", {2: seeds[2]}) is None

@@ -52,6 +52,35 @@ def test_every_loss_trains_plain_and_with_idml(tmp_path: Path, loss: str, varian
         assert {"uncertainty/original", "uncertainty/mixed"} <= set(lines[-1])
 
 
+def test_the_uncertainty_log_keeps_original_mixed_and_degraded_rows_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``uncertainty/original`` averages the rows no augmentation changed: a degraded row counted
+    there would pull the originals' level towards the degraded one it is compared with."""
+    from idml.app.training.step_values import StepValues
+
+    masks: list[dict[str, torch.Tensor]] = []
+    add_masked_mean = StepValues.add_masked_mean
+
+    def spy(self: StepValues, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        if name == "u_original":
+            masks.append({})
+        masks[-1][name] = mask.clone()
+        add_masked_mean(self, name, values, mask)
+
+    monkeypatch.setattr(StepValues, "add_masked_mean", spy)
+    _, result = run(tmp_path, *IDML, "degradations.occlusion_fraction=0.5")
+    assert len(masks) == 2  # TINY's two steps
+    for step in masks:
+        assert step.keys() == {"u_original", "u_mixed", "u_degraded"}
+        original, mixed, degraded = step["u_original"], step["u_mixed"], step["u_degraded"]
+        assert bool(mixed.any()) and bool(degraded.any()) and bool(original.any())
+        assert not bool((original & (mixed | degraded)).any())
+        assert bool((original | mixed | degraded).all())
+    last = assert_finite_log(result.run_dir)[-1]
+    assert {"uncertainty/original", "uncertainty/mixed", "uncertainty/degraded"} <= set(last)
+
+
 def test_pel_baseline_trains(tmp_path: Path) -> None:
     _, result = run(tmp_path, "loss.name=pel")
     assert_finite_log(result.run_dir)

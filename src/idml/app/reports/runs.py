@@ -39,8 +39,8 @@ class RunLog:
 
     Log keys (see :mod:`idml.app.training`): ``epoch`` (numbered from 1, also in logs written
     when they were numbered from 0: :func:`read_run` renumbers those), ``seconds``, ``steps``,
-    ``loss/<part>``, ``lr/<group>``, ``uncertainty/<original|mixed|degraded>`` (mean ``||u||``)
-    and ``test/<metric>`` on evaluated epochs.
+    ``loss/<part>``, ``lr/<group>``, ``uncertainty/<original|mixed|degraded>`` (mean ``||u||``;
+    original: the rows no augmentation changed) and ``test/<metric>`` on evaluated epochs.
     """
 
     run_dir: Path

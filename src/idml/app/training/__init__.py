@@ -437,10 +437,11 @@ class Trainer:
         total, emb, batch = self._forward(forward)
         if emb.uncertainty is not None:
             level = self.model.uncertainty_level(emb.detach())
-            values.add_masked_mean("u_original", level, ~batch.mixed)
+            # "original" is the rows no augmentation changed: a degraded row counted there would
+            # pull the originals' level towards the degraded one that it is compared with.
+            values.add_masked_mean("u_original", level, ~batch.altered)
             values.add_masked_mean("u_mixed", level, batch.mixed)
-            if batch.degraded is not None:
-                values.add_masked_mean("u_degraded", level, batch.degraded)
+            values.add_masked_mean("u_degraded", level, batch.degraded)  # absent when none is
         read = None
         if read_from is not None:
             read = values.read(self.dist)
