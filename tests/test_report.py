@@ -331,6 +331,20 @@ def test_logs_only_report_of_two_runs(tmp_path: Path) -> None:
     # Last logged evaluation: recall@1 0.7 (epoch 3) for both runs, in the comparison table, in
     # the seed table (two recipes of one seed each) and beside each run's heading.
     assert text.count("70.00") == 6 and "last logged evaluation" in text
+    assert "||u|| of original and mixed training images" in text
+
+
+def test_the_uncertainty_trend_names_every_kind_of_training_image_it_plots(
+    tmp_path: Path,
+) -> None:
+    run = _fake_run(tmp_path / "run", uncertainty=True)
+    log = run / "metrics.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for line in lines:
+        line["uncertainty/degraded"] = 3.0
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = " ".join(_parse(write_report([run], tmp_path / "out", analyse=False)).text)
+    assert "||u|| of original, mixed and degraded training images" in text
 
 
 @pytest.mark.parametrize(

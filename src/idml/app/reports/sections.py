@@ -247,16 +247,18 @@ def _run_body(index: int, report: RunReport, page: PageFigures) -> str:
 
     parts.append("<h3>Uncertainty during training</h3>")
     if run.has_uncertainty:
+        *others, last = [k.removeprefix("uncertainty/") for k in run.keys("uncertainty/")]
+        shown = f"{', '.join(others)} and {last}" if others else last
         parts.append(
             page.figure(
                 figures.uncertainty_trend(run),
                 f"{slug}-uncertainty-trend",
-                "Mean uncertainty level ||u|| of original and mixed training images per epoch "
-                "(IDML paper, Fig. 7).",
+                f"Mean uncertainty level ||u|| of {shown} training images per epoch (original: "
+                "those no augmentation changed; IDML paper, Fig. 7).",
             )
         )
         if not run.mixup_enabled:
-            parts.append(note("Mixing was off in training, so only original images appear."))
+            parts.append(note("Mixing was off in training, so no mixed images appear."))
         elif not run.keys("uncertainty/original"):
             parts.append(note("Every training image was mixed, so only mixed images appear."))
     if run.keys("ism/pos_q50") or run.keys("ism/neg_q50"):
