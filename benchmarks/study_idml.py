@@ -219,10 +219,32 @@ SETTINGS: dict[str, Setting] = {
     ),
 }
 
-BASELINE = ("model.uncertainty.enabled=false", "metric.introspective=false", "mixup.enabled=false")
-MIXUP = ("model.uncertainty.enabled=false", "metric.introspective=false", "mixup.enabled=true")
-ISM = ("model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=false")
-IDML = ("model.uncertainty.enabled=true", "metric.introspective=true", "mixup.enabled=true")
+
+@dataclass(frozen=True)
+class Method:
+    """Which of IDML's parts an arm trains with: the uncertainty head, the introspective metric
+    (ISM) and Mixup's set labels. ISM without a head is ``u ≡ 0``: a uniform weakening by γ."""
+
+    head: bool
+    ism: bool
+    mixup: bool
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        def flag(on: bool) -> str:
+            return "true" if on else "false"
+
+        return (
+            f"model.uncertainty.enabled={flag(self.head)}",
+            f"metric.introspective={flag(self.ism)}",
+            f"mixup.enabled={flag(self.mixup)}",
+        )
+
+
+BASELINE = Method(head=False, ism=False, mixup=False)
+MIXUP = Method(head=False, ism=False, mixup=True)
+ISM = Method(head=True, ism=True, mixup=False)
+IDML = Method(head=True, ism=True, mixup=True)
 
 
 U_HIGH = "model.uncertainty.init_level=0.25"
@@ -240,14 +262,22 @@ class Match:
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: its overrides, and the losses it applies to (``None``: all)."""
+    """One arm: its method and further overrides, and the losses it applies to (``None``: all)."""
 
     label: str
-    overrides: tuple[str, ...]
+    method: Method
+    extra: tuple[str, ...] = ()
     losses: tuple[str, ...] | None = None
     match: Match | None = None
     """Set for a control whose overrides depend on another arm's trained runs."""
-    has_head: bool = False
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        return (*self.method.overrides, *self.extra)
+
+    @property
+    def has_head(self) -> bool:
+        return self.method.head
 
     @property
     def matched(self) -> bool:
@@ -261,22 +291,19 @@ FROZEN_U = "optim.uncertainty_lr_mult=0"
 def with_controls(
     name: str,
     labels: tuple[str, str, str],
-    overrides: tuple[str, ...],
+    method: Method,
+    extra: tuple[str, ...] = (),
     uniform_name: str | None = None,
 ) -> dict[str, Arm]:
     """An ISM arm and the two controls that isolate it: the same arm with ``u`` frozen at its start
     (``<name>_frozen_u``), and no head (``u ≡ 0``) with γ matched so the uniform weakening has the
-    learned one's median (``uniform_name``, default ``<name>_uniform``); Mixup as in ``overrides``.
+    learned one's median (``uniform_name``, default ``<name>_uniform``); Mixup as ``method`` has it.
     ``labels`` are the three arms' table labels."""
-    mixup = "mixup.enabled=true" in overrides
-    no_head = (
-        "model.uncertainty.enabled=false",
-        "metric.introspective=true",
-        f"mixup.enabled={'true' if mixup else 'false'}",
-    )
+    assert method.head and method.ism, f"{name}: the controls isolate ISM with a head"
+    no_head = Method(head=False, ism=True, mixup=method.mixup)
     return {
-        name: Arm(labels[0], overrides, has_head=True),
-        f"{name}_frozen_u": Arm(labels[1], (*overrides, FROZEN_U), has_head=True),
+        name: Arm(labels[0], method, extra),
+        f"{name}_frozen_u": Arm(labels[1], method, (*extra, FROZEN_U)),
         uniform_name or f"{name}_uniform": Arm(labels[2], no_head, match=Match("uniform", name)),
     }
 
@@ -284,7 +311,7 @@ def with_controls(
 ARMS: dict[str, Arm] = {
     "baseline": Arm("baseline", BASELINE),
     "mixup": Arm("Mixup only", MIXUP),
-    "ism": Arm("ISM only", ISM, has_head=True),
+    "ism": Arm("ISM only", ISM),
     **with_controls(
         "idml",
         ("IDML", "IDML, u frozen", "IDML, u = 0 and matched γ (uniform weakening)"),
@@ -303,12 +330,13 @@ ARMS: dict[str, Arm] = {
             "IDML, u starting high, frozen",
             "IDML, u = 0 and γ matched to u starting high (uniform weakening)",
         ),
-        (*IDML, U_HIGH),
+        IDML,
+        (U_HIGH,),
     ),
     "idml_ext": Arm(
         "IDML + Mixup-supervised u (extension)",
-        (*IDML, "mixup.uncertainty_weight=1.0"),
-        has_head=True,
+        IDML,
+        ("mixup.uncertainty_weight=1.0",),
     ),
 }
 
@@ -336,7 +364,8 @@ DEGRADATION_ARMS: dict[str, Arm] = {
             "ISM + degraded images, u starting high, frozen",
             "ISM + degraded images, u = 0 and γ matched to u starting high (uniform weakening)",
         ),
-        (*ISM, U_HIGH),
+        ISM,
+        (U_HIGH,),
     ),
 }
 DEGRADATION_LOSS = "multi_similarity"
@@ -680,7 +709,13 @@ def validate(args: argparse.Namespace) -> None:
         for name, overrides in recipe_candidates(setting, loss).items():
             folder = args.out / setting / "validation" / loss / slug(name)
             for seed in range(args.seeds):
-                config = [*base, f"loss.name={loss}", *BASELINE, *overrides, f"seed={seed}"]
+                config = [
+                    *base,
+                    f"loss.name={loss}",
+                    *BASELINE.overrides,
+                    *overrides,
+                    f"seed={seed}",
+                ]
                 jobs.append(Job(folder / f"s{seed}", tuple(config), mechanism=False))
     run_jobs(jobs, args.workers)
     recipes = load_recipes()
@@ -781,7 +816,7 @@ def converge(args: argparse.Namespace) -> None:
     jobs = [
         Job(
             folder / f"s{seed}",
-            (*base, f"loss.name={loss}", *BASELINE, *overrides, f"seed={seed}"),
+            (*base, f"loss.name={loss}", *BASELINE.overrides, *overrides, f"seed={seed}"),
             mechanism=False,
         )
         for loss in args.losses
@@ -1007,7 +1042,7 @@ def untrained_reference(args: argparse.Namespace) -> dict[str, list[float]]:
     seeds = 1 if SETTINGS[args.setting].pretrained else args.seeds
     out: dict[str, list[float]] = {"recall@1": [], "map@r": [], "nmi": []}
     for seed in range(seeds):
-        cfg = load_config(None, [*base, *BASELINE, f"seed={seed}"])
+        cfg = load_config(None, [*base, *BASELINE.overrides, f"seed={seed}"])
         torch.manual_seed(cfg.seed)
         data = build.build_data(cfg)
         model = build.build_model(cfg).eval()

@@ -244,3 +244,21 @@ def test_the_mechanism_row_trends_the_altered_images_it_names(study: ModuleType)
     mixed = study.mechanism_row("occlusion", "ISM", seeds)  # the main grid's column
     assert [c.strip() for c in mixed.strip("|").split("|")][8] == "–"
     assert study.mechanism_row("occlusion", "baseline", {2: seeds[2]}) is None
+
+
+def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: ModuleType) -> None:
+    """The frozen-``u`` control trains the arm's own method with the head's learning rate at 0; the
+    uniform one drops the head and keeps ISM and the arm's Mixup (with or without set labels)."""
+    arms = {**study.ARMS, **study.DEGRADATION_ARMS}
+    controlled = [name for name in arms if f"{name}_frozen_u" in arms]
+    assert {"idml", "idml_u_high", "deg_ism", "deg_ism_u_high"} <= set(controlled)
+    for name in controlled:
+        arm, frozen = arms[name], arms[f"{name}_frozen_u"]
+        uniform = next(a for a in arms.values() if a.match == study.Match("uniform", name))
+        assert frozen.method == arm.method and frozen.extra == (*arm.extra, study.FROZEN_U)
+        assert (uniform.method.head, uniform.method.ism) == (False, True)
+        assert uniform.method.mixup == arm.method.mixup, name
+        assert "mixup.enabled=" + str(arm.method.mixup).lower() in uniform.overrides
+        assert arm.has_head and frozen.has_head and not uniform.has_head
+    with pytest.raises(AssertionError, match="isolate ISM"):
+        study.with_controls("mixup", ("a", "b", "c"), study.MIXUP)
