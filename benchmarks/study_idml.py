@@ -940,12 +940,13 @@ def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
 
 
 def run(args: argparse.Namespace) -> None:
-    if args.degradations:
-        run_jobs(degradation_jobs(args, matched=False), args.workers)
-        run_jobs(degradation_jobs(args, matched=True), args.workers)
-        return
-    run_jobs(main_jobs(args, matched=False), args.workers)
-    run_jobs(main_jobs(args, matched=True), args.workers)
+    """Trains the arms that stand alone, then the controls matched to their runs. The first phase
+    pins each grid's recipe; the second trains at that pin, so a grid finishes at the recipe it
+    started with even when ``converge --adopt`` moves the validated recipe on while it runs."""
+    jobs = degradation_jobs if args.degradations else main_jobs
+    run_jobs(jobs(args, matched=False), args.workers)
+    started = argparse.Namespace(**{**vars(args), "recipe": "pinned"})
+    run_jobs(jobs(started, matched=True), args.workers)
 
 
 # --------------------------------------------------------------------------- tables

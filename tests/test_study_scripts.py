@@ -262,3 +262,45 @@ def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: ModuleT
         assert arm.has_head and frozen.has_head and not uniform.has_head
     with pytest.raises(AssertionError, match="isolate ISM"):
         study.with_controls("mixup", ("a", "b", "c"), study.MIXUP)
+
+
+def test_a_grid_finishes_at_the_recipe_it_started_with(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``converge --adopt`` may move the validated recipe on while a grid trains; the controls
+    matched to the grid's first arms must still train at the grid's recipe, not refuse it."""
+    twenty = {"recipe": "20 epochs", "overrides": ["optim.epochs=20"]}
+    forty = {"recipe": "40 epochs", "overrides": ["optim.epochs=40"]}
+    recipes = {"omniglot_cnn": {"multi_similarity": twenty}}
+    monkeypatch.setattr(study, "load_recipes", lambda: recipes)
+    phases: list[list] = []
+
+    def run_jobs(jobs: list, workers: int) -> None:
+        phases.append(jobs)
+        for job in jobs:  # the ISM arm's runs, which its uniform control is matched to
+            record = job.folder / "cells" / "base" / f"seed{job.folder.name[1:]}"
+            record.mkdir(parents=True)
+            (record / "mechanism.json").write_text(json.dumps({"matched": {"gamma": 0.02}}))
+        recipes["omniglot_cnn"]["multi_similarity"] = forty  # adopted meanwhile
+
+    monkeypatch.setattr(study, "run_jobs", run_jobs)
+    args = argparse.Namespace(
+        setting="omniglot_cnn",
+        losses=["multi_similarity"],
+        arms=["idml", "idml_uniform"],
+        seeds=2,
+        workers=1,
+        out=tmp_path,
+        omniglot_root=tmp_path / "omniglot",
+        quick=False,
+        recipe="validated",
+        degradations=False,
+    )
+    study.run(args)
+    first, matched = phases
+    assert [job.folder.parent.name for job in first] == ["idml", "idml"]
+    assert [job.folder.parent.name for job in matched] == ["idml_uniform", "idml_uniform"]
+    for job in matched:
+        assert "optim.epochs=20" in job.overrides and "optim.epochs=40" not in job.overrides
+        assert "metric.gamma=0.02" in job.overrides
+    assert study.pinned_recipe(tmp_path / "omniglot_cnn" / "multi_similarity") == "20 epochs"
