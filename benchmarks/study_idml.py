@@ -834,7 +834,7 @@ def converge(args: argparse.Namespace) -> None:
         "| loss | recipe | R@1 | MAP@R | |",
         "|---|---|---|---|---|",
     ]
-    pairs, adopted = [], []
+    pairs, adopted, compared = [], [], []
     for loss in LOSSES:
         if loss not in recipes:
             continue
@@ -845,6 +845,7 @@ def converge(args: argparse.Namespace) -> None:
         if not common:
             continue  # this loss's budget was not checked yet
         (name, _, _), (doubled, overrides, _) = budgets(loss)
+        compared.append(f"{LOSS_NAMES[loss]}: {name} → {doubled}")
         gain = 100 * mean(
             [runs[1][s]["metrics"]["map@r"] - runs[0][s]["metrics"]["map@r"] for s in common]
         )
@@ -876,7 +877,9 @@ def converge(args: argparse.Namespace) -> None:
         lines += ["", *adopted]
         all_recipes[setting] = recipes
         RECIPES.write_text(json.dumps(all_recipes, indent=2, sort_keys=True) + "\n")
-    write_table(args, f"idml_convergence_{setting}.md", lines)
+    budgets_line = "Budgets compared: " + "; ".join(compared) + ".\n"
+    lines.insert(1, budgets_line)
+    write_table(args, f"idml_convergence_{setting}.md", lines, of=budgets_line)
 
 
 def control_overrides(arms_folder: Path, arm: Arm) -> list[str]:
@@ -1163,14 +1166,15 @@ def mechanism_row(group: str, label: str, seeds: Runs, altered: str = "mixed") -
     )
 
 
-def settings_lines(args: argparse.Namespace) -> list[str]:
-    """The setting's overrides and each loss's recipe: the one its runs were trained with (the run
-    folder's :data:`FOLDER_RECIPE`), else the validated one."""
+def settings_lines(args: argparse.Namespace, losses: Sequence[str]) -> list[str]:
+    """The setting's overrides and the recipe of each loss whose runs the table holds: the one its
+    runs were trained with (the run folder's :data:`FOLDER_RECIPE`), else — a grid started before
+    folders pinned their recipe — the validated one."""
     base = setting_overrides(args.setting, args.omniglot_root, False)
     recipes = load_recipes().get(args.setting, {})
     names = {
         loss: pinned_recipe(args.out / args.setting / loss) or recipes.get(loss, {}).get("recipe")
-        for loss in args.losses
+        for loss in losses
     }
     # The setting's default budget is not printed: every recipe sets its own (optim.epochs).
     shown = [o for o in base if not o.startswith(("data.root=", "optim.epochs="))]
@@ -1195,7 +1199,8 @@ def tables(args: argparse.Namespace) -> None:
         if (root / loss / arm).is_dir()
     }
     runs = {key: seeds for key, seeds in runs.items() if seeds}
-    lines = [f"# IDML study: {setting}\n", *settings_lines(args)]
+    header = settings_lines(args, [loss for loss in args.losses if any(k[0] == loss for k in runs)])
+    lines = [f"# IDML study: {setting}\n", *header]
     lines += [
         "## Test metrics (last epoch, mean ± std over seeds, %)\n",
         "| loss | arm | seeds | R@1 | MAP@R | NMI |",
@@ -1238,7 +1243,7 @@ def tables(args: argparse.Namespace) -> None:
         row = mechanism_row(LOSS_NAMES[loss], ARMS[arm].label, seeds)
         if row is not None:
             lines.append(row)
-    write_table(args, f"idml_{setting}.md", lines)
+    write_table(args, f"idml_{setting}.md", lines, of=header[1])
 
 
 DEGRADATION_COMPARISONS: list[tuple[str, str, str]] = [
@@ -1259,8 +1264,8 @@ DEGRADATION_COMPARISONS: list[tuple[str, str, str]] = [
 def degradation_tables(args: argparse.Namespace) -> None:
     setting, loss = args.setting, DEGRADATION_LOSS
     clean = seed_results(args.out / setting / loss / "baseline")
-    lines = [f"# IDML study: {setting}, degraded training images (the paper's Table 3)\n"]
-    lines += settings_lines(args)
+    header = settings_lines(args, [loss])
+    lines = [f"# IDML study: {setting}, degraded training images (the paper's Table 3)\n", *header]
     lines += [
         f"{LOSS_NAMES[loss]}; a quarter of every batch degraded (low resolution ×4, Gaussian blur "
         "σ 2, a quarter of the image occluded), labels unchanged; the clean baseline is the main "
@@ -1289,17 +1294,37 @@ def degradation_tables(args: argparse.Namespace) -> None:
         ]
     lines += ["\n## Differences (paired over seeds)\n", *difference_table(pairs)]
     lines += ["\n## Mechanism\n", *mechanism_header("degraded"), *mechanism]
-    write_table(args, f"idml_{setting}_degradations.md", lines)
+    write_table(args, f"idml_{setting}_degradations.md", lines, of=header[1])
 
 
-def write_table(args: argparse.Namespace, name: str, lines: list[str]) -> None:
-    """Write ``name`` (``<name>_<label>.md`` with ``--label``) under ``benchmarks/study``."""
+def write_table(args: argparse.Namespace, name: str, lines: list[str], of: str) -> None:
+    """Write ``name`` (``<name>_<label>.md`` with ``--label``) under ``benchmarks/study``.
+
+    ``of`` is the table's line saying which runs it is of (the recipes, or the budgets compared).
+    An existing table without that line is the record of other runs — another recipe, other losses,
+    an older version of this script — and is never replaced: the call stops and asks for a label.
+    """
     text = "\n".join(lines) + "\n"
     if args.label:
         name = name.removesuffix(".md") + f"_{args.label}.md"
+    path = TABLES / name
     if not args.quick:
+        if path.is_file() and of.strip() not in path.read_text().splitlines():
+            held = next(
+                (
+                    line
+                    for line in path.read_text().splitlines()
+                    if line.startswith(of.split(":")[0] + ":")
+                ),
+                "no such line (an older version of this script)",
+            )
+            raise SystemExit(
+                f"{path} holds a table of other runs; it says {held!r}, this one would say "
+                f"{of.strip()!r}. Pass --label NAME to write idml_..._NAME.md beside it (or delete "
+                "the file if it is stale)."
+            )
         TABLES.mkdir(parents=True, exist_ok=True)
-        (TABLES / name).write_text(text)
+        path.write_text(text)
     print(text)
 
 

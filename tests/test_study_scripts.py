@@ -304,3 +304,49 @@ def test_a_grid_finishes_at_the_recipe_it_started_with(
         assert "optim.epochs=20" in job.overrides and "optim.epochs=40" not in job.overrides
         assert "metric.gamma=0.02" in job.overrides
     assert study.pinned_recipe(tmp_path / "omniglot_cnn" / "multi_similarity") == "20 epochs"
+
+
+def test_a_table_never_replaces_the_table_of_other_runs(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tables`` without ``--label`` once overwrote a superseded table of another recipe (the
+    README cites it as such): a table is replaced only by one of the same runs."""
+    monkeypatch.setattr(study, "TABLES", tmp_path)
+    args = argparse.Namespace(label="", quick=False)
+    ten = "Baseline recipes (validation split of the training classes): Multi-Similarity: 10 epochs.\n"
+    twenty = ten.replace("10 epochs", "20 epochs")
+    study.write_table(args, "idml_omniglot_cnn.md", ["# t", ten, "first"], of=ten)
+    study.write_table(args, "idml_omniglot_cnn.md", ["# t", ten, "again"], of=ten)  # same runs
+    assert "again" in (tmp_path / "idml_omniglot_cnn.md").read_text()
+    with pytest.raises(SystemExit, match="--label") as refused:
+        study.write_table(args, "idml_omniglot_cnn.md", ["# t", twenty, "other"], of=twenty)
+    assert "10 epochs" in str(refused.value) and "20 epochs" in str(refused.value)
+    assert "again" in (tmp_path / "idml_omniglot_cnn.md").read_text()
+    (tmp_path / "idml_old.md").write_text("# IDML study\n\n> **Superseded.**\n")
+    with pytest.raises(SystemExit, match="older version"):
+        study.write_table(args, "idml_old.md", ["# t", ten], of=ten)
+    labelled = argparse.Namespace(label="twenty_epochs", quick=False)
+    study.write_table(labelled, "idml_omniglot_cnn.md", ["# t", twenty, "other"], of=twenty)
+    assert "other" in (tmp_path / "idml_omniglot_cnn_twenty_epochs.md").read_text()
+
+
+def test_a_table_names_the_recipes_of_the_losses_it_holds_only(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The degraded grid (one loss) once printed every loss's validated recipe, ProxyAnchor's
+    adopted 40 epochs among them, beside runs of Multi-Similarity at 10."""
+    validated = {
+        "multi_similarity": {"recipe": "40 epochs", "overrides": ["optim.epochs=40"]},
+        "proxy_anchor": {"recipe": "proxy_lr×10, 40 epochs", "overrides": ["optim.epochs=40"]},
+    }
+    monkeypatch.setattr(study, "load_recipes", lambda: {"omniglot_cnn": validated})
+    study.pin_recipe(
+        tmp_path / "omniglot_cnn" / "multi_similarity",
+        {"recipe": "10 epochs", "overrides": ["optim.epochs=10"]},
+    )
+    args = argparse.Namespace(
+        setting="omniglot_cnn", omniglot_root=tmp_path, out=tmp_path, losses=list(validated)
+    )
+    _, recipes = study.settings_lines(args, ["multi_similarity"])
+    assert recipes.strip().endswith("Multi-Similarity: 10 epochs.")
+    assert "ProxyAnchor" not in recipes and "40" not in recipes
