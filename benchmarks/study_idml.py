@@ -100,6 +100,14 @@ CONVERGED_GAIN = 1.0
 One point is about the seed-to-seed spread of a validation MAP@R, and a third of the smallest
 difference the study's tables call (▲/▼) with 10 seeds."""
 
+TRAINS_MARGIN = 1.0
+"""MAP@R points by which a baseline must beat the untrained network's features (mean over seeds) to
+count as trained (:func:`floor_notes`): the same one point of seed-to-seed spread as
+:data:`CONVERGED_GAIN`. MAP@R, the metric recipes are chosen by, because R@1 saturates on a
+two-class validation split (Lite0's training-free features already reach 89 % on Fashion-MNIST's).
+A baseline below it is a broken recipe (issue 21), and its loss's comparisons are not evidence
+about ISM."""
+
 LOSSES = ("multi_similarity", "proxy_anchor", "contrastive")
 LOSS_NAMES = {
     "multi_similarity": "Multi-Similarity",
@@ -728,6 +736,11 @@ def validate(args: argparse.Namespace) -> None:
         "| loss | recipe | R@1 | MAP@R | NMI | |",
         "|---|---|---|---|---|---|",
     ]
+    reference = untrained_reference(args, validation=True)
+    lines.append(
+        f"| – | *untrained network* | {fmt(reference['recall@1'])} | {fmt(reference['map@r'])} | "
+        f"{fmt(reference['nmi'])} | |"
+    )
     notes: list[str] = []
     # Every loss validated so far goes in the table, not only this call's: the file is the
     # setting's one record of how its recipes were chosen.
@@ -744,6 +757,15 @@ def validate(args: argparse.Namespace) -> None:
                 f"| {LOSS_NAMES[loss]} | {name} | {fmt(metrics['recall@1'])} | "
                 f"{fmt(metrics['map@r'])} | {fmt(metrics['nmi'])} | {'**chosen**' if name == best else ''} |"
             )
+        chosen = scores[best]
+        notes += floor_notes(
+            reference,
+            {
+                f"{LOSS_NAMES[loss]} ({best})": [
+                    {k: chosen[k][i] for k in TABLE_METRICS} for i in range(len(chosen["map@r"]))
+                ]
+            },
+        )
         edges = grid_edges(setting, loss, best)
         if edges:
             notes.append(
@@ -1028,11 +1050,15 @@ U_HIGH_COMPARISONS: list[tuple[str, str, str]] = [
 TABLE_METRICS = ("recall@1", "map@r")
 
 
-def untrained_reference(args: argparse.Namespace) -> dict[str, list[float]]:
+def untrained_reference(
+    args: argparse.Namespace, validation: bool = False
+) -> dict[str, list[float]]:
     """Test metrics of the setting's network before any training, per seed (one value for a
     pretrained backbone, whose features do not depend on the seed): the floor a baseline must clear.
-    Cached in ``untrained.json``."""
-    cache = args.out / args.setting / "untrained.json"
+    With ``validation``, the same on the validation split of the training classes (``validate``'s
+    floor; the test classes are never loaded). Cached in ``untrained.json`` of the split's folder."""
+    folder = args.out / args.setting / ("validation" if validation else "")
+    cache = folder / "untrained.json"
     if cache.is_file():
         return json.loads(cache.read_text())
     import torch
@@ -1043,6 +1069,8 @@ def untrained_reference(args: argparse.Namespace) -> dict[str, list[float]]:
     from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
     base = setting_overrides(args.setting, args.omniglot_root, args.quick)
+    if validation:
+        base += ["data.protocol=validation", *SETTINGS[args.setting].validation]
     seeds = 1 if SETTINGS[args.setting].pretrained else args.seeds
     out: dict[str, list[float]] = {"recall@1": [], "map@r": [], "nmi": []}
     for seed in range(seeds):
@@ -1068,6 +1096,40 @@ def untrained_reference(args: argparse.Namespace) -> dict[str, list[float]]:
 
 Runs = dict[int, dict[str, Any]]
 """An arm's finished runs by seed (:func:`seed_results`)."""
+
+
+def floor_notes(
+    reference: Mapping[str, Sequence[float]], baselines: Mapping[str, Sequence[Mapping[str, float]]]
+) -> list[str]:
+    """A note for each loss whose baseline (its runs' metrics, by loss name) does not beat the
+    untrained network's ``reference`` by :data:`TRAINS_MARGIN` MAP@R points.
+
+    >>> print(*floor_notes({"recall@1": [0.833], "map@r": [0.364]},
+    ...                    {"Multi-Similarity": [{"recall@1": 0.872, "map@r": 0.347}]}))
+    ... # doctest: +ELLIPSIS
+    - **Multi-Similarity: the baseline does not beat the untrained network** (MAP@R 34.7 against 36.4, R@1 87.2 against 83.3; ...
+    >>> floor_notes({"recall@1": [0.892], "map@r": [0.482]},
+    ...             {"Contrastive": [{"recall@1": 0.897, "map@r": 0.707}]})
+    []
+    """
+    notes = []
+    for loss, runs in baselines.items():
+        trained, untrained = (
+            {key: 100 * mean(values) for key, values in pair.items()}
+            for pair in (
+                {key: [r[key] for r in runs] for key in TABLE_METRICS},
+                {key: reference[key] for key in TABLE_METRICS},
+            )
+        )
+        if trained["map@r"] - untrained["map@r"] < TRAINS_MARGIN:
+            notes.append(
+                f"- **{loss}: the baseline does not beat the untrained network** (MAP@R "
+                f"{trained['map@r']:.1f} against {untrained['map@r']:.1f}, R@1 "
+                f"{trained['recall@1']:.1f} against {untrained['recall@1']:.1f}; a trained recipe "
+                f"clears it by {TRAINS_MARGIN:g} MAP@R point): by the study's rule its recipe is "
+                "broken here, and this loss's comparisons are not evidence about ISM."
+            )
+    return notes
 
 
 def arm_row(name: str, label: str, seeds: Runs) -> str:
@@ -1217,6 +1279,16 @@ def tables(args: argparse.Namespace) -> None:
     lines += [
         arm_row(LOSS_NAMES[loss], ARMS[arm].label, seeds) for (loss, arm), seeds in runs.items()
     ]
+    below = floor_notes(
+        reference,
+        {
+            LOSS_NAMES[loss]: [r["metrics"] for r in seeds.values()]
+            for (loss, arm), seeds in runs.items()
+            if arm == "baseline"
+        },
+    )
+    if below:
+        lines += ["", *below]
     pairs = [
         (LOSS_NAMES[loss], label, runs[(loss, ref)], runs[(loss, arm)])
         for loss in args.losses
