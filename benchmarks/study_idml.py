@@ -757,15 +757,7 @@ def validate(args: argparse.Namespace) -> None:
                 f"| {LOSS_NAMES[loss]} | {name} | {fmt(metrics['recall@1'])} | "
                 f"{fmt(metrics['map@r'])} | {fmt(metrics['nmi'])} | {'**chosen**' if name == best else ''} |"
             )
-        chosen = scores[best]
-        notes += floor_notes(
-            reference,
-            {
-                f"{LOSS_NAMES[loss]} ({best})": [
-                    {k: chosen[k][i] for k in TABLE_METRICS} for i in range(len(chosen["map@r"]))
-                ]
-            },
-        )
+        notes += floor_notes(reference, {f"{LOSS_NAMES[loss]} ({best})": scores[best]})
         edges = grid_edges(setting, loss, best)
         if edges:
             notes.append(
@@ -1099,28 +1091,24 @@ Runs = dict[int, dict[str, Any]]
 
 
 def floor_notes(
-    reference: Mapping[str, Sequence[float]], baselines: Mapping[str, Sequence[Mapping[str, float]]]
+    reference: Mapping[str, Sequence[float]], baselines: Mapping[str, Mapping[str, Sequence[float]]]
 ) -> list[str]:
-    """A note for each loss whose baseline (its runs' metrics, by loss name) does not beat the
-    untrained network's ``reference`` by :data:`TRAINS_MARGIN` MAP@R points.
+    """A note for each loss whose baseline does not beat the untrained network's ``reference`` by
+    :data:`TRAINS_MARGIN` MAP@R points. ``baselines`` maps a loss's name to its baseline's metrics
+    over seeds, in the shape of ``reference`` (:func:`final_metrics`).
 
     >>> print(*floor_notes({"recall@1": [0.833], "map@r": [0.364]},
-    ...                    {"Multi-Similarity": [{"recall@1": 0.872, "map@r": 0.347}]}))
+    ...                    {"Multi-Similarity": {"recall@1": [0.872], "map@r": [0.347]}}))
     ... # doctest: +ELLIPSIS
     - **Multi-Similarity: the baseline does not beat the untrained network** (MAP@R 34.7 against 36.4, R@1 87.2 against 83.3; ...
     >>> floor_notes({"recall@1": [0.892], "map@r": [0.482]},
-    ...             {"Contrastive": [{"recall@1": 0.897, "map@r": 0.707}]})
+    ...             {"Contrastive": {"recall@1": [0.897], "map@r": [0.707]}})
     []
     """
     notes = []
-    for loss, runs in baselines.items():
-        trained, untrained = (
-            {key: 100 * mean(values) for key, values in pair.items()}
-            for pair in (
-                {key: [r[key] for r in runs] for key in TABLE_METRICS},
-                {key: reference[key] for key in TABLE_METRICS},
-            )
-        )
+    untrained = {key: 100 * mean(reference[key]) for key in TABLE_METRICS}
+    for loss, metrics in baselines.items():
+        trained = {key: 100 * mean(metrics[key]) for key in TABLE_METRICS}
         if trained["map@r"] - untrained["map@r"] < TRAINS_MARGIN:
             notes.append(
                 f"- **{loss}: the baseline does not beat the untrained network** (MAP@R "
@@ -1282,7 +1270,7 @@ def tables(args: argparse.Namespace) -> None:
     below = floor_notes(
         reference,
         {
-            LOSS_NAMES[loss]: [r["metrics"] for r in seeds.values()]
+            LOSS_NAMES[loss]: {k: [r["metrics"][k] for r in seeds.values()] for k in TABLE_METRICS}
             for (loss, arm), seeds in runs.items()
             if arm == "baseline"
         },

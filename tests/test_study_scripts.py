@@ -389,3 +389,50 @@ def test_a_baseline_below_the_untrained_network_is_called_out_in_its_table(
     assert "**Multi-Similarity: the baseline does not beat the untrained network**" in text
     assert "MAP@R 34.8 against 36.4, R@1 87.5 against 83.3" in text
     assert "Contrastive: the baseline does not" not in text
+
+
+def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validation_split(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``validate`` prints the untrained network's validation metrics beside the candidates (read
+    from the validation split's own cache, never the test split's) and calls out a chosen recipe
+    that does not clear it; a loss whose recipe clears it gets no such note."""
+    monkeypatch.setattr(study, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study, "RECIPES", tmp_path / "recipes.json")
+    monkeypatch.setattr(study, "load_recipes", lambda: {})
+    monkeypatch.setattr(study, "run_jobs", lambda jobs, workers: None)
+    root = tmp_path / "demo"
+    (root / "validation").mkdir(parents=True)
+    (root / "validation" / "untrained.json").write_text(
+        json.dumps({"recall@1": [0.90], "map@r": [0.60], "nmi": [0.5]})
+    )
+    # A test-split reference that would clear everything, to show it is not the one used.
+    (root / "untrained.json").write_text(
+        json.dumps({"recall@1": [0.1], "map@r": [0.1], "nmi": [0.1]})
+    )
+    best_map = {"multi_similarity": 0.605, "contrastive": 0.70}  # below / above 60 + 1 point
+    for loss, top in best_map.items():
+        for i, name in enumerate(study.recipe_candidates("demo", loss)):
+            run = root / "validation" / loss / study.slug(name) / "s0" / "cells" / "base" / "seed0"
+            run.mkdir(parents=True)
+            map_r = top - 0.01 * i if i else top  # the first candidate is the best
+            metrics = {"recall@1": 0.95, "map@r": map_r, "nmi": 0.5}
+            (run / "result.json").write_text(json.dumps({"seed": 0, "final_metrics": metrics}))
+    args = argparse.Namespace(
+        setting="demo",
+        omniglot_root=tmp_path,
+        out=tmp_path,
+        losses=list(best_map),
+        seeds=1,
+        workers=1,
+        quick=False,
+        label="",
+    )
+    study.validate(args)
+    text = (tmp_path / "tables" / "idml_validation_demo.md").read_text()
+    assert "| – | *untrained network* | 90.0 | 60.0 | 50.0 | |" in text
+    assert (
+        "**Multi-Similarity (8 epochs): the baseline does not beat the untrained network**" in text
+    )
+    assert "MAP@R 60.5 against 60.0" in text
+    assert "Contrastive (m_pos=0.0, 8 epochs): the baseline does not" not in text
