@@ -12,9 +12,12 @@ and grain, ~53 KiB each, like CUB's photographs):
 2. **loader ceiling** per data path (``--workers`` loader processes, no model): the train loader
    the trainer uses (``idml.app.build.train_loader``), ``--loader-batches`` batches at the steady
    rate (each epoch's first batch, which waits for the workers to start, is not timed);
-3. **model step** per method: ``Trainer.train_step`` on one batch already on the device
-   (ResNet-50 from scratch, ``--image-size``, batch ``--batch`` as 30 classes × 4 images at the
-   default 120; the presets ``configs/idml/cub_proxy_anchor_{baseline,idml}.yaml``);
+3. **model step** per method and compute plan: ``Trainer.train_step`` on one batch already on the
+   device (``--backbone``, default ResNet-50, from scratch, ``--image-size``, batch ``--batch`` as
+   30 classes × 4 images at the default 120; the presets
+   ``configs/idml/cub_proxy_anchor_{baseline,idml}.yaml``), each plan's rate also as a multiple
+   of the first plan's (``--compute``; by default the float32 eager step in the contiguous layout,
+   the step before the compute plans existed);
 4. with ``--end-to-end``: whole training steps (loader + step, ``Trainer.train_epoch``) per
    method and data path.
 
@@ -27,6 +30,9 @@ Usage::
 
     # this 2-core machine, small: ResNet-50 at 224 px but batch 16
     python benchmarks/bench_throughput.py --device cpu --batch 16 --images 320 --steps 2 --workers 2
+    # the CPU step alone, the study's Lite0 at 32 px (channels-last against the contiguous layout)
+    python benchmarks/bench_throughput.py --device cpu --sections step --backbone efficientnet_lite0 \
+        --image-size 32 --batch 60 --images 480 --steps 6 --repeats 3 --compute fp32-eager,auto
     # an accelerator, the recipe's sizes (batch 120, 224 px), 16 loader workers
     python benchmarks/bench_throughput.py --device cuda --workers 16 --end-to-end
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -186,6 +193,7 @@ def config(
         f"sampler.classes_per_batch={args.batch // per_class}",
         f"sampler.images_per_class={per_class}",
         "sampler.replacement=true",
+        f"model.backbone={args.backbone}",
         "model.pretrained=false",
         "optim.warmup_epochs=0",
         f"optim.amp={str(args.amp).lower()}",
@@ -225,6 +233,8 @@ def loader_ceiling(cfg: object, batches: int, device: torch.device) -> float:
     return timed * cfg.sampler.effective_batch_size / seconds  # type: ignore[attr-defined]
 
 
+SECTIONS = {"core", "loader", "step"}
+
 COMPUTE = {
     "fp32-eager": [
         "optim.amp=false",
@@ -233,10 +243,13 @@ COMPUTE = {
         "optim.sync_every=1",
     ],
     "auto": [],
+    "auto+fused": ["optim.fused=true"],
     "auto+compile": ["optim.compile=default"],
 }
 """The step's compute plans (``idml.app.training.compute``) measured: float32 eager read every step
-(the step before the plan existed), the device's defaults, and those with a compiled backbone."""
+(the step before the plan existed), the device's defaults, those with the fused optimizer (the
+default on an accelerator already; on the CPU it isolates that kernel), and those with a compiled
+backbone."""
 
 
 def model_step(
@@ -294,6 +307,9 @@ def main() -> None:
         "--steps", type=int, default=10, help="timed model steps per method (0: no model step)"
     )
     parser.add_argument("--loader-batches", type=int, default=12)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="model-step measurements per plan (median shown)"
+    )
     parser.add_argument("--paths", default=",".join(PATHS), help="data paths to measure")
     parser.add_argument("--methods", default="baseline,idml")
     parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
@@ -302,12 +318,26 @@ def main() -> None:
         default=",".join(COMPUTE),
         help=f"compute plans of the model step, of {', '.join(COMPUTE)}",
     )
+    parser.add_argument(
+        "--backbone", default="resnet50", help="the model step's backbone (untrained weights)"
+    )
+    parser.add_argument(
+        "--sections",
+        default="core,loader,step",
+        help="what to measure, of core (1. per core), loader (2.), step (3.)",
+    )
     parser.add_argument("--end-to-end", action="store_true", help="also loader + step together")
     parser.add_argument("--data", type=Path, default=None, help="reuse this synthetic folder")
     args = parser.parse_args()
     unknown = sorted(set(args.compute.split(",")) - set(COMPUTE))
     if unknown:
         parser.error(f"--compute {','.join(unknown)}: choose among {', '.join(COMPUTE)}")
+    sections = set(args.sections.split(","))
+    if sections - SECTIONS:
+        parser.error(
+            f"--sections {','.join(sorted(sections - SECTIONS))}: choose among "
+            f"{', '.join(sorted(SECTIONS))}"
+        )
     from bench_evaluation import cpu_model  # the one reading of the CPU's model name
 
     if args.batch % 4:
@@ -339,30 +369,53 @@ def main() -> None:
         )  # type: ignore[arg-type]
         print(f"idml cache: {len(files)} images in {time.perf_counter() - start:.1f} s")
 
-        print(f"\n1. per core (one thread); anchor: {ANCHOR}\n")
-        print("| stage | images/s per core |\n| --- | --- |")
-        for what, value in per_core(files, cache, device, args.image_size):
-            print(f"| {what} | {value:,.0f} |")
+        if "core" in sections:
+            print(f"\n1. per core (one thread); anchor: {ANCHOR}\n")
+            print("| stage | images/s per core |\n| --- | --- |")
+            for what, value in per_core(files, cache, device, args.image_size):
+                print(f"| {what} | {value:,.0f} |")
 
-        print(f"\n2. loader ceiling ({args.workers} workers, batch {args.batch}, no model)\n")
-        print("| data path | unique images/s |\n| --- | --- |")
-        for path in paths:
-            value = loader_ceiling(
-                config("baseline", args, root, cache, path), args.loader_batches, device
-            )
-            print(f"| {path} | {value:,.0f} |", flush=True)
-
-        print(
-            f"\n3. model step (ResNet-50, {args.image_size} px, batch {args.batch}, amp {args.amp})\n"
-        )
-        print("| method | compute | rows per step | unique images/s |\n| --- | --- | --- | --- |")
-        for method in methods if args.steps > 0 else []:
-            for plan in args.compute.split(","):
-                cfg = config(method, args, root, cache, "reference", COMPUTE[plan])
-                value, rows, described = model_step(
-                    cfg, args.steps, device, work / f"run-{method}-{plan}"
+        if "loader" in sections:
+            print(f"\n2. loader ceiling ({args.workers} workers, batch {args.batch}, no model)\n")
+            print("| data path | unique images/s |\n| --- | --- |")
+            for path in paths:
+                value = loader_ceiling(
+                    config("baseline", args, root, cache, path), args.loader_batches, device
                 )
-                print(f"| {method} | {plan}: {described} | {rows} | {value:,.1f} |", flush=True)
+                print(f"| {path} | {value:,.0f} |", flush=True)
+
+        if "step" in sections and args.steps > 0:
+            plans = args.compute.split(",")
+            print(
+                f"\n3. model step ({args.backbone}, {args.image_size} px, batch {args.batch}, amp "
+                f"{args.amp}; median of {args.repeats} interleaved repeats, × against "
+                f"{plans[0]})\n"
+            )
+            print(
+                "| method | compute | rows per step | unique images/s | × |\n"
+                "| --- | --- | --- | --- | --- |"
+            )
+            for method in methods:
+                rates: dict[str, list[float]] = {plan: [] for plan in plans}
+                seen: dict[str, tuple[int, str]] = {}
+                # Plans interleaved: a slow spell of a shared machine then hits every plan alike.
+                for repeat in range(args.repeats):
+                    for plan in plans:
+                        cfg = config(method, args, root, cache, "reference", COMPUTE[plan])
+                        value, rows, described = model_step(
+                            cfg, args.steps, device, work / f"run-{method}-{plan}-{repeat}"
+                        )
+                        rates[plan].append(value)
+                        seen[plan] = (rows, described)
+                first = statistics.median(rates[plans[0]])
+                for plan in plans:
+                    rows, described = seen[plan]
+                    value = statistics.median(rates[plan])
+                    print(
+                        f"| {method} | {plan}: {described} | {rows} | {value:,.1f} | "
+                        f"{value / first:.2f} |",
+                        flush=True,
+                    )
 
         if args.end_to_end:
             print("\n4. end to end (loader + step, Trainer.train_epoch)\n")

@@ -46,6 +46,8 @@ gains less than :data:`CONVERGED_GAIN` validation MAP@R points, and ``--adopt`` 
 are not (each doubling in the recipe's ``history``). A run folder pins the recipe its runs used
 (``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new ``--out``, its tables named by
 ``--label``; ``run --recipe pinned`` adds arms or seeds to an older grid at the recipe it pins.
+A setting's folder pins the memory format its runs train in (``memory_format.json``): runs added to
+a folder trained before channels-last became the CPU's default keep the contiguous layout.
 
 Mechanism (``mechanism.json`` beside each run with an uncertainty head): ``||u||`` over the test
 images (mean and coefficient of variation), the AUROC of ``||u||`` for "altered vs clean" test
@@ -419,14 +421,38 @@ def grid_edges(setting: str, loss: str, chosen: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- configuration
-def setting_overrides(setting: str, omniglot_root: Path, quick: bool) -> list[str]:
-    spec = SETTINGS[setting]
+def setting_overrides(args: argparse.Namespace, pin: bool = True) -> list[str]:
+    """The overrides every run of ``args.setting`` in ``args.out`` trains with: the setting's, its
+    data, and the memory format the folder's runs use (:func:`memory_format`; ``pin``: record it
+    for a new folder)."""
+    spec = SETTINGS[args.setting]
     out = [*spec.overrides, f"optim.epochs={spec.epochs}"]
     if spec.needs_omniglot:
-        out.append(f"data.root={omniglot_root}")
-    if quick:
+        out.append(f"data.root={args.omniglot_root}")
+    if args.quick:
         out += ["optim.max_steps_per_epoch=3"]
-    return out
+    return [*out, memory_format(args.out / args.setting, pin)]
+
+
+FOLDER_MEMORY_FORMAT = "memory_format.json"
+"""Beside a setting's runs: the memory format they train in (:func:`memory_format`)."""
+
+
+def memory_format(setting_folder: Path, pin: bool) -> str:
+    """The ``optim.channels_last`` override of every run in ``setting_folder``, the same for all of
+    them. Channels-last became the CPU's default on 2026-12-03: the same float32 sums in another
+    order, which training's chaos turns into a seed-sized difference, so a grid grown after that
+    must not mix its new runs' layout with its old ones'. The layout is pinned at a folder's first
+    run (``pin``); a folder with runs but no pin was trained before, in the default layout."""
+    path = setting_folder / FOLDER_MEMORY_FORMAT
+    if path.is_file():
+        return str(json.loads(path.read_text())["override"])
+    trained_before = setting_folder.is_dir() and any(setting_folder.rglob("metrics.jsonl"))
+    override = f"optim.channels_last={'false' if trained_before else 'true'}"
+    if pin:
+        setting_folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"override": override}, indent=2) + "\n")
+    return override
 
 
 def load_recipes() -> dict[str, Any]:
@@ -708,7 +734,7 @@ def matched_controls(
 def validate(args: argparse.Namespace) -> None:
     setting = args.setting
     base = [
-        *setting_overrides(setting, args.omniglot_root, args.quick),
+        *setting_overrides(args),
         "data.protocol=validation",
         *SETTINGS[setting].validation,
     ]
@@ -807,7 +833,7 @@ def converge(args: argparse.Namespace) -> None:
     the new budget). The table covers every loss of the setting with both budgets' runs."""
     setting = args.setting
     base = [
-        *setting_overrides(setting, args.omniglot_root, args.quick),
+        *setting_overrides(args),
         "data.protocol=validation",
         *SETTINGS[setting].validation,
     ]
@@ -906,7 +932,7 @@ def control_overrides(arms_folder: Path, arm: Arm) -> list[str]:
 
 def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     setting = args.setting
-    base = setting_overrides(setting, args.omniglot_root, args.quick)
+    base = setting_overrides(args)
     jobs = []
     for loss in args.losses:
         chosen = grid_recipe(args, loss, args.out / setting / loss)
@@ -931,7 +957,7 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
 
 def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     setting, loss = args.setting, DEGRADATION_LOSS
-    base = setting_overrides(setting, args.omniglot_root, args.quick)
+    base = setting_overrides(args)
     # The degraded arms are compared with this loss's clean baseline of the main grid.
     chosen = grid_recipe(args, loss, args.out / setting / loss)
     jobs = []
@@ -1060,7 +1086,7 @@ def untrained_reference(
     from idml.embeddings import Embeddings
     from idml.evaluation import EvaluationSettings, evaluate_embeddings
 
-    base = setting_overrides(args.setting, args.omniglot_root, args.quick)
+    base = setting_overrides(args)
     if validation:
         base += ["data.protocol=validation", *SETTINGS[args.setting].validation]
     seeds = 1 if SETTINGS[args.setting].pretrained else args.seeds
@@ -1220,7 +1246,7 @@ def settings_lines(args: argparse.Namespace, losses: Sequence[str]) -> list[str]
     """The setting's overrides and the recipe of each loss whose runs the table holds: the one its
     runs were trained with (the run folder's :data:`FOLDER_RECIPE`), else — a grid started before
     folders pinned their recipe — the validated one."""
-    base = setting_overrides(args.setting, args.omniglot_root, False)
+    base = setting_overrides(argparse.Namespace(**{**vars(args), "quick": False}), pin=False)
     recipes = load_recipes().get(args.setting, {})
     names = {
         loss: pinned_recipe(args.out / args.setting / loss) or recipes.get(loss, {}).get("recipe")

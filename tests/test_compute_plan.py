@@ -29,8 +29,9 @@ CUDA = torch.device("cuda")  # a device object only: resolving a plan touches no
 @pytest.mark.parametrize(
     ("device", "overrides", "bf16", "expected"),
     [
-        (CPU, {}, True, (None, False, False, 1)),
-        (CPU, {"amp_dtype": "bfloat16"}, True, (torch.bfloat16, False, False, 1)),
+        (CPU, {}, True, (None, True, False, 1)),
+        (CPU, {"amp_dtype": "bfloat16"}, True, (torch.bfloat16, True, False, 1)),
+        (CPU, {"channels_last": False}, True, (None, False, False, 1)),
         (CPU, {"channels_last": True, "fused": True, "sync_every": 4}, True, (None, True, True, 4)),
         (CUDA, {}, True, (torch.bfloat16, True, True, 25)),
         (CUDA, {}, False, (torch.float16, True, True, 25)),
@@ -193,8 +194,10 @@ def test_bfloat16_autocast_on_the_cpu(tmp_path: Path) -> None:
 
 
 def test_channels_last_on_the_cpu(tmp_path: Path) -> None:
-    reference, _ = _one_step_loss(tmp_path, "plain")
-    loss, fast = _one_step_loss(tmp_path, "fast", "optim.channels_last=true", "optim.fused=true")
+    reference, plain = _one_step_loss(tmp_path, "plain", "optim.channels_last=false")
+    conv = next(m for m in plain.model.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous()  # the layout runs trained before it was the default had
+    loss, fast = _one_step_loss(tmp_path, "fast", "optim.fused=true")  # channels-last: auto
     conv = next(m for m in fast.model.modules() if isinstance(m, torch.nn.Conv2d))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert fast.optimizer.defaults["fused"] is True

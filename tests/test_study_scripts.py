@@ -87,6 +87,29 @@ def test_a_grid_grows_at_its_pinned_recipe_only_when_asked(
     assert "pins no recipe" in str(stop.value)
 
 
+def test_a_setting_folder_keeps_the_memory_format_of_its_first_runs(
+    study: ModuleType, tmp_path: Path
+) -> None:
+    def overrides(out: Path, pin: bool = True) -> list[str]:
+        args = argparse.Namespace(setting="demo", omniglot_root=tmp_path, quick=False, out=out)
+        return study.setting_overrides(args, pin=pin)
+
+    # A new folder trains in today's CPU default, and pins it; a table's read pins nothing.
+    assert overrides(tmp_path / "new", pin=False)[-1] == "optim.channels_last=true"
+    assert not (tmp_path / "new").exists()
+    assert overrides(tmp_path / "new")[-1] == "optim.channels_last=true"
+    assert (tmp_path / "new" / "demo" / study.FOLDER_MEMORY_FORMAT).is_file()
+    # Runs trained before the pin existed used the default layout of their day, and keep it.
+    old = tmp_path / "old" / "demo" / "contrastive" / "baseline" / "s0"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text("{}\n")
+    assert overrides(tmp_path / "old")[-1] == "optim.channels_last=false"
+    # Once pinned, the folder's layout no longer depends on what it holds.
+    (old / "metrics.jsonl").unlink()
+    assert overrides(tmp_path / "old")[-1] == "optim.channels_last=false"
+    assert overrides(tmp_path / "new")[-1] == "optim.channels_last=true"
+
+
 def test_doubling_a_budget_keeps_every_other_knob(study: ModuleType) -> None:
     name, overrides = study.doubled_budget(
         {

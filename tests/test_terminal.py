@@ -153,7 +153,7 @@ def test_ctrl_c_leaves_a_resumable_run_and_the_command_that_resumes_it(tmp_path:
     summary = stdout.splitlines()[:6]
     assert summary[0] == f"run tiny in {out}"
     assert summary[1].startswith("  data    digits: 200 train images of 5 classes")
-    assert "other classes" in summary[1] and summary[-1] == "  device  cpu"
+    assert "other classes" in summary[1] and summary[-1] == "  device  cpu (channels-last)"
     lines = _epoch_lines(stdout)
     assert len(lines) >= done and lines[0].startswith("epoch 1/500: loss ")
     assert re.search(r", recall@1 [01]\.\d{4}, ", lines[0]) and "2 steps" in lines[0]

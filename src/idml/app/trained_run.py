@@ -73,6 +73,12 @@ def load_trained_run(path: Path, which: str = "best") -> TrainedRun:
     model = build.build_model(cfg)
     load_model_weights(ckpt, model)
     model.eval()
+    from idml.app.training.compute import uses_channels_last
+
+    # The memory format the run's evaluations ran in on the CPU: the other layout sums the same
+    # products in another order, and the run's own numbers would not come back exactly.
+    if uses_channels_last(cfg.optim, torch.device("cpu")):
+        model.to(memory_format=torch.channels_last)
     return TrainedRun(cfg, model, ckpt, which, state)
 
 

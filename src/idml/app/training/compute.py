@@ -8,17 +8,20 @@ fused kernel (one launch for every parameter), and the host reading the step's v
 leaves the device idle while the host prepares the next one. ``torch.compile`` of the backbone is
 an option (``optim.compile``): it costs a compilation at the start and at every new batch shape.
 
-On the CPU the defaults keep float32, the default memory format and the optimizer's ``foreach``
-kernel, and read every step (a CPU tensor is ready when its operation returns, so reading costs
-nothing): a CPU run computes what it always has. Each choice can still be forced (``amp_dtype=bfloat16``,
-``channels_last=true``, ``fused=true``, ``sync_every=N``), e.g. to test it.
+On the CPU the defaults keep float32 and the optimizer's ``foreach`` kernel, and read every step (a
+CPU tensor is ready when its operation returns, so reading costs nothing); they too put the model
+and the batches in channels-last memory format, which oneDNN's CPU convolutions run faster than
+the default layout (``benchmarks/RESULTS.md``, "Channels-last on the CPU"): the same float32 sums
+in another order. Each choice can still be forced (``amp_dtype=bfloat16``, ``channels_last=false``,
+``fused=true``, ``sync_every=N``), e.g. to reproduce a run trained before channels-last was the
+CPU's default.
 
 Example:
     >>> import torch
     >>> from idml.app.config import OptimConfig
     >>> plan = ComputePlan.resolve(OptimConfig(), torch.device("cpu"))
     >>> plan.describe(), plan.sync_every
-    ('', 1)
+    ('channels-last', 1)
     >>> plan = ComputePlan.resolve(OptimConfig(), torch.device("cuda"), bf16_supported=lambda: True)
     >>> plan.describe()
     'bfloat16 autocast, channels-last, fused optimizer, host reads every 25 steps'
@@ -46,7 +49,21 @@ ACCELERATOR_SYNC_EVERY = 25
 """``optim.sync_every=auto`` on an accelerator: the host reads the step's values this often (a
 delay of a few steps in catching a NaN, against one device drain per step)."""
 
+CHANNELS_LAST_DEVICES = frozenset({"cuda", "cpu"})
+"""Where ``optim.channels_last=auto`` uses channels-last: cuDNN and oneDNN convolutions take that
+layout natively (on CUDA with autocast it feeds the tensor cores without transposes)."""
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def uses_channels_last(optim: OptimConfig, device: torch.device) -> bool:
+    """Whether a run with ``optim`` puts its model in channels-last memory format on ``device``
+    (``optim.channels_last``; ``auto``: on :data:`CHANNELS_LAST_DEVICES`). Training and every
+    later load of the run's model ask the same question, so that the same device computes the
+    same embeddings for both."""
+    if optim.channels_last == "auto":
+        return device.type in CHANNELS_LAST_DEVICES
+    return bool(optim.channels_last)
 
 
 class ComputeSettingError(ValueError):
@@ -104,9 +121,7 @@ class ComputePlan:
         return cls(
             device=device,
             autocast_dtype=dtype,
-            channels_last=device.type == "cuda"
-            if optim.channels_last == "auto"
-            else bool(optim.channels_last),
+            channels_last=uses_channels_last(optim, device),
             compile_mode=compile_mode,
             fused=accelerator if optim.fused == "auto" else bool(optim.fused),
             sync_every=(ACCELERATOR_SYNC_EVERY if accelerator else 1)
