@@ -8,13 +8,13 @@ fused kernel (one launch for every parameter), and the host reading the step's v
 leaves the device idle while the host prepares the next one. ``torch.compile`` of the backbone is
 an option (``optim.compile``): it costs a compilation at the start and at every new batch shape.
 
-On the CPU the defaults keep float32 and the optimizer's ``foreach`` kernel, and read every step (a
-CPU tensor is ready when its operation returns, so reading costs nothing); they too put the model
-and the batches in channels-last memory format, which oneDNN's CPU convolutions run faster than
-the default layout (``benchmarks/RESULTS.md``, "Channels-last on the CPU"): the same float32 sums
-in another order. Each choice can still be forced (``amp_dtype=bfloat16``, ``channels_last=false``,
-``fused=true``, ``sync_every=N``), e.g. to reproduce a run trained before channels-last was the
-CPU's default.
+On the CPU the defaults keep float32 and torch's default optimizer kernel (a loop over the
+parameters there), and read every step (a CPU tensor is ready when its operation returns, so
+reading costs nothing); they too put the model and the batches in channels-last memory format,
+which oneDNN's CPU convolutions run faster than the default layout (``benchmarks/RESULTS.md``,
+"Channels-last on the CPU"): the same float32 sums in another order. Each choice can still be
+forced (``amp_dtype=bfloat16``, ``channels_last=false``, ``fused=true``, ``sync_every=N``), e.g.
+to reproduce a run trained before channels-last was the CPU's default.
 
 Example:
     >>> import torch

@@ -16,7 +16,8 @@ def build_optimizers(
 ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
     """The main optimizer (backbone, heads, uncertainty head, proxies and loss parameters in
     named groups) and, for alternating SSR updates, the ranking head's own optimizer; ``fused``:
-    their fused kernels (one launch for every parameter; else torch's default, ``foreach``)."""
+    their fused kernels (one launch for every parameter; else torch's default: ``foreach`` on
+    CUDA, a loop over the parameters on the CPU)."""
     kernel: dict[str, Any] = {"fused": True} if fused else {}
     o = cfg.optim
     # The uncertainty head gets its own group only when asked to: the default layout (and so
