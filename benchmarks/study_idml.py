@@ -437,6 +437,9 @@ def setting_overrides(args: argparse.Namespace, pin: bool = True) -> list[str]:
 FOLDER_MEMORY_FORMAT = "memory_format.json"
 """Beside a setting's runs: the memory format they train in (:func:`memory_format`)."""
 
+LEGACY_LAYOUT = "optim.channels_last=false"
+"""The layout :func:`memory_format` pins to a folder trained before the pin existed."""
+
 
 def memory_format(setting_folder: Path, pin: bool) -> str:
     """The ``optim.channels_last`` override of every run in ``setting_folder``, the same for all of
@@ -448,7 +451,7 @@ def memory_format(setting_folder: Path, pin: bool) -> str:
     if path.is_file():
         return str(json.loads(path.read_text())["override"])
     trained_before = setting_folder.is_dir() and any(setting_folder.rglob("metrics.jsonl"))
-    override = f"optim.channels_last={'false' if trained_before else 'true'}"
+    override = LEGACY_LAYOUT if trained_before else "optim.channels_last=true"
     if pin:
         setting_folder.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"override": override}, indent=2) + "\n")
@@ -540,6 +543,22 @@ class Job:
     match_controls: bool = False
 
 
+def reuse_overrides(job: Job) -> list[str]:
+    """``job``'s overrides, but a run that finished before layouts were pinned is reused as it is:
+    it says ``optim.channels_last: auto``, which on the CPU meant the contiguous layout its folder
+    is pinned to (:data:`LEGACY_LAYOUT`), so it is the same run and must not be trained again."""
+    overrides = list(job.overrides)
+    if LEGACY_LAYOUT not in overrides:
+        return overrides
+    for result in job.folder.glob("cells/*/seed*/result.json"):
+        if not re.fullmatch(r"seed\d+", result.parent.name):
+            continue  # a run moved aside (``seed0.replaced-…``) is not the one reused
+        stored = json.loads(result.read_text()).get("config", {})
+        if stored.get("optim", {}).get("channels_last") == "auto":
+            return [o for o in overrides if o != LEGACY_LAYOUT]
+    return overrides
+
+
 def run_job(job: Job) -> tuple[str, float]:
     """Train (or reuse) one run, then its mechanism diagnostics; ``(folder, seconds)``."""
     import torch
@@ -549,7 +568,7 @@ def run_job(job: Job) -> tuple[str, float]:
 
     start = time.perf_counter()
     result = run_ablation(
-        None, parse_grid([]), 1, job.folder, overrides=list(job.overrides), log=lambda _: None
+        None, parse_grid([]), 1, job.folder, overrides=reuse_overrides(job), log=lambda _: None
     )
     run_dir = result.cells[0].runs[0].run_dir
     mechanism = run_dir / "mechanism.json"

@@ -110,6 +110,30 @@ def test_a_setting_folder_keeps_the_memory_format_of_its_first_runs(
     assert overrides(tmp_path / "new")[-1] == "optim.channels_last=true"
 
 
+def test_a_run_finished_before_the_layout_pin_is_reused_not_retrained(
+    study: ModuleType, tmp_path: Path
+) -> None:
+    overrides = ("loss.name=contrastive", study.LEGACY_LAYOUT, "seed=0")
+    job = study.Job(tmp_path / "s0", overrides, mechanism=False)
+    runs = tmp_path / "s0" / "cells" / "base"
+
+    def finish(folder: str, channels_last: object) -> None:
+        (runs / folder).mkdir(parents=True)
+        record = {"config": {"optim": {"channels_last": channels_last}}}
+        (runs / folder / "result.json").write_text(json.dumps(record))
+
+    # Nothing trained yet, or only a run moved aside: the new run trains in the pinned layout.
+    assert study.reuse_overrides(job) == list(overrides)
+    finish("seed0.replaced-20261203-224509", "auto")
+    assert study.reuse_overrides(job) == list(overrides)
+    # The run of that day said "auto" (the contiguous layout on the CPU then): asked for as it is.
+    finish("seed0", "auto")
+    assert study.reuse_overrides(job) == ["loss.name=contrastive", "seed=0"]
+    # A folder pinned to channels-last has no runs of the old default to reuse.
+    fresh = study.Job(tmp_path / "s0", ("optim.channels_last=true",), mechanism=False)
+    assert study.reuse_overrides(fresh) == ["optim.channels_last=true"]
+
+
 def test_doubling_a_budget_keeps_every_other_knob(study: ModuleType) -> None:
     name, overrides = study.doubled_budget(
         {
