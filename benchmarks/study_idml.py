@@ -49,6 +49,14 @@ are not (each doubling in the recipe's ``history``). A run folder pins the recip
 A setting's folder pins the memory format its runs train in (``memory_format.json``): runs added to
 a folder trained before channels-last became the CPU's default keep the contiguous layout.
 
+Ledger (``benchmarks/study/ledger/<--out's name>``, committed): each finished run's
+``result.json`` and ``mechanism.json`` and each folder's pins, copied as runs finish and restored into
+an empty ``--out`` of the same name at the start of every command. A session's machine does not
+outlive it, and a Lite0 grid takes longer than one: with its ledger committed, a grid resumes on the
+next machine at its first unfinished seed, and its tables can be drawn anywhere (a restored run is
+reused because its record names the same config; ``data.root`` is part of it, so keep
+``--omniglot-root`` where it was).
+
 Mechanism (``mechanism.json`` beside each run with an uncertainty head): ``||u||`` over the test
 images (mean and coefficient of variation), the AUROC of ``||u||`` for "altered vs clean" test
 images (Mixup, low resolution, blur, occlusion; :func:`idml.diagnostics.uncertainty_probe`), the
@@ -81,7 +89,7 @@ import multiprocessing
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -458,6 +466,78 @@ def memory_format(setting_folder: Path, pin: bool) -> str:
     return override
 
 
+LEDGER = TABLES / "ledger"
+"""The committed copy of each study folder's small files (:class:`Ledger`), one subfolder per
+``--out`` by its name."""
+
+DURABLE_FILES = frozenset({FOLDER_MEMORY_FORMAT, FOLDER_RECIPE, "untrained.json"})
+"""A study folder's pins and caches, kept in its ledger wherever they lie."""
+DURABLE_RUN_FILES = frozenset({"result.json", "mechanism.json"})
+"""A finished run's record: what ``run_ablation`` reuses a run by, and what the tables read."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The durable copy of a study folder: its pins, caches and finished runs' records, without the
+    checkpoints, mirrored file for file under ``root`` (``benchmarks/study/ledger/<out's name>``).
+
+    A grid of Lite0 runs outlives a session and its machine only in the repository: a run folder's
+    checkpoints are hundreds of megabytes, a run's record a few kilobytes. :meth:`record` copies a
+    folder's records into the ledger as its runs finish; :meth:`restore` puts them back into a new
+    machine's empty ``--out``, where ``run_ablation`` reuses a run whose ``result.json`` names the
+    same config (so a grid resumes at its next untrained seed), the controls match the restored
+    ``mechanism.json``, and the tables read them as any finished run."""
+
+    out: Path
+    root: Path
+
+    def durable(self, folder: Path) -> list[Path]:
+        """The files of ``folder`` (within :attr:`out`) that the ledger keeps: pins and caches,
+        and the records of finished runs, not of runs moved aside (``seedN.replaced-…``)."""
+        kept = []
+        for path in sorted(folder.rglob("*.json")) if folder.is_dir() else []:
+            if path.name in DURABLE_FILES or (
+                path.name in DURABLE_RUN_FILES and re.fullmatch(r"seed\d+", path.parent.name)
+            ):
+                kept.append(path)
+        return kept
+
+    def record(self, folder: Path | None = None) -> int:
+        """Copy the durable files of ``folder`` (default: all of :attr:`out`) into the ledger,
+        replacing an older copy (a re-run's or a rematch's); the number of files written."""
+        from idml.app.checkpoint import atomic_write_text
+
+        written = 0
+        for path in self.durable(folder or self.out):
+            copy = self.root / path.relative_to(self.out)
+            text = path.read_text()
+            if not copy.is_file() or copy.read_text() != text:
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(copy, text)
+                written += 1
+        return written
+
+    def restore(self) -> int:
+        """Copy into :attr:`out` the ledger's files it lacks (never over a file it has: a run
+        folder's own record is at least as new); the number of files restored."""
+        restored = 0
+        for copy in sorted(self.root.rglob("*.json")) if self.root.is_dir() else []:
+            path = self.out / copy.relative_to(self.root)
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(copy.read_text())
+                restored += 1
+        return restored
+
+
+def study_ledger(args: argparse.Namespace) -> Ledger | None:
+    """The ledger of ``args.out``, or ``None`` for a ``--quick`` pipeline check or ``--no-ledger``."""
+    root = getattr(args, "ledger", None)
+    if root is None or args.quick:
+        return None
+    return Ledger(args.out, root / args.out.name)
+
+
 def load_recipes() -> dict[str, Any]:
     return json.loads(RECIPES.read_text()) if RECIPES.is_file() else {}
 
@@ -579,24 +659,29 @@ def run_job(job: Job) -> tuple[str, float]:
     return str(job.folder), time.perf_counter() - start
 
 
-def run_jobs(jobs: Sequence[Job], workers: int) -> None:
-    """Run ``jobs`` on ``workers`` processes (one thread each), printing a line per finished run."""
+def run_jobs(jobs: Sequence[Job], workers: int, ledger: Ledger | None = None) -> None:
+    """Run ``jobs`` on ``workers`` processes (one thread each), printing a line per finished run
+    and copying its record into ``ledger`` at once (a chain stopped mid-grid keeps every run that
+    finished)."""
     total = len(jobs)
-    if not total:
-        return
     start = time.perf_counter()
-    if workers <= 1:
-        results = (run_job(j) for j in jobs)
+
+    def report(results: Iterator[tuple[str, float]]) -> None:
         for done, (folder, seconds) in enumerate(results, start=1):
-            print(f"[{done}/{total}] {folder} ({seconds:.0f} s)", flush=True)
-        return
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, maxtasksperchild=8) as pool:
-        for done, (folder, seconds) in enumerate(pool.imap_unordered(run_job, jobs), start=1):
+            if ledger is not None:
+                ledger.record(Path(folder))
             elapsed = (time.perf_counter() - start) / 60
             print(
                 f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far)", flush=True
             )
+
+    if not total:
+        return
+    if workers <= 1:
+        report(map(run_job, jobs))
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=8) as pool:
+        report(pool.imap_unordered(run_job, jobs))
 
 
 # --------------------------------------------------------------------------- mechanism
@@ -647,8 +732,10 @@ def stale_match(run_dir: Path) -> bool:
     matched = json.loads((run_dir / "mechanism.json").read_text()).get("matched")
     if matched is None:
         return True
+    if "relations" in matched:
+        return False  # a run restored from the ledger has no config.yaml, and needs none here
     loss = yaml.safe_load((run_dir / "config.yaml").read_text())["loss"]["name"]
-    return "relations" not in matched and LOSSES[loss].needs_proxies
+    return bool(LOSSES[loss].needs_proxies)
 
 
 def rematch(run_dir: Path) -> None:
@@ -770,7 +857,7 @@ def validate(args: argparse.Namespace) -> None:
                     f"seed={seed}",
                 ]
                 jobs.append(Job(folder / f"s{seed}", tuple(config), mechanism=False))
-    run_jobs(jobs, args.workers)
+    run_jobs(jobs, args.workers, study_ledger(args))
     recipes = load_recipes()
     lines = [
         f"# IDML study, {setting}: baseline recipes on the validation split\n",
@@ -882,7 +969,7 @@ def converge(args: argparse.Namespace) -> None:
         for _, overrides, folder in budgets(loss)
         for seed in range(args.seeds)
     ]
-    run_jobs(jobs, args.workers)
+    run_jobs(jobs, args.workers, study_ledger(args))
     lines = [
         f"# IDML study, {setting}: has the baseline converged at its chosen budget?\n",
         "The validated baseline recipe of each loss (`idml_recipes.json`) against the same recipe "
@@ -1006,9 +1093,9 @@ def run(args: argparse.Namespace) -> None:
     pins each grid's recipe; the second trains at that pin, so a grid finishes at the recipe it
     started with even when ``converge --adopt`` moves the validated recipe on while it runs."""
     jobs = degradation_jobs if args.degradations else main_jobs
-    run_jobs(jobs(args, matched=False), args.workers)
+    run_jobs(jobs(args, matched=False), args.workers, study_ledger(args))
     started = argparse.Namespace(**{**vars(args), "recipe": "pinned"})
-    run_jobs(jobs(started, matched=True), args.workers)
+    run_jobs(jobs(started, matched=True), args.workers, study_ledger(args))
 
 
 # --------------------------------------------------------------------------- tables
@@ -1454,6 +1541,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--omniglot-root", type=Path, default=DEFAULT_OMNIGLOT)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "study_idml")
+    parser.add_argument(
+        "--ledger",
+        type=Path,
+        default=LEDGER,
+        help="where the finished runs' records and the folder's pins are copied, under the --out "
+        "folder's name, and restored from on a new machine (default: the committed "
+        "benchmarks/study/ledger)",
+    )
+    parser.add_argument(
+        "--no-ledger", dest="ledger", action="store_const", const=None, help="keep no ledger"
+    )
     parser.add_argument("--quick", action="store_true", help="3 steps an epoch: a pipeline check")
     parser.add_argument(
         "--label",
@@ -1493,7 +1591,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         args.out = args.out.with_name(args.out.name + "_quick")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ledger = study_ledger(args)
+    if ledger is not None and (restored := ledger.restore()):
+        print(f"restored {restored} records of finished runs and pins from {ledger.root}")
     {"validate": validate, "converge": converge, "run": run, "tables": tables}[args.command](args)
+    if ledger is not None and (written := ledger.record()):
+        print(
+            f"recorded {written} files in {ledger.root} (commit them: the runs outlive this machine)"
+        )
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def test_a_degraded_grid_trains_only_the_kinds_and_arms_asked_for(
     first (its baseline), the ISM arms only where there is a cost to recover."""
     batches: list[list[Path]] = []
     monkeypatch.setattr(
-        study, "run_jobs", lambda jobs, workers: batches.append([j.folder for j in jobs])
+        study, "run_jobs", lambda jobs, workers, ledger: batches.append([j.folder for j in jobs])
     )
     args = ["run", "--setting", "demo", "--quick", "--degradations", "--seeds", "2"]
     study.main([*args, "--kinds", "blur", "--arms", "deg_baseline", "--out", str(tmp_path)])
@@ -322,7 +322,7 @@ def test_a_grid_finishes_at_the_recipe_it_started_with(
     monkeypatch.setattr(study, "load_recipes", lambda: recipes)
     phases: list[list] = []
 
-    def run_jobs(jobs: list, workers: int) -> None:
+    def run_jobs(jobs: list, workers: int, ledger: object) -> None:
         phases.append(jobs)
         for job in jobs:  # the ISM arm's runs, which its uniform control is matched to
             record = job.folder / "cells" / "base" / f"seed{job.folder.name[1:]}"
@@ -447,7 +447,7 @@ def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validati
     monkeypatch.setattr(study, "TABLES", tmp_path / "tables")
     monkeypatch.setattr(study, "RECIPES", tmp_path / "recipes.json")
     monkeypatch.setattr(study, "load_recipes", lambda: {})
-    monkeypatch.setattr(study, "run_jobs", lambda jobs, workers: None)
+    monkeypatch.setattr(study, "run_jobs", lambda jobs, workers, ledger: None)
     root = tmp_path / "demo"
     (root / "validation").mkdir(parents=True)
     (root / "validation" / "untrained.json").write_text(
@@ -483,3 +483,67 @@ def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validati
     )
     assert "MAP@R 60.5 against 60.0" in text
     assert "Contrastive (m_pos=0.0, 8 epochs): the baseline does not" not in text
+
+
+def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
+    study: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "grid"
+    run = out / "demo" / "contrastive" / "idml" / "s0" / "cells" / "base" / "seed0"
+    aside = run.with_name("seed0.replaced-20261203-224509")
+    for folder in (run, aside):
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text('{"seed": 0}')
+        (folder / "mechanism.json").write_text('{"test_u_cv": 0.3}')
+        (folder / "checkpoint_latest.safetensors").write_bytes(b"\0" * 64)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (out / "demo" / study.FOLDER_MEMORY_FORMAT).write_text('{"override": "x"}')
+    (out / "demo" / "contrastive" / study.FOLDER_RECIPE).write_text('{"recipe": "8 epochs"}')
+    (out / "demo" / "untrained.json").write_text('{"map@r": [0.4]}')
+    ledger = study.Ledger(out, tmp_path / "ledger" / "grid")
+
+    assert ledger.record() == 5
+    kept = sorted(str(p.relative_to(ledger.root)) for p in ledger.root.rglob("*") if p.is_file())
+    assert kept == [
+        "demo/contrastive/idml/s0/cells/base/seed0/mechanism.json",
+        "demo/contrastive/idml/s0/cells/base/seed0/result.json",
+        "demo/contrastive/recipe.json",
+        "demo/memory_format.json",
+        "demo/untrained.json",
+    ]
+    assert ledger.record() == 0  # nothing changed, nothing rewritten
+    (run / "mechanism.json").write_text('{"test_u_cv": 0.3, "matched": {}}')  # a rematch
+    assert ledger.record(run.parents[3]) == 1
+
+    # A new machine: an empty --out of the same name gets everything back but the checkpoints,
+    # and a file it already has is never overwritten by the ledger's copy.
+    fresh = tmp_path / "elsewhere" / "grid"
+    (fresh / "demo").mkdir(parents=True)
+    (fresh / "demo" / "untrained.json").write_text('{"map@r": [0.5]}')
+    assert study.Ledger(fresh, ledger.root).restore() == 4
+    moved = fresh / run.relative_to(out)
+    assert json.loads((moved / "mechanism.json").read_text())["matched"] == {}
+    assert not list(fresh.rglob("*.safetensors")) and not list(fresh.rglob("*replaced*"))
+    assert json.loads((fresh / "demo" / "untrained.json").read_text()) == {"map@r": [0.5]}
+
+
+def test_a_grid_restored_from_its_ledger_resumes_without_training_again(
+    study: ModuleType, tmp_path: Path
+) -> None:
+    """The point of the ledger: a run trained on one machine, whose folder is gone, is reused on
+    the next from its record alone (``run_ablation`` matches the recorded config), and its table
+    row is the same."""
+    args = ["run", "--setting", "demo", "--quick", "--losses", "multi_similarity", "--seeds", "1"]
+    args += ["--arms", "baseline", "--workers", "1"]
+    study.main([*args, "--out", str(tmp_path / "first" / "grid")])
+    first = tmp_path / "first" / "grid_quick"
+    assert list(first.rglob("*.safetensors")), "the run trained"
+    ledger = tmp_path / "ledger" / "grid_quick"
+    study.Ledger(first, ledger).record()
+
+    second = tmp_path / "second" / "grid_quick"
+    study.Ledger(second, ledger).restore()
+    study.main([*args, "--out", str(tmp_path / "second" / "grid")])
+    assert not list(second.rglob("*.safetensors")), "a restored run must not train again"
+    arm = Path("demo") / "multi_similarity" / "baseline"
+    assert study.seed_results(second / arm) == study.seed_results(first / arm)
