@@ -43,9 +43,13 @@ and twice that). Pretrained settings train heads only for the first epoch (``opt
 as the presets do). The chosen recipes are stored in ``benchmarks/study/idml_recipes.json``.
 ``converge`` then trains each chosen recipe at twice its budget: a budget is converged when that
 gains less than :data:`CONVERGED_GAIN` validation MAP@R points, and ``--adopt`` doubles the ones that
-are not (each doubling in the recipe's ``history``). A run folder pins the recipe its runs used
-(``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new ``--out``, its tables named by
-``--label``; ``run --recipe pinned`` adds arms or seeds to an older grid at the recipe it pins.
+are not (each doubling in the recipe's ``history``). ``widen`` does the same for a knob whose chosen
+value is the largest (or smallest) tried: it trains the recipe with the knob one step further
+(m_pos + 0.2, the proxy rate ×10) and ``--adopt`` takes it on the same rule, recording every trial
+(``widened``) so that a knob's range grows until the choice lies inside it. A run folder pins the
+recipe its runs used (``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new
+``--out``, its tables named by ``--label``; ``run --recipe pinned`` adds arms or seeds to an older
+grid at the recipe it pins.
 A setting's folder pins the memory format its runs train in (``memory_format.json``): runs added to
 a folder trained before channels-last became the CPU's default keep the contiguous layout.
 
@@ -73,6 +77,7 @@ Run (each step reuses finished runs; ``--workers 2`` trains two runs at a time, 
     python benchmarks/study_idml.py validate --setting demo --seeds 2
     python benchmarks/study_idml.py converge --setting demo --seeds 3   # the chosen budget, doubled
     python benchmarks/study_idml.py converge --setting demo --seeds 3 --adopt   # ... and adopted
+    python benchmarks/study_idml.py widen --setting demo --seeds 3 --adopt   # a knob at its edge
     python benchmarks/study_idml.py run --setting demo --seeds 10
     python benchmarks/study_idml.py tables --setting demo
 
@@ -393,14 +398,72 @@ MATCHED_TO = frozenset(
 """The arms whose runs record what their matched controls take (``mechanism.json``'s ``matched``)."""
 
 
+@dataclass(frozen=True)
+class Knob:
+    """A baseline hyper-parameter that ``validate`` chooses, beside the budget, and ``widen``
+    extends when the choice lies at the edge of what was tried."""
+
+    form: str
+    """Its part of a recipe's name, ``{}`` standing for the value: ``m_pos={}``."""
+    key: str
+    grid: tuple[float, ...]
+    """The values ``validate`` tries (ints print as ints: ``proxy_lr×10``)."""
+    factor: float = 0.0
+    """Each step outward multiplies the value by this (a geometric knob) ..."""
+    step: float = 0.0
+    """... or adds this (an arithmetic one)."""
+    floor: float = 0.0
+    """No step below this (a margin below 0 or a rate of 0 is no recipe)."""
+
+    def value_text(self, value: float) -> str:
+        return str(value) if isinstance(value, int) else repr(round(value, 6))
+
+    def part(self, value: float) -> str:
+        return self.form.format(self.value_text(value))
+
+    def override(self, value: float) -> str:
+        return f"{self.key}={self.value_text(value)}"
+
+    def value_of(self, recipe: str) -> float | None:
+        """The knob's value in a recipe's name, ``None`` if it does not name the knob.
+
+        >>> KNOBS["contrastive"].value_of("m_pos=0.4, 32 epochs")
+        0.4
+        >>> KNOBS["proxy_anchor"].value_of("proxy_lr×10, 16 epochs")
+        10
+        """
+        prefix = self.form.split("{}")[0]
+        for part in recipe.split(", "):
+            if part.startswith(prefix):
+                text = part.removeprefix(prefix)
+                return float(text) if "." in text else int(text)
+        return None
+
+    def beyond(self, value: float, upward: bool) -> float | None:
+        """One step past ``value`` (up or down), ``None`` below the floor."""
+        if self.factor:
+            out = value * self.factor if upward else value / self.factor
+            out = int(out) if isinstance(value, int) and float(out).is_integer() else out
+        else:
+            out = round(value + self.step if upward else value - self.step, 6)
+        return out if out >= self.floor else None
+
+
+KNOBS: dict[str, Knob] = {
+    "proxy_anchor": Knob("proxy_lr×{}", "optim.proxy_lr_mult", (1, 10, 100), factor=10, floor=0.01),
+    "contrastive": Knob("m_pos={}", "loss.pos_margin", (0.0, 0.2, 0.4), step=0.2, floor=0.0),
+}
+"""The knob each loss's broken baseline recipe was traced to (issue 21); Multi-Similarity has none
+beyond the budget."""
+
+
 def recipe_candidates(setting: str, loss: str) -> dict[str, tuple[str, ...]]:
     """The baseline recipes ``validate`` compares for ``loss`` in ``setting``, by name."""
     epochs = SETTINGS[setting].epochs
     knobs: dict[str, tuple[str, ...]] = {"": ()}
-    if loss == "proxy_anchor":
-        knobs = {f"proxy_lr×{m}": (f"optim.proxy_lr_mult={m}",) for m in (1, 10, 100)}
-    elif loss == "contrastive":
-        knobs = {f"m_pos={m}": (f"loss.pos_margin={m}",) for m in (0.0, 0.2, 0.4)}
+    if loss in KNOBS:
+        knob = KNOBS[loss]
+        knobs = {knob.part(v): (knob.override(v),) for v in knob.grid}
     out = {}
     for budget in (epochs, 2 * epochs):
         for name, overrides in knobs.items():
@@ -426,6 +489,45 @@ def grid_edges(setting: str, loss: str, chosen: str) -> list[str]:
             kind = "budget" if part.endswith("epochs") else part.split("=")[0].split("×")[0]
             edges.append(f"{part} is the largest {kind} tried")
     return edges
+
+
+def widened_knob(loss: str, chosen: dict[str, Any]) -> tuple[str, tuple[str, ...]] | None:
+    """The name and overrides of a stored recipe (``idml_recipes.json``) with its knob one step past
+    the edge of every value tried — ``validate``'s grid and the earlier ``widen`` trials the recipe
+    records — when its value is that edge; ``None`` when the tried values bracket it (or the loss
+    has no knob). Only the knob moves: the budget and every other override stay.
+
+    >>> widened_knob("contrastive", {"recipe": "m_pos=0.4, 32 epochs",
+    ...                              "overrides": ["loss.pos_margin=0.4", "optim.epochs=32"]})
+    ('m_pos=0.6, 32 epochs', ('loss.pos_margin=0.6', 'optim.epochs=32'))
+    >>> widened_knob("contrastive", {"recipe": "m_pos=0.4, 32 epochs",
+    ...                              "overrides": ["loss.pos_margin=0.4", "optim.epochs=32"],
+    ...                              "widened": [{"value": 0.6, "gain": -0.4}]}) is None
+    True
+    >>> widened_knob("proxy_anchor", {"recipe": "proxy_lr×1, 8 epochs",
+    ...                               "overrides": ["optim.proxy_lr_mult=1", "optim.epochs=8"]})
+    ('proxy_lr×0.1, 8 epochs', ('optim.proxy_lr_mult=0.1', 'optim.epochs=8'))
+    >>> widened_knob("proxy_anchor", {"recipe": "proxy_lr×10, 8 epochs",
+    ...                               "overrides": ["optim.proxy_lr_mult=10", "optim.epochs=8"]})
+    """
+    knob = KNOBS.get(loss)
+    value = knob.value_of(chosen["recipe"]) if knob else None
+    if knob is None or value is None:
+        return None
+    tried = {*knob.grid, *(trial["value"] for trial in chosen.get("widened", []))}
+    if value >= max(tried):
+        target = knob.beyond(value, upward=True)
+    elif value <= min(tried):
+        target = knob.beyond(value, upward=False)
+    else:
+        return None
+    if target is None:
+        return None
+    name = chosen["recipe"].replace(knob.part(value), knob.part(target))
+    overrides = tuple(
+        knob.override(target) if o.startswith(knob.key + "=") else o for o in chosen["overrides"]
+    )
+    return name, overrides
 
 
 # --------------------------------------------------------------------------- configuration
@@ -931,12 +1033,79 @@ def doubled_budget(chosen: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     return name, overrides
 
 
+@dataclass(frozen=True)
+class Challenge:
+    """One way ``converge`` and ``widen`` question a validated recipe: train a challenger beside it
+    on the validation split, paired over seeds, and adopt the challenger when it gains at least
+    :data:`CONVERGED_GAIN` MAP@R points."""
+
+    command: str
+    challenger: Any
+    """``(loss, recipe record) -> (name, overrides) | None``: the recipe to try, if any."""
+    title: str
+    rule: str
+    table: str
+    """The table's file name, ``{}`` standing for the setting."""
+    axis: str
+    """What the challenger changes, for the table's headings."""
+    compared: str
+    """The table's line of which runs it holds starts with this (:func:`write_table`)."""
+    verdicts: tuple[str, str]
+    """The recipe's verdict when the challenger gains less than the rule, and when not."""
+
+
+CHALLENGES = {
+    "converge": Challenge(
+        "converge",
+        lambda loss, chosen: doubled_budget(chosen),
+        "has the baseline converged at its chosen budget?",
+        "the same recipe at twice its epochs. A budget counts as converged when its doubling "
+        "gains less than {gain:g} validation MAP@R point (paired mean); `converge --adopt` "
+        "replaces one that has not by the doubled recipe.",
+        "idml_convergence_{}.md",
+        "Twice the budget",
+        "Budgets compared",
+        ("converged", "**not converged**"),
+    ),
+    "widen": Challenge(
+        "widen",
+        widened_knob,
+        "does the chosen knob lie inside the values tried?",
+        "the same recipe with its knob (ProxyAnchor's proxy-rate multiplier, Contrastive's "
+        "positive margin) one step past the edge of every value tried, where the chosen value is "
+        "that edge (`validate`'s grid and the earlier trials the recipe records). The wider value "
+        "is adopted by `widen --adopt` when it gains at least {gain:g} validation MAP@R point "
+        "(paired mean); adopted or not, `--adopt` records the trial, so the next call steps past "
+        "a new edge or finds the knob bracketed.",
+        "idml_widening_{}.md",
+        "The knob one step further",
+        "Knob values compared",
+        ("inside the values tried", "**the edge was not the best**"),
+    ),
+}
+
+
 def converge(args: argparse.Namespace) -> None:
     """Has the baseline converged at its chosen budget? Each loss's validated recipe trained again
     at twice its epochs on the validation split, the same seeds, compared paired over seeds. A
     budget whose doubling gains at least :data:`CONVERGED_GAIN` MAP@R points has not converged;
     with ``--adopt`` the doubled recipe replaces it in ``idml_recipes.json`` (call again to check
     the new budget). The table covers every loss of the setting with both budgets' runs."""
+    challenge(args, CHALLENGES["converge"])
+
+
+def widen(args: argparse.Namespace) -> None:
+    """Does the chosen knob lie inside the values tried? ``validate`` chose Contrastive's largest
+    margin on Omniglot with Lite0: a recipe at the edge of its grid may not be the baseline's best.
+    Each such loss's recipe is trained with the knob one step further (:func:`widened_knob`) and
+    compared as ``converge`` compares budgets; a loss whose knob is bracketed is left alone."""
+    challenge(args, CHALLENGES["widen"])
+
+
+def challenge(args: argparse.Namespace, kind: Challenge) -> None:
+    """Train each loss's validated recipe and its challenger (``kind``) on the validation split,
+    the same seeds, and compare them paired over seeds; with ``--adopt``, a challenger that gains
+    :data:`CONVERGED_GAIN` MAP@R points replaces the recipe in ``idml_recipes.json``."""
     setting = args.setting
     base = [
         *setting_overrides(args),
@@ -949,14 +1118,14 @@ def converge(args: argparse.Namespace) -> None:
     if missing:
         raise SystemExit(f"no validated recipe for {setting}/{missing}: run `validate` first")
 
-    def budgets(loss: str) -> list[tuple[str, tuple[str, ...], Path]]:
+    def contenders(loss: str) -> list[tuple[str, tuple[str, ...], Path]] | None:
         chosen = recipes[loss]
+        challenger = kind.challenger(loss, chosen)
+        if challenger is None:
+            return None
         return [
             (name, overrides, args.out / setting / "validation" / loss / slug(name))
-            for name, overrides in (
-                (chosen["recipe"], tuple(chosen["overrides"])),
-                doubled_budget(chosen),
-            )
+            for name, overrides in ((chosen["recipe"], tuple(chosen["overrides"])), challenger)
         ]
 
     jobs = [
@@ -966,66 +1135,77 @@ def converge(args: argparse.Namespace) -> None:
             mechanism=False,
         )
         for loss in args.losses
-        for _, overrides, folder in budgets(loss)
+        for _, overrides, folder in contenders(loss) or []
         for seed in range(args.seeds)
     ]
     run_jobs(jobs, args.workers, study_ledger(args))
     lines = [
-        f"# IDML study, {setting}: has the baseline converged at its chosen budget?\n",
-        "The validated baseline recipe of each loss (`idml_recipes.json`) against the same recipe "
-        "at twice its epochs, on the validation split of the training classes, seeds "
-        f"0–{args.seeds - 1} of both (last epoch). A budget counts as converged when its doubling "
-        f"gains less than {CONVERGED_GAIN:g} validation MAP@R point (paired mean); `converge "
-        "--adopt` replaces one that has not by the doubled recipe.\n",
+        f"# IDML study, {setting}: {kind.title}\n",
+        "The validated baseline recipe of each loss (`idml_recipes.json`) against "
+        + kind.rule.format(gain=CONVERGED_GAIN)
+        + f" Validation split of the training classes, seeds 0–{args.seeds - 1} of both (last "
+        "epoch).\n",
         "| loss | recipe | R@1 | MAP@R | |",
         "|---|---|---|---|---|",
     ]
-    pairs, adopted, compared = [], [], []
+    pairs, adopted, compared, left = [], [], [], []
     for loss in LOSSES:
         if loss not in recipes:
             continue
+        candidates = contenders(loss)
+        if candidates is None:
+            if loss in args.losses:
+                left.append(f"- {LOSS_NAMES[loss]}: nothing to try ({recipes[loss]['recipe']}).")
+            continue
         runs = []
-        for _, _, folder in budgets(loss):
+        for _, _, folder in candidates:
             runs.append({s: r for s, r in seed_results(folder).items() if s < args.seeds})
         common = sorted(set(runs[0]) & set(runs[1]))
         if not common:
-            continue  # this loss's budget was not checked yet
-        (name, _, _), (doubled, overrides, _) = budgets(loss)
-        compared.append(f"{LOSS_NAMES[loss]}: {name} → {doubled}")
+            continue  # this loss's challenger was not trained yet
+        (name, _, _), (challenger, overrides, _) = candidates
+        compared.append(f"{LOSS_NAMES[loss]}: {name} → {challenger}")
         gain = 100 * mean(
             [runs[1][s]["metrics"]["map@r"] - runs[0][s]["metrics"]["map@r"] for s in common]
         )
-        verdict = "converged" if gain < CONVERGED_GAIN else "**not converged**"
-        if gain >= CONVERGED_GAIN and args.adopt and loss in args.losses and not args.quick:
-            history = [
-                *recipes[loss].get("history", []),
-                (
-                    f"{name} → {doubled}: converge gained {gain:+.2f} validation MAP@R "
-                    f"({len(common)} seeds)"
-                ),
-            ]
-            recipes[loss] = {
-                "recipe": doubled,
-                "overrides": list(overrides),
-                "validation_map@r": mean([runs[1][s]["metrics"]["map@r"] for s in common]),
-                "history": history,
-            }
-            adopted.append(f"- {LOSS_NAMES[loss]}: adopted {doubled} (was {name}).")
-            verdict += ", doubled"
-        for label, seeds in zip((name, doubled), runs, strict=True):
+        verdict = kind.verdicts[gain >= CONVERGED_GAIN]
+        if args.adopt and loss in args.losses and not args.quick:
+            record = dict(recipes[loss])
+            step = (
+                f"{name} → {challenger}: {kind.command} gained {gain:+.2f} validation MAP@R "
+                f"({len(common)} seeds)"
+            )
+            if kind.command == "widen":
+                knob = KNOBS[loss]
+                trial = {"value": knob.value_of(challenger), "recipe": challenger}
+                record["widened"] = [
+                    *record.get("widened", []),
+                    {**trial, "gain": round(gain, 4), "seeds": len(common)},
+                ]
+            if gain >= CONVERGED_GAIN:
+                record.update(
+                    recipe=challenger,
+                    overrides=list(overrides),
+                    history=[*record.get("history", []), step],
+                )
+                record["validation_map@r"] = mean([runs[1][s]["metrics"]["map@r"] for s in common])
+                adopted.append(f"- {LOSS_NAMES[loss]}: adopted {challenger} (was {name}).")
+                verdict += ", adopted"
+            recipes[loss] = record
+        for label, seeds in zip((name, challenger), runs, strict=True):
             r1, map_r = ([r["metrics"][k] for r in seeds.values()] for k in TABLE_METRICS)
-            note = f"{gain:+.2f} MAP@R: {verdict}" if label == doubled else ""
+            note = f"{gain:+.2f} MAP@R: {verdict}" if label == challenger else ""
             lines.append(f"| {LOSS_NAMES[loss]} | {label} | {fmt(r1)} | {fmt(map_r)} | {note} |")
-        pairs.append((LOSS_NAMES[loss], f"{doubled} − {name}", runs[0], runs[1]))
-    lines += ["\n## Twice the budget − the chosen budget (paired over seeds)\n"]
+        pairs.append((LOSS_NAMES[loss], f"{challenger} − {name}", runs[0], runs[1]))
+    lines += [f"\n## {kind.axis} − the chosen recipe (paired over seeds)\n"]
     lines += difference_table(pairs)
-    if adopted:
-        lines += ["", *adopted]
+    lines += ["", *adopted, *left] if adopted or left else []
+    if args.adopt and not args.quick and compared:
         all_recipes[setting] = recipes
         RECIPES.write_text(json.dumps(all_recipes, indent=2, sort_keys=True) + "\n")
-    budgets_line = "Budgets compared: " + "; ".join(compared) + ".\n"
+    budgets_line = f"{kind.compared}: " + "; ".join(compared) + ".\n"
     lines.insert(1, budgets_line)
-    write_table(args, f"idml_convergence_{setting}.md", lines, of=budgets_line)
+    write_table(args, kind.table.format(setting), lines, of=budgets_line)
 
 
 def control_overrides(arms_folder: Path, arm: Arm) -> list[str]:
@@ -1522,7 +1702,7 @@ def write_table(args: argparse.Namespace, name: str, lines: list[str], of: str) 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("validate", "converge", "run", "tables"))
+    parser.add_argument("command", choices=("validate", "converge", "widen", "run", "tables"))
     parser.add_argument("--setting", choices=sorted(SETTINGS), required=True)
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--losses", default=",".join(LOSSES))
@@ -1568,8 +1748,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--adopt",
         action="store_true",
-        help=f"converge: double a recipe's budget when that gains ≥ {CONVERGED_GAIN} validation "
-        "MAP@R points",
+        help=f"converge / widen: replace a recipe by its doubled budget / its knob one step past "
+        f"the edge when that gains ≥ {CONVERGED_GAIN} validation MAP@R points (widen records the "
+        "trial either way)",
     )
     args = parser.parse_args(argv)
     if args.label and not re.fullmatch(r"[A-Za-z0-9_]+", args.label):
@@ -1594,7 +1775,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ledger = study_ledger(args)
     if ledger is not None and (restored := ledger.restore()):
         print(f"restored {restored} records of finished runs and pins from {ledger.root}")
-    {"validate": validate, "converge": converge, "run": run, "tables": tables}[args.command](args)
+    commands = {"validate": validate, "converge": converge, "widen": widen, "run": run}
+    {**commands, "tables": tables}[args.command](args)
     if ledger is not None and (written := ledger.record()):
         print(
             f"recorded {written} files in {ledger.root} (commit them: the runs outlive this machine)"

@@ -547,3 +547,72 @@ def test_a_grid_restored_from_its_ledger_resumes_without_training_again(
     assert not list(second.rglob("*.safetensors")), "a restored run must not train again"
     arm = Path("demo") / "multi_similarity" / "baseline"
     assert study.seed_results(second / arm) == study.seed_results(first / arm)
+
+
+def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_tried(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Contrastive's margin was chosen at the top of its grid on Omniglot with Lite0: ``widen``
+    trains one step further, adopts it when it gains a point, records the trial either way, and
+    leaves the knob alone once the values tried bracket the choice. Only the knob moves."""
+    monkeypatch.setattr(study, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study, "RECIPES", tmp_path / "recipes.json")
+    recipes = {
+        "demo": {
+            "contrastive": {
+                "recipe": "m_pos=0.4, 16 epochs",
+                "overrides": ["loss.pos_margin=0.4", "optim.epochs=16"],
+                "validation_map@r": 0.60,
+                "history": ["m_pos=0.4, 8 epochs → m_pos=0.4, 16 epochs: converge gained +2"],
+            },
+            "multi_similarity": {"recipe": "16 epochs", "overrides": ["optim.epochs=16"]},
+        }
+    }
+    (tmp_path / "recipes.json").write_text(json.dumps(recipes))
+    monkeypatch.setattr(study, "load_recipes", lambda: json.loads(study.RECIPES.read_text()))
+    trained: list[tuple[str, ...]] = []
+    map_at = {"0.4": 0.60, "0.6": 0.625, "0.8": 0.615}  # 0.6 gains 2.5 points, 0.8 loses 1
+
+    def run_jobs(jobs: list, workers: int, ledger: object) -> None:
+        for job in jobs:
+            trained.append(job.overrides)
+            margin = next(o for o in job.overrides if o.startswith("loss.pos_margin="))[16:]
+            seed = job.folder.name[1:]
+            run = job.folder / "cells" / "base" / f"seed{seed}"
+            run.mkdir(parents=True, exist_ok=True)
+            metrics = {"recall@1": 0.9, "map@r": map_at[margin] + 0.001 * int(seed)}
+            (run / "result.json").write_text(
+                json.dumps({"seed": int(seed), "final_metrics": metrics})
+            )
+
+    monkeypatch.setattr(study, "run_jobs", run_jobs)
+
+    def widen(label: str) -> str:
+        args = ["widen", "--setting", "demo", "--seeds", "2", "--adopt", "--label", label]
+        args += ["--losses", "multi_similarity,contrastive"]
+        study.main([*args, "--out", str(tmp_path / "runs"), "--no-ledger"])
+        return (tmp_path / "tables" / f"idml_widening_demo_{label}.md").read_text()
+
+    first = widen("first")
+    chosen = json.loads(study.RECIPES.read_text())["demo"]["contrastive"]
+    assert chosen["recipe"] == "m_pos=0.6, 16 epochs"
+    assert chosen["overrides"] == ["loss.pos_margin=0.6", "optim.epochs=16"]
+    assert len(chosen["history"]) == 2 and "widen gained +2.50" in chosen["history"][1]
+    assert chosen["widened"] == [
+        {"value": 0.6, "recipe": "m_pos=0.6, 16 epochs", "gain": 2.5, "seeds": 2}
+    ]
+    assert "Knob values compared: Contrastive: m_pos=0.4, 16 epochs → m_pos=0.6, 16 epochs" in first
+    assert "adopted m_pos=0.6, 16 epochs" in first and "Multi-Similarity: nothing to try" in first
+    assert all("optim.epochs=16" in o and "loss.name=contrastive" in o for o in trained)
+
+    second = widen("second")  # 0.8 loses: kept at 0.6, and the trial is on record
+    chosen = json.loads(study.RECIPES.read_text())["demo"]["contrastive"]
+    assert chosen["recipe"] == "m_pos=0.6, 16 epochs" and len(chosen["history"]) == 2
+    assert [t["value"] for t in chosen["widened"]] == [0.6, 0.8]
+    assert chosen["widened"][1]["gain"] == pytest.approx(-1.0)
+    assert "−1.00" in second or "-1.00" in second
+
+    trained.clear()
+    third = widen("third")  # 0.6 now lies between 0.4 and 0.8: nothing to train
+    assert trained == []
+    assert "Contrastive: nothing to try (m_pos=0.6, 16 epochs)" in third
