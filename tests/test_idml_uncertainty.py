@@ -125,6 +125,8 @@ def test_monitor_warns_on_the_old_default_and_not_on_the_new(tmp_path: Path) -> 
     # Only near-duplicate pairs (δ → 0) can saturate under the bounded head.
     assert logged["ism/pos_saturated"] < 0.05 and logged["ism/pos_q50"] > 0.5
     assert logged["ism/grad_norm"] > 0
+    assert 0 < logged["ism/embedding_resultant"] < 0.999  # a run that learns does not collapse
+    assert not any("collapsed" in m for m in new)
 
 
 def test_a_run_that_learns_nothing_is_told_so(tmp_path: Path) -> None:

@@ -239,3 +239,39 @@ def test_restored_schedule_continues_or_replays_for_a_new_length() -> None:
     replayed = restore_schedule(longer, optimizer, scheduler, saved, 1, epochs_changed=True)
     assert replayed is not None and replayed.state_dict()["T_max"] == 8
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + math.cos(math.pi / 8)))
+
+
+def test_monitor_warns_once_when_the_embeddings_collapse(tmp_path: Path) -> None:
+    """A batch whose embeddings are one point (the Lite0 + ProxyAnchor + Mixup runs whose backbone
+    died) has a mean resultant length of 1 and is called out once; embeddings as alike as a
+    pretrained backbone's at initialisation (0.97 measured) or any healthy batch are not."""
+    generator = torch.Generator().manual_seed(0)
+    direction = torch.nn.functional.normalize(torch.randn(1, 16, generator=generator), dim=1)
+    jitter = 0.01 * torch.randn(60, 16, generator=generator)
+    collapsed = 3.0 * direction.expand(60, 16) + jitter  # not unit: the monitor normalises
+    alike = direction + 0.15 * torch.randn(60, 16, generator=generator)  # ~0.97, as at init
+    spread = torch.randn(60, 16, generator=generator)
+
+    def epoch(monitor: LearningMonitor, batches: list[torch.Tensor]) -> dict[str, float]:
+        monitor.start_epoch(0)
+        for batch in batches:
+            monitor.record_embeddings(batch)
+        return monitor.summary()
+
+    monitor = LearningMonitor(None, 0.0, tmp_path, lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (spread, alike):
+            summary = epoch(monitor, [batch, batch])
+            assert summary["embedding_resultant"] < 0.999
+            monitor.check(0, summary)
+        assert caught == []
+        summary = epoch(monitor, [collapsed, collapsed])
+        assert summary["embedding_resultant"] > 0.999
+        monitor.check(3, summary)
+        monitor.check(4, summary)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "epoch 4: the embeddings have collapsed" in message
+    assert "ism/embedding_resultant" in message and "Mixup" in message
+    assert epoch(monitor, [spread[:1]]) == {}  # one image has no spread to measure

@@ -427,6 +427,7 @@ class Trainer:
                 emb, global_batch = self.plan.gather(Embeddings(_upcast(out.semantic), unc), batch)
                 metric_loss = self.objective(emb, global_batch)
                 self.monitor.record_weakening(self.objective.module, emb, global_batch.labels)
+                self.monitor.record_embeddings(emb.semantic)
             values.add("metric", metric_loss)
             total = metric_loss
             if ssr_on and joint and self.ssr is not None:

@@ -1,6 +1,7 @@
 """Is the run learning? :class:`LearningMonitor` follows a training run step by step: ISM's
-warm-up, saturation and identity, the model's gradient norm, and the NaN or infinite losses and weights that
-stop a run at the step that broke it (:class:`NonFiniteError`).
+warm-up, saturation and identity, the model's gradient norm, the collapse of the embeddings to one
+point, and the NaN or infinite losses and weights that stop a run at the step that broke it
+(:class:`NonFiniteError`).
 
 Is ISM working? The saturation and identity monitor of the introspective metric.
 
@@ -58,6 +59,14 @@ above this."""
 
 IDENTITY_U_CV = 0.05
 """... or when ``||u||`` varies across a batch by less than this coefficient of variation."""
+
+COLLAPSED_RESULTANT = 0.999
+"""The semantic embeddings count as collapsed when the mean resultant length of a training batch's
+unit embeddings, ``||mean_i ŝ_i||`` (1: every embedding the same point), averages above this over
+an epoch: every embedding then lies within about 2.5° of the batch's mean direction. Measured on
+Omniglot with pretrained Lite0 (ProxyAnchor, 90-image batches): 0.97 at initialisation (its
+all-positive pooled features make every image's embedding alike), 0.76 after a healthy run, 0.987
+for a run that ended at 21.7 R@1, and 1.0 for the Mixup runs whose backbone died (R@1 0)."""
 
 QUANTILES: tuple[float, ...] = (0.1, 0.5, 0.9)
 """The quantiles of the factor that are logged, for positive and for negative relations."""
@@ -275,11 +284,14 @@ class LearningMonitor:
         """``(epoch, step)`` of the step being taken, named by a non-finite error."""
         self._grad_norms: list[Tensor] = []
         """The model's gradient norm at each step of the current epoch (tensors: no host sync)."""
+        self._resultants: list[Tensor] = []
+        """Each step's mean resultant length of the batch's semantic embeddings (tensors)."""
         self._warned: set[str] = set()
 
     def start_epoch(self, epoch: int) -> None:
         self.weakening.reset()
         self._grad_norms.clear()
+        self._resultants.clear()
         self.position = (epoch, 0)
 
     def step(self, epoch: int, step: int, steps_per_epoch: int) -> None:
@@ -300,9 +312,17 @@ class LearningMonitor:
     def record_grad_norm(self, norm: Tensor) -> None:
         self._grad_norms.append(norm)
 
+    def record_embeddings(self, semantic: Tensor) -> None:
+        """The batch's unit semantic embeddings: their mean resultant length ``||mean_i ŝ_i||``,
+        the collapse signal (:data:`COLLAPSED_RESULTANT`), kept as a tensor (no host sync)."""
+        if semantic.shape[0] > 1:
+            unit = torch.nn.functional.normalize(semantic.detach().float(), dim=1)
+            self._resultants.append(unit.mean(dim=0).norm())
+
     def summary(self) -> dict[str, float]:
         """The epoch's ``ism/*`` log entries: weakening quantiles and strength (with ISM), the
-        mean and largest gradient norm of the model."""
+        mean and largest gradient norm of the model, and the mean resultant length of the
+        training batches' semantic embeddings (``embedding_resultant``)."""
         out: dict[str, float] = {}
         if self.ism is not None:
             out.update(self.weakening.summary())
@@ -311,11 +331,14 @@ class LearningMonitor:
             norms = torch.stack(self._grad_norms).double()
             out["grad_norm"] = float(norms.mean())
             out["grad_norm_max"] = float(norms.max())
+        if self._resultants:
+            out["embedding_resultant"] = float(torch.stack(self._resultants).double().mean())
         return out
 
     def check(self, epoch: int, summary: dict[str, float]) -> None:
         """Warn once when ISM saturates most relations, when it acts as the identity after the
-        first quarter of training, or when no gradient reaches the model."""
+        first quarter of training, when no gradient reaches the model, or when the semantic
+        embeddings have collapsed to one point."""
         if not self.warns:
             return
         # The head starts every image at one level (w = 0), so the first quarter of training is
@@ -362,6 +385,20 @@ class LearningMonitor:
             warnings.warn(
                 f"epoch {epoch + 1}: the model received exactly zero gradient at every step, so "
                 f"training changes nothing but weight decay.{hint}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        resultant = summary.get("embedding_resultant", 0.0)
+        if resultant > COLLAPSED_RESULTANT and "collapsed" not in self._warned:
+            self._warned.add("collapsed")
+            warnings.warn(
+                f"epoch {epoch + 1}: the embeddings have collapsed to one point (the training "
+                f"batches' unit embeddings have a mean resultant length of {resultant:.4f}; 1 "
+                "means identical, a trained model is far below): such a model ranks the gallery "
+                "at chance. Seen with a proxy loss under Mixup's set labels on a pretrained "
+                "backbone, and with a backbone learning rate too high (optim.lr, "
+                "optim.head_lr_mult, optim.warmup_epochs); the ism/embedding_resultant key of "
+                "metrics.jsonl shows when it set in",
                 RuntimeWarning,
                 stacklevel=3,
             )
