@@ -1432,6 +1432,39 @@ def floor_notes(
     return notes
 
 
+def failed_seed_notes(
+    reference: Mapping[str, Sequence[float]], runs: Mapping[str, Runs]
+) -> list[str]:
+    """A note for each arm (``runs``: label → its runs by seed) with seeds whose test MAP@R ends
+    below the untrained network's ``reference``: runs that failed (on Lite0, ProxyAnchor with
+    Mixup collapsed every image to one embedding). They stay in every mean and test, as measured;
+    the note says which seeds they are, so a reader can tell a spread from a failure.
+
+    >>> print(*failed_seed_notes({"recall@1": [0.23], "map@r": [0.062]},
+    ...       {"ProxyAnchor, Mixup only": {0: {"metrics": {"recall@1": 0.0, "map@r": 0.0}},
+    ...                                    1: {"metrics": {"recall@1": 0.39, "map@r": 0.14}}},
+    ...        "ProxyAnchor, baseline": {0: {"metrics": {"recall@1": 0.58, "map@r": 0.24}}}}))
+    - ProxyAnchor, Mixup only: 1 of 2 seeds end below the untrained network's MAP@R of 6.2 (seed 0: R@1 0.0, MAP@R 0.0); they count in every mean and test here, as measured.
+    """
+    floor = mean(reference["map@r"])
+    notes = []
+    for label, seeds in runs.items():
+        failed = {
+            s: r["metrics"] for s, r in sorted(seeds.items()) if r["metrics"]["map@r"] < floor
+        }
+        if failed:
+            which = "; ".join(
+                f"seed {s}: R@1 {100 * m['recall@1']:.1f}, MAP@R {100 * m['map@r']:.1f}"
+                for s, m in failed.items()
+            )
+            notes.append(
+                f"- {label}: {len(failed)} of {len(seeds)} seeds end below the untrained "
+                f"network's MAP@R of {100 * floor:.1f} ({which}); they count in every mean and "
+                "test here, as measured."
+            )
+    return notes
+
+
 def arm_row(name: str, label: str, seeds: Runs) -> str:
     values = {
         k: [r["metrics"][k] for r in seeds.values() if k in r["metrics"]]
@@ -1586,6 +1619,10 @@ def tables(args: argparse.Namespace) -> None:
             for (loss, arm), seeds in runs.items()
             if arm == "baseline"
         },
+    )
+    below += failed_seed_notes(
+        reference,
+        {f"{LOSS_NAMES[loss]}, {ARMS[arm].label}": seeds for (loss, arm), seeds in runs.items()},
     )
     if below:
         lines += ["", *below]

@@ -436,6 +436,10 @@ def test_a_baseline_below_the_untrained_network_is_called_out_in_its_table(
     assert "**Multi-Similarity: the baseline does not beat the untrained network**" in text
     assert "MAP@R 34.8 against 36.4, R@1 87.5 against 83.3" in text
     assert "Contrastive: the baseline does not" not in text
+    # Each seed below the floor is named, in every arm: a failed run is told from a spread.
+    assert "- Multi-Similarity, baseline: 2 of 2 seeds end below the untrained network's" in text
+    assert "seed 0: R@1 87.0, MAP@R 34.0; seed 1: R@1 88.0, MAP@R 35.6" in text
+    assert "Contrastive, baseline: " not in text
 
 
 def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validation_split(
