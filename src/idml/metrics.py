@@ -41,7 +41,6 @@ import typing
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
@@ -64,6 +63,20 @@ class ISMVariant(str, enum.Enum):
     DISSIMILAR = "dissimilar"
     """ISM-Dis: uncertainty pushes pairs toward the *maximal* distance (ablation; worse in the paper:
     Wang et al. 2022, "Introspective Deep Metric Learning for Image Retrieval", Table 4)."""
+
+
+def unit_rows(x: Tensor, eps: float = 1e-12) -> Tensor:
+    """``x / ||x||`` row by row: ``F.normalize(x, dim=1)`` exactly, except that a row of zeros stays
+    zero with a bounded gradient.
+
+    ``F.normalize`` divides a zero row by ``eps``, so the gradient that reaches it is ``1/eps =
+    10¹²`` times the incoming one. Rows of zeros are not hypothetical: pretrained
+    EfficientNet-Lite0 maps a white or mid-grey image (a blank Omniglot crop) to features that are
+    exactly zero, the semantic head's bias starts at 0 (Kim et al. 2020's code), and one such image
+    made the whole batch's gradient norm infinite (through the head and again through every metric that normalises its operands), so that clipping discarded the step. Here a zero
+    row is divided by 1 instead: its output is the same 0, and its gradient is the incoming one."""
+    norm = x.norm(2, dim=1, keepdim=True)
+    return x / torch.where(norm == 0, torch.ones_like(norm), norm.clamp_min(eps))
 
 
 def safe_norm_from_squares(squared: Tensor) -> Tensor:
@@ -161,7 +174,7 @@ class Metric(nn.Module):
         self.normalize = normalize
 
     def prepare(self, x: Tensor) -> Tensor:
-        return F.normalize(x, dim=1) if self.normalize else x
+        return unit_rows(x) if self.normalize else x
 
     def forward(
         self,
@@ -398,7 +411,7 @@ class IntrospectiveMetric(Metric):
             # The clamp keeps √ differentiable at C = 1 and is the identity above 10⁻¹².
             return (2.0 - 2.0 * plain).clamp_min(_EPS).sqrt()
         if self.delta_normalized:
-            x, y = F.normalize(x, dim=1), F.normalize(y, dim=1)
+            x, y = unit_rows(x), unit_rows(y)
         return safe_norm_from_squares(pairwise_squared_distance(x, y))
 
     def compare(self, x: Tensor, y: Tensor | None, ux: Tensor | None, uy: Tensor | None) -> Tensor:
@@ -435,9 +448,7 @@ class IntrospectiveMetric(Metric):
         if self.strength == 0:
             return plain
         if self.is_similarity:
-            xs, ys = (
-                (F.normalize(x, dim=1), F.normalize(y, dim=1)) if self.delta_normalized else (x, y)
-            )
+            xs, ys = (unit_rows(x), unit_rows(y)) if self.delta_normalized else (x, y)
             alpha = safe_norm_from_squares((xs - ys).pow(2).sum(1))
         else:
             alpha = plain

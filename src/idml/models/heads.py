@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
+from idml.metrics import unit_rows
 from idml.models.names import ChoiceEnum
 
 
@@ -82,7 +83,7 @@ class SemanticHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, features: Tensor) -> Tensor:
-        return F.normalize(self.linear(features), dim=1)
+        return unit_rows(self.linear(features))
 
 
 class UncertaintyHead(nn.Module):
@@ -124,7 +125,7 @@ class UncertaintyHead(nn.Module):
             u = F.relu(u)
         elif self.activation is UncertaintyActivation.SOFTPLUS:
             u = F.softplus(u)
-        return F.normalize(u, dim=1) if self.normalize else u
+        return unit_rows(u) if self.normalize else u
 
     def extra_repr(self) -> str:
         return f"activation={self.activation.value}, normalize={self.normalize}"
@@ -253,11 +254,11 @@ class BoundedUncertaintyHead(nn.Module):
     def level_features(self, features: Tensor) -> Tensor:
         """``n(f)``: what the level logit reads (see the class docstring)."""
         if self.standardize is None:
-            return F.normalize(features, dim=1)
+            return unit_rows(features)
         return self.standardize(features.float())
 
     def forward(self, features: Tensor) -> Tensor:
-        direction = F.normalize(self.linear(features), dim=1)
+        direction = unit_rows(self.linear(features))
         level = torch.sigmoid(self.level(self.level_features(features)))
         return direction * (self.max_norm * level)
 
