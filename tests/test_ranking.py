@@ -172,6 +172,22 @@ def test_gradient_step_reduces_a_violated_order() -> None:
     assert order_accuracy(stepped).item() >= order_accuracy(s_matrix.detach()).item()
 
 
+def test_a_view_embedding_of_zeros_gets_a_bounded_gradient() -> None:
+    """A blank view (pretrained Lite0 maps a white image to zero features) can reach the ranking
+    loss as a zero vector: its similarity is 0 and its gradient is the incoming one's size, not
+    10¹² times it (``F.normalize`` at a zero vector)."""
+    embeddings = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    embeddings[1, 2] = 0.0
+    embeddings.requires_grad_(True)
+    similarities = view_similarities(embeddings)
+    assert similarities[1, 1].item() == 0.0
+    RankingLoss()(similarities).loss.backward()
+    assert embeddings.grad is not None
+    assert torch.isfinite(embeddings.grad).all()
+    # |∂L/∂S| ≤ 1 and the original's unit vector has norm 1, so a view's gradient is at most ~1.
+    assert embeddings.grad[1, 2].abs().max() < 10
+
+
 def test_loss_from_view_embeddings_equals_loss_from_similarities() -> None:
     # Views at known angles θ_n from the original in a plane: S_{m,n} = cos θ_n exactly.
     angles = torch.tensor([[0.0, 0.3, 0.5, 0.9], [0.0, 0.6, 0.2, 1.2]], dtype=torch.float64)

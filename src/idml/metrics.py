@@ -65,17 +65,19 @@ class ISMVariant(str, enum.Enum):
     Wang et al. 2022, "Introspective Deep Metric Learning for Image Retrieval", Table 4)."""
 
 
-def unit_rows(x: Tensor, eps: float = 1e-12) -> Tensor:
-    """``x / ||x||`` row by row: ``F.normalize(x, dim=1)`` exactly, except that a row of zeros stays
-    zero with a bounded gradient.
+def unit_rows(x: Tensor, dim: int = 1, eps: float = 1e-12) -> Tensor:
+    """``x / ||x||`` along ``dim``: ``F.normalize(x, dim=dim)`` exactly, except that a vector of
+    zeros stays zero with a bounded gradient. Every normalisation that gradients pass through (the
+    heads, the metrics, SSR's head and loss) uses it.
 
-    ``F.normalize`` divides a zero row by ``eps``, so the gradient that reaches it is ``1/eps =
-    10¹²`` times the incoming one. Rows of zeros are not hypothetical: pretrained
-    EfficientNet-Lite0 maps a white or mid-grey image (a blank Omniglot crop) to features that are
-    exactly zero, the semantic head's bias starts at 0 (Kim et al. 2020's code), and one such image
-    made the whole batch's gradient norm infinite (through the head and again through every metric that normalises its operands), so that clipping discarded the step. Here a zero
-    row is divided by 1 instead: its output is the same 0, and its gradient is the incoming one."""
-    norm = x.norm(2, dim=1, keepdim=True)
+    ``F.normalize`` divides a zero vector by ``eps``, so the gradient that reaches it is ``1/eps =
+    10¹²`` times the incoming one. Zero vectors are not hypothetical: pretrained EfficientNet-Lite0
+    maps a white or mid-grey image (a blank Omniglot crop) to features that are exactly zero, the
+    semantic head's bias starts at 0 (Kim et al. 2020's code), and one such image made the whole
+    batch's gradient norm infinite (through the head, then through the metric that normalises its
+    operands again), so that clipping discarded the step. Here a zero vector is divided by 1: its
+    output is the same 0, and its gradient is the incoming one."""
+    norm = x.norm(2, dim=dim, keepdim=True)
     return x / torch.where(norm == 0, torch.ones_like(norm), norm.clamp_min(eps))
 
 

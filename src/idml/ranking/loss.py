@@ -32,8 +32,9 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from idml.metrics import unit_rows
 
 
 class RankingOutput(NamedTuple):
@@ -61,7 +62,7 @@ def view_similarities(embeddings: Tensor) -> Tensor:
             "embeddings must have shape (M images, N + 1 views, dim) with the original first and "
             f"N >= 1, got {tuple(embeddings.shape)}"
         )
-    z = F.normalize(embeddings.to(torch.promote_types(embeddings.dtype, torch.float32)), dim=-1)
+    z = unit_rows(embeddings.to(torch.promote_types(embeddings.dtype, torch.float32)), dim=-1)
     return (z[:, 1:] * z[:, :1]).sum(dim=-1)
 
 

@@ -31,10 +31,10 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from idml.metrics import unit_rows
 from idml.ranking.loss import RankingLoss, RankingOutput
 from idml.ranking.transforms import (
     FiniteNumber,
@@ -85,7 +85,7 @@ class RankingHead(nn.Module):
                 f"features must have shape (batch, {self.in_dim}), got {tuple(features.shape)}; "
                 "build the RankingHead with in_dim = the backbone's feature dimension"
             )
-        return F.normalize(self.layers(features), dim=1)
+        return unit_rows(self.layers(features))
 
 
 class SSRConfig(BaseModel):
