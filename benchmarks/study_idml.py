@@ -53,6 +53,14 @@ grid at the recipe it pins.
 A setting's folder pins the memory format its runs train in (``memory_format.json``): runs added to
 a folder trained before channels-last became the CPU's default keep the contiguous layout.
 
+Diagnostics (``run --override KEY=VALUE``, repeatable): every run of the grid trains with these
+config overrides on top of its recipe, for a question the validated recipe does not ask ("does the
+collapse go away at a tenth of the backbone's rate?"). They may change the setting's or the recipe's
+keys, never a key an arm sets (that would make two arms one) nor the seed. The setting folder pins
+them (``study_overrides.json``) as it pins its layout, so a folder's runs all share one set, a grid
+of the plain recipe never gains a diagnostic run, and its tables print them: run a diagnostic in its
+own ``--out``. Recipes are chosen without them (``validate``, ``converge`` and ``widen`` refuse it).
+
 Ledger (``benchmarks/study/ledger/<--out's name>``, committed): each finished run's
 ``result.json`` and ``mechanism.json`` and each folder's pins, copied as runs finish and restored into
 an empty ``--out`` of the same name at the start of every command. A session's machine does not
@@ -80,6 +88,8 @@ Run (each step reuses finished runs; ``--workers 2`` trains two runs at a time, 
     python benchmarks/study_idml.py widen --setting demo --seeds 3 --adopt   # a knob at its edge
     python benchmarks/study_idml.py run --setting demo --seeds 10
     python benchmarks/study_idml.py tables --setting demo
+    python benchmarks/study_idml.py run --setting demo --arms mixup --seeds 3 \\
+        --override optim.backbone_lr_mult=0.1 --out runs/diag_slow_backbone   # a diagnostic
 
 (``--omniglot-root`` defaults to ``../shared/data/omniglot`` beside the repository; the library never
 reads that folder.)
@@ -551,6 +561,48 @@ LEGACY_LAYOUT = "optim.channels_last=false"
 """The layout :func:`memory_format` pins to a folder trained before the pin existed."""
 
 
+FOLDER_OVERRIDES = "study_overrides.json"
+"""Beside a setting's runs: the ``--override`` values they all train with (:func:`study_overrides`)."""
+
+
+def trained_runs(folder: Path) -> bool:
+    """Whether ``folder`` holds a run that trained, or the record of one (restored from a ledger)."""
+    return folder.is_dir() and any(
+        path.name in ("metrics.jsonl", "result.json") for path in folder.rglob("*.json*")
+    )
+
+
+def said(overrides: Sequence[str]) -> str:
+    """``overrides`` as the command line that asks for them."""
+    return " ".join(f"--override {o}" for o in overrides) or "no --override"
+
+
+def study_overrides(args: argparse.Namespace, pin: bool) -> list[str]:
+    """The ``--override`` values every run in ``args.out / args.setting`` trains with: those the
+    folder pins, which ``args.override`` (when given, or when ``pin``) must repeat. A folder without
+    the pin whose runs trained, trained without overrides; a new folder pins what it is asked for
+    (``pin``). A mismatch stops the command: one folder never mixes a diagnostic with the recipe."""
+    folder = args.out / args.setting
+    path = folder / FOLDER_OVERRIDES
+    asked = list(getattr(args, "override", None) or [])
+    if path.is_file():
+        pinned: list[str] | None = list(json.loads(path.read_text())["overrides"])
+    else:
+        pinned = [] if trained_runs(folder) else None
+    if pinned is None:
+        if pin:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"overrides": asked}, indent=2) + "\n")
+        return asked
+    if (pin or asked) and asked != pinned:
+        raise SystemExit(
+            f"{folder}: its runs trained with {said(pinned)}, this command asks for {said(asked)}; "
+            "a folder's runs share one set of overrides, so run a diagnostic in its own --out "
+            f"(or repeat the folder's: {said(pinned)})"
+        )
+    return pinned
+
+
 def memory_format(setting_folder: Path, pin: bool) -> str:
     """The ``optim.channels_last`` override of every run in ``setting_folder``, the same for all of
     them. Channels-last became the CPU's default on 2026-12-03: the same float32 sums in another
@@ -572,7 +624,7 @@ LEDGER = TABLES / "ledger"
 """The committed copy of each study folder's small files (:class:`Ledger`), one subfolder per
 ``--out`` by its name."""
 
-DURABLE_FILES = frozenset({FOLDER_MEMORY_FORMAT, FOLDER_RECIPE, "untrained.json"})
+DURABLE_FILES = frozenset({FOLDER_MEMORY_FORMAT, FOLDER_OVERRIDES, FOLDER_RECIPE, "untrained.json"})
 """A study folder's pins and caches, kept in its ledger wherever they lie."""
 DURABLE_RUN_FILES = frozenset({"result.json", "mechanism.json"})
 """A finished run's record: what ``run_ablation`` reuses a run by, and what the tables read."""
@@ -1216,9 +1268,58 @@ def control_overrides(arms_folder: Path, arm: Arm) -> list[str]:
     return matched_overrides(arms_folder / arm.match.to, arm.match.control)
 
 
+def key_of(override: str) -> str:
+    return override.partition("=")[0].strip()
+
+
+def arm_config(
+    base: Sequence[str],
+    loss: str,
+    recipe: Sequence[str],
+    study: Sequence[str],
+    arm: str,
+    own: Sequence[str],
+) -> tuple[str, ...]:
+    """One arm's overrides in the order that lets the later win: the setting's, the loss, its
+    recipe, the study's ``--override`` values, then what makes the arm itself (``own``: its
+    method, a matched control's value, a degradation). A study override of a key the arm sets
+    would make two arms the same run, so it stops the command.
+
+    >>> arm_config(["optim.epochs=8"], "contrastive", ["optim.epochs=16"],
+    ...            ["optim.backbone_lr_mult=0.1"], "mixup", ["mixup.enabled=true"])
+    ('optim.epochs=8', 'loss.name=contrastive', 'optim.epochs=16', 'optim.backbone_lr_mult=0.1', \
+'mixup.enabled=true')
+    """
+    fixed = {key_of(o): o for o in (f"loss.name={loss}", *own, "seed=0")}
+    clash = [o for o in study if key_of(o) in fixed]
+    if clash:
+        raise SystemExit(
+            f"--override {' '.join(clash)}: the arm {arm!r} sets "
+            f"{', '.join(fixed[key_of(o)] for o in clash)} itself (or the study sets it per run); "
+            "override setting or recipe keys only (optim.*, data.*, model.* that no arm sets)"
+        )
+    return (*base, f"loss.name={loss}", *recipe, *study, *own)
+
+
+def checked_jobs(args: argparse.Namespace, jobs: list[Job]) -> list[Job]:
+    """``jobs``, once every one's config validates, and then the folder's ``--override`` values
+    pinned (:func:`study_overrides`): a misspelt key or a value out of range stops the command
+    before the first run trains, with the config's own message, and pins nothing."""
+    from idml.app.config import ConfigError, load_config
+
+    for job in jobs:
+        try:
+            load_config(None, list(job.overrides))
+        except ConfigError as error:
+            raise SystemExit(f"{job.folder}: its config does not validate: {error}") from None
+    study_overrides(args, pin=True)
+    return jobs
+
+
 def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     setting = args.setting
     base = setting_overrides(args)
+    study = study_overrides(args, pin=False)
     jobs = []
     for loss in args.losses:
         chosen = grid_recipe(args, loss, args.out / setting / loss)
@@ -1227,15 +1328,9 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
             if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
                 continue
             extra = control_overrides(args.out / setting / loss, arm)
+            own = (*arm.overrides, *extra)
             for seed in range(args.seeds):
-                config = (
-                    *base,
-                    f"loss.name={loss}",
-                    *chosen,
-                    *arm.overrides,
-                    *extra,
-                    f"seed={seed}",
-                )
+                config = (*arm_config(base, loss, chosen, study, name, own), f"seed={seed}")
                 folder = args.out / setting / loss / name / f"s{seed}"
                 jobs.append(Job(folder, config, arm.has_head, match_controls=name in MATCHED_TO))
     return jobs
@@ -1244,6 +1339,7 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
 def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     setting, loss = args.setting, DEGRADATION_LOSS
     base = setting_overrides(args)
+    study = study_overrides(args, pin=False)
     # The degraded arms are compared with this loss's clean baseline of the main grid.
     chosen = grid_recipe(args, loss, args.out / setting / loss)
     jobs = []
@@ -1256,7 +1352,7 @@ def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
                 continue
             extra = control_overrides(folder, arm)
             for seed in range(args.seeds):
-                config = (*base, f"loss.name={loss}", *chosen, *arm.overrides, knob, *extra)
+                config = arm_config(base, loss, chosen, study, name, (*arm.overrides, knob, *extra))
                 jobs.append(
                     Job(
                         folder / name / f"s{seed}",
@@ -1273,9 +1369,9 @@ def run(args: argparse.Namespace) -> None:
     pins each grid's recipe; the second trains at that pin, so a grid finishes at the recipe it
     started with even when ``converge --adopt`` moves the validated recipe on while it runs."""
     jobs = degradation_jobs if args.degradations else main_jobs
-    run_jobs(jobs(args, matched=False), args.workers, study_ledger(args))
+    run_jobs(checked_jobs(args, jobs(args, matched=False)), args.workers, study_ledger(args))
     started = argparse.Namespace(**{**vars(args), "recipe": "pinned"})
-    run_jobs(jobs(started, matched=True), args.workers, study_ledger(args))
+    run_jobs(checked_jobs(args, jobs(started, matched=True)), args.workers, study_ledger(args))
 
 
 # --------------------------------------------------------------------------- tables
@@ -1573,12 +1669,20 @@ def settings_lines(args: argparse.Namespace, losses: Sequence[str]) -> list[str]
     }
     # The setting's default budget is not printed: every recipe sets its own (optim.epochs).
     shown = [o for o in base if not o.startswith(("data.root=", "optim.epochs="))]
-    return [
+    lines = [
         "Settings: `" + " ".join(shown) + "`\n",
         "Baseline recipes (validation split of the training classes): "
         + "; ".join(f"{LOSS_NAMES[k]}: {v or 'as set'}" for k, v in names.items() if v is not None)
         + ".\n",
     ]
+    study = study_overrides(args, pin=False)
+    if study:
+        lines.append(
+            "**A diagnostic**: every run also trains with `"
+            + " ".join(study)
+            + "` (`--override`), on top of its validated recipe; not the recipe's grid.\n"
+        )
+    return lines
 
 
 def tables(args: argparse.Namespace) -> None:
@@ -1783,6 +1887,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "run folder already pins (add arms or seeds to a grid after its recipe was adopted away)",
     )
     parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run: a config override every run of the grid trains with, on top of its recipe (a "
+        "diagnostic; repeatable). The setting folder pins them: use a new --out",
+    )
+    parser.add_argument(
         "--adopt",
         action="store_true",
         help=f"converge / widen: replace a recipe by its doubled budget / its knob one step past "
@@ -1806,6 +1918,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"unknown arm, loss or degradation {unknown}; arms: {', '.join(arms)}; losses: "
             f"{', '.join(LOSSES)}; degradations: {', '.join(DEGRADATIONS)}"
         )
+    if args.override and args.command in ("validate", "converge", "widen"):
+        parser.error(
+            f"--override is for run (and tables) only: {args.command} chooses the recipe every "
+            "arm trains with, on the validation split, without diagnostics"
+        )
+    malformed = [o for o in args.override if not re.fullmatch(r"[A-Za-z_][\w.]*=.*", o)]
+    if malformed:
+        parser.error(f"--override {malformed[0]!r}: write it as key.sub=value")
     if args.quick:
         args.out = args.out.with_name(args.out.name + "_quick")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

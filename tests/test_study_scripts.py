@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import yaml
@@ -504,15 +505,17 @@ def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
     (out / "demo" / study.FOLDER_MEMORY_FORMAT).write_text('{"override": "x"}')
     (out / "demo" / "contrastive" / study.FOLDER_RECIPE).write_text('{"recipe": "8 epochs"}')
     (out / "demo" / "untrained.json").write_text('{"map@r": [0.4]}')
+    (out / "demo" / study.FOLDER_OVERRIDES).write_text('{"overrides": []}')
     ledger = study.Ledger(out, tmp_path / "ledger" / "grid")
 
-    assert ledger.record() == 5
+    assert ledger.record() == 6
     kept = sorted(str(p.relative_to(ledger.root)) for p in ledger.root.rglob("*") if p.is_file())
     assert kept == [
         "demo/contrastive/idml/s0/cells/base/seed0/mechanism.json",
         "demo/contrastive/idml/s0/cells/base/seed0/result.json",
         "demo/contrastive/recipe.json",
         "demo/memory_format.json",
+        "demo/study_overrides.json",
         "demo/untrained.json",
     ]
     assert ledger.record() == 0  # nothing changed, nothing rewritten
@@ -524,7 +527,7 @@ def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
     fresh = tmp_path / "elsewhere" / "grid"
     (fresh / "demo").mkdir(parents=True)
     (fresh / "demo" / "untrained.json").write_text('{"map@r": [0.5]}')
-    assert study.Ledger(fresh, ledger.root).restore() == 4
+    assert study.Ledger(fresh, ledger.root).restore() == 5
     moved = fresh / run.relative_to(out)
     assert json.loads((moved / "mechanism.json").read_text())["matched"] == {}
     assert not list(fresh.rglob("*.safetensors")) and not list(fresh.rglob("*replaced*"))
@@ -620,3 +623,76 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
     third = widen("third")  # 0.6 now lies between 0.4 and 0.8: nothing to train
     assert trained == []
     assert "Contrastive: nothing to try (m_pos=0.6, 16 epochs)" in third
+
+
+def test_a_diagnostic_override_keeps_to_its_own_folder_and_says_so_in_its_tables(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Lite0 collapse was diagnosed with a hand-edited recipe pin (the backbone at a tenth of
+    its rate), which no command could repeat. ``run --override`` makes it one, and keeps such runs
+    out of a grid of the validated recipe."""
+    sixteen = {"recipe": "16 epochs", "overrides": ["optim.epochs=16"]}
+    monkeypatch.setattr(study, "load_recipes", lambda: {"demo": {"contrastive": sixteen}})
+
+    def args(out: Path, *override: str, arms: tuple[str, ...] = ("baseline", "mixup")) -> Any:
+        return argparse.Namespace(
+            setting="demo", omniglot_root=tmp_path, quick=False, out=out, seeds=2,
+            losses=["contrastive"], arms=list(arms), recipe="validated", override=list(override),
+        )  # fmt: skip
+
+    slow = args(tmp_path / "slow", "optim.backbone_lr_mult=0.1")
+    jobs = study.main_jobs(slow, matched=False)
+    assert len(jobs) == 4
+    for job in jobs:  # after the recipe (it may change a recipe's key), before the arm's own keys
+        keys = [o.partition("=")[0] for o in job.overrides]
+        assert keys.index("optim.epochs") < keys.index("optim.backbone_lr_mult")
+        assert keys.index("optim.backbone_lr_mult") < keys.index("mixup.enabled")
+    assert not (tmp_path / "slow" / "demo" / study.FOLDER_OVERRIDES).exists(), "pinned unchecked"
+    study.checked_jobs(slow, jobs)
+    assert study.study_overrides(slow, pin=False) == ["optim.backbone_lr_mult=0.1"]
+    assert len(study.main_jobs(slow, matched=False)) == 4  # the same again: nothing to say
+
+    # Without the override, or with another, the folder's runs would mix two recipes.
+    for other in ((), ("optim.backbone_lr_mult=0.2",)):
+        with pytest.raises(SystemExit, match="--out") as stop:
+            study.checked_jobs(args(tmp_path / "slow", *other), jobs)
+        assert "optim.backbone_lr_mult=0.1" in str(stop.value)
+    # A folder of the plain recipe (its runs trained before the pin existed) gains no diagnostic.
+    plain = tmp_path / "plain" / "demo" / "contrastive" / "baseline" / "s0"
+    plain.mkdir(parents=True)
+    (plain / "result.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no --override"):
+        study.main_jobs(args(tmp_path / "plain", "optim.lr=0.01"), matched=False)
+    assert study.study_overrides(args(tmp_path / "plain"), pin=True) == []
+
+    # A key an arm sets would make two arms one run; a misspelt key stops before anything is pinned.
+    with pytest.raises(SystemExit, match=r"the arm 'baseline' sets mixup\.enabled=false"):
+        study.main_jobs(args(tmp_path / "clash", "mixup.enabled=false"), matched=False)
+    typo = args(tmp_path / "typo", "optim.backbone_lr_mul=0.1")
+    with pytest.raises(SystemExit, match="backbone_lr_mult"):
+        study.checked_jobs(typo, study.main_jobs(typo, matched=False))
+    assert not (tmp_path / "typo" / "demo" / study.FOLDER_OVERRIDES).exists()
+
+    # Its tables say what the runs are.
+    lines = study.settings_lines(slow, ["contrastive"])
+    assert "A diagnostic" in lines[-1] and "optim.backbone_lr_mult=0.1" in lines[-1]
+    assert not any("diagnostic" in line for line in study.settings_lines(args(tmp_path / "x"), []))
+
+
+def test_only_a_grid_takes_a_diagnostic_override_and_its_runs_train_with_it(
+    study: ModuleType, tmp_path: Path
+) -> None:
+    for command in ("validate", "converge", "widen"):
+        with pytest.raises(SystemExit):
+            study.main([command, "--setting", "demo", "--override", "optim.lr=0.1"])
+    out = ["--out", str(tmp_path / "grid")]
+    with pytest.raises(SystemExit):
+        study.main(["run", "--setting", "demo", "--override", "lr 0.1", *out])
+    assert not list(tmp_path.iterdir())
+
+    args = ["run", "--setting", "demo", "--quick", "--losses", "multi_similarity", "--seeds", "1"]
+    study.main(
+        [*args, "--arms", "baseline", "--workers", "1", "--override", "optim.lr=0.0021", *out]
+    )
+    (result,) = (tmp_path / "grid_quick").rglob("result.json")
+    assert json.loads(result.read_text())["config"]["optim"]["lr"] == 0.0021
