@@ -480,6 +480,9 @@ def test_batch_without_positives_gives_zero_with_a_graph(loss_cls: type) -> None
     ("factory", "match"),
     [
         (lambda: ContrastiveLoss(pos_margin=float("nan")), "pos_margin"),
+        (lambda: ContrastiveLoss(pos_margin=0.6), "cross for a distance"),
+        (lambda: ContrastiveLoss(pos_margin=0.3, neg_margin=0.2), "pos_margin ≤ neg_margin"),
+        (lambda: ContrastiveLoss(CosineSimilarity(), pos_margin=0.8), "cross for a similarity"),
         (lambda: TripletLoss(margin=-0.1), "margin"),
         (lambda: TripletLoss(margin=0.0), "semi-hard window"),
         (lambda: MarginLoss(boundary=0.0), "boundary"),
@@ -493,6 +496,20 @@ def test_batch_without_positives_gives_zero_with_a_graph(loss_cls: type) -> None
 def test_bad_hyper_parameters_raise(factory: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         factory()  # type: ignore[operator]
+
+
+def test_contrastive_margins_may_meet_but_not_cross() -> None:
+    """Positives pulled inside m_pos, negatives pushed past m_neg: with m_pos = m_neg = 0.5 the loss
+    is 0 only when every positive is nearer than every negative (the boundary between them); past
+    that, a positive and a negative at the same distance both cost nothing."""
+    x = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1])
+    # The positive pair at √0.8 costs √0.8 − 0.5 (both orders); the negatives at √0.4 ≈ 0.632 and
+    # √2 lie past 0.5 and cost nothing.
+    met = ContrastiveLoss(pos_margin=0.5, neg_margin=0.5)(x, labels)
+    # float64, one square root and a mean of 2 equal terms: rel 1e-12.
+    assert met.item() == pytest.approx(math.sqrt(0.8) - 0.5, rel=1e-12)
+    assert ContrastiveLoss(CosineSimilarity(), pos_margin=0.875).pos_margin == 0.875
 
 
 def test_triplet_with_zero_margin_over_all_triplets() -> None:

@@ -228,6 +228,12 @@ def test_meaningless_settings_are_refused_or_warned(
     args = ["optim.head_lr_mult=0", "optim.backbone_lr_mult=0"]
     assert main(_train_args(out, config, *args)) == 2
     assert "nothing would train" in capsys.readouterr().err
+    # A loss's own refusal (Contrastive's margins crossed) is a config error before the data loads.
+    crossed = ["loss.name=contrastive", "loss.pos_margin=0.6"]
+    assert main(_train_args(out, config, *crossed)) == 2
+    err = capsys.readouterr().err
+    assert "loss.name=contrastive" in err and "pos_margin 0.6 and neg_margin 0.5 cross" in err
+    assert "Traceback" not in err
     with pytest.warns(UserWarning) as caught:
         assert main(_train_args(out, config, "optim.warmup_epochs=3", "data.resize_size=32")) == 0
     messages = [str(w.message) for w in caught]

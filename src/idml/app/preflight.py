@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from idml.app.config import Config, ConfigError, config_to_dict
+from idml.app.config import Config, ConfigError, config_to_dict, reads_key
 from idml.app.paper import config_value
 from idml.data.transforms import eval_resize_size
 
@@ -21,6 +21,18 @@ FLOAT32_MAX = 3.4028234663852886e38
 MIN_CROP_AREA = 0.25
 """Below this share of the resized image's area a test centre crop is reported: the DML recipe
 (Resize 256, CenterCrop 224) keeps 77 %."""
+
+
+def check_loss_builds(cfg: Config) -> None:
+    """Refuse hyper-parameters the loss itself rejects once it knows its metric (Contrastive's
+    crossed margins: a distance or a similarity decides which way they may not cross), before the
+    data loads rather than at the first step."""
+    from idml.app.build import build_loss
+
+    try:
+        build_loss(cfg, num_classes=2)
+    except ValueError as err:
+        raise ConfigError(f"loss.name={cfg.loss.name}: {err}") from None
 
 
 def check_run_config(cfg: Config) -> list[str]:
@@ -57,6 +69,8 @@ def check_run_config(cfg: Config) -> list[str]:
             f"sees only the central {area:.0%} of each image; set data.resize_size="
             f"{eval_resize_size(d.image_size)} (the recipe's 256/224 ratio) or null"
         )
+    if reads_key(cfg.task.spec.reads, "loss"):
+        check_loss_builds(cfg)
     mults = [o.backbone_lr_mult, o.head_lr_mult, o.proxy_lr_mult, o.uncertainty_lr_mult or 0]
     if o.lr * max(mults) >= FLOAT32_MAX:
         raise ConfigError(

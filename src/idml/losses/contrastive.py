@@ -62,7 +62,9 @@ class ContrastiveLoss(MetricLoss):
     Args:
         metric: the pluggable metric (default :class:`~idml.metrics.EuclideanDistance`).
         pos_margin: ``m_pos``: positives closer than this (more similar) cost nothing.
-        neg_margin: ``m_neg``: negatives farther than this (less similar) cost nothing.
+        neg_margin: ``m_neg``: negatives farther than this (less similar) cost nothing. The two
+            may meet but not cross (``m_pos ≤ m_neg`` for a distance, ``≥`` for a similarity):
+            crossed, a positive and a negative pair between them would both cost nothing.
         miner: optional pair miner; the means then run over the mined pairs (``None``: all pairs).
     """
 
@@ -83,6 +85,18 @@ class ContrastiveLoss(MetricLoss):
         for name, value in (("pos_margin", self.pos_margin), ("neg_margin", self.neg_margin)):
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
+        similarity = self.metric.is_similarity
+        crossing = self.pos_margin - self.neg_margin
+        if (-crossing if similarity else crossing) > 0:
+            # Crossed margins leave a band where a positive and a negative pair both cost nothing:
+            # the loss can reach 0 without separating them.
+            kind, order = ("similarity", "≥") if similarity else ("distance", "≤")
+            raise ValueError(
+                f"pos_margin {self.pos_margin:g} and neg_margin {self.neg_margin:g} cross for a "
+                f"{kind} ({type(self.metric).__name__}): a positive and a negative pair at a "
+                f"{kind} between them would both cost nothing; choose pos_margin {order} "
+                "neg_margin (loss.pos_margin, loss.neg_margin)"
+            )
         self.miner = resolve_miner(miner, None)
 
     def compute(self, embeddings: Embeddings, labels: LabelSets) -> Tensor:
