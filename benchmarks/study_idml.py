@@ -45,9 +45,10 @@ as the presets do). The chosen recipes are stored in ``benchmarks/study/idml_rec
 gains less than :data:`CONVERGED_GAIN` validation MAP@R points, and ``--adopt`` doubles the ones that
 are not (each doubling in the recipe's ``history``). ``widen`` does the same for a knob whose chosen
 value is the largest (or smallest) tried: it trains the recipe with the knob one step further
-(m_pos + 0.2, the proxy rate ×10) and ``--adopt`` takes it on the same rule, recording every trial
-(``widened``) so that a knob's range grows until the choice lies inside it. A run folder pins the
-recipe its runs used (``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new
+(m_pos + 0.2 up to m_neg = 0.5, which it may meet but not cross; the proxy rate ×10) and
+``--adopt`` takes it on the same rule, recording every trial (``widened``) so that a knob's range
+grows until the choice lies inside it (or meets its ceiling). A run folder pins the recipe its runs
+used (``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new
 ``--out``, its tables named by ``--label``; ``run --recipe pinned`` adds arms or seeds to an older
 grid at the recipe it pins.
 A setting's folder pins the memory format its runs train in (``memory_format.json``): runs added to
@@ -424,6 +425,9 @@ class Knob:
     """... or adds this (an arithmetic one)."""
     floor: float = 0.0
     """No step below this (a margin below 0 or a rate of 0 is no recipe)."""
+    ceiling: float = math.inf
+    """No step above this: a step that would pass it stops at it (Contrastive's m_pos may meet
+    m_neg, never cross it)."""
 
     def value_text(self, value: float) -> str:
         return str(value) if isinstance(value, int) else repr(round(value, 6))
@@ -450,18 +454,34 @@ class Knob:
         return None
 
     def beyond(self, value: float, upward: bool) -> float | None:
-        """One step past ``value`` (up or down), ``None`` below the floor."""
+        """One step past ``value`` (up or down): ``None`` below the floor, or past a ceiling that
+        ``value`` has reached, else at most the ceiling.
+
+        >>> KNOBS["contrastive"].beyond(0.2, upward=True), KNOBS["contrastive"].beyond(0.4, True)
+        (0.4, 0.5)
+        >>> KNOBS["contrastive"].beyond(0.5, upward=True) is None
+        True
+        """
         if self.factor:
             out = value * self.factor if upward else value / self.factor
             out = int(out) if isinstance(value, int) and float(out).is_integer() else out
         else:
             out = round(value + self.step if upward else value - self.step, 6)
-        return out if out >= self.floor else None
+        if out < self.floor or value >= self.ceiling:
+            return None
+        return min(out, self.ceiling)
 
+
+M_NEG = 0.5
+"""Contrastive's negative margin in every setting: the Euclidean default
+(``idml.losses.contrastive.DISTANCE_MARGINS``, not imported here: torch must not load before
+``main`` limits its threads), and the ceiling of its positive margin."""
 
 KNOBS: dict[str, Knob] = {
     "proxy_anchor": Knob("proxy_lr×{}", "optim.proxy_lr_mult", (1, 10, 100), factor=10, floor=0.01),
-    "contrastive": Knob("m_pos={}", "loss.pos_margin", (0.0, 0.2, 0.4), step=0.2, floor=0.0),
+    "contrastive": Knob(
+        "m_pos={}", "loss.pos_margin", (0.0, 0.2, 0.4), step=0.2, floor=0.0, ceiling=M_NEG
+    ),
 }
 """The knob each loss's broken baseline recipe was traced to (issue 21); Multi-Similarity has none
 beyond the budget."""
@@ -509,10 +529,10 @@ def widened_knob(loss: str, chosen: dict[str, Any]) -> tuple[str, tuple[str, ...
 
     >>> widened_knob("contrastive", {"recipe": "m_pos=0.4, 32 epochs",
     ...                              "overrides": ["loss.pos_margin=0.4", "optim.epochs=32"]})
-    ('m_pos=0.6, 32 epochs', ('loss.pos_margin=0.6', 'optim.epochs=32'))
+    ('m_pos=0.5, 32 epochs', ('loss.pos_margin=0.5', 'optim.epochs=32'))
     >>> widened_knob("contrastive", {"recipe": "m_pos=0.4, 32 epochs",
     ...                              "overrides": ["loss.pos_margin=0.4", "optim.epochs=32"],
-    ...                              "widened": [{"value": 0.6, "gain": -0.4}]}) is None
+    ...                              "widened": [{"value": 0.5, "gain": -0.4}]}) is None
     True
     >>> widened_knob("proxy_anchor", {"recipe": "proxy_lr×1, 8 epochs",
     ...                               "overrides": ["optim.proxy_lr_mult=1", "optim.epochs=8"]})
@@ -1302,14 +1322,16 @@ def arm_config(
 
 
 def checked_jobs(args: argparse.Namespace, jobs: list[Job]) -> list[Job]:
-    """``jobs``, once every one's config validates, and then the folder's ``--override`` values
-    pinned (:func:`study_overrides`): a misspelt key or a value out of range stops the command
-    before the first run trains, with the config's own message, and pins nothing."""
+    """``jobs``, once every one's config validates and passes the trainer's preflight, and then
+    the folder's ``--override`` values pinned (:func:`study_overrides`): a misspelt key, a value
+    out of range or a loss that refuses its hyper-parameters (a matched margin past m_neg) stops
+    the command before the first run trains, with the config's own message, and pins nothing."""
     from idml.app.config import ConfigError, load_config
+    from idml.app.preflight import check_run_config
 
     for job in jobs:
         try:
-            load_config(None, list(job.overrides))
+            check_run_config(load_config(None, list(job.overrides)))
         except ConfigError as error:
             raise SystemExit(f"{job.folder}: its config does not validate: {error}") from None
     study_overrides(args, pin=True)

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from idml.losses.contrastive import DISTANCE_MARGINS
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "study_idml.py"
 
 
@@ -560,8 +562,10 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
     study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Contrastive's margin was chosen at the top of its grid on Omniglot with Lite0: ``widen``
-    trains one step further, adopts it when it gains a point, records the trial either way, and
-    leaves the knob alone once the values tried bracket the choice. Only the knob moves."""
+    trains one step further (up to m_neg, never past it), adopts it when it gains a point, records
+    the trial either way, and leaves the knob alone once the values tried bracket the choice or it
+    has met its ceiling. Only the knob moves."""
+    assert DISTANCE_MARGINS[1] == study.M_NEG
     monkeypatch.setattr(study, "TABLES", tmp_path / "tables")
     monkeypatch.setattr(study, "RECIPES", tmp_path / "recipes.json")
     recipes = {
@@ -578,7 +582,7 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
     (tmp_path / "recipes.json").write_text(json.dumps(recipes))
     monkeypatch.setattr(study, "load_recipes", lambda: json.loads(study.RECIPES.read_text()))
     trained: list[tuple[str, ...]] = []
-    map_at = {"0.4": 0.60, "0.6": 0.625, "0.8": 0.615}  # 0.6 gains 2.5 points, 0.8 loses 1
+    map_at = {"0.4": 0.60, "0.5": 0.59}
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
         for job in jobs:
@@ -600,29 +604,34 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
         study.main([*args, "--out", str(tmp_path / "runs"), "--no-ledger"])
         return (tmp_path / "tables" / f"idml_widening_demo_{label}.md").read_text()
 
-    first = widen("first")
+    first = widen("first")  # 0.5 loses a point: kept at 0.4, and the trial is on record
     chosen = json.loads(study.RECIPES.read_text())["demo"]["contrastive"]
-    assert chosen["recipe"] == "m_pos=0.6, 16 epochs"
-    assert chosen["overrides"] == ["loss.pos_margin=0.6", "optim.epochs=16"]
-    assert len(chosen["history"]) == 2 and "widen gained +2.50" in chosen["history"][1]
+    assert chosen["recipe"] == "m_pos=0.4, 16 epochs" and len(chosen["history"]) == 1
     assert chosen["widened"] == [
-        {"value": 0.6, "recipe": "m_pos=0.6, 16 epochs", "gain": 2.5, "seeds": 2}
+        {"value": 0.5, "recipe": "m_pos=0.5, 16 epochs", "gain": pytest.approx(-1.0), "seeds": 2}
     ]
-    assert "Knob values compared: Contrastive: m_pos=0.4, 16 epochs → m_pos=0.6, 16 epochs" in first
-    assert "adopted m_pos=0.6, 16 epochs" in first and "Multi-Similarity: nothing to try" in first
+    assert "Knob values compared: Contrastive: m_pos=0.4, 16 epochs → m_pos=0.5, 16 epochs" in first
+    assert "−1.00" in first or "-1.00" in first
+    assert "Multi-Similarity: nothing to try" in first
     assert all("optim.epochs=16" in o and "loss.name=contrastive" in o for o in trained)
 
-    second = widen("second")  # 0.8 loses: kept at 0.6, and the trial is on record
-    chosen = json.loads(study.RECIPES.read_text())["demo"]["contrastive"]
-    assert chosen["recipe"] == "m_pos=0.6, 16 epochs" and len(chosen["history"]) == 2
-    assert [t["value"] for t in chosen["widened"]] == [0.6, 0.8]
-    assert chosen["widened"][1]["gain"] == pytest.approx(-1.0)
-    assert "−1.00" in second or "-1.00" in second
-
     trained.clear()
-    third = widen("third")  # 0.6 now lies between 0.4 and 0.8: nothing to train
+    second = widen("second")  # 0.4 now lies between 0.2 and 0.5: nothing to train
     assert trained == []
-    assert "Contrastive: nothing to try (m_pos=0.6, 16 epochs)" in third
+    assert "Contrastive: nothing to try (m_pos=0.4, 16 epochs)" in second
+
+    # Where 0.5 gains, it is adopted; it is m_neg, so the margin goes no further.
+    (tmp_path / "recipes.json").write_text(json.dumps(recipes))
+    map_at["0.5"] = 0.625
+    third = widen("third")
+    chosen = json.loads(study.RECIPES.read_text())["demo"]["contrastive"]
+    assert chosen["recipe"] == "m_pos=0.5, 16 epochs"
+    assert chosen["overrides"] == ["loss.pos_margin=0.5", "optim.epochs=16"]
+    assert len(chosen["history"]) == 2 and "widen gained +2.50" in chosen["history"][1]
+    assert "adopted m_pos=0.5, 16 epochs" in third
+    trained.clear()
+    assert "Contrastive: nothing to try (m_pos=0.5, 16 epochs)" in widen("fourth")
+    assert trained == []
 
 
 def test_a_diagnostic_override_keeps_to_its_own_folder_and_says_so_in_its_tables(
@@ -696,3 +705,19 @@ def test_only_a_grid_takes_a_diagnostic_override_and_its_runs_train_with_it(
     )
     (result,) = (tmp_path / "grid_quick").rglob("result.json")
     assert json.loads(result.read_text())["config"]["optim"]["lr"] == 0.0021
+
+
+def test_a_control_matched_past_the_negative_margin_stops_before_training(
+    study: ModuleType, tmp_path: Path
+) -> None:
+    """The margin-matched control moves m_pos by ISM's median effect; from Lite0's m_pos 0.4 that
+    can pass m_neg, where Contrastive no longer separates a positive from a negative pair."""
+    args = argparse.Namespace(setting="demo", out=tmp_path, override=[])
+    crossed = study.Job(
+        tmp_path / "s0", ("loss.name=contrastive", "loss.pos_margin=0.62", "seed=0"), False
+    )
+    with pytest.raises(SystemExit, match=r"pos_margin 0\.62 and neg_margin 0\.5 cross") as stop:
+        study.checked_jobs(args, [crossed])
+    assert str(tmp_path / "s0") in str(stop.value)
+    met = study.Job(tmp_path / "s0", ("loss.name=contrastive", "loss.pos_margin=0.5"), False)
+    assert study.checked_jobs(args, [met]) == [met]
