@@ -1954,6 +1954,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ledger = study_ledger(args)
     if ledger is not None and (restored := ledger.restore()):
         print(f"restored {restored} records of finished runs and pins from {ledger.root}")
+    if args.command in ("validate", "converge", "widen") and (
+        diagnostic := study_overrides(args, pin=False)
+    ):
+        parser.error(
+            f"{args.out / args.setting} holds a diagnostic ({said(diagnostic)}); choose recipes "
+            "in an --out of their own"
+        )
     commands = {"validate": validate, "converge": converge, "widen": widen, "run": run}
     {**commands, "tables": tables}[args.command](args)
     if ledger is not None and (written := ledger.record()):

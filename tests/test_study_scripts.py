@@ -705,6 +705,10 @@ def test_only_a_grid_takes_a_diagnostic_override_and_its_runs_train_with_it(
     )
     (result,) = (tmp_path / "grid_quick").rglob("result.json")
     assert json.loads(result.read_text())["config"]["optim"]["lr"] == 0.0021
+    # Recipes are never chosen among a diagnostic's runs.
+    with pytest.raises(SystemExit):
+        study.main(["validate", "--setting", "demo", "--quick", "--seeds", "1", *out])
+    assert not (tmp_path / "grid_quick" / "demo" / "validation").exists()
 
 
 def test_a_control_matched_past_the_negative_margin_stops_before_training(
