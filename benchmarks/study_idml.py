@@ -454,20 +454,20 @@ class Knob:
         return None
 
     def beyond(self, value: float, upward: bool) -> float | None:
-        """One step past ``value`` (up or down): ``None`` below the floor, or past a ceiling that
-        ``value`` has reached, else at most the ceiling.
+        """One step past ``value`` (up or down), stopping at the ceiling: ``None`` below the floor,
+        or up from a value at the ceiling.
 
         >>> KNOBS["contrastive"].beyond(0.2, upward=True), KNOBS["contrastive"].beyond(0.4, True)
         (0.4, 0.5)
-        >>> KNOBS["contrastive"].beyond(0.5, upward=True) is None
-        True
+        >>> KNOBS["contrastive"].beyond(0.5, upward=True), KNOBS["contrastive"].beyond(0.5, False)
+        (None, 0.3)
         """
         if self.factor:
             out = value * self.factor if upward else value / self.factor
             out = int(out) if isinstance(value, int) and float(out).is_integer() else out
         else:
             out = round(value + self.step if upward else value - self.step, 6)
-        if out < self.floor or value >= self.ceiling:
+        if out < self.floor or (upward and value >= self.ceiling):
             return None
         return min(out, self.ceiling)
 
@@ -632,8 +632,7 @@ def memory_format(setting_folder: Path, pin: bool) -> str:
     path = setting_folder / FOLDER_MEMORY_FORMAT
     if path.is_file():
         return str(json.loads(path.read_text())["override"])
-    trained_before = setting_folder.is_dir() and any(setting_folder.rglob("metrics.jsonl"))
-    override = LEGACY_LAYOUT if trained_before else "optim.channels_last=true"
+    override = LEGACY_LAYOUT if trained_runs(setting_folder) else "optim.channels_last=true"
     if pin:
         setting_folder.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"override": override}, indent=2) + "\n")
@@ -1292,6 +1291,11 @@ def key_of(override: str) -> str:
     return override.partition("=")[0].strip()
 
 
+PER_RUN_KEYS = frozenset({"loss.name", "seed"})
+"""Keys the study sets for each run itself (from ``--losses`` and ``--seeds``): never an
+``--override``."""
+
+
 def arm_config(
     base: Sequence[str],
     loss: str,
@@ -1305,18 +1309,17 @@ def arm_config(
     method, a matched control's value, a degradation). A study override of a key the arm sets
     would make two arms the same run, so it stops the command.
 
-    >>> arm_config(["optim.epochs=8"], "contrastive", ["optim.epochs=16"],
-    ...            ["optim.backbone_lr_mult=0.1"], "mixup", ["mixup.enabled=true"])
-    ('optim.epochs=8', 'loss.name=contrastive', 'optim.epochs=16', 'optim.backbone_lr_mult=0.1', \
-'mixup.enabled=true')
+    >>> arm_config(["optim.epochs=8"], "contrastive", ["optim.epochs=16"], ["optim.lr=1e-4"],
+    ...            "mixup", ["mixup.enabled=true"])[1:]
+    ('loss.name=contrastive', 'optim.epochs=16', 'optim.lr=1e-4', 'mixup.enabled=true')
     """
-    fixed = {key_of(o): o for o in (f"loss.name={loss}", *own, "seed=0")}
-    clash = [o for o in study if key_of(o) in fixed]
+    sets = {key_of(o): o for o in own}
+    clash = [o for o in study if key_of(o) in sets]
     if clash:
         raise SystemExit(
             f"--override {' '.join(clash)}: the arm {arm!r} sets "
-            f"{', '.join(fixed[key_of(o)] for o in clash)} itself (or the study sets it per run); "
-            "override setting or recipe keys only (optim.*, data.*, model.* that no arm sets)"
+            f"{', '.join(sets[key_of(o)] for o in clash)} itself; override setting or recipe "
+            "keys only (optim.*, data.*, model.* that no arm sets)"
         )
     return (*base, f"loss.name={loss}", *recipe, *study, *own)
 
@@ -1948,6 +1951,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     malformed = [o for o in args.override if not re.fullmatch(r"[A-Za-z_][\w.]*=.*", o)]
     if malformed:
         parser.error(f"--override {malformed[0]!r}: write it as key.sub=value")
+    per_run = [o for o in args.override if key_of(o) in PER_RUN_KEYS]
+    if per_run:
+        parser.error(f"--override {per_run[0]}: the study sets it per run (--losses, --seeds)")
     if args.quick:
         args.out = args.out.with_name(args.out.name + "_quick")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -697,6 +697,8 @@ def test_only_a_grid_takes_a_diagnostic_override_and_its_runs_train_with_it(
     out = ["--out", str(tmp_path / "grid")]
     with pytest.raises(SystemExit):
         study.main(["run", "--setting", "demo", "--override", "lr 0.1", *out])
+    with pytest.raises(SystemExit):  # the study sets the seed (and the loss) of each run itself
+        study.main(["run", "--setting", "demo", "--override", "seed=3", *out])
     assert not list(tmp_path.iterdir())
 
     args = ["run", "--setting", "demo", "--quick", "--losses", "multi_similarity", "--seeds", "1"]

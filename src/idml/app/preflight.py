@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from idml.app.build import build_loss
 from idml.app.config import Config, ConfigError, config_to_dict, reads_key
 from idml.app.paper import config_value
 from idml.data.transforms import eval_resize_size
@@ -27,8 +28,6 @@ def check_loss_builds(cfg: Config) -> None:
     """Refuse hyper-parameters the loss itself rejects once it knows its metric (Contrastive's
     crossed margins: a distance or a similarity decides which way they may not cross), before the
     data loads rather than at the first step."""
-    from idml.app.build import build_loss
-
     try:
         build_loss(cfg, num_classes=2)
     except ValueError as err:
