@@ -24,7 +24,8 @@ Arms (:data:`ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
   ``e^{−γ/(τδ)}`` has the same median over the positive relations the loss compares — pairs of
   samples, or samples and their proxies for ProxyAnchor — as ``idml``'s learned one) and, for
   Contrastive, ``mixup_margin`` (Mixup with the positive margin moved by the median amount ISM
-  moves positive pairs in ``idml``: the margin ISM acts as, :func:`matched_controls`);
+  moves positive pairs in ``idml``: the margin ISM acts as, :func:`matched_controls`; capped at
+  the negative margin, which Contrastive's margins may not cross, :func:`matched_margin`);
 - ``idml_u_high``: ``idml`` with ``u`` starting at a quarter of its bound instead of 2 %
   (``model.uncertainty.init_level=0.25``): does the objective bring ``u`` back to the level where
   ISM is near the identity, or does the weakening stay where it starts? And where ISM does weaken
@@ -773,17 +774,70 @@ def grid_recipe(args: argparse.Namespace, loss: str, loss_folder: Path) -> list[
     return list(chosen["overrides"])
 
 
-def matched_overrides(idml_folder: Path, control: str) -> list[str]:
-    """The overrides that match a control (``uniform`` or ``margin``) to the trained runs of the
-    ISM arm in ``idml_folder`` (their ``mechanism.json``)."""
+def matched_values(idml_folder: Path) -> list[dict[str, Any]]:
+    """What each trained run of the ISM arm in ``idml_folder`` recorded for its matched controls
+    (``mechanism.json``'s ``matched``, :func:`matched_controls`)."""
     values = [
         json.loads(m.read_text())["matched"] for m in run_files(idml_folder, "mechanism.json")
     ]
     if not values:
         raise SystemExit(f"{idml_folder}: the controls are matched to it, but it has no run yet")
+    return values
+
+
+def matched_margin(values: Sequence[dict[str, Any]]) -> tuple[float, float | None]:
+    """The positive margin of the margin-matched control: the mean over runs of the margin ISM
+    acts as, and ``None``; or, where that mean passes the loss's negative margin, the negative
+    margin and the mean it replaces. Past m_neg a positive and a negative pair between the two
+    margins both cost nothing, so Contrastive refuses such margins; m_pos = m_neg is the largest
+    positive margin (distance form) that still separates them. Runs recorded before the negative
+    margin was (2026-12-04) are never capped: their controls trained.
+
+    >>> matched_margin([{"pos_margin": 0.3, "neg_margin": 0.5}, {"pos_margin": 0.5}])
+    (0.4, None)
+    >>> matched_margin([{"pos_margin": 0.6, "neg_margin": 0.5, "similarity": False}] * 2)
+    (0.5, 0.6)
+    >>> matched_margin([{"pos_margin": 0.2, "neg_margin": 0.3, "similarity": True}])
+    (0.3, 0.2)
+    """
+    margin = mean([v["pos_margin"] for v in values])
+    bound = values[0].get("neg_margin")
+    if bound is None:
+        return margin, None
+    crossed = margin < bound if values[0].get("similarity") else margin > bound
+    return (bound, margin) if crossed else (margin, None)
+
+
+def matched_overrides(idml_folder: Path, control: str) -> list[str]:
+    """The overrides that match a control (``uniform`` or ``margin``) to the trained runs of the
+    ISM arm in ``idml_folder`` (their ``mechanism.json``)."""
+    values = matched_values(idml_folder)
     if control == "uniform":
         return [f"metric.gamma={mean([v['gamma'] for v in values]):.6g}"]
-    return [f"loss.pos_margin={mean([v['pos_margin'] for v in values]):.6g}"]
+    return [f"loss.pos_margin={matched_margin(values)[0]:.6g}"]
+
+
+def matched_lines(folder: Path, arms: Mapping[str, Arm]) -> list[str]:
+    """One line per matched control of ``arms`` that has runs in ``folder``: the value it took
+    from the runs it matches, and why, where the margin was capped."""
+    lines = []
+    for name, arm in arms.items():
+        if arm.match is None or not run_files(folder / name, "result.json"):
+            continue
+        values = matched_values(folder / arm.match.to)
+        if arm.match.control == "uniform":
+            value = f"γ = {mean([v['gamma'] for v in values]):.4g}"
+        else:
+            margin, uncapped = matched_margin(values)
+            value = f"m_pos = {margin:.4g}"
+            if uncapped is not None:
+                value += (
+                    f" (ISM acts as m_pos = {uncapped:.4g}, past m_neg = {margin:.4g}, where "
+                    "Contrastive no longer separates a positive from a negative pair: capped "
+                    "at m_neg)"
+                )
+        lines.append(f"{arm.label}: {value}, from {len(values)} runs of `{arm.match.to}`")
+    return lines
 
 
 @dataclass(frozen=True)
@@ -943,7 +997,9 @@ def matched_controls(
       ``D_IN = δ·e^{−y}`` takes ``δ(1 − e^{−y})`` off a positive distance, which ``[D − m_pos]₊``
       reads as ``m_pos`` raised by that much; the similarity form ``S_IN = 1 − (δ²/2)·e^{−y}``
       adds ``(δ²/2)(1 − e^{−y})`` to a positive similarity, which ``[m_pos − S]₊`` reads as
-      ``m_pos`` lowered by that much. The median over the positive pairs is taken.
+      ``m_pos`` lowered by that much. The median over the positive pairs is taken;
+      ``neg_margin`` and ``similarity`` (the loss's negative margin and metric form) let
+      :func:`matched_margin` keep the control's margins from crossing.
 
     (Until 2026-12-02 the relations were always the batch's sample–sample pairs: right for the
     pair losses, but for ProxyAnchor a weakening about ten times the one its proxies saw.)
@@ -1005,6 +1061,8 @@ def matched_controls(
         "gamma": gamma,
         "median_weakening": target,
         "pos_margin": pos_margin,
+        "neg_margin": getattr(loss, "neg_margin", None),
+        "similarity": bool(loss.metric.is_similarity),
         "relations": "proxy" if proxy else "pair",
     }
 
@@ -1755,6 +1813,13 @@ def tables(args: argparse.Namespace) -> None:
     )
     if below:
         lines += ["", *below]
+    matched = [
+        f"- {LOSS_NAMES[loss]}, {line}"
+        for loss in args.losses
+        for line in matched_lines(root / loss, ARMS)
+    ]
+    if matched:
+        lines += ["", "Matched controls (the mean over the runs they match):\n", *matched]
     pairs = [
         (LOSS_NAMES[loss], label, runs[(loss, ref)], runs[(loss, arm)])
         for loss in args.losses
@@ -1830,6 +1895,15 @@ def degradation_tables(args: argparse.Namespace) -> None:
             for label, ref, arm in DEGRADATION_COMPARISONS
             if ref in runs and arm in runs and runs[ref] and runs[arm]
         ]
+    matched = [
+        f"- {degradation}, {line}"
+        for degradation in args.kinds
+        for line in matched_lines(
+            args.out / setting / "degradations" / degradation, DEGRADATION_ARMS
+        )
+    ]
+    if matched:
+        lines += ["", "Matched controls (the mean over the runs they match):\n", *matched]
     lines += ["\n## Differences (paired over seeds)\n", *difference_table(pairs)]
     lines += ["\n## Mechanism\n", *mechanism_header("degraded"), *mechanism]
     write_table(args, f"idml_{setting}_degradations.md", lines, of=header[1])

@@ -356,6 +356,61 @@ def test_a_grid_finishes_at_the_recipe_it_started_with(
     assert study.pinned_recipe(tmp_path / "omniglot_cnn" / "multi_similarity") == "20 epochs"
 
 
+def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table_says_so(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From Lite0's m_pos 0.4, ISM's median effect on Contrastive's positive pairs can reach past
+    m_neg, where the loss refuses its margins. The margin-matched control then trains at m_neg
+    (the largest margin that still separates the pairs) instead of stopping the matched phase —
+    which would also lose the uniform control — and the tables name both margins."""
+    recipes = {
+        "omniglot_lite0": {
+            "contrastive": {"recipe": "m_pos=0.4", "overrides": ["loss.pos_margin=0.4"]}
+        }
+    }
+    monkeypatch.setattr(study, "load_recipes", lambda: recipes)
+    matched = {
+        "gamma": 0.03,
+        "pos_margin": 0.62,
+        "neg_margin": DISTANCE_MARGINS[1],
+        "similarity": False,
+    }
+    phases: list[list] = []
+
+    def run_jobs(jobs: list, workers: int, ledger: object) -> None:
+        phases.append(jobs)
+        for job in jobs:
+            record = job.folder / "cells" / "base" / f"seed{job.folder.name[1:]}"
+            record.mkdir(parents=True)
+            (record / "result.json").write_text("{}")
+            (record / "mechanism.json").write_text(json.dumps({"matched": matched}))
+
+    monkeypatch.setattr(study, "run_jobs", run_jobs)
+    args = argparse.Namespace(
+        setting="omniglot_lite0",
+        losses=["contrastive"],
+        arms=["idml", "idml_uniform", "mixup_margin"],
+        seeds=2,
+        workers=1,
+        out=tmp_path,
+        omniglot_root=tmp_path / "omniglot",
+        quick=False,
+        recipe="validated",
+        degradations=False,
+        override=[],
+    )
+    study.run(args)
+    controls = {job.folder.parent.name: job.overrides for job in phases[1]}
+    assert set(controls) == {"idml_uniform", "mixup_margin"}
+    assert controls["mixup_margin"][-2:] == ("loss.pos_margin=0.5", "seed=1")
+    assert "metric.gamma=0.03" in controls["idml_uniform"]
+
+    lines = study.matched_lines(tmp_path / "omniglot_lite0" / "contrastive", study.ARMS)
+    assert lines[0].startswith("IDML, u = 0 and matched γ (uniform weakening): γ = 0.03, from 2")
+    assert "m_pos = 0.5 (ISM acts as m_pos = 0.62, past m_neg = 0.5" in lines[1]
+    assert "capped at m_neg" in lines[1]
+
+
 def test_a_table_never_replaces_the_table_of_other_runs(
     study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
