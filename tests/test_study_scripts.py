@@ -314,6 +314,33 @@ def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: ModuleT
         study.with_controls("mixup", ("a", "b", "c"), study.MIXUP)
 
 
+def grid_args(tmp_path: Path, setting: str, loss: str, arms: list[str]) -> argparse.Namespace:
+    """``run``'s arguments for a two-seed grid of ``arms`` in ``tmp_path``."""
+    return argparse.Namespace(
+        setting=setting,
+        losses=[loss],
+        arms=arms,
+        seeds=2,
+        workers=1,
+        out=tmp_path,
+        omniglot_root=tmp_path / "omniglot",
+        quick=False,
+        recipe="validated",
+        degradations=False,
+        override=[],
+    )
+
+
+def record_runs(jobs: list, matched: dict[str, Any]) -> None:
+    """Stands in for training ``jobs``: each run folder gets a result and a ``mechanism.json``
+    whose ``matched`` is what the controls take from it."""
+    for job in jobs:
+        record = job.folder / "cells" / "base" / f"seed{job.folder.name[1:]}"
+        record.mkdir(parents=True)
+        (record / "result.json").write_text("{}")
+        (record / "mechanism.json").write_text(json.dumps({"matched": matched}))
+
+
 def test_a_grid_finishes_at_the_recipe_it_started_with(
     study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -327,26 +354,11 @@ def test_a_grid_finishes_at_the_recipe_it_started_with(
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
         phases.append(jobs)
-        for job in jobs:  # the ISM arm's runs, which its uniform control is matched to
-            record = job.folder / "cells" / "base" / f"seed{job.folder.name[1:]}"
-            record.mkdir(parents=True)
-            (record / "mechanism.json").write_text(json.dumps({"matched": {"gamma": 0.02}}))
+        record_runs(jobs, {"gamma": 0.02})  # the ISM arm's, which its uniform control matches
         recipes["omniglot_cnn"]["multi_similarity"] = forty  # adopted meanwhile
 
     monkeypatch.setattr(study, "run_jobs", run_jobs)
-    args = argparse.Namespace(
-        setting="omniglot_cnn",
-        losses=["multi_similarity"],
-        arms=["idml", "idml_uniform"],
-        seeds=2,
-        workers=1,
-        out=tmp_path,
-        omniglot_root=tmp_path / "omniglot",
-        quick=False,
-        recipe="validated",
-        degradations=False,
-    )
-    study.run(args)
+    study.run(grid_args(tmp_path, "omniglot_cnn", "multi_similarity", ["idml", "idml_uniform"]))
     first, matched = phases
     assert [job.folder.parent.name for job in first] == ["idml", "idml"]
     assert [job.folder.parent.name for job in matched] == ["idml_uniform", "idml_uniform"]
@@ -379,27 +391,11 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
         phases.append(jobs)
-        for job in jobs:
-            record = job.folder / "cells" / "base" / f"seed{job.folder.name[1:]}"
-            record.mkdir(parents=True)
-            (record / "result.json").write_text("{}")
-            (record / "mechanism.json").write_text(json.dumps({"matched": matched}))
+        record_runs(jobs, matched)
 
     monkeypatch.setattr(study, "run_jobs", run_jobs)
-    args = argparse.Namespace(
-        setting="omniglot_lite0",
-        losses=["contrastive"],
-        arms=["idml", "idml_uniform", "mixup_margin"],
-        seeds=2,
-        workers=1,
-        out=tmp_path,
-        omniglot_root=tmp_path / "omniglot",
-        quick=False,
-        recipe="validated",
-        degradations=False,
-        override=[],
-    )
-    study.run(args)
+    arms = ["idml", "idml_uniform", "mixup_margin"]
+    study.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
     controls = {job.folder.parent.name: job.overrides for job in phases[1]}
     assert set(controls) == {"idml_uniform", "mixup_margin"}
     assert controls["mixup_margin"][-2:] == ("loss.pos_margin=0.5", "seed=1")
