@@ -679,10 +679,22 @@ class Ledger:
     def record(self, folder: Path | None = None) -> int:
         """Copy the durable files of ``folder`` (default: all of :attr:`out`) into the ledger,
         replacing an older copy (a re-run's or a rematch's); the number of files written."""
+        return self.copy(self.durable(folder or self.out))
+
+    def record_run(self, run_folder: Path) -> int:
+        """A finished run's records and the pins of the folders above it (the grid's recipe, the
+        setting's layout), so that a chain stopped mid-grid leaves what resuming needs."""
+        above = [a for a in run_folder.parents if a == self.out or self.out in a.parents]
+        pins = [a / name for a in above for name in sorted(DURABLE_FILES) if (a / name).is_file()]
+        return self.copy([*self.durable(run_folder), *pins])
+
+    def copy(self, paths: Sequence[Path]) -> int:
+        """Copy ``paths`` (within :attr:`out`) into the ledger where its copy differs; the number
+        of files written."""
         from idml.app.checkpoint import atomic_write_text
 
         written = 0
-        for path in self.durable(folder or self.out):
+        for path in paths:
             copy = self.root / path.relative_to(self.out)
             text = path.read_text()
             if not copy.is_file() or copy.read_text() != text:
@@ -808,36 +820,44 @@ def matched_margin(values: Sequence[dict[str, Any]]) -> tuple[float, float | Non
     return (bound, margin) if crossed else (margin, None)
 
 
-def matched_overrides(idml_folder: Path, control: str) -> list[str]:
-    """The overrides that match a control (``uniform`` or ``margin``) to the trained runs of the
-    ISM arm in ``idml_folder`` (their ``mechanism.json``)."""
+def matched_setting(idml_folder: Path, control: str) -> tuple[str, float, float | None]:
+    """The config key a matched control (``uniform`` or ``margin``) sets, the value it takes from
+    the trained runs of the ISM arm in ``idml_folder`` (their ``mechanism.json``), and the value
+    a cap replaced (:func:`matched_margin`; ``None`` if none)."""
     values = matched_values(idml_folder)
     if control == "uniform":
-        return [f"metric.gamma={mean([v['gamma'] for v in values]):.6g}"]
-    return [f"loss.pos_margin={matched_margin(values)[0]:.6g}"]
+        return "metric.gamma", mean([v["gamma"] for v in values]), None
+    return ("loss.pos_margin", *matched_margin(values))
 
 
-def matched_lines(folder: Path, arms: Mapping[str, Arm]) -> list[str]:
-    """One line per matched control of ``arms`` that has runs in ``folder``: the value it took
-    from the runs it matches, and why, where the margin was capped."""
+def matched_overrides(idml_folder: Path, control: str) -> list[str]:
+    """The overrides that match a control to the trained runs in ``idml_folder``."""
+    key, value, _ = matched_setting(idml_folder, control)
+    return [f"{key}={value:.6g}"]
+
+
+def matched_section(folders: Mapping[str, Path], arms: Mapping[str, Arm]) -> list[str]:
+    """A table's lines on its matched controls: for each group's folder (a loss, a degradation)
+    and each matched control of ``arms`` with runs there, the value it took from the runs it
+    matches, and why, where the margin was capped; no lines without such controls."""
     lines = []
-    for name, arm in arms.items():
-        if arm.match is None or not run_files(folder / name, "result.json"):
-            continue
-        values = matched_values(folder / arm.match.to)
-        if arm.match.control == "uniform":
-            value = f"γ = {mean([v['gamma'] for v in values]):.4g}"
-        else:
-            margin, uncapped = matched_margin(values)
-            value = f"m_pos = {margin:.4g}"
+    for group, folder in folders.items():
+        for name, arm in arms.items():
+            if arm.match is None or not run_files(folder / name, "result.json"):
+                continue
+            source = folder / arm.match.to
+            key, value, uncapped = matched_setting(source, arm.match.control)
+            said = f"{key} = {value:.4g}"
             if uncapped is not None:
-                value += (
-                    f" (ISM acts as m_pos = {uncapped:.4g}, past m_neg = {margin:.4g}, where "
-                    "Contrastive no longer separates a positive from a negative pair: capped "
-                    "at m_neg)"
+                said += (
+                    f" (ISM acts as {uncapped:.4g}, past the negative margin {value:.4g}, where "
+                    "Contrastive no longer separates a positive from a negative pair: capped there)"
                 )
-        lines.append(f"{arm.label}: {value}, from {len(values)} runs of `{arm.match.to}`")
-    return lines
+            runs = len(run_files(source, "mechanism.json"))
+            lines.append(f"- {group}, {arm.label}: {said}, from {runs} runs of `{arm.match.to}`")
+    if not lines:
+        return []
+    return ["", "Matched controls (the mean over the runs they match):\n", *lines]
 
 
 @dataclass(frozen=True)
@@ -896,7 +916,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, ledger: Ledger | None = None) ->
     def report(results: Iterator[tuple[str, float]]) -> None:
         for done, (folder, seconds) in enumerate(results, start=1):
             if ledger is not None:
-                ledger.record(Path(folder))
+                ledger.record_run(Path(folder))
             elapsed = (time.perf_counter() - start) / 60
             print(
                 f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far)", flush=True
@@ -1813,13 +1833,7 @@ def tables(args: argparse.Namespace) -> None:
     )
     if below:
         lines += ["", *below]
-    matched = [
-        f"- {LOSS_NAMES[loss]}, {line}"
-        for loss in args.losses
-        for line in matched_lines(root / loss, ARMS)
-    ]
-    if matched:
-        lines += ["", "Matched controls (the mean over the runs they match):\n", *matched]
+    lines += matched_section({LOSS_NAMES[loss]: root / loss for loss in args.losses}, ARMS)
     pairs = [
         (LOSS_NAMES[loss], label, runs[(loss, ref)], runs[(loss, arm)])
         for loss in args.losses
@@ -1895,15 +1909,8 @@ def degradation_tables(args: argparse.Namespace) -> None:
             for label, ref, arm in DEGRADATION_COMPARISONS
             if ref in runs and arm in runs and runs[ref] and runs[arm]
         ]
-    matched = [
-        f"- {degradation}, {line}"
-        for degradation in args.kinds
-        for line in matched_lines(
-            args.out / setting / "degradations" / degradation, DEGRADATION_ARMS
-        )
-    ]
-    if matched:
-        lines += ["", "Matched controls (the mean over the runs they match):\n", *matched]
+    degraded = {kind: args.out / setting / "degradations" / kind for kind in args.kinds}
+    lines += matched_section(degraded, DEGRADATION_ARMS)
     lines += ["\n## Differences (paired over seeds)\n", *difference_table(pairs)]
     lines += ["\n## Mechanism\n", *mechanism_header("degraded"), *mechanism]
     write_table(args, f"idml_{setting}_degradations.md", lines, of=header[1])

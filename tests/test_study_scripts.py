@@ -401,10 +401,12 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
     assert controls["mixup_margin"][-2:] == ("loss.pos_margin=0.5", "seed=1")
     assert "metric.gamma=0.03" in controls["idml_uniform"]
 
-    lines = study.matched_lines(tmp_path / "omniglot_lite0" / "contrastive", study.ARMS)
-    assert lines[0].startswith("IDML, u = 0 and matched γ (uniform weakening): γ = 0.03, from 2")
-    assert "m_pos = 0.5 (ISM acts as m_pos = 0.62, past m_neg = 0.5" in lines[1]
-    assert "capped at m_neg" in lines[1]
+    folders = {"Contrastive": tmp_path / "omniglot_lite0" / "contrastive"}
+    lines = study.matched_section(folders, study.ARMS)[2:]
+    uniform = "- Contrastive, IDML, u = 0 and matched γ (uniform weakening): metric.gamma = 0.03"
+    assert lines[0].startswith(uniform + ", from 2 runs of `idml`")
+    assert "loss.pos_margin = 0.5 (ISM acts as 0.62, past the negative margin 0.5" in lines[1]
+    assert "capped there" in lines[1]
 
 
 def test_a_table_never_replaces_the_table_of_other_runs(
@@ -574,6 +576,22 @@ def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
     assert ledger.record() == 0  # nothing changed, nothing rewritten
     (run / "mechanism.json").write_text('{"test_u_cv": 0.3, "matched": {}}')  # a rematch
     assert ledger.record(run.parents[3]) == 1
+
+    # A run that finishes takes the pins above it along: a chain stopped mid-grid, before the
+    # command's closing record, still leaves the grid's recipe pin in the ledger.
+    alone = study.Ledger(out, tmp_path / "ledger" / "alone")
+    assert alone.record_run(run.parents[2]) == 6
+    assert (alone.root / "demo" / "contrastive" / study.FOLDER_RECIPE).is_file()
+    assert not (
+        alone.root
+        / "demo"
+        / "contrastive"
+        / "idml"
+        / "s0"
+        / "cells"
+        / "base"
+        / "seed0.replaced-20261203-224509"
+    ).exists()
 
     # A new machine: an empty --out of the same name gets everything back but the checkpoints,
     # and a file it already has is never overwritten by the ledger's copy.
