@@ -25,7 +25,9 @@ Arms (:data:`ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
   samples, or samples and their proxies for ProxyAnchor — as ``idml``'s learned one) and, for
   Contrastive, ``mixup_margin`` (Mixup with the positive margin moved by the median amount ISM
   moves positive pairs in ``idml``: the margin ISM acts as, :func:`matched_controls`; capped at
-  the negative margin, which Contrastive's margins may not cross, :func:`matched_margin`);
+  the negative margin, which Contrastive's margins may not cross, :func:`matched_margin`; not
+  trained where that is the recipe's own margin, which would make it Mixup only again,
+  :func:`idle_control`);
 - ``idml_u_high``: ``idml`` with ``u`` starting at a quarter of its bound instead of 2 %
   (``model.uncertainty.init_level=0.25``): does the objective bring ``u`` back to the level where
   ISM is near the identity, or does the weakening stay where it starts? And where ISM does weaken
@@ -820,6 +822,42 @@ def matched_margin(values: Sequence[dict[str, Any]]) -> tuple[float, float | Non
     return (bound, margin) if crossed else (margin, None)
 
 
+def margin_copies_mixup(values: Sequence[dict[str, Any]]) -> str | None:
+    """Why the margin-matched control would train Mixup only again, or ``None``: its margin
+    (:func:`matched_margin`) is the recipe's own positive margin, as when the recipe's m_pos is
+    already m_neg and the cap takes the control back to it. Runs recorded before their recipe's
+    margin was (2026-12-04) never say so.
+
+    >>> print(margin_copies_mixup([{"pos_margin": 0.7, "neg_margin": 0.5, "recipe_pos_margin": 0.5}]))
+    ISM acts as m_pos = 0.7, capped at m_neg = 0.5, which is the recipe's own m_pos
+    >>> margin_copies_mixup([{"pos_margin": 0.62, "neg_margin": 0.5, "recipe_pos_margin": 0.4}])
+    """
+    margin, uncapped = matched_margin(values)
+    own = values[0].get("recipe_pos_margin")
+    if own is None or not math.isclose(margin, own, rel_tol=0.0, abs_tol=1e-9):
+        return None
+    if uncapped is None:
+        return f"ISM acts as m_pos = {margin:.4g}, the recipe's own m_pos"
+    return f"ISM acts as m_pos = {uncapped:.4g}, capped at m_neg = {margin:.4g}, which is the recipe's own m_pos"
+
+
+def idle_control(arms_folder: Path, arm: Arm) -> str | None:
+    """Why the matched control ``arm`` of the grid in ``arms_folder`` is not trained (it would
+    repeat another arm), or ``None``: so far only a margin-matched control whose margin is the
+    recipe's own (:func:`margin_copies_mixup`), which would train Mixup only again."""
+    if arm.match is None or arm.match.control != "margin":
+        return None
+    source = arms_folder / arm.match.to
+    if not run_files(source, "mechanism.json"):
+        return None
+    copy = margin_copies_mixup(matched_values(source))
+    return (
+        None
+        if copy is None
+        else f"{copy}, so it would be Mixup only (IDML − Mixup only is its comparison)"
+    )
+
+
 def matched_setting(idml_folder: Path, control: str) -> tuple[str, float, float | None]:
     """The config key a matched control (``uniform`` or ``margin``) sets, the value it takes from
     the trained runs of the ISM arm in ``idml_folder`` (their ``mechanism.json``), and the value
@@ -843,9 +881,13 @@ def matched_section(folders: Mapping[str, Path], arms: Mapping[str, Arm]) -> lis
     lines = []
     for group, folder in folders.items():
         for name, arm in arms.items():
-            if arm.match is None or not run_files(folder / name, "result.json"):
+            if arm.match is None:
                 continue
             source = folder / arm.match.to
+            if not run_files(folder / name, "result.json"):
+                if idle := idle_control(folder, arm):
+                    lines.append(f"- {group}, {arm.label}: not trained: {idle}")
+                continue
             key, value, uncapped = matched_setting(source, arm.match.control)
             said = f"{key} = {value:.4g}"
             if uncapped is not None:
@@ -1019,7 +1061,8 @@ def matched_controls(
       adds ``(δ²/2)(1 − e^{−y})`` to a positive similarity, which ``[m_pos − S]₊`` reads as
       ``m_pos`` lowered by that much. The median over the positive pairs is taken;
       ``neg_margin`` and ``similarity`` (the loss's negative margin and metric form) let
-      :func:`matched_margin` keep the control's margins from crossing.
+      :func:`matched_margin` keep the control's margins from crossing, and ``recipe_pos_margin``
+      (the run's own) lets :func:`margin_copies_mixup` tell when the control would be Mixup only.
 
     (Until 2026-12-02 the relations were always the batch's sample–sample pairs: right for the
     pair losses, but for ProxyAnchor a weakening about ten times the one its proxies saw.)
@@ -1070,9 +1113,9 @@ def matched_controls(
     target = float(weakening.median())
     gamma = -math.log(target) / float(torch.cat(unit).median())
     pos_margin = None
+    base_margin = float(getattr(loss, "pos_margin", 0.0) or 0.0)
     if not proxy:
         delta = torch.cat(chords).double()
-        base_margin = float(getattr(loss, "pos_margin", 0.0) or 0.0)
         if loss.metric.is_similarity:
             pos_margin = base_margin - float((delta**2 / 2 * (1 - weakening)).median())
         else:
@@ -1082,6 +1125,7 @@ def matched_controls(
         "median_weakening": target,
         "pos_margin": pos_margin,
         "neg_margin": getattr(loss, "neg_margin", None),
+        "recipe_pos_margin": None if proxy else base_margin,
         "similarity": bool(loss.metric.is_similarity),
         "relations": "proxy" if proxy else "pair",
     }
@@ -1430,7 +1474,11 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
             arm = ARMS[name]
             if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
                 continue
-            extra = control_overrides(args.out / setting / loss, arm)
+            arms_folder = args.out / setting / loss
+            if idle := idle_control(arms_folder, arm):
+                print(f"{arms_folder / name}: not trained: {idle}")
+                continue
+            extra = control_overrides(arms_folder, arm)
             own = (*arm.overrides, *extra)
             for seed in range(args.seeds):
                 config = (*arm_config(base, loss, chosen, study, name, own), f"seed={seed}")

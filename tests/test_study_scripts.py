@@ -217,6 +217,7 @@ def test_the_uniform_control_weakens_as_much_as_the_learned_one(
     run_dir = next((root / "idml").rglob("mechanism.json")).parent
     matched = json.loads((run_dir / "mechanism.json").read_text())["matched"]
     assert matched["relations"] == "proxy" and matched["pos_margin"] is None
+    assert matched["recipe_pos_margin"] is None  # a proxy loss has no positive margin to move
     assert 0 < matched["median_weakening"] < 1 and 0 < matched["gamma"] < 10
 
     control = yaml.safe_load(next((root / "idml_uniform").rglob("config.yaml")).read_text())
@@ -407,6 +408,44 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
     assert lines[0].startswith(uniform + ", from 2 runs of `idml`")
     assert "loss.pos_margin = 0.5 (ISM acts as 0.62, past the negative margin 0.5" in lines[1]
     assert "capped there" in lines[1]
+
+
+def test_a_margin_matched_control_that_would_be_mixup_only_is_not_trained_and_the_table_says_so(
+    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the recipe's m_pos is already m_neg, the cap takes the margin-matched control back to
+    the recipe's own margin: it would be Mixup only, ten runs for a copy of another arm. It is
+    skipped, the uniform control still trains, and the table says why the control is missing."""
+    recipes = {
+        "omniglot_lite0": {
+            "contrastive": {"recipe": "m_pos=0.5", "overrides": ["loss.pos_margin=0.5"]}
+        }
+    }
+    monkeypatch.setattr(study, "load_recipes", lambda: recipes)
+    matched = {
+        "gamma": 0.03,
+        "pos_margin": 0.7,
+        "neg_margin": DISTANCE_MARGINS[1],
+        "similarity": False,
+        "recipe_pos_margin": DISTANCE_MARGINS[1],
+    }
+    phases: list[list] = []
+
+    def run_jobs(jobs: list, workers: int, ledger: object) -> None:
+        phases.append(jobs)
+        record_runs(jobs, matched)
+
+    monkeypatch.setattr(study, "run_jobs", run_jobs)
+    arms = ["idml", "idml_uniform", "mixup_margin"]
+    study.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
+    assert {job.folder.parent.name for job in phases[1]} == {"idml_uniform"}
+
+    folders = {"Contrastive": tmp_path / "omniglot_lite0" / "contrastive"}
+    lines = study.matched_section(folders, study.ARMS)[2:]
+    assert len(lines) == 2 and lines[0].startswith("- Contrastive, IDML, u = 0 and matched γ")
+    assert lines[1].startswith("- Contrastive, Mixup only, margin matched to IDML: not trained")
+    assert "capped at m_neg = 0.5, which is the recipe's own m_pos" in lines[1]
+    assert "Mixup only (IDML − Mixup only is its comparison)" in lines[1]
 
 
 def test_a_table_never_replaces_the_table_of_other_runs(
