@@ -1515,14 +1515,30 @@ def degradation_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
     return jobs
 
 
+def seed_major(jobs: Sequence[Job]) -> list[Job]:
+    """``jobs`` seed by seed: every arm's seed 0, then every arm's seed 1, and so on (arms and
+    groups in their order within a seed). A grid of a day's CPU time outlives the session that
+    starts it; stopped anywhere, it leaves every arm with the same seeds or one fewer, so its
+    tables already pair all arms, where arm after arm left the last arms with no seed at all.
+
+    >>> names = [Job(Path(a) / f"s{s}", (), False) for a in "ab" for s in range(2)]
+    >>> [str(job.folder) for job in seed_major(names)]
+    ['a/s0', 'b/s0', 'a/s1', 'b/s1']
+    """
+    return sorted(jobs, key=lambda job: int(job.folder.name.removeprefix("s")))
+
+
 def run(args: argparse.Namespace) -> None:
-    """Trains the arms that stand alone, then the controls matched to their runs. The first phase
-    pins each grid's recipe; the second trains at that pin, so a grid finishes at the recipe it
-    started with even when ``converge --adopt`` moves the validated recipe on while it runs."""
+    """Trains the arms that stand alone, then the controls matched to their runs, each phase seed
+    by seed (:func:`seed_major`). The first phase pins each grid's recipe; the second trains at
+    that pin, so a grid finishes at the recipe it started with even when ``converge --adopt``
+    moves the validated recipe on while it runs."""
     jobs = degradation_jobs if args.degradations else main_jobs
-    run_jobs(checked_jobs(args, jobs(args, matched=False)), args.workers, study_ledger(args))
+    first = seed_major(jobs(args, matched=False))
+    run_jobs(checked_jobs(args, first), args.workers, study_ledger(args))
     started = argparse.Namespace(**{**vars(args), "recipe": "pinned"})
-    run_jobs(checked_jobs(args, jobs(started, matched=True)), args.workers, study_ledger(args))
+    matched = seed_major(jobs(started, matched=True))
+    run_jobs(checked_jobs(args, matched), args.workers, study_ledger(args))
 
 
 # --------------------------------------------------------------------------- tables

@@ -397,6 +397,9 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
     monkeypatch.setattr(study, "run_jobs", run_jobs)
     arms = ["idml", "idml_uniform", "mixup_margin"]
     study.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
+    # Seed by seed, so a grid stopped mid-way has every arm at the same seeds.
+    order = [(job.folder.name, job.folder.parent.name) for job in phases[1]]
+    assert order == [(s, a) for s in ("s0", "s1") for a in ("idml_uniform", "mixup_margin")]
     controls = {job.folder.parent.name: job.overrides for job in phases[1]}
     assert set(controls) == {"idml_uniform", "mixup_margin"}
     assert controls["mixup_margin"][-2:] == ("loss.pos_margin=0.5", "seed=1")
