@@ -1,4 +1,5 @@
-"""The IDML study's bookkeeping (``benchmarks/study_idml.py``): what keeps a grid honest.
+"""The IDML study's bookkeeping (``benchmarks/study_idml.py`` and its package
+``benchmarks/idml_study``): what keeps a grid honest.
 
 A grid's arms must share one recipe (budget and knobs), and a recipe changed by ``converge --adopt``
 must not silently retrain or mix with a grid run at the old one. The study itself trains for hours
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import doctest
+import importlib
 import importlib.util
 import json
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,87 +25,136 @@ import yaml
 
 from idml.losses.contrastive import DISTANCE_MARGINS
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "study_idml.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "study_idml.py"
+PACKAGE = "idml_study"
+
+
+@dataclass(frozen=True)
+class Study:
+    """The study's script (its command line, ``main``) and the modules of its package. A test
+    reaches a name through the module that defines it, and patches a name in the module that looks
+    it up: ``run`` (``jobs``) calls ``study.jobs.run_jobs``, ``challenge`` (``choose``)
+    ``study.choose.run_jobs``; a patch elsewhere would leave the real one running."""
+
+    script: ModuleType
+    design: ModuleType
+    recipes: ModuleType
+    ledger: ModuleType
+    results: ModuleType
+    mechanism: ModuleType
+    jobs: ModuleType
+    tables: ModuleType
+    choose: ModuleType
+
+    def modules(self) -> list[ModuleType]:
+        return [getattr(self, field.name) for field in fields(self)]
 
 
 @pytest.fixture(scope="module")
-def study() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("study_idml", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["study_idml"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("study_idml", None)
+def study() -> Iterator[Study]:
+    # Run as a script, the study finds its package beside it: benchmarks/ is sys.path[0].
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("study_idml", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["study_idml"] = module  # importable by its name, as its package's modules are
+        spec.loader.exec_module(module)
+        parts = [importlib.import_module(f"{PACKAGE}.{f.name}") for f in fields(Study)[1:]]
+        yield Study(module, *parts)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        for name in [n for n in sys.modules if n == "study_idml" or n.split(".")[0] == PACKAGE]:
+            sys.modules.pop(name)
 
 
-def test_the_study_examples_hold(study: ModuleType) -> None:
-    result = doctest.testmod(study)
-    assert result.attempted >= 3 and result.failed == 0
+WITH_EXAMPLES = ("design", "mechanism", "jobs", "tables", "choose")
+"""The package's modules whose docstrings hold examples (the script's holds none)."""
 
 
-def test_a_grid_keeps_the_recipe_its_runs_were_trained_with(
-    study: ModuleType, tmp_path: Path
-) -> None:
+def test_the_study_examples_hold(study: Study) -> None:
+    attempted = 0
+    for module in study.modules():
+        result = doctest.testmod(module)
+        if module.__name__.removeprefix(PACKAGE + ".") in WITH_EXAMPLES:
+            assert result.attempted > 0, module.__name__
+        assert result.failed == 0, module.__name__
+        attempted += result.attempted
+    assert attempted >= 3
+
+
+def test_a_grid_keeps_the_recipe_its_runs_were_trained_with(study: Study, tmp_path: Path) -> None:
     folder = tmp_path / "omniglot_cnn" / "proxy_anchor"
     ten = {
         "recipe": "proxy_lr×10, 10 epochs",
         "overrides": ["optim.proxy_lr_mult=10", "optim.epochs=10"],
     }
-    study.pin_recipe(folder, ten)
-    assert json.loads((folder / study.FOLDER_RECIPE).read_text())["overrides"] == ten["overrides"]
-    study.pin_recipe(folder, dict(ten, validation_map_r=0.5))  # the same recipe: nothing to say
-    assert study.pinned_recipe(folder) == "proxy_lr×10, 10 epochs"
+    study.recipes.pin_recipe(folder, ten)
+    assert (
+        json.loads((folder / study.recipes.FOLDER_RECIPE).read_text())["overrides"]
+        == ten["overrides"]
+    )
+    # The same recipe: nothing to say.
+    study.recipes.pin_recipe(folder, dict(ten, validation_map_r=0.5))
+    assert study.recipes.pinned_recipe(folder) == "proxy_lr×10, 10 epochs"
 
     twenty = {
         "recipe": "proxy_lr×10, 20 epochs",
         "overrides": ["optim.proxy_lr_mult=10", "optim.epochs=20"],
     }
     with pytest.raises(SystemExit) as stop:
-        study.pin_recipe(folder, twenty)
+        study.recipes.pin_recipe(folder, twenty)
     message = str(stop.value)
     assert str(folder) in message
     assert "10 epochs" in message and "20 epochs" in message and "--out" in message
-    assert study.pinned_recipe(folder) == "proxy_lr×10, 10 epochs"  # the old pin is untouched
-    assert study.pinned_recipe(tmp_path / "elsewhere") is None
+    # The old pin is untouched.
+    assert study.recipes.pinned_recipe(folder) == "proxy_lr×10, 10 epochs"
+    assert study.recipes.pinned_recipe(tmp_path / "elsewhere") is None
 
 
 def test_a_grid_grows_at_its_pinned_recipe_only_when_asked(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     twenty = {"recipe": "proxy_lr×10, 20 epochs", "overrides": ["optim.epochs=20"]}
     forty = {"recipe": "proxy_lr×10, 40 epochs", "overrides": ["optim.epochs=40"]}
-    monkeypatch.setattr(study, "load_recipes", lambda: {"omniglot_cnn": {"proxy_anchor": forty}})
+    monkeypatch.setattr(
+        study.recipes, "load_recipes", lambda: {"omniglot_cnn": {"proxy_anchor": forty}}
+    )
     folder = tmp_path / "omniglot_cnn" / "proxy_anchor"
-    study.pin_recipe(folder, twenty)
+    study.recipes.pin_recipe(folder, twenty)
 
     def args(recipe: str) -> argparse.Namespace:
         return argparse.Namespace(quick=False, recipe=recipe, setting="omniglot_cnn")
 
     # The validated recipe moved on: a grid at the old pin refuses it, and adds arms at its pin.
     with pytest.raises(SystemExit):
-        study.grid_recipe(args("validated"), "proxy_anchor", folder)
-    assert study.grid_recipe(args("pinned"), "proxy_anchor", folder) == ["optim.epochs=20"]
+        study.recipes.grid_recipe(args("validated"), "proxy_anchor", folder)
+    assert study.recipes.grid_recipe(args("pinned"), "proxy_anchor", folder) == ["optim.epochs=20"]
     fresh = tmp_path / "new" / "proxy_anchor"
-    assert study.grid_recipe(args("validated"), "proxy_anchor", fresh) == ["optim.epochs=40"]
-    assert study.pinned_recipe(fresh) == forty["recipe"]
+    assert study.recipes.grid_recipe(args("validated"), "proxy_anchor", fresh) == [
+        "optim.epochs=40"
+    ]
+    assert study.recipes.pinned_recipe(fresh) == forty["recipe"]
     with pytest.raises(SystemExit) as stop:
-        study.grid_recipe(args("pinned"), "proxy_anchor", tmp_path / "none" / "proxy_anchor")
+        study.recipes.grid_recipe(
+            args("pinned"), "proxy_anchor", tmp_path / "none" / "proxy_anchor"
+        )
     assert "pins no recipe" in str(stop.value)
 
 
 def test_a_setting_folder_keeps_the_memory_format_of_its_first_runs(
-    study: ModuleType, tmp_path: Path
+    study: Study, tmp_path: Path
 ) -> None:
     def overrides(out: Path, pin: bool = True) -> list[str]:
         args = argparse.Namespace(setting="demo", omniglot_root=tmp_path, quick=False, out=out)
-        return study.setting_overrides(args, pin=pin)
+        return study.recipes.setting_overrides(args, pin=pin)
 
     # A new folder trains in today's CPU default, and pins it; a table's read pins nothing.
     assert overrides(tmp_path / "new", pin=False)[-1] == "optim.channels_last=true"
     assert not (tmp_path / "new").exists()
     assert overrides(tmp_path / "new")[-1] == "optim.channels_last=true"
-    assert (tmp_path / "new" / "demo" / study.FOLDER_MEMORY_FORMAT).is_file()
+    assert (tmp_path / "new" / "demo" / study.recipes.FOLDER_MEMORY_FORMAT).is_file()
     # Runs trained before the pin existed used the default layout of their day, and keep it.
     old = tmp_path / "old" / "demo" / "contrastive" / "baseline" / "s0"
     old.mkdir(parents=True)
@@ -114,10 +167,10 @@ def test_a_setting_folder_keeps_the_memory_format_of_its_first_runs(
 
 
 def test_a_run_finished_before_the_layout_pin_is_reused_not_retrained(
-    study: ModuleType, tmp_path: Path
+    study: Study, tmp_path: Path
 ) -> None:
-    overrides = ("loss.name=contrastive", study.LEGACY_LAYOUT, "seed=0")
-    job = study.Job(tmp_path / "s0", overrides, mechanism=False)
+    overrides = ("loss.name=contrastive", study.recipes.LEGACY_LAYOUT, "seed=0")
+    job = study.jobs.Job(tmp_path / "s0", overrides, mechanism=False)
     runs = tmp_path / "s0" / "cells" / "base"
 
     def finish(folder: str, channels_last: object) -> None:
@@ -126,19 +179,19 @@ def test_a_run_finished_before_the_layout_pin_is_reused_not_retrained(
         (runs / folder / "result.json").write_text(json.dumps(record))
 
     # Nothing trained yet, or only a run moved aside: the new run trains in the pinned layout.
-    assert study.reuse_overrides(job) == list(overrides)
+    assert study.jobs.reuse_overrides(job) == list(overrides)
     finish("seed0.replaced-20261203-224509", "auto")
-    assert study.reuse_overrides(job) == list(overrides)
+    assert study.jobs.reuse_overrides(job) == list(overrides)
     # The run of that day said "auto" (the contiguous layout on the CPU then): asked for as it is.
     finish("seed0", "auto")
-    assert study.reuse_overrides(job) == ["loss.name=contrastive", "seed=0"]
+    assert study.jobs.reuse_overrides(job) == ["loss.name=contrastive", "seed=0"]
     # A folder pinned to channels-last has no runs of the old default to reuse.
-    fresh = study.Job(tmp_path / "s0", ("optim.channels_last=true",), mechanism=False)
-    assert study.reuse_overrides(fresh) == ["optim.channels_last=true"]
+    fresh = study.jobs.Job(tmp_path / "s0", ("optim.channels_last=true",), mechanism=False)
+    assert study.jobs.reuse_overrides(fresh) == ["optim.channels_last=true"]
 
 
-def test_doubling_a_budget_keeps_every_other_knob(study: ModuleType) -> None:
-    name, overrides = study.doubled_budget(
+def test_doubling_a_budget_keeps_every_other_knob(study: Study) -> None:
+    name, overrides = study.choose.doubled_budget(
         {
             "recipe": "proxy_lr×10, 20 epochs",
             "overrides": ["optim.proxy_lr_mult=10", "optim.epochs=20"],
@@ -149,24 +202,26 @@ def test_doubling_a_budget_keeps_every_other_knob(study: ModuleType) -> None:
 
 
 def test_a_table_label_must_be_a_plain_name(
-    study: ModuleType, capsys: pytest.CaptureFixture[str]
+    study: Study, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
-        study.main(["tables", "--setting", "demo", "--label", "../escape"])
+        study.script.main(["tables", "--setting", "demo", "--label", "../escape"])
     assert "--label" in capsys.readouterr().err
 
 
 def test_a_degraded_grid_trains_only_the_kinds_and_arms_asked_for(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--degradations --kinds ... --arms ...`` stages the Table 3 grid: the cost of each kind
     first (its baseline), the ISM arms only where there is a cost to recover."""
     batches: list[list[Path]] = []
     monkeypatch.setattr(
-        study, "run_jobs", lambda jobs, workers, ledger: batches.append([j.folder for j in jobs])
+        study.jobs,
+        "run_jobs",
+        lambda jobs, workers, ledger: batches.append([j.folder for j in jobs]),
     )
     args = ["run", "--setting", "demo", "--quick", "--degradations", "--seeds", "2"]
-    study.main([*args, "--kinds", "blur", "--arms", "deg_baseline", "--out", str(tmp_path)])
+    study.script.main([*args, "--kinds", "blur", "--arms", "deg_baseline", "--out", str(tmp_path)])
     root = tmp_path.with_name(tmp_path.name + "_quick") / "demo" / "degradations"
     assert batches == [
         [root / "blur" / "deg_baseline" / "s0", root / "blur" / "deg_baseline" / "s1"],
@@ -174,14 +229,14 @@ def test_a_degraded_grid_trains_only_the_kinds_and_arms_asked_for(
     ]
 
     batches.clear()
-    unmatched = [name for name, arm in study.DEGRADATION_ARMS.items() if not arm.matched]
-    study.main([*args, "--arms", ",".join(unmatched), "--out", str(tmp_path)])  # every kind
+    unmatched = [name for name, arm in study.design.DEGRADATION_ARMS.items() if not arm.matched]
+    study.script.main([*args, "--arms", ",".join(unmatched), "--out", str(tmp_path)])  # every kind
     trained = {(f.parent.parent.name, f.parent.name) for batch in batches for f in batch}
-    assert trained == {(kind, arm) for kind in study.DEGRADATIONS for arm in unmatched}
+    assert trained == {(kind, arm) for kind in study.design.DEGRADATIONS for arm in unmatched}
 
     # The uniform control takes its γ from the ISM runs: none trained here, so it says so.
     with pytest.raises(SystemExit, match="no run yet"):
-        study.main([*args, "--kinds", "blur", "--out", str(tmp_path)])
+        study.script.main([*args, "--kinds", "blur", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize(
@@ -189,17 +244,17 @@ def test_a_degraded_grid_trains_only_the_kinds_and_arms_asked_for(
     [("--kinds", "fog"), ("--arms", "idml")],  # an unknown kind; a main-grid arm
 )
 def test_a_degraded_grid_names_what_it_does_not_know(
-    study: ModuleType, option: tuple[str, str], capsys: pytest.CaptureFixture[str]
+    study: Study, option: tuple[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
-        study.main(["run", "--setting", "demo", "--quick", "--degradations", *option])
+        study.script.main(["run", "--setting", "demo", "--quick", "--degradations", *option])
     error = capsys.readouterr().err
     assert repr(option[1]) in error and "low_resolution" in error and "deg_uniform" in error
 
 
 @pytest.mark.slow
 def test_the_uniform_control_weakens_as_much_as_the_learned_one(
-    study: ModuleType, tmp_path: Path
+    study: Study, tmp_path: Path
 ) -> None:
     """The ``idml_uniform`` control of a proxy loss takes the γ whose uniform weakening ``e^{−γk}``
     has the median of IDML's learned one over the sample–proxy relations (with the trained
@@ -212,7 +267,9 @@ def test_the_uniform_control_weakens_as_much_as_the_learned_one(
     from idml.embeddings import Embeddings
 
     args = ["run", "--setting", "demo", "--quick", "--losses", "proxy_anchor", "--seeds", "1"]
-    study.main([*args, "--arms", "idml,idml_uniform", "--workers", "1", "--out", str(tmp_path)])
+    study.script.main(
+        [*args, "--arms", "idml,idml_uniform", "--workers", "1", "--out", str(tmp_path)]
+    )
     root = tmp_path.with_name(tmp_path.name + "_quick") / "demo" / "proxy_anchor"
     run_dir = next((root / "idml").rglob("mechanism.json")).parent
     matched = json.loads((run_dir / "mechanism.json").read_text())["matched"]
@@ -254,7 +311,7 @@ def test_the_uniform_control_weakens_as_much_as_the_learned_one(
     assert low * (1 - 1e-6) <= matched["median_weakening"] <= high * (1 + 1e-6)
 
 
-def test_the_mechanism_row_trends_the_altered_images_it_names(study: ModuleType) -> None:
+def test_the_mechanism_row_trends_the_altered_images_it_names(study: Study) -> None:
     """The degraded grid's mechanism table trends ``||u||`` of the degraded training images (the
     trainer's ``uncertainty/degraded``) beside the originals', averaged over seeds; the main grid's
     trends the mixed ones, and an arm without that key shows a dash, not a number."""
@@ -283,36 +340,36 @@ def test_the_mechanism_row_trends_the_altered_images_it_names(study: ModuleType)
         1: {"metrics": {}, "mechanism": record((0.020, 0.014), (0.034, 0.140))},
         2: {"metrics": {}, "mechanism": None},  # a run without an uncertainty head
     }
-    row = study.mechanism_row("occlusion", "ISM", seeds, altered="degraded")
+    row = study.tables.mechanism_row("occlusion", "ISM", seeds, altered="degraded")
     cells = [c.strip() for c in row.strip("|").split("|")]
-    header = study.mechanism_header("degraded")[1]
+    header = study.tables.mechanism_header("degraded")[1]
     columns = [c.strip() for c in header.strip("|").split("|")]
     assert len(cells) == len(columns)
     assert columns[7:9] == ["‖u‖ original", "‖u‖ degraded"]
     assert cells[7:9] == ["0.020 → 0.012", "0.032 → 0.120"]
     assert cells[4] == "0.50 / 0.60 / 0.70 / 0.90" and cells[5] == "0.900 / 0.950"
     assert cells[9] == "80.0 / 40.0"
-    mixed = study.mechanism_row("occlusion", "ISM", seeds)  # the main grid's column
+    mixed = study.tables.mechanism_row("occlusion", "ISM", seeds)  # the main grid's column
     assert [c.strip() for c in mixed.strip("|").split("|")][8] == "–"
-    assert study.mechanism_row("occlusion", "baseline", {2: seeds[2]}) is None
+    assert study.tables.mechanism_row("occlusion", "baseline", {2: seeds[2]}) is None
 
 
-def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: ModuleType) -> None:
+def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: Study) -> None:
     """The frozen-``u`` control trains the arm's own method with the head's learning rate at 0; the
     uniform one drops the head and keeps ISM and the arm's Mixup (with or without set labels)."""
-    arms = {**study.ARMS, **study.DEGRADATION_ARMS}
+    arms = {**study.design.ARMS, **study.design.DEGRADATION_ARMS}
     controlled = [name for name in arms if f"{name}_frozen_u" in arms]
     assert {"idml", "idml_u_high", "deg_ism", "deg_ism_u_high"} <= set(controlled)
     for name in controlled:
         arm, frozen = arms[name], arms[f"{name}_frozen_u"]
-        uniform = next(a for a in arms.values() if a.match == study.Match("uniform", name))
-        assert frozen.method == arm.method and frozen.extra == (*arm.extra, study.FROZEN_U)
+        uniform = next(a for a in arms.values() if a.match == study.design.Match("uniform", name))
+        assert frozen.method == arm.method and frozen.extra == (*arm.extra, study.design.FROZEN_U)
         assert (uniform.method.head, uniform.method.ism) == (False, True)
         assert uniform.method.mixup == arm.method.mixup, name
         assert "mixup.enabled=" + str(arm.method.mixup).lower() in uniform.overrides
         assert arm.has_head and frozen.has_head and not uniform.has_head
     with pytest.raises(AssertionError, match="isolate ISM"):
-        study.with_controls("mixup", ("a", "b", "c"), study.MIXUP)
+        study.design.with_controls("mixup", ("a", "b", "c"), study.design.MIXUP)
 
 
 def grid_args(tmp_path: Path, setting: str, loss: str, arms: list[str]) -> argparse.Namespace:
@@ -343,14 +400,14 @@ def record_runs(jobs: list, matched: dict[str, Any]) -> None:
 
 
 def test_a_grid_finishes_at_the_recipe_it_started_with(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``converge --adopt`` may move the validated recipe on while a grid trains; the controls
     matched to the grid's first arms must still train at the grid's recipe, not refuse it."""
     twenty = {"recipe": "20 epochs", "overrides": ["optim.epochs=20"]}
     forty = {"recipe": "40 epochs", "overrides": ["optim.epochs=40"]}
     recipes = {"omniglot_cnn": {"multi_similarity": twenty}}
-    monkeypatch.setattr(study, "load_recipes", lambda: recipes)
+    monkeypatch.setattr(study.recipes, "load_recipes", lambda: recipes)
     phases: list[list] = []
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
@@ -358,19 +415,23 @@ def test_a_grid_finishes_at_the_recipe_it_started_with(
         record_runs(jobs, {"gamma": 0.02})  # the ISM arm's, which its uniform control matches
         recipes["omniglot_cnn"]["multi_similarity"] = forty  # adopted meanwhile
 
-    monkeypatch.setattr(study, "run_jobs", run_jobs)
-    study.run(grid_args(tmp_path, "omniglot_cnn", "multi_similarity", ["idml", "idml_uniform"]))
+    monkeypatch.setattr(study.jobs, "run_jobs", run_jobs)
+    study.jobs.run(
+        grid_args(tmp_path, "omniglot_cnn", "multi_similarity", ["idml", "idml_uniform"])
+    )
     first, matched = phases
     assert [job.folder.parent.name for job in first] == ["idml", "idml"]
     assert [job.folder.parent.name for job in matched] == ["idml_uniform", "idml_uniform"]
     for job in matched:
         assert "optim.epochs=20" in job.overrides and "optim.epochs=40" not in job.overrides
         assert "metric.gamma=0.02" in job.overrides
-    assert study.pinned_recipe(tmp_path / "omniglot_cnn" / "multi_similarity") == "20 epochs"
+    assert (
+        study.recipes.pinned_recipe(tmp_path / "omniglot_cnn" / "multi_similarity") == "20 epochs"
+    )
 
 
 def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table_says_so(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """From Lite0's m_pos 0.4, ISM's median effect on Contrastive's positive pairs can reach past
     m_neg, where the loss refuses its margins. The margin-matched control then trains at m_neg
@@ -381,7 +442,7 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
             "contrastive": {"recipe": "m_pos=0.4", "overrides": ["loss.pos_margin=0.4"]}
         }
     }
-    monkeypatch.setattr(study, "load_recipes", lambda: recipes)
+    monkeypatch.setattr(study.recipes, "load_recipes", lambda: recipes)
     matched = {
         "gamma": 0.03,
         "pos_margin": 0.62,
@@ -394,9 +455,9 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
         phases.append(jobs)
         record_runs(jobs, matched)
 
-    monkeypatch.setattr(study, "run_jobs", run_jobs)
+    monkeypatch.setattr(study.jobs, "run_jobs", run_jobs)
     arms = ["idml", "idml_uniform", "mixup_margin"]
-    study.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
+    study.jobs.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
     # Seed by seed, so a grid stopped mid-way has every arm at the same seeds.
     order = [(job.folder.name, job.folder.parent.name) for job in phases[1]]
     assert order == [(s, a) for s in ("s0", "s1") for a in ("idml_uniform", "mixup_margin")]
@@ -406,7 +467,7 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
     assert "metric.gamma=0.03" in controls["idml_uniform"]
 
     folders = {"Contrastive": tmp_path / "omniglot_lite0" / "contrastive"}
-    lines = study.matched_section(folders, study.ARMS)[2:]
+    lines = study.mechanism.matched_section(folders, study.design.ARMS)[2:]
     uniform = "- Contrastive, IDML, u = 0 and matched γ (uniform weakening): metric.gamma = 0.03"
     assert lines[0].startswith(uniform + ", from 2 runs of `idml`")
     assert "loss.pos_margin = 0.5 (ISM acts as 0.62, past the negative margin 0.5" in lines[1]
@@ -414,7 +475,7 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
 
 
 def test_a_margin_matched_control_that_would_be_mixup_only_is_not_trained_and_the_table_says_so(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the recipe's m_pos is already m_neg, the cap takes the margin-matched control back to
     the recipe's own margin: it would be Mixup only, ten runs for a copy of another arm. It is
@@ -424,7 +485,7 @@ def test_a_margin_matched_control_that_would_be_mixup_only_is_not_trained_and_th
             "contrastive": {"recipe": "m_pos=0.5", "overrides": ["loss.pos_margin=0.5"]}
         }
     }
-    monkeypatch.setattr(study, "load_recipes", lambda: recipes)
+    monkeypatch.setattr(study.recipes, "load_recipes", lambda: recipes)
     matched = {
         "gamma": 0.03,
         "pos_margin": 0.7,
@@ -438,13 +499,13 @@ def test_a_margin_matched_control_that_would_be_mixup_only_is_not_trained_and_th
         phases.append(jobs)
         record_runs(jobs, matched)
 
-    monkeypatch.setattr(study, "run_jobs", run_jobs)
+    monkeypatch.setattr(study.jobs, "run_jobs", run_jobs)
     arms = ["idml", "idml_uniform", "mixup_margin"]
-    study.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
+    study.jobs.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
     assert {job.folder.parent.name for job in phases[1]} == {"idml_uniform"}
 
     folders = {"Contrastive": tmp_path / "omniglot_lite0" / "contrastive"}
-    lines = study.matched_section(folders, study.ARMS)[2:]
+    lines = study.mechanism.matched_section(folders, study.design.ARMS)[2:]
     assert len(lines) == 2 and lines[0].startswith("- Contrastive, IDML, u = 0 and matched γ")
     assert lines[1].startswith("- Contrastive, Mixup only, margin matched to IDML: not trained")
     assert "capped at m_neg = 0.5, which is the recipe's own m_pos" in lines[1]
@@ -452,31 +513,32 @@ def test_a_margin_matched_control_that_would_be_mixup_only_is_not_trained_and_th
 
 
 def test_a_table_never_replaces_the_table_of_other_runs(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``tables`` without ``--label`` once overwrote a superseded table of another recipe (the
     README cites it as such): a table is replaced only by one of the same runs."""
-    monkeypatch.setattr(study, "TABLES", tmp_path)
+    monkeypatch.setattr(study.tables, "TABLES", tmp_path)
     args = argparse.Namespace(label="", quick=False)
     ten = "Baseline recipes (validation split of the training classes): Multi-Similarity: 10 epochs.\n"
     twenty = ten.replace("10 epochs", "20 epochs")
-    study.write_table(args, "idml_omniglot_cnn.md", ["# t", ten, "first"], of=ten)
-    study.write_table(args, "idml_omniglot_cnn.md", ["# t", ten, "again"], of=ten)  # same runs
+    study.tables.write_table(args, "idml_omniglot_cnn.md", ["# t", ten, "first"], of=ten)
+    # The same runs: replaced.
+    study.tables.write_table(args, "idml_omniglot_cnn.md", ["# t", ten, "again"], of=ten)
     assert "again" in (tmp_path / "idml_omniglot_cnn.md").read_text()
     with pytest.raises(SystemExit, match="--label") as refused:
-        study.write_table(args, "idml_omniglot_cnn.md", ["# t", twenty, "other"], of=twenty)
+        study.tables.write_table(args, "idml_omniglot_cnn.md", ["# t", twenty, "other"], of=twenty)
     assert "10 epochs" in str(refused.value) and "20 epochs" in str(refused.value)
     assert "again" in (tmp_path / "idml_omniglot_cnn.md").read_text()
     (tmp_path / "idml_old.md").write_text("# IDML study\n\n> **Superseded.**\n")
     with pytest.raises(SystemExit, match="older version"):
-        study.write_table(args, "idml_old.md", ["# t", ten], of=ten)
+        study.tables.write_table(args, "idml_old.md", ["# t", ten], of=ten)
     labelled = argparse.Namespace(label="twenty_epochs", quick=False)
-    study.write_table(labelled, "idml_omniglot_cnn.md", ["# t", twenty, "other"], of=twenty)
+    study.tables.write_table(labelled, "idml_omniglot_cnn.md", ["# t", twenty, "other"], of=twenty)
     assert "other" in (tmp_path / "idml_omniglot_cnn_twenty_epochs.md").read_text()
 
 
 def test_a_table_names_the_recipes_of_the_losses_it_holds_only(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The degraded grid (one loss) once printed every loss's validated recipe, ProxyAnchor's
     adopted 40 epochs among them, beside runs of Multi-Similarity at 10."""
@@ -484,27 +546,27 @@ def test_a_table_names_the_recipes_of_the_losses_it_holds_only(
         "multi_similarity": {"recipe": "40 epochs", "overrides": ["optim.epochs=40"]},
         "proxy_anchor": {"recipe": "proxy_lr×10, 40 epochs", "overrides": ["optim.epochs=40"]},
     }
-    monkeypatch.setattr(study, "load_recipes", lambda: {"omniglot_cnn": validated})
-    study.pin_recipe(
+    monkeypatch.setattr(study.tables, "load_recipes", lambda: {"omniglot_cnn": validated})
+    study.recipes.pin_recipe(
         tmp_path / "omniglot_cnn" / "multi_similarity",
         {"recipe": "10 epochs", "overrides": ["optim.epochs=10"]},
     )
     args = argparse.Namespace(
         setting="omniglot_cnn", omniglot_root=tmp_path, out=tmp_path, losses=list(validated)
     )
-    _, recipes = study.settings_lines(args, ["multi_similarity"])
+    _, recipes = study.tables.settings_lines(args, ["multi_similarity"])
     assert recipes.strip().endswith("Multi-Similarity: 10 epochs.")
     assert "ProxyAnchor" not in recipes and "40" not in recipes
 
 
 def test_a_baseline_below_the_untrained_network_is_called_out_in_its_table(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On Fashion-MNIST the validated Multi-Similarity baseline ended below Lite0's training-free
     features in MAP@R (34.7 against 36.4; R@1 87.2 against 83.3): the table must say that its
     comparisons are no evidence, and say nothing of a loss whose baseline clears the floor."""
-    monkeypatch.setattr(study, "TABLES", tmp_path / "tables")
-    monkeypatch.setattr(study, "load_recipes", lambda: {})
+    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.tables, "load_recipes", lambda: {})
     root = tmp_path / "fashion_lite0"
     root.mkdir()
     (root / "untrained.json").write_text(
@@ -529,7 +591,7 @@ def test_a_baseline_below_the_untrained_network_is_called_out_in_its_table(
         label="",
         quick=False,
     )
-    study.tables(args)
+    study.tables.tables(args)
     text = (tmp_path / "tables" / "idml_fashion_lite0.md").read_text()
     assert "**Multi-Similarity: the baseline does not beat the untrained network**" in text
     assert "MAP@R 34.8 against 36.4, R@1 87.5 against 83.3" in text
@@ -541,15 +603,15 @@ def test_a_baseline_below_the_untrained_network_is_called_out_in_its_table(
 
 
 def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validation_split(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``validate`` prints the untrained network's validation metrics beside the candidates (read
     from the validation split's own cache, never the test split's) and calls out a chosen recipe
     that does not clear it; a loss whose recipe clears it gets no such note."""
-    monkeypatch.setattr(study, "TABLES", tmp_path / "tables")
-    monkeypatch.setattr(study, "RECIPES", tmp_path / "recipes.json")
-    monkeypatch.setattr(study, "load_recipes", lambda: {})
-    monkeypatch.setattr(study, "run_jobs", lambda jobs, workers, ledger: None)
+    monkeypatch.setattr(study.choose, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.choose, "RECIPES", tmp_path / "recipes.json")
+    monkeypatch.setattr(study.choose, "load_recipes", lambda: {})
+    monkeypatch.setattr(study.choose, "run_jobs", lambda jobs, workers, ledger: None)
     root = tmp_path / "demo"
     (root / "validation").mkdir(parents=True)
     (root / "validation" / "untrained.json").write_text(
@@ -561,8 +623,9 @@ def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validati
     )
     best_map = {"multi_similarity": 0.605, "contrastive": 0.70}  # below / above 60 + 1 point
     for loss, top in best_map.items():
-        for i, name in enumerate(study.recipe_candidates("demo", loss)):
-            run = root / "validation" / loss / study.slug(name) / "s0" / "cells" / "base" / "seed0"
+        for i, name in enumerate(study.design.recipe_candidates("demo", loss)):
+            candidate = root / "validation" / loss / study.choose.slug(name)
+            run = candidate / "s0" / "cells" / "base" / "seed0"
             run.mkdir(parents=True)
             map_r = top - 0.01 * i if i else top  # the first candidate is the best
             metrics = {"recall@1": 0.95, "map@r": map_r, "nmi": 0.5}
@@ -577,7 +640,7 @@ def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validati
         quick=False,
         label="",
     )
-    study.validate(args)
+    study.choose.validate(args)
     text = (tmp_path / "tables" / "idml_validation_demo.md").read_text()
     assert "| – | *untrained network* | 90.0 | 60.0 | 50.0 | |" in text
     assert (
@@ -588,7 +651,7 @@ def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validati
 
 
 def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
-    study: ModuleType, tmp_path: Path
+    study: Study, tmp_path: Path
 ) -> None:
     out = tmp_path / "grid"
     run = out / "demo" / "contrastive" / "idml" / "s0" / "cells" / "base" / "seed0"
@@ -599,11 +662,13 @@ def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
         (folder / "mechanism.json").write_text('{"test_u_cv": 0.3}')
         (folder / "checkpoint_latest.safetensors").write_bytes(b"\0" * 64)
     (run / "metrics.jsonl").write_text("{}\n")
-    (out / "demo" / study.FOLDER_MEMORY_FORMAT).write_text('{"override": "x"}')
-    (out / "demo" / "contrastive" / study.FOLDER_RECIPE).write_text('{"recipe": "8 epochs"}')
+    (out / "demo" / study.recipes.FOLDER_MEMORY_FORMAT).write_text('{"override": "x"}')
+    (out / "demo" / "contrastive" / study.recipes.FOLDER_RECIPE).write_text(
+        '{"recipe": "8 epochs"}'
+    )
     (out / "demo" / "untrained.json").write_text('{"map@r": [0.4]}')
-    (out / "demo" / study.FOLDER_OVERRIDES).write_text('{"overrides": []}')
-    ledger = study.Ledger(out, tmp_path / "ledger" / "grid")
+    (out / "demo" / study.recipes.FOLDER_OVERRIDES).write_text('{"overrides": []}')
+    ledger = study.ledger.Ledger(out, tmp_path / "ledger" / "grid")
 
     assert ledger.record() == 6
     kept = sorted(str(p.relative_to(ledger.root)) for p in ledger.root.rglob("*") if p.is_file())
@@ -621,9 +686,9 @@ def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
 
     # A run that finishes takes the pins above it along: a chain stopped mid-grid, before the
     # command's closing record, still leaves the grid's recipe pin in the ledger.
-    alone = study.Ledger(out, tmp_path / "ledger" / "alone")
+    alone = study.ledger.Ledger(out, tmp_path / "ledger" / "alone")
     assert alone.record_run(run.parents[2]) == 6
-    assert (alone.root / "demo" / "contrastive" / study.FOLDER_RECIPE).is_file()
+    assert (alone.root / "demo" / "contrastive" / study.recipes.FOLDER_RECIPE).is_file()
     assert not (
         alone.root
         / "demo"
@@ -640,7 +705,7 @@ def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
     fresh = tmp_path / "elsewhere" / "grid"
     (fresh / "demo").mkdir(parents=True)
     (fresh / "demo" / "untrained.json").write_text('{"map@r": [0.5]}')
-    assert study.Ledger(fresh, ledger.root).restore() == 5
+    assert study.ledger.Ledger(fresh, ledger.root).restore() == 5
     moved = fresh / run.relative_to(out)
     assert json.loads((moved / "mechanism.json").read_text())["matched"] == {}
     assert not list(fresh.rglob("*.safetensors")) and not list(fresh.rglob("*replaced*"))
@@ -648,37 +713,37 @@ def test_the_ledger_keeps_a_folders_records_and_pins_but_not_its_checkpoints(
 
 
 def test_a_grid_restored_from_its_ledger_resumes_without_training_again(
-    study: ModuleType, tmp_path: Path
+    study: Study, tmp_path: Path
 ) -> None:
     """The point of the ledger: a run trained on one machine, whose folder is gone, is reused on
     the next from its record alone (``run_ablation`` matches the recorded config), and its table
     row is the same."""
     args = ["run", "--setting", "demo", "--quick", "--losses", "multi_similarity", "--seeds", "1"]
     args += ["--arms", "baseline", "--workers", "1"]
-    study.main([*args, "--out", str(tmp_path / "first" / "grid")])
+    study.script.main([*args, "--out", str(tmp_path / "first" / "grid")])
     first = tmp_path / "first" / "grid_quick"
     assert list(first.rglob("*.safetensors")), "the run trained"
     ledger = tmp_path / "ledger" / "grid_quick"
-    study.Ledger(first, ledger).record()
+    study.ledger.Ledger(first, ledger).record()
 
     second = tmp_path / "second" / "grid_quick"
-    study.Ledger(second, ledger).restore()
-    study.main([*args, "--out", str(tmp_path / "second" / "grid")])
+    study.ledger.Ledger(second, ledger).restore()
+    study.script.main([*args, "--out", str(tmp_path / "second" / "grid")])
     assert not list(second.rglob("*.safetensors")), "a restored run must not train again"
     arm = Path("demo") / "multi_similarity" / "baseline"
-    assert study.seed_results(second / arm) == study.seed_results(first / arm)
+    assert study.results.seed_results(second / arm) == study.results.seed_results(first / arm)
 
 
 def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_tried(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Contrastive's margin was chosen at the top of its grid on Omniglot with Lite0: ``widen``
     trains one step further (up to m_neg, never past it), adopts it when it gains a point, records
     the trial either way, and leaves the knob alone once the values tried bracket the choice or it
     has met its ceiling. Only the knob moves."""
-    assert DISTANCE_MARGINS[1] == study.M_NEG
-    monkeypatch.setattr(study, "TABLES", tmp_path / "tables")
-    monkeypatch.setattr(study, "RECIPES", tmp_path / "recipes.json")
+    assert DISTANCE_MARGINS[1] == study.design.M_NEG
+    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.choose, "RECIPES", tmp_path / "recipes.json")
     recipes = {
         "demo": {
             "contrastive": {
@@ -691,7 +756,9 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
         }
     }
     (tmp_path / "recipes.json").write_text(json.dumps(recipes))
-    monkeypatch.setattr(study, "load_recipes", lambda: json.loads(study.RECIPES.read_text()))
+    monkeypatch.setattr(
+        study.choose, "load_recipes", lambda: json.loads(study.choose.RECIPES.read_text())
+    )
     trained: list[tuple[str, ...]] = []
     map_at = {"0.4": 0.60, "0.5": 0.59}
 
@@ -707,16 +774,16 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
                 json.dumps({"seed": int(seed), "final_metrics": metrics})
             )
 
-    monkeypatch.setattr(study, "run_jobs", run_jobs)
+    monkeypatch.setattr(study.choose, "run_jobs", run_jobs)
 
     def widen(label: str) -> str:
         args = ["widen", "--setting", "demo", "--seeds", "2", "--adopt", "--label", label]
         args += ["--losses", "multi_similarity,contrastive"]
-        study.main([*args, "--out", str(tmp_path / "runs"), "--no-ledger"])
+        study.script.main([*args, "--out", str(tmp_path / "runs"), "--no-ledger"])
         return (tmp_path / "tables" / f"idml_widening_demo_{label}.md").read_text()
 
     first = widen("first")  # 0.5 loses a point: kept at 0.4, and the trial is on record
-    chosen = json.loads(study.RECIPES.read_text())["demo"]["contrastive"]
+    chosen = json.loads(study.choose.RECIPES.read_text())["demo"]["contrastive"]
     assert chosen["recipe"] == "m_pos=0.4, 16 epochs" and len(chosen["history"]) == 1
     assert chosen["widened"] == [
         {"value": 0.5, "recipe": "m_pos=0.5, 16 epochs", "gain": pytest.approx(-1.0), "seeds": 2}
@@ -735,7 +802,7 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
     (tmp_path / "recipes.json").write_text(json.dumps(recipes))
     map_at["0.5"] = 0.625
     third = widen("third")
-    chosen = json.loads(study.RECIPES.read_text())["demo"]["contrastive"]
+    chosen = json.loads(study.choose.RECIPES.read_text())["demo"]["contrastive"]
     assert chosen["recipe"] == "m_pos=0.5, 16 epochs"
     assert chosen["overrides"] == ["loss.pos_margin=0.5", "optim.epochs=16"]
     assert len(chosen["history"]) == 2 and "widen gained +2.50" in chosen["history"][1]
@@ -746,13 +813,14 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
 
 
 def test_a_diagnostic_override_keeps_to_its_own_folder_and_says_so_in_its_tables(
-    study: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Lite0 collapse was diagnosed with a hand-edited recipe pin (the backbone at a tenth of
     its rate), which no command could repeat. ``run --override`` makes it one, and keeps such runs
     out of a grid of the validated recipe."""
     sixteen = {"recipe": "16 epochs", "overrides": ["optim.epochs=16"]}
-    monkeypatch.setattr(study, "load_recipes", lambda: {"demo": {"contrastive": sixteen}})
+    for module in (study.recipes, study.tables):
+        monkeypatch.setattr(module, "load_recipes", lambda: {"demo": {"contrastive": sixteen}})
 
     def args(out: Path, *override: str, arms: tuple[str, ...] = ("baseline", "mixup")) -> Any:
         return argparse.Namespace(
@@ -761,80 +829,84 @@ def test_a_diagnostic_override_keeps_to_its_own_folder_and_says_so_in_its_tables
         )  # fmt: skip
 
     slow = args(tmp_path / "slow", "optim.backbone_lr_mult=0.1")
-    jobs = study.main_jobs(slow, matched=False)
+    jobs = study.jobs.main_jobs(slow, matched=False)
     assert len(jobs) == 4
     for job in jobs:  # after the recipe (it may change a recipe's key), before the arm's own keys
         keys = [o.partition("=")[0] for o in job.overrides]
         assert keys.index("optim.epochs") < keys.index("optim.backbone_lr_mult")
         assert keys.index("optim.backbone_lr_mult") < keys.index("mixup.enabled")
-    assert not (tmp_path / "slow" / "demo" / study.FOLDER_OVERRIDES).exists(), "pinned unchecked"
-    study.checked_jobs(slow, jobs)
-    assert study.study_overrides(slow, pin=False) == ["optim.backbone_lr_mult=0.1"]
-    assert len(study.main_jobs(slow, matched=False)) == 4  # the same again: nothing to say
+    assert not (tmp_path / "slow" / "demo" / study.recipes.FOLDER_OVERRIDES).exists(), (
+        "pinned unchecked"
+    )
+    study.jobs.checked_jobs(slow, jobs)
+    assert study.recipes.study_overrides(slow, pin=False) == ["optim.backbone_lr_mult=0.1"]
+    assert len(study.jobs.main_jobs(slow, matched=False)) == 4  # the same again: nothing to say
 
     # Without the override, or with another, the folder's runs would mix two recipes.
     for other in ((), ("optim.backbone_lr_mult=0.2",)):
         with pytest.raises(SystemExit, match="--out") as stop:
-            study.checked_jobs(args(tmp_path / "slow", *other), jobs)
+            study.jobs.checked_jobs(args(tmp_path / "slow", *other), jobs)
         assert "optim.backbone_lr_mult=0.1" in str(stop.value)
     # A folder of the plain recipe (its runs trained before the pin existed) gains no diagnostic.
     plain = tmp_path / "plain" / "demo" / "contrastive" / "baseline" / "s0"
     plain.mkdir(parents=True)
     (plain / "result.json").write_text("{}")
     with pytest.raises(SystemExit, match="no --override"):
-        study.main_jobs(args(tmp_path / "plain", "optim.lr=0.01"), matched=False)
-    assert study.study_overrides(args(tmp_path / "plain"), pin=True) == []
+        study.jobs.main_jobs(args(tmp_path / "plain", "optim.lr=0.01"), matched=False)
+    assert study.recipes.study_overrides(args(tmp_path / "plain"), pin=True) == []
 
     # A key an arm sets would make two arms one run; a misspelt key stops before anything is pinned.
     with pytest.raises(SystemExit, match=r"the arm 'baseline' sets mixup\.enabled=false"):
-        study.main_jobs(args(tmp_path / "clash", "mixup.enabled=false"), matched=False)
+        study.jobs.main_jobs(args(tmp_path / "clash", "mixup.enabled=false"), matched=False)
     typo = args(tmp_path / "typo", "optim.backbone_lr_mul=0.1")
     with pytest.raises(SystemExit, match="backbone_lr_mult"):
-        study.checked_jobs(typo, study.main_jobs(typo, matched=False))
-    assert not (tmp_path / "typo" / "demo" / study.FOLDER_OVERRIDES).exists()
+        study.jobs.checked_jobs(typo, study.jobs.main_jobs(typo, matched=False))
+    assert not (tmp_path / "typo" / "demo" / study.recipes.FOLDER_OVERRIDES).exists()
 
     # Its tables say what the runs are.
-    lines = study.settings_lines(slow, ["contrastive"])
+    lines = study.tables.settings_lines(slow, ["contrastive"])
     assert "A diagnostic" in lines[-1] and "optim.backbone_lr_mult=0.1" in lines[-1]
-    assert not any("diagnostic" in line for line in study.settings_lines(args(tmp_path / "x"), []))
+    assert not any(
+        "diagnostic" in line for line in study.tables.settings_lines(args(tmp_path / "x"), [])
+    )
 
 
 def test_only_a_grid_takes_a_diagnostic_override_and_its_runs_train_with_it(
-    study: ModuleType, tmp_path: Path
+    study: Study, tmp_path: Path
 ) -> None:
     for command in ("validate", "converge", "widen"):
         with pytest.raises(SystemExit):
-            study.main([command, "--setting", "demo", "--override", "optim.lr=0.1"])
+            study.script.main([command, "--setting", "demo", "--override", "optim.lr=0.1"])
     out = ["--out", str(tmp_path / "grid")]
     with pytest.raises(SystemExit):
-        study.main(["run", "--setting", "demo", "--override", "lr 0.1", *out])
+        study.script.main(["run", "--setting", "demo", "--override", "lr 0.1", *out])
     with pytest.raises(SystemExit):  # the study sets the seed (and the loss) of each run itself
-        study.main(["run", "--setting", "demo", "--override", "seed=3", *out])
+        study.script.main(["run", "--setting", "demo", "--override", "seed=3", *out])
     assert not list(tmp_path.iterdir())
 
     args = ["run", "--setting", "demo", "--quick", "--losses", "multi_similarity", "--seeds", "1"]
-    study.main(
+    study.script.main(
         [*args, "--arms", "baseline", "--workers", "1", "--override", "optim.lr=0.0021", *out]
     )
     (result,) = (tmp_path / "grid_quick").rglob("result.json")
     assert json.loads(result.read_text())["config"]["optim"]["lr"] == 0.0021
     # Recipes are never chosen among a diagnostic's runs.
     with pytest.raises(SystemExit):
-        study.main(["validate", "--setting", "demo", "--quick", "--seeds", "1", *out])
+        study.script.main(["validate", "--setting", "demo", "--quick", "--seeds", "1", *out])
     assert not (tmp_path / "grid_quick" / "demo" / "validation").exists()
 
 
 def test_a_control_matched_past_the_negative_margin_stops_before_training(
-    study: ModuleType, tmp_path: Path
+    study: Study, tmp_path: Path
 ) -> None:
     """The margin-matched control moves m_pos by ISM's median effect; from Lite0's m_pos 0.4 that
     can pass m_neg, where Contrastive no longer separates a positive from a negative pair."""
     args = argparse.Namespace(setting="demo", out=tmp_path, override=[])
-    crossed = study.Job(
+    crossed = study.jobs.Job(
         tmp_path / "s0", ("loss.name=contrastive", "loss.pos_margin=0.62", "seed=0"), False
     )
     with pytest.raises(SystemExit, match=r"pos_margin 0\.62 and neg_margin 0\.5 cross") as stop:
-        study.checked_jobs(args, [crossed])
+        study.jobs.checked_jobs(args, [crossed])
     assert str(tmp_path / "s0") in str(stop.value)
-    met = study.Job(tmp_path / "s0", ("loss.name=contrastive", "loss.pos_margin=0.5"), False)
-    assert study.checked_jobs(args, [met]) == [met]
+    met = study.jobs.Job(tmp_path / "s0", ("loss.name=contrastive", "loss.pos_margin=0.5"), False)
+    assert study.jobs.checked_jobs(args, [met]) == [met]
