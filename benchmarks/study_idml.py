@@ -15,7 +15,7 @@ Settings (zero-shot: train and test classes are disjoint):
 - ``omniglot_lite0`` / ``fashion_lite0``: Omniglot at 32 px / Debian's Fashion-MNIST (0–4 train,
   5–9 test, 200 images a class), EfficientNet-Lite0 from its shipped ImageNet weights.
 
-Arms (:data:`ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
+Arms (:data:`idml_study.design.ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
 
 - ``baseline`` (plain metric, no Mixup), ``mixup`` (Mixup set labels), ``ism`` (ISM alone),
   ``idml`` (ISM + Mixup: the paper's method with the default uncertainty head);
@@ -24,16 +24,17 @@ Arms (:data:`ARMS`), each for Multi-Similarity, ProxyAnchor and Contrastive:
   ``e^{−γ/(τδ)}`` has the same median over the positive relations the loss compares — pairs of
   samples, or samples and their proxies for ProxyAnchor — as ``idml``'s learned one) and, for
   Contrastive, ``mixup_margin`` (Mixup with the positive margin moved by the median amount ISM
-  moves positive pairs in ``idml``: the margin ISM acts as, :func:`matched_controls`; capped at
-  the negative margin, which Contrastive's margins may not cross, :func:`matched_margin`; not
-  trained where that is the recipe's own margin, which would make it Mixup only again,
-  :func:`idle_control`);
+  moves positive pairs in ``idml``: the margin ISM acts as,
+  :func:`idml_study.mechanism.matched_controls`; capped at the negative margin, which
+  Contrastive's margins may not cross, :func:`idml_study.mechanism.matched_margin`; not trained
+  where that is the recipe's own margin, which would make it Mixup only again,
+  :func:`idml_study.mechanism.idle_control`);
 - ``idml_u_high``: ``idml`` with ``u`` starting at a quarter of its bound instead of 2 %
   (``model.uncertainty.init_level=0.25``): does the objective bring ``u`` back to the level where
   ISM is near the identity, or does the weakening stay where it starts? And where ISM does weaken
   pairs unevenly, does it help? Its own controls: ``idml_u_high_frozen_u`` (the same start, the
   head never trains) and ``idml_u_high_uniform`` (``u ≡ 0``, γ matched to its weakening), compared
-  in a table of their own (:data:`U_HIGH_COMPARISONS`, Holm within it).
+  in a table of their own (:data:`idml_study.design.U_HIGH_COMPARISONS`, Holm within it).
 - ``idml_ext``: ``idml`` plus the Mixup-supervised uncertainty *extension*
   (``mixup.uncertainty_weight``, :mod:`idml.losses.ambiguity`), never the default.
 
@@ -45,13 +46,13 @@ of the heads'), Contrastive's positive margin, and the step budget (``optim.epoc
 and twice that). Pretrained settings train heads only for the first epoch (``optim.warmup_epochs=1``,
 as the presets do). The chosen recipes are stored in ``benchmarks/study/idml_recipes.json``.
 ``converge`` then trains each chosen recipe at twice its budget: a budget is converged when that
-gains less than :data:`CONVERGED_GAIN` validation MAP@R points, and ``--adopt`` doubles the ones that
-are not (each doubling in the recipe's ``history``). ``widen`` does the same for a knob whose chosen
-value is the largest (or smallest) tried: it trains the recipe with the knob one step further
-(m_pos + 0.2 up to m_neg = 0.5, which it may meet but not cross; the proxy rate ×10) and
-``--adopt`` takes it on the same rule, recording every trial (``widened``) so that a knob's range
-grows until the choice lies inside it (or meets its ceiling). A run folder pins the recipe its runs
-used (``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new
+gains less than :data:`idml_study.design.CONVERGED_GAIN` validation MAP@R points, and ``--adopt``
+doubles the ones that are not (each doubling in the recipe's ``history``). ``widen`` does the same
+for a knob whose chosen value is the largest (or smallest) tried: it trains the recipe with the
+knob one step further (m_pos + 0.2 up to m_neg = 0.5, which it may meet but not cross; the proxy
+rate ×10) and ``--adopt`` takes it on the same rule, recording every trial (``widened``) so that a
+knob's range grows until the choice lies inside it (or meets its ceiling). A run folder pins the
+recipe its runs used (``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new
 ``--out``, its tables named by ``--label``; ``run --recipe pinned`` adds arms or seeds to an older
 grid at the recipe it pins.
 A setting's folder pins the memory format its runs train in (``memory_format.json``): runs added to
@@ -97,6 +98,10 @@ Run (each step reuses finished runs; ``--workers 2`` trains two runs at a time, 
 
 (``--omniglot-root`` defaults to ``../shared/data/omniglot`` beside the repository; the library never
 reads that folder.)
+
+This script is the study's command line; the study itself is the package ``idml_study`` beside it
+(``benchmarks/idml_study``), one module an idea: its design, recipes and pins, ledger, results,
+mechanism, jobs, tables, and the commands that choose the recipes.
 """
 
 from __future__ import annotations
