@@ -87,8 +87,8 @@ from idml.evaluation.confidence import (
 from idml.evaluation.reliability import probability_bins
 from idml.evaluation.reranking import KReciprocal, QueryExpansion, Reranker
 from idml.models import embed_dataset
-from study_idml import DEFAULT_OMNIGLOT
-from study_idml import SETTINGS as IDML_SETTINGS
+from idml_study.design import DEFAULT_OMNIGLOT
+from idml_study.design import SETTINGS as IDML_SETTINGS
 
 REPO = Path(__file__).resolve().parents[1]
 
