@@ -734,6 +734,32 @@ def test_a_grid_restored_from_its_ledger_resumes_without_training_again(
     assert study.results.seed_results(second / arm) == study.results.seed_results(first / arm)
 
 
+def test_a_grid_says_how_long_its_runs_still_to_train_will_take(
+    study: Study,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A grid of a day's CPU time is resumed across sessions: its progress lines give the time
+    left from the runs it trains, at their mean time, and count neither the finished runs it
+    reuses (0 s) nor them among the runs left."""
+    jobs = [
+        study.jobs.Job(tmp_path / arm / f"s{seed}", (), False) for arm in "ab" for seed in (0, 1)
+    ]
+    record_runs(jobs[:2], {})  # arm a finished in an earlier session
+    seconds = {
+        str(job.folder): 0.0 if i < 2 else 600.0 + 600.0 * (i - 2) for i, job in enumerate(jobs)
+    }
+    monkeypatch.setattr(
+        study.jobs, "run_job", lambda job: (str(job.folder), seconds[str(job.folder)])
+    )
+    study.jobs.run_jobs(jobs, workers=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all("left" not in line for line in lines[:2])
+    assert lines[2].endswith("(600 s; 0.0 min so far; about 10.0 min left)")
+    assert lines[3].endswith("(1200 s; 0.0 min so far)")
+
+
 def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_tried(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import re
 import time
@@ -72,20 +73,53 @@ def run_job(job: Job) -> tuple[str, float]:
     return str(job.folder), time.perf_counter() - start
 
 
+def finished(job: Job) -> bool:
+    """Whether ``job``'s run already has its result (:func:`run_job` then reuses it at once)."""
+    return any(
+        re.fullmatch(r"seed\d+", path.parent.name)
+        for path in job.folder.glob("cells/base/seed*/result.json")
+    )
+
+
+def time_left(trained: Sequence[float], runs_left: int, workers: int) -> str:
+    """What a progress line says of the time a grid has left: the runs still to train at the mean
+    time of those trained so far in this call, ``workers`` at a time; nothing before a run has
+    trained or once none is left.
+
+    >>> time_left([1500.0, 1700.0], 66, 1)
+    '; about 29.3 h left'
+    >>> time_left([200.0], 3, 2), time_left([], 5, 1), time_left([90.0], 0, 1)
+    ('; about 6.7 min left', '', '')
+    """
+    if not trained or runs_left <= 0:
+        return ""
+    seconds = sum(trained) / len(trained) * math.ceil(runs_left / max(1, workers))
+    if seconds >= 5400:
+        return f"; about {seconds / 3600:.1f} h left"
+    return f"; about {seconds / 60:.1f} min left"
+
+
 def run_jobs(jobs: Sequence[Job], workers: int, ledger: Ledger | None = None) -> None:
     """Run ``jobs`` on ``workers`` processes (one thread each), printing a line per finished run
-    and copying its record into ``ledger`` at once (a chain stopped mid-grid keeps every run that
-    finished)."""
+    with the time the rest should take (:func:`time_left`), and copying its record into
+    ``ledger`` at once (a chain stopped mid-grid keeps every run that finished)."""
     total = len(jobs)
     start = time.perf_counter()
+    # A grid resumed across sessions reuses its finished runs in no time: only the others count.
+    to_train = {str(job.folder) for job in jobs if not finished(job)}
+    trained: list[float] = []
 
     def report(results: Iterator[tuple[str, float]]) -> None:
         for done, (folder, seconds) in enumerate(results, start=1):
             if ledger is not None:
                 ledger.record_run(Path(folder))
+            if folder in to_train:
+                trained.append(seconds)
             elapsed = (time.perf_counter() - start) / 60
+            left = time_left(trained, len(to_train) - len(trained), workers)
             print(
-                f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far)", flush=True
+                f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far{left})",
+                flush=True,
             )
 
     if not total:
