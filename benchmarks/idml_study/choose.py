@@ -134,7 +134,7 @@ def doubled_budget(chosen: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
 class Challenge:
     """One way ``converge`` and ``widen`` question a validated recipe: train a challenger beside it
     on the validation split, paired over seeds, and adopt the challenger when it gains at least
-    :data:`CONVERGED_GAIN` MAP@R points."""
+    :data:`design.CONVERGED_GAIN` MAP@R points."""
 
     command: str
     challenger: Any
@@ -146,7 +146,7 @@ class Challenge:
     axis: str
     """What the challenger changes, for the table's headings."""
     compared: str
-    """The table's line of which runs it holds starts with this (:func:`write_table`)."""
+    """The table's line of which runs it holds starts with this (:func:`tables.write_table`)."""
     verdicts: tuple[str, str]
     """The recipe's verdict when the challenger gains less than the rule, and when not."""
 
@@ -185,24 +185,24 @@ CHALLENGES = {
 def converge(args: argparse.Namespace) -> None:
     """Has the baseline converged at its chosen budget? Each loss's validated recipe trained again
     at twice its epochs on the validation split, the same seeds, compared paired over seeds. A
-    budget whose doubling gains at least :data:`CONVERGED_GAIN` MAP@R points has not converged;
-    with ``--adopt`` the doubled recipe replaces it in ``idml_recipes.json`` (call again to check
-    the new budget). The table covers every loss of the setting with both budgets' runs."""
+    budget whose doubling gains at least :data:`design.CONVERGED_GAIN` MAP@R points has not
+    converged; with ``--adopt`` the doubled recipe replaces it in ``idml_recipes.json`` (call again
+    to check the new budget). The table covers every loss of the setting with both budgets' runs."""
     challenge(args, CHALLENGES["converge"])
 
 
 def widen(args: argparse.Namespace) -> None:
     """Does the chosen knob lie inside the values tried? ``validate`` chose Contrastive's largest
     margin on Omniglot with Lite0: a recipe at the edge of its grid may not be the baseline's best.
-    Each such loss's recipe is trained with the knob one step further (:func:`widened_knob`) and
-    compared as ``converge`` compares budgets; a loss whose knob is bracketed is left alone."""
+    Each such loss's recipe is trained with the knob one step further (:func:`design.widened_knob`)
+    and compared as ``converge`` compares budgets; a loss whose knob is bracketed is left alone."""
     challenge(args, CHALLENGES["widen"])
 
 
 def challenge(args: argparse.Namespace, kind: Challenge) -> None:
     """Train each loss's validated recipe and its challenger (``kind``) on the validation split,
     the same seeds, and compare them paired over seeds; with ``--adopt``, a challenger that gains
-    :data:`CONVERGED_GAIN` MAP@R points replaces the recipe in ``idml_recipes.json``."""
+    :data:`design.CONVERGED_GAIN` MAP@R points replaces the recipe in ``idml_recipes.json``."""
     setting = args.setting
     base = [
         *setting_overrides(args),

@@ -26,7 +26,7 @@ difference the study's tables call (▲/▼) with 10 seeds."""
 
 TRAINS_MARGIN = 1.0
 """MAP@R points by which a baseline must beat the untrained network's features (mean over seeds) to
-count as trained (:func:`floor_notes`): the same one point of seed-to-seed spread as
+count as trained (:func:`tables.floor_notes`): the same one point of seed-to-seed spread as
 :data:`CONVERGED_GAIN`. MAP@R, the metric recipes are chosen by, because R@1 saturates on a
 two-class validation split (Lite0's training-free features already reach 89 % on Fashion-MNIST's).
 A baseline below it is a broken recipe (issue 21), and its loss's comparisons are not evidence
@@ -185,8 +185,8 @@ U_HIGH = "model.uncertainty.init_level=0.25"
 
 @dataclass(frozen=True)
 class Match:
-    """A control matched to another arm's trained runs (:func:`matched_controls`): the uniform
-    weakening (γ) or the positive margin ISM acts as, taken from the runs of arm ``to``."""
+    """A control matched to another arm's trained runs (:func:`mechanism.matched_controls`): the
+    uniform weakening (γ) or the positive margin ISM acts as, taken from the runs of arm ``to``."""
 
     control: Literal["uniform", "margin"]
     to: str

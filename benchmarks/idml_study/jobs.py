@@ -40,7 +40,8 @@ class Job:
 def reuse_overrides(job: Job) -> list[str]:
     """``job``'s overrides, but a run that finished before layouts were pinned is reused as it is:
     it says ``optim.channels_last: auto``, which on the CPU meant the contiguous layout its folder
-    is pinned to (:data:`LEGACY_LAYOUT`), so it is the same run and must not be trained again."""
+    is pinned to (:data:`recipes.LEGACY_LAYOUT`), so it is the same run and must not be trained
+    again."""
     overrides = list(job.overrides)
     if LEGACY_LAYOUT not in overrides:
         return overrides
@@ -169,10 +170,10 @@ def arm_config(
 
 
 def checked_jobs(args: argparse.Namespace, jobs: list[Job]) -> list[Job]:
-    """``jobs``, once every one's config validates and passes the trainer's preflight, and then
-    the folder's ``--override`` values pinned (:func:`study_overrides`): a misspelt key, a value
-    out of range or a loss that refuses its hyper-parameters (a matched margin past m_neg) stops
-    the command before the first run trains, with the config's own message, and pins nothing."""
+    """``jobs``, once every one's config validates and passes the trainer's preflight, and then the
+    folder's ``--override`` values pinned (:func:`recipes.study_overrides`): a misspelt key, a value
+    out of range or a loss that refuses its hyper-parameters (a matched margin past m_neg) stops the
+    command before the first run trains, with the config's own message, and pins nothing."""
     from idml.app.config import ConfigError, load_config
     from idml.app.preflight import check_run_config
 

@@ -80,8 +80,8 @@ def floor_notes(
     reference: Mapping[str, Sequence[float]], baselines: Mapping[str, Mapping[str, Sequence[float]]]
 ) -> list[str]:
     """A note for each loss whose baseline does not beat the untrained network's ``reference`` by
-    :data:`TRAINS_MARGIN` MAP@R points. ``baselines`` maps a loss's name to its baseline's metrics
-    over seeds, in the shape of ``reference`` (:func:`final_metrics`).
+    :data:`design.TRAINS_MARGIN` MAP@R points. ``baselines`` maps a loss's name to its baseline's
+    metrics over seeds, in the shape of ``reference`` (:func:`results.final_metrics`).
 
     >>> print(*floor_notes({"recall@1": [0.833], "map@r": [0.364]},
     ...                    {"Multi-Similarity": {"recall@1": [0.872], "map@r": [0.347]}}))
@@ -237,8 +237,8 @@ def mechanism_row(group: str, label: str, seeds: Runs, altered: str = "mixed") -
 
 def settings_lines(args: argparse.Namespace, losses: Sequence[str]) -> list[str]:
     """The setting's overrides and the recipe of each loss whose runs the table holds: the one its
-    runs were trained with (the run folder's :data:`FOLDER_RECIPE`), else — a grid started before
-    folders pinned their recipe — the validated one."""
+    runs were trained with (the run folder's :data:`recipes.FOLDER_RECIPE`), else — a grid started
+    before folders pinned their recipe — the validated one."""
     base = setting_overrides(argparse.Namespace(**{**vars(args), "quick": False}), pin=False)
     recipes = load_recipes().get(args.setting, {})
     names = {
