@@ -430,25 +430,21 @@ def test_a_grid_finishes_at_the_recipe_it_started_with(
     )
 
 
-def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table_says_so(
-    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """From Lite0's m_pos 0.4, ISM's median effect on Contrastive's positive pairs can reach past
-    m_neg, where the loss refuses its margins. The margin-matched control then trains at m_neg
-    (the largest margin that still separates the pairs) instead of stopping the matched phase —
-    which would also lose the uniform control — and the tables name both margins."""
-    recipes = {
-        "omniglot_lite0": {
-            "contrastive": {"recipe": "m_pos=0.4", "overrides": ["loss.pos_margin=0.4"]}
-        }
-    }
-    monkeypatch.setattr(study.recipes, "load_recipes", lambda: recipes)
-    matched = {
-        "gamma": 0.03,
-        "pos_margin": 0.62,
-        "neg_margin": DISTANCE_MARGINS[1],
-        "similarity": False,
-    }
+def contrastive_grid(
+    study: Study,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    pos_margin: float,
+    matched: dict[str, Any],
+) -> tuple[list[list], list[str]]:
+    """Runs a two-seed Lite0 Contrastive grid of IDML and its two matched controls at the recipe
+    ``m_pos=pos_margin``, each IDML run recording ``matched``; the phases' jobs (nothing trains)
+    and the table's lines on its matched controls."""
+    recipe = {"recipe": f"m_pos={pos_margin}", "overrides": [f"loss.pos_margin={pos_margin}"]}
+    monkeypatch.setattr(
+        study.recipes, "load_recipes", lambda: {"omniglot_lite0": {"contrastive": recipe}}
+    )
+    matched = {"gamma": 0.03, "neg_margin": DISTANCE_MARGINS[1], "similarity": False, **matched}
     phases: list[list] = []
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
@@ -458,6 +454,18 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
     monkeypatch.setattr(study.jobs, "run_jobs", run_jobs)
     arms = ["idml", "idml_uniform", "mixup_margin"]
     study.jobs.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
+    folders = {"Contrastive": tmp_path / "omniglot_lite0" / "contrastive"}
+    return phases, study.mechanism.matched_section(folders, study.design.ARMS)[2:]
+
+
+def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table_says_so(
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From Lite0's m_pos 0.4, ISM's median effect on Contrastive's positive pairs can reach past
+    m_neg, where the loss refuses its margins. The margin-matched control then trains at m_neg
+    (the largest margin that still separates the pairs) instead of stopping the matched phase —
+    which would also lose the uniform control — and the tables name both margins."""
+    phases, lines = contrastive_grid(study, tmp_path, monkeypatch, 0.4, {"pos_margin": 0.62})
     # Seed by seed, so a grid stopped mid-way has every arm at the same seeds.
     order = [(job.folder.name, job.folder.parent.name) for job in phases[1]]
     assert order == [(s, a) for s in ("s0", "s1") for a in ("idml_uniform", "mixup_margin")]
@@ -466,8 +474,6 @@ def test_a_margin_matched_past_the_negative_margin_is_capped_there_and_the_table
     assert controls["mixup_margin"][-2:] == ("loss.pos_margin=0.5", "seed=1")
     assert "metric.gamma=0.03" in controls["idml_uniform"]
 
-    folders = {"Contrastive": tmp_path / "omniglot_lite0" / "contrastive"}
-    lines = study.mechanism.matched_section(folders, study.design.ARMS)[2:]
     uniform = "- Contrastive, IDML, u = 0 and matched γ (uniform weakening): metric.gamma = 0.03"
     assert lines[0].startswith(uniform + ", from 2 runs of `idml`")
     assert "loss.pos_margin = 0.5 (ISM acts as 0.62, past the negative margin 0.5" in lines[1]
@@ -480,32 +486,10 @@ def test_a_margin_matched_control_that_would_be_mixup_only_is_not_trained_and_th
     """Where the recipe's m_pos is already m_neg, the cap takes the margin-matched control back to
     the recipe's own margin: it would be Mixup only, ten runs for a copy of another arm. It is
     skipped, the uniform control still trains, and the table says why the control is missing."""
-    recipes = {
-        "omniglot_lite0": {
-            "contrastive": {"recipe": "m_pos=0.5", "overrides": ["loss.pos_margin=0.5"]}
-        }
-    }
-    monkeypatch.setattr(study.recipes, "load_recipes", lambda: recipes)
-    matched = {
-        "gamma": 0.03,
-        "pos_margin": 0.7,
-        "neg_margin": DISTANCE_MARGINS[1],
-        "similarity": False,
-        "recipe_pos_margin": DISTANCE_MARGINS[1],
-    }
-    phases: list[list] = []
-
-    def run_jobs(jobs: list, workers: int, ledger: object) -> None:
-        phases.append(jobs)
-        record_runs(jobs, matched)
-
-    monkeypatch.setattr(study.jobs, "run_jobs", run_jobs)
-    arms = ["idml", "idml_uniform", "mixup_margin"]
-    study.jobs.run(grid_args(tmp_path, "omniglot_lite0", "contrastive", arms))
+    m_neg = DISTANCE_MARGINS[1]
+    matched = {"pos_margin": 0.7, "recipe_pos_margin": m_neg}
+    phases, lines = contrastive_grid(study, tmp_path, monkeypatch, m_neg, matched)
     assert {job.folder.parent.name for job in phases[1]} == {"idml_uniform"}
-
-    folders = {"Contrastive": tmp_path / "omniglot_lite0" / "contrastive"}
-    lines = study.mechanism.matched_section(folders, study.design.ARMS)[2:]
     assert len(lines) == 2 and lines[0].startswith("- Contrastive, IDML, u = 0 and matched γ")
     assert lines[1].startswith("- Contrastive, Mixup only, margin matched to IDML: not trained")
     assert "capped at m_neg = 0.5, which is the recipe's own m_pos" in lines[1]
