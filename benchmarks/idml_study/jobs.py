@@ -25,6 +25,7 @@ from idml_study.mechanism import (
     write_mechanism,
 )
 from idml_study.recipes import LEGACY_LAYOUT, grid_recipe, setting_overrides, study_overrides
+from idml_study.results import run_files
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,9 @@ def run_job(job: Job) -> tuple[str, float]:
 
 def finished(job: Job) -> bool:
     """Whether ``job``'s run already has its result (:func:`run_job` then reuses it at once)."""
+    # run_files lists an arm's results as <arm>/sN/cells/base/seedN/result.json.
     return any(
-        re.fullmatch(r"seed\d+", path.parent.name)
-        for path in job.folder.glob("cells/base/seed*/result.json")
+        path.parents[3] == job.folder for path in run_files(job.folder.parent, "result.json")
     )
 
 
