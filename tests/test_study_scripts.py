@@ -744,6 +744,30 @@ def test_a_grid_says_how_long_its_runs_still_to_train_will_take(
     assert lines[3].endswith("(1200 s; 0.0 min so far)")
 
 
+def test_a_run_resumed_part_way_does_not_set_the_time_a_whole_run_takes(
+    study: Study,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run a stop cut off resumes from its checkpoint and finishes in part of a run's time: it
+    counts among the runs left, but only whole runs give the mean time of the rest."""
+    jobs = [study.jobs.Job(tmp_path / "a" / f"s{seed}", (), False) for seed in range(3)]
+    part = jobs[0].folder / "cells" / "base" / "seed0"
+    part.mkdir(parents=True)
+    (part / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    assert study.jobs.part_trained(jobs[0]) and not study.jobs.part_trained(jobs[1])
+    seconds = {str(job.folder): s for job, s in zip(jobs, (100.0, 600.0, 600.0))}
+    monkeypatch.setattr(
+        study.jobs, "run_job", lambda job: (str(job.folder), seconds[str(job.folder)])
+    )
+    study.jobs.run_jobs(jobs, workers=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert "left" not in lines[0]
+    assert lines[1].endswith("(600 s; 0.0 min so far; about 10.0 min left)")
+    assert "left" not in lines[2]
+
+
 def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_tried(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -75,12 +75,21 @@ def run_job(job: Job) -> tuple[str, float]:
     return str(job.folder), time.perf_counter() - start
 
 
+def has_run_file(job: Job, name: str) -> bool:
+    """Whether ``job``'s run folder holds ``name``."""
+    # run_files lists an arm's files as <arm>/sN/cells/base/seedN/<name>.
+    return any(path.parents[3] == job.folder for path in run_files(job.folder.parent, name))
+
+
 def finished(job: Job) -> bool:
     """Whether ``job``'s run already has its result (:func:`run_job` then reuses it at once)."""
-    # run_files lists an arm's results as <arm>/sN/cells/base/seedN/result.json.
-    return any(
-        path.parents[3] == job.folder for path in run_files(job.folder.parent, "result.json")
-    )
+    return has_run_file(job, "result.json")
+
+
+def part_trained(job: Job) -> bool:
+    """Whether ``job``'s run was stopped part-way (it has logged epochs but no result): it resumes
+    from its last checkpoint, so its time says little of a whole run's."""
+    return not finished(job) and has_run_file(job, "metrics.jsonl")
 
 
 def time_left(trained: Sequence[float], runs_left: int, workers: int) -> str:
@@ -107,18 +116,24 @@ def run_jobs(jobs: Sequence[Job], workers: int, ledger: Ledger | None = None) ->
     ``ledger`` at once (a chain stopped mid-grid keeps every run that finished)."""
     total = len(jobs)
     start = time.perf_counter()
-    # A grid resumed across sessions reuses its finished runs in no time: only the others count.
+    # A grid resumed across sessions reuses its finished runs in no time and finishes the runs a
+    # stop cut off in part of one: only whole runs trained here estimate the time of the rest.
     to_train = {str(job.folder) for job in jobs if not finished(job)}
+    resumed = {str(job.folder) for job in jobs if part_trained(job)}
     trained: list[float] = []
+    runs_left = len(to_train)
 
     def report(results: Iterator[tuple[str, float]]) -> None:
+        nonlocal runs_left
         for done, (folder, seconds) in enumerate(results, start=1):
             if ledger is not None:
                 ledger.record_run(Path(folder))
             if folder in to_train:
-                trained.append(seconds)
+                runs_left -= 1
+                if folder not in resumed:
+                    trained.append(seconds)
             elapsed = (time.perf_counter() - start) / 60
-            left = time_left(trained, len(to_train) - len(trained), workers)
+            left = time_left(trained, runs_left, workers)
             print(
                 f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far{left})",
                 flush=True,
