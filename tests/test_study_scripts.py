@@ -725,8 +725,8 @@ def test_a_grid_says_how_long_its_runs_still_to_train_will_take(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A grid of a day's CPU time is resumed across sessions: its progress lines give the time
-    left from the runs it trains, at their mean time, and count neither the finished runs it
-    reuses (0 s) nor them among the runs left."""
+    left from the runs it trains, and count neither the finished runs it reuses (0 s) nor them
+    among the runs left."""
     jobs = [
         study.jobs.Job(tmp_path / arm / f"s{seed}", (), False) for arm in "ab" for seed in (0, 1)
     ]
@@ -744,28 +744,34 @@ def test_a_grid_says_how_long_its_runs_still_to_train_will_take(
     assert lines[3].endswith("(1200 s; 0.0 min so far)")
 
 
-def test_a_run_resumed_part_way_does_not_set_the_time_a_whole_run_takes(
+def test_a_grid_times_the_runs_left_by_their_arm_and_not_by_a_run_resumed_part_way(
     study: Study,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A run a stop cut off resumes from its checkpoint and finishes in part of a run's time: it
-    counts among the runs left, but only whole runs give the mean time of the rest."""
-    jobs = [study.jobs.Job(tmp_path / "a" / f"s{seed}", (), False) for seed in range(3)]
+    """Arms differ in time (one with Mixup trains half a batch more), and a run a stop cut off
+    resumes from its checkpoint in part of a run's time: each run left is timed at its own arm's
+    mean once that arm has a whole run, and the resumed run counts among the runs left only."""
+    names = [("a", 0), ("a", 1), ("b", 0), ("a", 2), ("a", 3), ("b", 1)]
+    jobs = [study.jobs.Job(tmp_path / arm / f"s{seed}", (), False) for arm, seed in names]
     part = jobs[0].folder / "cells" / "base" / "seed0"
     part.mkdir(parents=True)
     (part / "metrics.jsonl").write_text('{"epoch": 1}\n')
     assert study.jobs.part_trained(jobs[0]) and not study.jobs.part_trained(jobs[1])
-    seconds = {str(job.folder): s for job, s in zip(jobs, (100.0, 600.0, 600.0))}
+    seconds = {str(job.folder): 1200.0 if job.folder.parent.name == "b" else 600.0 for job in jobs}
+    seconds[str(jobs[0].folder)] = 100.0
     monkeypatch.setattr(
         study.jobs, "run_job", lambda job: (str(job.folder), seconds[str(job.folder)])
     )
     study.jobs.run_jobs(jobs, workers=1)
     lines = capsys.readouterr().out.splitlines()
     assert "left" not in lines[0]
-    assert lines[1].endswith("(600 s; 0.0 min so far; about 10.0 min left)")
-    assert "left" not in lines[2]
+    # Four runs left at arm a's 600 s (b has no run yet): not at the mean with the resumed 100 s.
+    assert lines[1].endswith("(600 s; 0.0 min so far; about 40.0 min left)")
+    # a, a, b left: 600 + 600 + 1200 s, not three runs at the mean of 600 and 1200.
+    assert lines[2].endswith("(1200 s; 0.0 min so far; about 40.0 min left)")
+    assert "left" not in lines[-1]
 
 
 def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_tried(

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,19 +91,27 @@ def part_trained(job: Job) -> bool:
     return not finished(job) and has_run_file(job, "metrics.jsonl")
 
 
-def time_left(trained: Sequence[float], runs_left: int, workers: int) -> str:
-    """What a progress line says of the time a grid has left: the runs still to train at the mean
-    time of those trained so far in this call, ``workers`` at a time; nothing before a run has
-    trained or once none is left.
+def time_left(trained: Mapping[str, Sequence[float]], left: Sequence[str], workers: int) -> str:
+    """What a progress line says of the time a grid has left: each run still to train (named by
+    its arm in ``left``) at the mean time of its arm's runs trained so far in this call, or of all
+    of them where its arm has none yet, ``workers`` at a time; nothing before a run has trained or
+    once none is left. Arms differ (one with Mixup trains half a batch more), and a grid trained
+    seed by seed has timed every arm after its first seed.
 
-    >>> time_left([1500.0, 1700.0], 66, 1)
-    '; about 29.3 h left'
-    >>> time_left([200.0], 3, 2), time_left([], 5, 1), time_left([90.0], 0, 1)
-    ('; about 6.7 min left', '', '')
+    >>> time_left({"baseline": [250.0], "idml": [400.0]}, ["baseline", "idml"] * 9, 2)
+    '; about 48.8 min left'
+    >>> time_left({"a": [1500.0, 1700.0]}, ["a"] * 66, 1), time_left({"a": [200.0]}, ["b"] * 3, 2)
+    ('; about 29.3 h left', '; about 5.0 min left')
+    >>> time_left({}, ["a"] * 5, 1), time_left({"a": [90.0]}, [], 1)
+    ('', '')
     """
-    if not trained or runs_left <= 0:
+    times = [t for arm_times in trained.values() for t in arm_times]
+    if not times or not left:
         return ""
-    seconds = sum(trained) / len(trained) * math.ceil(runs_left / max(1, workers))
+    overall = sum(times) / len(times)
+    seconds = sum(
+        sum(trained[arm]) / len(trained[arm]) if trained.get(arm) else overall for arm in left
+    ) / max(1, workers)
     if seconds >= 5400:
         return f"; about {seconds / 3600:.1f} h left"
     return f"; about {seconds / 60:.1f} min left"
@@ -118,22 +125,20 @@ def run_jobs(jobs: Sequence[Job], workers: int, ledger: Ledger | None = None) ->
     start = time.perf_counter()
     # A grid resumed across sessions reuses its finished runs in no time and finishes the runs a
     # stop cut off in part of one: only whole runs trained here estimate the time of the rest.
-    to_train = {str(job.folder) for job in jobs if not finished(job)}
+    # Each run still to train, with its arm's folder (a run's folder is <arm>/sN).
+    to_train = {str(job.folder): str(job.folder.parent) for job in jobs if not finished(job)}
     resumed = {str(job.folder) for job in jobs if part_trained(job)}
-    trained: list[float] = []
-    runs_left = len(to_train)
+    trained: dict[str, list[float]] = {}
 
     def report(results: Iterator[tuple[str, float]]) -> None:
-        nonlocal runs_left
         for done, (folder, seconds) in enumerate(results, start=1):
             if ledger is not None:
                 ledger.record_run(Path(folder))
-            if folder in to_train:
-                runs_left -= 1
-                if folder not in resumed:
-                    trained.append(seconds)
+            arm = to_train.pop(folder, None)
+            if arm is not None and folder not in resumed:
+                trained.setdefault(arm, []).append(seconds)
             elapsed = (time.perf_counter() - start) / 60
-            left = time_left(trained, runs_left, workers)
+            left = time_left(trained, list(to_train.values()), workers)
             print(
                 f"[{done}/{total}] {folder} ({seconds:.0f} s; {elapsed:.1f} min so far{left})",
                 flush=True,
