@@ -51,10 +51,13 @@ doubles the ones that are not (each doubling in the recipe's ``history``). ``wid
 for a knob whose chosen value is the largest (or smallest) tried: it trains the recipe with the
 knob one step further (m_pos + 0.2 up to m_neg = 0.5, which it may meet but not cross; the proxy
 rate ×10) and ``--adopt`` takes it on the same rule, recording every trial (``widened``) so that a
-knob's range grows until the choice lies inside it (or meets its ceiling). A run folder pins the
-recipe its runs used (``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new
-``--out``, its tables named by ``--label``; ``run --recipe pinned`` adds arms or seeds to an older
-grid at the recipe it pins.
+knob's range grows until the choice lies inside it (or meets its ceiling). ``retune --arms mixup``
+chooses an arm's own knob the same way, at the baseline's budget: the baseline's margin may be too
+tight for a Mixup batch, and a claim about ISM is fairest against Mixup at Mixup's best margin.
+``run --recipe mixup`` then trains a grid whose every arm (controls included) uses the recipe
+chosen for Mixup: one recipe a grid, still. A run folder pins the recipe its runs used
+(``<loss>/recipe.json``), so a grid at an adopted recipe goes to a new ``--out``, its tables named
+by ``--label``; ``run --recipe pinned`` adds arms or seeds to an older grid at the recipe it pins.
 A setting's folder pins the memory format its runs train in (``memory_format.json``): runs added to
 a folder trained before channels-last became the CPU's default keep the contiguous layout.
 
@@ -91,6 +94,8 @@ Run (each step reuses finished runs; ``--workers 2`` trains two runs at a time, 
     python benchmarks/study_idml.py converge --setting demo --seeds 3   # the chosen budget, doubled
     python benchmarks/study_idml.py converge --setting demo --seeds 3 --adopt   # ... and adopted
     python benchmarks/study_idml.py widen --setting demo --seeds 3 --adopt   # a knob at its edge
+    python benchmarks/study_idml.py retune --setting demo --losses contrastive --arms mixup
+    python benchmarks/study_idml.py run --setting demo --recipe mixup --out runs/study_idml_mixm
     python benchmarks/study_idml.py run --setting demo --seeds 10
     python benchmarks/study_idml.py tables --setting demo
     python benchmarks/study_idml.py run --setting demo --arms mixup --seeds 3 \\
@@ -112,7 +117,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from idml_study.choose import converge, validate, widen
+from idml_study.choose import converge, retune, validate, widen
 from idml_study.design import (
     ARMS,
     CONVERGED_GAIN,
@@ -121,6 +126,7 @@ from idml_study.design import (
     DEGRADATIONS,
     LOSSES,
     REPO,
+    RETUNABLE,
     SETTINGS,
     Arm,
 )
@@ -132,7 +138,9 @@ from idml_study.tables import tables
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("validate", "converge", "widen", "run", "tables"))
+    parser.add_argument(
+        "command", choices=("validate", "converge", "widen", "retune", "run", "tables")
+    )
     parser.add_argument("--setting", choices=sorted(SETTINGS), required=True)
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--losses", default=",".join(LOSSES))
@@ -140,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--arms",
         default=None,
         help=f"the main grid's arms (default all: {', '.join(ARMS)}); with --degradations, the "
-        f"degraded grid's (default all: {', '.join(DEGRADATION_ARMS)})",
+        f"degraded grid's (default all: {', '.join(DEGRADATION_ARMS)}); retune: the arms whose "
+        f"own knob to choose (one or more of {', '.join(RETUNABLE)})",
     )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--degradations", action="store_true", help="the Table 3 grid instead")
@@ -170,10 +179,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--recipe",
-        choices=("validated", "pinned"),
+        choices=("validated", "pinned", *RETUNABLE),
         default="validated",
-        help="run: train with the validated recipe (pinned to the run folder), or with the one the "
-        "run folder already pins (add arms or seeds to a grid after its recipe was adopted away)",
+        help="run: train with the validated recipe (pinned to the run folder), with the one the "
+        "run folder already pins (add arms or seeds to a grid after its recipe was adopted away), "
+        "or with the one `retune` chose for the arm named (every arm of the grid then uses it; "
+        "pinned likewise, so give the grid its own --out)",
     )
     parser.add_argument(
         "--override",
@@ -195,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--label {args.label!r}: letters, digits and underscores only")
     args.losses = [x for x in args.losses.split(",") if x]
     arms: Mapping[str, Arm] = DEGRADATION_ARMS if args.degradations else ARMS
+    given_arms = args.arms
     args.arms = [x for x in (args.arms or ",".join(arms)).split(",") if x]
     args.kinds = [x for x in args.kinds.split(",") if x]
     unknown = (
@@ -207,7 +219,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"unknown arm, loss or degradation {unknown}; arms: {', '.join(arms)}; losses: "
             f"{', '.join(LOSSES)}; degradations: {', '.join(DEGRADATIONS)}"
         )
-    if args.override and args.command in ("validate", "converge", "widen"):
+    if args.command == "retune":
+        wrong = [x for x in args.arms if x not in RETUNABLE]
+        if given_arms is None or wrong or args.degradations:
+            parser.error(
+                f"retune chooses the knob of the arms named by --arms, one or more of "
+                f"{', '.join(RETUNABLE)} (not {', '.join(wrong) or 'all of them'}): `validate` "
+                "chose the baseline's, and a matched control takes the knobs of the arm it matches"
+            )
+    if args.override and args.command in ("validate", "converge", "widen", "retune"):
         parser.error(
             f"--override is for run (and tables) only: {args.command} chooses the recipe every "
             "arm trains with, on the validation split, without diagnostics"
@@ -224,14 +244,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     ledger = study_ledger(args)
     if ledger is not None and (restored := ledger.restore()):
         print(f"restored {restored} records of finished runs and pins from {ledger.root}")
-    if args.command in ("validate", "converge", "widen") and (
+    if args.command in ("validate", "converge", "widen", "retune") and (
         diagnostic := study_overrides(args, pin=False)
     ):
         parser.error(
             f"{args.out / args.setting} holds a diagnostic ({said(diagnostic)}); choose recipes "
             "in an --out of their own"
         )
-    commands = {"validate": validate, "converge": converge, "widen": widen, "run": run}
+    commands = {
+        "validate": validate,
+        "converge": converge,
+        "widen": widen,
+        "retune": retune,
+        "run": run,
+    }
     {**commands, "tables": tables}[args.command](args)
     if ledger is not None and (written := ledger.record()):
         print(

@@ -852,6 +852,174 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
     assert trained == []
 
 
+def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The baseline's validated margin may be too tight for a Mixup batch: ``retune`` trains the
+    arm asked for on the validation split at the baseline's recipe with each margin tried (the
+    budget unchanged), records the best as that arm's recipe, and ``run --recipe <arm>`` trains a
+    grid whose every arm uses it, its tables saying whose recipe it is."""
+    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.choose, "RECIPES", tmp_path / "recipes.json")
+    baseline = {
+        "recipe": "m_pos=0.2, 40 epochs",
+        "overrides": ["loss.pos_margin=0.2", "optim.epochs=40"],
+    }
+    recipes = {
+        "demo": {
+            "contrastive": dict(baseline),
+            "multi_similarity": {"recipe": "8 epochs", "overrides": ["optim.epochs=8"]},
+        }
+    }
+    (tmp_path / "recipes.json").write_text(json.dumps(recipes))
+
+    def load() -> dict[str, Any]:
+        return dict(json.loads((tmp_path / "recipes.json").read_text()))
+
+    monkeypatch.setattr(study.choose, "load_recipes", load)
+    monkeypatch.setattr(study.recipes, "load_recipes", load)
+    map_at = {"0.1": 0.50, "0.2": 0.55, "0.3": 0.60, "0.4": 0.58, "0.5": 0.52}
+    trained: list[tuple[str, ...]] = []
+
+    def run_jobs(jobs: list, workers: int, ledger: object) -> None:
+        for job in jobs:
+            trained.append(job.overrides)
+            margin = next(o for o in job.overrides if o.startswith("loss.pos_margin="))[16:]
+            seed = int(job.folder.name[1:])
+            run = job.folder / "cells" / "base" / f"seed{seed}"
+            run.mkdir(parents=True, exist_ok=True)
+            metrics = {"recall@1": 0.9, "map@r": map_at[margin] + 0.002 * seed}
+            (run / "result.json").write_text(json.dumps({"seed": seed, "final_metrics": metrics}))
+
+    monkeypatch.setattr(study.choose, "run_jobs", run_jobs)
+    out = ["--out", str(tmp_path / "runs"), "--no-ledger"]
+    study.script.main(
+        [
+            "retune",
+            "--setting",
+            "demo",
+            "--seeds",
+            "2",
+            "--losses",
+            "contrastive,multi_similarity",
+            "--arms",
+            "mixup",
+            *out,
+        ]
+    )
+    assert len(trained) == 5 * 2  # five margins, two seeds; Multi-Similarity has no knob
+    assert all("mixup.enabled=true" in o and "optim.epochs=40" in o for o in trained)
+    assert all("data.protocol=validation" in o for o in trained)
+    assert sorted({o for job in trained for o in job if o.startswith("loss.pos_margin=")}) == [
+        f"loss.pos_margin=0.{k}" for k in range(1, 6)
+    ]
+    chosen = json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]
+    assert chosen["recipe"] == baseline["recipe"]  # the baseline's own recipe stays
+    assert chosen["arms"]["mixup"]["recipe"] == "m_pos=0.3, 40 epochs"
+    assert chosen["arms"]["mixup"]["overrides"] == ["loss.pos_margin=0.3", "optim.epochs=40"]
+    assert chosen["arms"]["mixup"]["of"] == "m_pos=0.2, 40 epochs"
+    table = (tmp_path / "tables" / "idml_retune_demo.md").read_text()
+    assert "Arms retuned: Contrastive: Mixup only (from m_pos=0.2, 40 epochs)." in table
+    assert (
+        "| Contrastive | Mixup only | m_pos=0.3, 40 epochs | 90.0 ± 0.0 | 60.1 ± 0.1 | **chosen** |"
+        in table
+    )
+    assert "| m_pos=0.2, 40 epochs | 90.0 ± 0.0 | 55.1 ± 0.1 | the baseline's |" in table
+    assert "| m_pos=0.3, 40 epochs − m_pos=0.2, 40 epochs | 2 | +0.00 | – | – | +5.00 |" in table
+    assert "Multi-Similarity: no knob beyond its budget" in table
+
+    # A grid at the arm's recipe: every arm trains with it, and its tables say whose it is.
+    phases: list[list] = []
+    monkeypatch.setattr(study.jobs, "run_jobs", lambda jobs, w, ledger: phases.append(jobs))
+    args = grid_args(tmp_path / "grid", "demo", "contrastive", ["baseline", "mixup", "idml"])
+    args.recipe = "mixup"
+    study.jobs.run(args)
+    assert {o for job in phases[0] for o in job.overrides if o.startswith("loss.pos")} == {
+        "loss.pos_margin=0.3"
+    }
+    folder = tmp_path / "grid" / "demo" / "contrastive"
+    assert study.recipes.pinned_recipe(folder) == "m_pos=0.3, 40 epochs (chosen for Mixup only)"
+    header = study.tables.settings_lines(args, ["contrastive"])[1]
+    assert header.startswith("Recipes, every arm's (validation split of the training classes)")
+    assert "Contrastive: m_pos=0.3, 40 epochs (chosen for Mixup only)" in header
+    # ... a folder pinned to it refuses the baseline's recipe, as any other.
+    args.recipe = "validated"
+    with pytest.raises(SystemExit, match="new --out"):
+        study.jobs.run(args)
+
+    # Once the baseline's recipe moves on, the arm's must be chosen again before a grid uses it.
+    moved = json.loads((tmp_path / "recipes.json").read_text())
+    moved["demo"]["contrastive"].update(recipe="m_pos=0.2, 80 epochs")
+    (tmp_path / "recipes.json").write_text(json.dumps(moved))
+    args = grid_args(tmp_path / "later", "demo", "contrastive", ["mixup"])
+    args.recipe = "mixup"
+    with pytest.raises(SystemExit, match="retune --arms mixup` again"):
+        study.jobs.run(args)
+    args.recipe = "idml"
+    with pytest.raises(SystemExit, match="no recipe chosen for the arm 'idml'"):
+        study.jobs.run(args)
+
+
+def test_retune_records_nothing_until_every_value_has_its_seeds(
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.choose, "RECIPES", tmp_path / "recipes.json")
+    baseline = {
+        "recipe": "m_pos=0.2, 8 epochs",
+        "overrides": ["loss.pos_margin=0.2", "optim.epochs=8"],
+    }
+    (tmp_path / "recipes.json").write_text(json.dumps({"demo": {"contrastive": baseline}}))
+    monkeypatch.setattr(
+        study.choose, "load_recipes", lambda: json.loads((tmp_path / "recipes.json").read_text())
+    )
+
+    def run_jobs(jobs: list, workers: int, ledger: object) -> None:
+        for job in jobs[:3]:  # cut off: only the first value's seeds and one more run finish
+            run = job.folder / "cells" / "base" / f"seed{job.folder.name[1:]}"
+            run.mkdir(parents=True)
+            metrics = {"recall@1": 0.9, "map@r": 0.5}
+            (run / "result.json").write_text(
+                json.dumps({"seed": int(job.folder.name[1:]), "final_metrics": metrics})
+            )
+
+    monkeypatch.setattr(study.choose, "run_jobs", run_jobs)
+    study.script.main(
+        [
+            "retune",
+            "--setting",
+            "demo",
+            "--seeds",
+            "2",
+            "--losses",
+            "contrastive",
+            "--arms",
+            "idml",
+            "--out",
+            str(tmp_path / "runs"),
+            "--no-ledger",
+        ]
+    )
+    assert "arms" not in json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]
+    table = (tmp_path / "tables" / "idml_retune_demo.md").read_text()
+    assert "not every value has its 2 seeds yet; nothing recorded" in table
+
+
+@pytest.mark.parametrize(
+    "arms", [[], ["--arms", "baseline"], ["--arms", "idml_uniform"], ["--arms", "mixup_margin"]]
+)
+def test_retune_asks_for_the_arms_it_can_tune(
+    study: Study, tmp_path: Path, arms: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        study.script.main(
+            ["retune", "--setting", "demo", *arms, "--out", str(tmp_path), "--no-ledger"]
+        )
+    error = capsys.readouterr().err
+    assert "retune chooses the knob of the arms named by --arms" in error
+    assert "mixup" in error and "a matched control takes the knobs" in error
+
+
 def test_a_diagnostic_override_keeps_to_its_own_folder_and_says_so_in_its_tables(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -326,6 +326,9 @@ class Knob:
     ceiling: float = math.inf
     """No step above this: a step that would pass it stops at it (Contrastive's m_pos may meet
     m_neg, never cross it)."""
+    retune: tuple[float, ...] = ()
+    """The values ``retune`` tries for an arm other than the baseline (empty: ``grid``'s), finer
+    than ``grid`` where the arm's best value may lie between its steps."""
 
     def value_text(self, value: float) -> str:
         return str(value) if isinstance(value, int) else repr(round(value, 6))
@@ -378,7 +381,17 @@ M_NEG = 0.5
 KNOBS: dict[str, Knob] = {
     "proxy_anchor": Knob("proxy_lr×{}", "optim.proxy_lr_mult", (1, 10, 100), factor=10, floor=0.01),
     "contrastive": Knob(
-        "m_pos={}", "loss.pos_margin", (0.0, 0.2, 0.4), step=0.2, floor=0.0, ceiling=M_NEG
+        "m_pos={}",
+        "loss.pos_margin",
+        (0.0, 0.2, 0.4),
+        step=0.2,
+        floor=0.0,
+        ceiling=M_NEG,
+        # Half steps: the margin matched to IDML's weakening on Omniglot (0.355) beat a Mixup arm
+        # at the baseline's 0.2 by 3 points, so a Mixup arm's best margin may lie between 0.2 and
+        # 0.4. Not 0.0: no margin lost 6-13 validation MAP@R points in every setting, and Mixup's
+        # soft labels only loosen the pull further.
+        retune=(0.1, 0.2, 0.3, 0.4, 0.5),
     ),
 }
 """The knob each loss's broken baseline recipe was traced to (issue 21); Multi-Similarity has none
@@ -419,6 +432,54 @@ def grid_edges(setting: str, loss: str, chosen: str) -> list[str]:
     return edges
 
 
+def knob_at(knob: Knob, chosen: dict[str, Any], value: float) -> tuple[str, tuple[str, ...]]:
+    """The name and overrides of a stored recipe with ``knob`` at ``value``: only the knob moves,
+    the budget and every other override stay.
+
+    >>> knob_at(KNOBS["contrastive"], {"recipe": "m_pos=0.2, 40 epochs",
+    ...                                "overrides": ["loss.pos_margin=0.2", "optim.epochs=40"]}, 0.3)
+    ('m_pos=0.3, 40 epochs', ('loss.pos_margin=0.3', 'optim.epochs=40'))
+    """
+    current = knob.value_of(chosen["recipe"])
+    if current is None:
+        raise ValueError(f"the recipe {chosen['recipe']!r} does not name {knob.form}")
+    name = chosen["recipe"].replace(knob.part(current), knob.part(value))
+    overrides = tuple(
+        knob.override(value) if o.startswith(knob.key + "=") else o for o in chosen["overrides"]
+    )
+    return name, overrides
+
+
+def retune_candidates(loss: str, chosen: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """The recipes ``retune`` compares for an arm of ``loss``, by name: the baseline's validated
+    recipe (``chosen``, from ``idml_recipes.json``) with its knob at each of the knob's ``retune``
+    values and at the baseline's own value, the budget unchanged (every arm of a grid trains the
+    same steps); empty for a loss without a knob.
+
+    >>> list(retune_candidates("contrastive", {"recipe": "m_pos=0.2, 40 epochs",
+    ...                        "overrides": ["loss.pos_margin=0.2", "optim.epochs=40"]}))
+    ['m_pos=0.1, 40 epochs', 'm_pos=0.2, 40 epochs', 'm_pos=0.3, 40 epochs', \
+'m_pos=0.4, 40 epochs', 'm_pos=0.5, 40 epochs']
+    >>> list(retune_candidates("proxy_anchor", {"recipe": "proxy_lr×3, 80 epochs",
+    ...                        "overrides": ["optim.proxy_lr_mult=3", "optim.epochs=80"]}))
+    ['proxy_lr×1, 80 epochs', 'proxy_lr×3, 80 epochs', 'proxy_lr×10, 80 epochs', \
+'proxy_lr×100, 80 epochs']
+    >>> retune_candidates("multi_similarity", {"recipe": "80 epochs", "overrides": []})
+    {}
+    """
+    knob = KNOBS.get(loss)
+    if knob is None:
+        return {}
+    own = knob.value_of(chosen["recipe"])
+    values = sorted({*(knob.retune or knob.grid), *([] if own is None else [own])})
+    return dict(knob_at(knob, chosen, value) for value in values)
+
+
+RETUNABLE = tuple(name for name, arm in ARMS.items() if name != "baseline" and not arm.matched)
+"""The arms ``retune`` chooses a knob for: not the baseline (``validate`` chose its), nor a matched
+control (it takes its knobs from the arm it matches, on top of that arm's recipe)."""
+
+
 def widened_knob(loss: str, chosen: dict[str, Any]) -> tuple[str, tuple[str, ...]] | None:
     """The name and overrides of a stored recipe (``idml_recipes.json``) with its knob one step past
     the edge of every value tried — ``validate``'s grid and the earlier ``widen`` trials the recipe
@@ -451,11 +512,7 @@ def widened_knob(loss: str, chosen: dict[str, Any]) -> tuple[str, tuple[str, ...
         return None
     if target is None:
         return None
-    name = chosen["recipe"].replace(knob.part(value), knob.part(target))
-    overrides = tuple(
-        knob.override(target) if o.startswith(knob.key + "=") else o for o in chosen["overrides"]
-    )
-    return name, overrides
+    return knob_at(knob, chosen, target)
 
 
 COMPARISONS: list[tuple[str, str, str]] = [

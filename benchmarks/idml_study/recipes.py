@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from idml_study.design import SETTINGS, TABLES
+from idml_study.design import ARMS, KNOBS, SETTINGS, TABLES
 
 RECIPES = TABLES / "idml_recipes.json"
 FOLDER_RECIPE = "recipe.json"
@@ -113,6 +113,30 @@ def recipe_record(setting: str, loss: str) -> dict[str, Any]:
     return dict(chosen)
 
 
+def retuned_record(setting: str, loss: str, arm: str) -> dict[str, Any]:
+    """The recipe ``retune`` chose for ``arm`` of ``loss`` in ``setting`` (``idml_recipes.json``,
+    under its loss's ``arms``), with ``chosen_for`` set; an error before ``retune``, or once the
+    baseline recipe it was tuned from has moved on (``converge`` or ``widen --adopt``). A loss
+    without a knob (Multi-Similarity) has nothing to retune: its validated recipe is every arm's."""
+    baseline = recipe_record(setting, loss)
+    if loss not in KNOBS:
+        return baseline
+    retuned = baseline.get("arms", {}).get(arm)
+    if retuned is None:
+        raise SystemExit(
+            f"no recipe chosen for the arm {arm!r} of {setting}/{loss}: run `python "
+            f"benchmarks/study_idml.py retune --setting {setting} --losses {loss} --arms {arm}` "
+            f"first ({RECIPES} holds the chosen ones)"
+        )
+    if retuned["of"] != baseline["recipe"]:
+        raise SystemExit(
+            f"the recipe chosen for the arm {arm!r} of {setting}/{loss} ({retuned['recipe']!r}) "
+            f"was tuned from the baseline recipe {retuned['of']!r}, which has since become "
+            f"{baseline['recipe']!r}: run `retune --arms {arm}` again"
+        )
+    return {**retuned, "chosen_for": arm}
+
+
 def pin_recipe(loss_folder: Path, chosen: dict[str, Any]) -> None:
     """Record the recipe a loss's runs in ``loss_folder`` train with, or stop if its runs used
     another: a grid never mixes budgets or knobs across arms. ``converge --adopt`` changes a
@@ -130,20 +154,28 @@ def pin_recipe(loss_folder: Path, chosen: dict[str, Any]) -> None:
         return
     loss_folder.mkdir(parents=True, exist_ok=True)
     record = {"recipe": chosen["recipe"], "overrides": list(chosen["overrides"])}
+    if "chosen_for" in chosen:
+        record["chosen_for"] = chosen["chosen_for"]
     path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def pinned_recipe(loss_folder: Path) -> str | None:
-    """The recipe name :func:`pin_recipe` recorded in ``loss_folder``, if any."""
+    """The recipe name :func:`pin_recipe` recorded in ``loss_folder``, if any, saying which arm
+    chose it where ``retune`` did (``"m_pos=0.3, 40 epochs (chosen for Mixup only)"``)."""
     path = loss_folder / FOLDER_RECIPE
-    return str(json.loads(path.read_text())["recipe"]) if path.is_file() else None
+    if not path.is_file():
+        return None
+    pinned = json.loads(path.read_text())
+    arm = pinned.get("chosen_for")
+    return str(pinned["recipe"]) + (f" (chosen for {ARMS[arm].label})" if arm else "")
 
 
 def grid_recipe(args: argparse.Namespace, loss: str, loss_folder: Path) -> list[str]:
     """The overrides a grid's runs of ``loss`` in ``loss_folder`` train with: the validated recipe,
-    pinned to the folder (:func:`pin_recipe`), or with ``--recipe pinned`` the one the folder
-    already pins, so that arms or seeds can be added to a grid after ``converge --adopt`` moved the
-    validated recipe on."""
+    pinned to the folder (:func:`pin_recipe`); with ``--recipe pinned`` the one the folder already
+    pins, so that arms or seeds can be added to a grid after ``converge --adopt`` moved the
+    validated recipe on; with ``--recipe <arm>`` the one ``retune`` chose for that arm
+    (:func:`retuned_record`), which every arm of the grid then trains with, pinned likewise."""
     if args.quick:
         return []
     if args.recipe == "pinned":
@@ -154,6 +186,9 @@ def grid_recipe(args: argparse.Namespace, loss: str, loss_folder: Path) -> list[
                 "start a grid with the validated recipe (the default --recipe validated)"
             )
         return list(json.loads(path.read_text())["overrides"])
-    chosen = recipe_record(args.setting, loss)
+    if args.recipe == "validated":
+        chosen = recipe_record(args.setting, loss)
+    else:
+        chosen = retuned_record(args.setting, loss, args.recipe)
     pin_recipe(loss_folder, chosen)
     return list(chosen["overrides"])

@@ -237,8 +237,9 @@ def mechanism_row(group: str, label: str, seeds: Runs, altered: str = "mixed") -
 
 def settings_lines(args: argparse.Namespace, losses: Sequence[str]) -> list[str]:
     """The setting's overrides and the recipe of each loss whose runs the table holds: the one its
-    runs were trained with (the run folder's :data:`recipes.FOLDER_RECIPE`), else — a grid started
-    before folders pinned their recipe — the validated one."""
+    runs were trained with (the run folder's :data:`recipes.FOLDER_RECIPE`; the baseline's, or the
+    one ``retune`` chose for the arm it names), else — a grid started before folders pinned their
+    recipe — the validated one."""
     base = setting_overrides(argparse.Namespace(**{**vars(args), "quick": False}), pin=False)
     recipes = load_recipes().get(args.setting, {})
     names = {
@@ -247,9 +248,12 @@ def settings_lines(args: argparse.Namespace, losses: Sequence[str]) -> list[str]
     }
     # The setting's default budget is not printed: every recipe sets its own (optim.epochs).
     shown = [o for o in base if not o.startswith(("data.root=", "optim.epochs="))]
+    # A recipe ``retune`` chose for another arm says so in its name ("(chosen for Mixup only)").
+    retuned = any(v is not None and "(chosen for " in v for v in names.values())
     lines = [
         "Settings: `" + " ".join(shown) + "`\n",
-        "Baseline recipes (validation split of the training classes): "
+        ("Recipes, every arm's" if retuned else "Baseline recipes")
+        + " (validation split of the training classes): "
         + "; ".join(f"{LOSS_NAMES[k]}: {v or 'as set'}" for k, v in names.items() if v is not None)
         + ".\n",
     ]
