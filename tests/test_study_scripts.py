@@ -926,6 +926,8 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     )
     assert "| m_pos=0.2, 40 epochs | 90.0 ± 0.0 | 55.1 ± 0.1 | the baseline's |" in table
     assert "| m_pos=0.3, 40 epochs − m_pos=0.2, 40 epochs | 2 | +0.00 | – | – | +5.00 |" in table
+    assert "m_pos=0.3, 40 epochs gains +5.00 validation MAP@R over the baseline's" in table
+    assert "1 point needed): adopted." in table
     assert "Multi-Similarity: no knob beyond its budget" in table
 
     # A grid at the arm's recipe: every arm trains with it, and its tables say whose it is.
@@ -958,6 +960,64 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     args.recipe = "idml"
     with pytest.raises(SystemExit, match="no recipe chosen for the arm 'idml'"):
         study.jobs.run(args)
+
+
+def test_retune_keeps_the_baselines_value_unless_another_gains_a_point(
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value that beats the baseline's by less than the seeds' spread is not a recipe: the arm
+    keeps the baseline's, by the rule ``converge`` and ``widen`` adopt by, and the table says
+    which value was highest and by how much."""
+    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.choose, "RECIPES", tmp_path / "recipes.json")
+    baseline = {
+        "recipe": "m_pos=0.2, 8 epochs",
+        "overrides": ["loss.pos_margin=0.2", "optim.epochs=8"],
+    }
+    (tmp_path / "recipes.json").write_text(json.dumps({"demo": {"contrastive": baseline}}))
+    monkeypatch.setattr(
+        study.choose, "load_recipes", lambda: json.loads((tmp_path / "recipes.json").read_text())
+    )
+    map_at = {"0.1": 0.556, "0.2": 0.55, "0.3": 0.54, "0.4": 0.50, "0.5": 0.45}
+
+    def run_jobs(jobs: list, workers: int, ledger: object) -> None:
+        for job in jobs:
+            margin = next(o for o in job.overrides if o.startswith("loss.pos_margin="))[16:]
+            seed = int(job.folder.name[1:])
+            run = job.folder / "cells" / "base" / f"seed{seed}"
+            run.mkdir(parents=True)
+            metrics = {"recall@1": 0.9, "map@r": map_at[margin] + 0.01 * seed}
+            (run / "result.json").write_text(json.dumps({"seed": seed, "final_metrics": metrics}))
+
+    monkeypatch.setattr(study.choose, "run_jobs", run_jobs)
+    study.script.main(
+        [
+            "retune",
+            "--setting",
+            "demo",
+            "--seeds",
+            "3",
+            "--losses",
+            "contrastive",
+            "--arms",
+            "mixup",
+            "--out",
+            str(tmp_path / "runs"),
+            "--no-ledger",
+        ]
+    )
+    chosen = json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]
+    assert chosen["arms"]["mixup"]["recipe"] == "m_pos=0.2, 8 epochs"
+    assert chosen["arms"]["mixup"]["overrides"] == baseline["overrides"]
+    assert chosen["arms"]["mixup"]["tried"]["m_pos=0.1, 8 epochs"] == pytest.approx(0.566)
+    table = (tmp_path / "tables" / "idml_retune_demo.md").read_text()
+    assert "| m_pos=0.1, 8 epochs | 90.0 ± 0.0 | 56.6 ± 1.0 | the highest |" in table
+    assert "| m_pos=0.2, 8 epochs | 90.0 ± 0.0 | 56.0 ± 1.0 | **chosen**, the baseline's |" in table
+    assert (
+        "m_pos=0.1, 8 epochs gains +0.60 validation MAP@R over the baseline's m_pos=0.2, 8 epochs "
+        "(3 seeds; 1 point needed): the arm keeps the baseline's value." in table
+    )
+    assert "the highest value (m_pos=0.1, 8 epochs) is the smallest tried." in table
 
 
 def test_retune_records_nothing_until_every_value_has_its_seeds(

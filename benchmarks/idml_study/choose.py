@@ -314,9 +314,11 @@ def retune(args: argparse.Namespace) -> None:
     margin matched to IDML's weakening beat Mixup at the baseline's by 3 points). For each arm
     asked for (``--arms``, :data:`design.RETUNABLE`) and each loss with a knob, the arm trains on the
     validation split at the baseline's validated recipe with the knob at each of
-    :func:`design.retune_candidates`' values, the budget unchanged, the same seeds; the value with
-    the highest mean validation MAP@R is recorded as the arm's recipe (``idml_recipes.json``, the
-    loss's ``arms``) once every value has all its seeds. ``run --recipe <arm>`` then trains a grid
+    :func:`design.retune_candidates`' values, the budget unchanged, the same seeds. The value with
+    the highest mean validation MAP@R becomes the arm's recipe (``idml_recipes.json``, the loss's
+    ``arms``) where it gains :data:`design.CONVERGED_GAIN` point over the baseline's value (paired
+    mean, the rule ``converge`` and ``widen`` adopt by), else the baseline's value does; recorded
+    once every value has all its seeds. ``run --recipe <arm>`` then trains a grid
     whose every arm uses it: one recipe a grid, chosen for the arm the grid's question is about."""
     setting = args.setting
     base = [*setting_overrides(args), "data.protocol=validation", *SETTINGS[setting].validation]
@@ -360,7 +362,9 @@ def retune(args: argparse.Namespace) -> None:
         "The baseline's validated recipe (`idml_recipes.json`) with its knob at each value tried, "
         "trained by the arm named, the budget unchanged. Validation split of the training "
         f"classes, seeds 0–{args.seeds - 1} of every value (last epoch). Chosen: the highest mean "
-        "validation MAP@R; `run --recipe <arm>` trains a grid whose every arm uses it.\n",
+        f"validation MAP@R where it gains at least {CONVERGED_GAIN:g} point over the baseline's "
+        "value (paired mean), else the baseline's; `run --recipe <arm>` trains a grid whose every "
+        "arm uses it.\n",
         "| loss | arm | recipe | R@1 | MAP@R | |",
         "|---|---|---|---|---|---|",
     ]
@@ -378,23 +382,40 @@ def retune(args: argparse.Namespace) -> None:
             continue  # not trained yet
         best = max((n for n in candidates if scores[n]), key=lambda n: mean(scores[n]))
         complete = all(len(runs[name]) == args.seeds for name in candidates)
+        # The rule ``converge`` and ``widen`` adopt by: the arm leaves the baseline's value only
+        # for a paired gain of a point, not for a difference within the seeds' spread.
+        common = sorted(set(runs[best]) & set(runs[own]))
+        gain = 100 * mean(
+            [runs[best][s]["metrics"]["map@r"] - runs[own][s]["metrics"]["map@r"] for s in common]
+        )
+        chosen = best if best == own or gain >= CONVERGED_GAIN else own
         for name, seeds in runs.items():
             r1 = [r["metrics"]["recall@1"] for r in seeds.values()]
             marks = [
-                m for m, on in (("**chosen**", name == best), ("the baseline's", name == own)) if on
+                m
+                for m, on in (
+                    ("**chosen**", name == chosen),
+                    ("the highest", name == best != chosen),
+                    ("the baseline's", name == own),
+                )
+                if on
             ]
             lines.append(
                 f"| {LOSS_NAMES[loss]} | {ARMS[arm].label} | {name} | {fmt(r1)} | "
                 f"{fmt(scores[name])} | {', '.join(marks)} |"
             )
-        if best != own and runs[own]:
-            pairs.append(
-                (f"{LOSS_NAMES[loss]}, {ARMS[arm].label}", f"{best} − {own}", runs[own], runs[best])
+        label = f"{LOSS_NAMES[loss]}, {ARMS[arm].label}"
+        if best != own and common:
+            pairs.append((label, f"{best} − {own}", runs[own], runs[best]))
+            verdict = "adopted" if chosen == best else "the arm keeps the baseline's value"
+            notes.append(
+                f"- {label}: {best} gains {gain:+.2f} validation MAP@R over the baseline's {own} "
+                f"({len(common)} seeds; {CONVERGED_GAIN:g} point needed): {verdict}."
             )
         names = list(candidates)
         if best in (names[0], names[-1]):
             notes.append(
-                f"- {LOSS_NAMES[loss]}, {ARMS[arm].label}: the chosen value ({best}) is the "
+                f"- {label}: the highest value ({best}) is the "
                 f"{'smallest' if best == names[0] else 'largest'} tried."
             )
         if not complete:
@@ -405,10 +426,10 @@ def retune(args: argparse.Namespace) -> None:
         elif not args.quick:
             record = recipes[loss].setdefault("arms", {})
             record[arm] = {
-                "recipe": best,
-                "overrides": list(candidates[best]),
+                "recipe": chosen,
+                "overrides": list(candidates[chosen]),
                 "of": own,
-                "validation_map@r": mean(scores[best]),
+                "validation_map@r": mean(scores[chosen]),
                 "seeds": args.seeds,
                 "tried": {name: round(mean(scores[name]), 6) for name in candidates},
             }
@@ -418,7 +439,7 @@ def retune(args: argparse.Namespace) -> None:
         if not retune_candidates(loss, recipes[loss])
     ]
     if pairs:
-        lines += ["\n## The chosen value − the baseline's (paired over seeds)\n"]
+        lines += ["\n## The highest value − the baseline's (paired over seeds)\n"]
         lines += difference_table(pairs)
     lines += ["", *notes] if notes else []
     if not args.quick and tuned:
