@@ -878,7 +878,7 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
 
     monkeypatch.setattr(study.choose, "load_recipes", load)
     monkeypatch.setattr(study.recipes, "load_recipes", load)
-    map_at = {"0.1": 0.50, "0.2": 0.55, "0.3": 0.60, "0.4": 0.58, "0.5": 0.52}
+    map_at = {"0.0": 0.45, "0.1": 0.50, "0.2": 0.55, "0.3": 0.60, "0.4": 0.58, "0.5": 0.52}
     trained: list[tuple[str, ...]] = []
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
@@ -907,11 +907,11 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
             *out,
         ]
     )
-    assert len(trained) == 5 * 2  # five margins, two seeds; Multi-Similarity has no knob
+    assert len(trained) == 6 * 2  # six margins, two seeds; Multi-Similarity has no knob
     assert all("mixup.enabled=true" in o and "optim.epochs=40" in o for o in trained)
     assert all("data.protocol=validation" in o for o in trained)
     assert sorted({o for job in trained for o in job if o.startswith("loss.pos_margin=")}) == [
-        f"loss.pos_margin=0.{k}" for k in range(1, 6)
+        f"loss.pos_margin=0.{k}" for k in range(6)
     ]
     chosen = json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]
     assert chosen["recipe"] == baseline["recipe"]  # the baseline's own recipe stays
@@ -978,7 +978,7 @@ def test_retune_keeps_the_baselines_value_unless_another_gains_a_point(
     monkeypatch.setattr(
         study.choose, "load_recipes", lambda: json.loads((tmp_path / "recipes.json").read_text())
     )
-    map_at = {"0.1": 0.556, "0.2": 0.55, "0.3": 0.54, "0.4": 0.50, "0.5": 0.45}
+    map_at = {"0.0": 0.556, "0.1": 0.553, "0.2": 0.55, "0.3": 0.54, "0.4": 0.50, "0.5": 0.45}
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
         for job in jobs:
@@ -1009,15 +1009,16 @@ def test_retune_keeps_the_baselines_value_unless_another_gains_a_point(
     chosen = json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]
     assert chosen["arms"]["mixup"]["recipe"] == "m_pos=0.2, 8 epochs"
     assert chosen["arms"]["mixup"]["overrides"] == baseline["overrides"]
-    assert chosen["arms"]["mixup"]["tried"]["m_pos=0.1, 8 epochs"] == pytest.approx(0.566)
+    assert chosen["arms"]["mixup"]["tried"]["m_pos=0.0, 8 epochs"] == pytest.approx(0.566)
     table = (tmp_path / "tables" / "idml_retune_demo.md").read_text()
-    assert "| m_pos=0.1, 8 epochs | 90.0 ± 0.0 | 56.6 ± 1.0 | the highest |" in table
+    assert "| m_pos=0.0, 8 epochs | 90.0 ± 0.0 | 56.6 ± 1.0 | the highest |" in table
+    assert "| m_pos=0.1, 8 epochs | 90.0 ± 0.0 | 56.3 ± 1.0 |  |" in table
     assert "| m_pos=0.2, 8 epochs | 90.0 ± 0.0 | 56.0 ± 1.0 | **chosen**, the baseline's |" in table
     assert (
-        "m_pos=0.1, 8 epochs gains +0.60 validation MAP@R over the baseline's m_pos=0.2, 8 epochs "
+        "m_pos=0.0, 8 epochs gains +0.60 validation MAP@R over the baseline's m_pos=0.2, 8 epochs "
         "(3 seeds; 1 point needed): the arm keeps the baseline's value." in table
     )
-    assert "the highest value (m_pos=0.1, 8 epochs) is the smallest tried." in table
+    assert "the highest value (m_pos=0.0, 8 epochs) is the smallest tried." in table
 
 
 def test_retune_records_nothing_until_every_value_has_its_seeds(

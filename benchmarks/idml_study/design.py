@@ -388,10 +388,10 @@ KNOBS: dict[str, Knob] = {
         floor=0.0,
         ceiling=M_NEG,
         # Half steps: the margin matched to IDML's weakening on Omniglot (0.355) beat a Mixup arm
-        # at the baseline's 0.2 by 3 points, so a Mixup arm's best margin may lie between 0.2 and
-        # 0.4. Not 0.0: no margin lost 6-13 validation MAP@R points in every setting, and Mixup's
-        # soft labels only loosen the pull further.
-        retune=(0.1, 0.2, 0.3, 0.4, 0.5),
+        # at the baseline's 0.2 by 3 points, so an arm's best margin may lie between the grid's
+        # steps; and down to 0.0, since ISM's weakening already loosens the pull (IDML's
+        # validation MAP@R on Omniglot was highest at the smallest margin above 0).
+        retune=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5),
     ),
 }
 """The knob each loss's broken baseline recipe was traced to (issue 21); Multi-Similarity has none
@@ -458,8 +458,8 @@ def retune_candidates(loss: str, chosen: dict[str, Any]) -> dict[str, tuple[str,
 
     >>> list(retune_candidates("contrastive", {"recipe": "m_pos=0.2, 40 epochs",
     ...                        "overrides": ["loss.pos_margin=0.2", "optim.epochs=40"]}))
-    ['m_pos=0.1, 40 epochs', 'm_pos=0.2, 40 epochs', 'm_pos=0.3, 40 epochs', \
-'m_pos=0.4, 40 epochs', 'm_pos=0.5, 40 epochs']
+    ['m_pos=0.0, 40 epochs', 'm_pos=0.1, 40 epochs', 'm_pos=0.2, 40 epochs', \
+'m_pos=0.3, 40 epochs', 'm_pos=0.4, 40 epochs', 'm_pos=0.5, 40 epochs']
     >>> list(retune_candidates("proxy_anchor", {"recipe": "proxy_lr×3, 80 epochs",
     ...                        "overrides": ["optim.proxy_lr_mult=3", "optim.epochs=80"]}))
     ['proxy_lr×1, 80 epochs', 'proxy_lr×3, 80 epochs', 'proxy_lr×10, 80 epochs', \
