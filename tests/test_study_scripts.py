@@ -859,7 +859,7 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     arm asked for on the validation split at the baseline's recipe with each margin tried (the
     budget unchanged), records the best as that arm's recipe, and ``run --recipe <arm>`` trains a
     grid whose every arm uses it, its tables saying whose recipe it is."""
-    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.choose, "TABLES", tmp_path / "tables")
     monkeypatch.setattr(study.choose, "RECIPES", tmp_path / "recipes.json")
     baseline = {
         "recipe": "m_pos=0.2, 40 epochs",
@@ -930,6 +930,31 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     assert "1 point needed): adopted." in table
     assert "Multi-Similarity: no knob beyond its budget" in table
 
+    # Another arm retuned later joins the table and the record; the first stays in both.
+    study.script.main(
+        [
+            "retune",
+            "--setting",
+            "demo",
+            "--seeds",
+            "2",
+            "--losses",
+            "contrastive",
+            "--arms",
+            "idml",
+            *out,
+        ]
+    )
+    arms = json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]["arms"]
+    assert sorted(arms) == ["idml", "mixup"]
+    table = (tmp_path / "tables" / "idml_retune_demo.md").read_text()
+    assert (
+        "Arms retuned: Contrastive: Mixup only (from m_pos=0.2, 40 epochs); Contrastive: IDML"
+        in table
+    )
+    assert "| Contrastive | Mixup only | m_pos=0.3, 40 epochs |" in table
+    assert "| Contrastive | IDML | m_pos=0.3, 40 epochs |" in table
+
     # A grid at the arm's recipe: every arm trains with it, and its tables say whose it is.
     phases: list[list] = []
     monkeypatch.setattr(study.jobs, "run_jobs", lambda jobs, w, ledger: phases.append(jobs))
@@ -957,8 +982,8 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     args.recipe = "mixup"
     with pytest.raises(SystemExit, match="retune --arms mixup` again"):
         study.jobs.run(args)
-    args.recipe = "idml"
-    with pytest.raises(SystemExit, match="no recipe chosen for the arm 'idml'"):
+    args.recipe = "ism"
+    with pytest.raises(SystemExit, match="no recipe chosen for the arm 'ism'"):
         study.jobs.run(args)
 
 
@@ -968,7 +993,7 @@ def test_retune_keeps_the_baselines_value_unless_another_gains_a_point(
     """A value that beats the baseline's by less than the seeds' spread is not a recipe: the arm
     keeps the baseline's, by the rule ``converge`` and ``widen`` adopt by, and the table says
     which value was highest and by how much."""
-    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.choose, "TABLES", tmp_path / "tables")
     monkeypatch.setattr(study.choose, "RECIPES", tmp_path / "recipes.json")
     baseline = {
         "recipe": "m_pos=0.2, 8 epochs",
@@ -1024,7 +1049,7 @@ def test_retune_keeps_the_baselines_value_unless_another_gains_a_point(
 def test_retune_records_nothing_until_every_value_has_its_seeds(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.choose, "TABLES", tmp_path / "tables")
     monkeypatch.setattr(study.choose, "RECIPES", tmp_path / "recipes.json")
     baseline = {
         "recipe": "m_pos=0.2, 8 epochs",

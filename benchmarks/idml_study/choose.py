@@ -19,6 +19,7 @@ from idml_study.design import (
     KNOBS,
     LOSS_NAMES,
     LOSSES,
+    RETUNABLE,
     SETTINGS,
     TABLES,
     grid_edges,
@@ -348,17 +349,24 @@ def retune(args: argparse.Namespace) -> None:
         for seed in range(args.seeds)
     ]
     run_jobs(jobs, args.workers, study_ledger(args))
-    retuned_line = (
+    asked = {(loss, arm) for loss, arm, _ in tuned}
+    # Every arm retuned so far goes in the table, not only this call's: the file is the setting's
+    # one record of how its arms' recipes were chosen (as ``validate``'s is of the baseline's).
+    shown = [
+        (loss, arm, retune_candidates(loss, recipes[loss]))
+        for loss in LOSSES
+        if loss in recipes and retune_candidates(loss, recipes[loss])
+        for arm in RETUNABLE
+        if (loss, arm) in asked or folder(loss, arm, "").parent.is_dir()
+    ]
+    lines = [
+        f"# IDML study, {setting}: each arm's own knob on the validation split\n",
         "Arms retuned: "
         + "; ".join(
             f"{LOSS_NAMES[loss]}: {ARMS[arm].label} (from {recipes[loss]['recipe']})"
-            for loss, arm, _ in tuned
+            for loss, arm, _ in shown
         )
-        + ".\n"
-    )
-    lines = [
-        f"# IDML study, {setting}: each arm's own knob on the validation split\n",
-        retuned_line,
+        + ".\n",
         "The baseline's validated recipe (`idml_recipes.json`) with its knob at each value tried, "
         "trained by the arm named, the budget unchanged. Validation split of the training "
         f"classes, seeds 0–{args.seeds - 1} of every value (last epoch). Chosen: the highest mean "
@@ -369,7 +377,7 @@ def retune(args: argparse.Namespace) -> None:
         "|---|---|---|---|---|---|",
     ]
     pairs, notes = [], []
-    for loss, arm, candidates in tuned:
+    for loss, arm, candidates in shown:
         own = recipes[loss]["recipe"]
         runs = {
             name: {s: r for s, r in seed_results(folder(loss, arm, name)).items() if s < args.seeds}
@@ -423,7 +431,7 @@ def retune(args: argparse.Namespace) -> None:
                 f"- {LOSS_NAMES[loss]}, {ARMS[arm].label}: not every value has its {args.seeds} "
                 "seeds yet; nothing recorded."
             )
-        elif not args.quick:
+        elif not args.quick and (loss, arm) in asked:
             record = recipes[loss].setdefault("arms", {})
             record[arm] = {
                 "recipe": chosen,
@@ -442,10 +450,14 @@ def retune(args: argparse.Namespace) -> None:
         lines += ["\n## The highest value − the baseline's (paired over seeds)\n"]
         lines += difference_table(pairs)
     lines += ["", *notes] if notes else []
+    text = "\n".join(lines) + "\n"
     if not args.quick and tuned:
         all_recipes[setting] = recipes
         RECIPES.write_text(json.dumps(all_recipes, indent=2, sort_keys=True) + "\n")
-    write_table(args, f"idml_retune_{setting}.md", lines, of=retuned_line)
+    if not args.quick:
+        TABLES.mkdir(parents=True, exist_ok=True)
+        (TABLES / f"idml_retune_{setting}.md").write_text(text)
+    print(text)
 
 
 def slug(name: str) -> str:
