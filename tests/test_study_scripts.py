@@ -774,6 +774,18 @@ def test_a_grid_times_the_runs_left_by_their_arm_and_not_by_a_run_resumed_part_w
     assert "left" not in lines[-1]
 
 
+def record_margin_runs(jobs: list, map_at: dict[str, float], per_seed: float) -> None:
+    """Stands in for training Contrastive validation ``jobs``: each run's result has the MAP@R
+    ``map_at`` gives its positive margin, plus ``per_seed`` times its seed."""
+    for job in jobs:
+        margin = next(o for o in job.overrides if o.startswith("loss.pos_margin="))[16:]
+        seed = int(job.folder.name[1:])
+        run = job.folder / "cells" / "base" / f"seed{seed}"
+        run.mkdir(parents=True, exist_ok=True)
+        metrics = {"recall@1": 0.9, "map@r": map_at[margin] + per_seed * seed}
+        (run / "result.json").write_text(json.dumps({"seed": seed, "final_metrics": metrics}))
+
+
 def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_tried(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -803,16 +815,8 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
     map_at = {"0.4": 0.60, "0.5": 0.59}
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
-        for job in jobs:
-            trained.append(job.overrides)
-            margin = next(o for o in job.overrides if o.startswith("loss.pos_margin="))[16:]
-            seed = job.folder.name[1:]
-            run = job.folder / "cells" / "base" / f"seed{seed}"
-            run.mkdir(parents=True, exist_ok=True)
-            metrics = {"recall@1": 0.9, "map@r": map_at[margin] + 0.001 * int(seed)}
-            (run / "result.json").write_text(
-                json.dumps({"seed": int(seed), "final_metrics": metrics})
-            )
+        trained.extend(job.overrides for job in jobs)
+        record_margin_runs(jobs, map_at, per_seed=0.001)
 
     monkeypatch.setattr(study.choose, "run_jobs", run_jobs)
 
@@ -852,6 +856,16 @@ def test_widen_steps_past_an_edge_until_the_chosen_value_lies_inside_the_values_
     assert trained == []
 
 
+def retune(study: Study, out: Path, seeds: int, losses: str, arms: str) -> None:
+    """``study_idml.py retune`` on the demo setting, its runs in ``out``, no ledger."""
+    study.script.main(
+        [
+            *("retune", "--setting", "demo", "--seeds", str(seeds), "--losses", losses),
+            *("--arms", arms, "--out", str(out), "--no-ledger"),
+        ]
+    )
+
+
 def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -882,30 +896,12 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     trained: list[tuple[str, ...]] = []
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
-        for job in jobs:
-            trained.append(job.overrides)
-            margin = next(o for o in job.overrides if o.startswith("loss.pos_margin="))[16:]
-            seed = int(job.folder.name[1:])
-            run = job.folder / "cells" / "base" / f"seed{seed}"
-            run.mkdir(parents=True, exist_ok=True)
-            metrics = {"recall@1": 0.9, "map@r": map_at[margin] + 0.002 * seed}
-            (run / "result.json").write_text(json.dumps({"seed": seed, "final_metrics": metrics}))
+        trained.extend(job.overrides for job in jobs)
+        record_margin_runs(jobs, map_at, per_seed=0.002)
 
     monkeypatch.setattr(study.choose, "run_jobs", run_jobs)
-    out = ["--out", str(tmp_path / "runs"), "--no-ledger"]
-    study.script.main(
-        [
-            "retune",
-            "--setting",
-            "demo",
-            "--seeds",
-            "2",
-            "--losses",
-            "contrastive,multi_similarity",
-            "--arms",
-            "mixup",
-            *out,
-        ]
+    retune(
+        study, out=tmp_path / "runs", seeds=2, losses="contrastive,multi_similarity", arms="mixup"
     )
     assert len(trained) == 6 * 2  # six margins, two seeds; Multi-Similarity has no knob
     assert all("mixup.enabled=true" in o and "optim.epochs=40" in o for o in trained)
@@ -931,20 +927,7 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     assert "Multi-Similarity: no knob beyond its budget" in table
 
     # Another arm retuned later joins the table and the record; the first stays in both.
-    study.script.main(
-        [
-            "retune",
-            "--setting",
-            "demo",
-            "--seeds",
-            "2",
-            "--losses",
-            "contrastive",
-            "--arms",
-            "idml",
-            *out,
-        ]
-    )
+    retune(study, out=tmp_path / "runs", seeds=2, losses="contrastive", arms="idml")
     arms = json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]["arms"]
     assert sorted(arms) == ["idml", "mixup"]
     table = (tmp_path / "tables" / "idml_retune_demo.md").read_text()
@@ -1006,31 +989,10 @@ def test_retune_keeps_the_baselines_value_unless_another_gains_a_point(
     map_at = {"0.0": 0.556, "0.1": 0.553, "0.2": 0.55, "0.3": 0.54, "0.4": 0.50, "0.5": 0.45}
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
-        for job in jobs:
-            margin = next(o for o in job.overrides if o.startswith("loss.pos_margin="))[16:]
-            seed = int(job.folder.name[1:])
-            run = job.folder / "cells" / "base" / f"seed{seed}"
-            run.mkdir(parents=True)
-            metrics = {"recall@1": 0.9, "map@r": map_at[margin] + 0.01 * seed}
-            (run / "result.json").write_text(json.dumps({"seed": seed, "final_metrics": metrics}))
+        record_margin_runs(jobs, map_at, per_seed=0.01)
 
     monkeypatch.setattr(study.choose, "run_jobs", run_jobs)
-    study.script.main(
-        [
-            "retune",
-            "--setting",
-            "demo",
-            "--seeds",
-            "3",
-            "--losses",
-            "contrastive",
-            "--arms",
-            "mixup",
-            "--out",
-            str(tmp_path / "runs"),
-            "--no-ledger",
-        ]
-    )
+    retune(study, out=tmp_path / "runs", seeds=3, losses="contrastive", arms="mixup")
     chosen = json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]
     assert chosen["arms"]["mixup"]["recipe"] == "m_pos=0.2, 8 epochs"
     assert chosen["arms"]["mixup"]["overrides"] == baseline["overrides"]
@@ -1061,31 +1023,11 @@ def test_retune_records_nothing_until_every_value_has_its_seeds(
     )
 
     def run_jobs(jobs: list, workers: int, ledger: object) -> None:
-        for job in jobs[:3]:  # cut off: only the first value's seeds and one more run finish
-            run = job.folder / "cells" / "base" / f"seed{job.folder.name[1:]}"
-            run.mkdir(parents=True)
-            metrics = {"recall@1": 0.9, "map@r": 0.5}
-            (run / "result.json").write_text(
-                json.dumps({"seed": int(job.folder.name[1:]), "final_metrics": metrics})
-            )
+        # Cut off: only the first value's seeds and one more run finish.
+        record_margin_runs(jobs[:3], {f"0.{k}": 0.5 for k in range(6)}, per_seed=0.0)
 
     monkeypatch.setattr(study.choose, "run_jobs", run_jobs)
-    study.script.main(
-        [
-            "retune",
-            "--setting",
-            "demo",
-            "--seeds",
-            "2",
-            "--losses",
-            "contrastive",
-            "--arms",
-            "idml",
-            "--out",
-            str(tmp_path / "runs"),
-            "--no-ledger",
-        ]
-    )
+    retune(study, out=tmp_path / "runs", seeds=2, losses="contrastive", arms="idml")
     assert "arms" not in json.loads((tmp_path / "recipes.json").read_text())["demo"]["contrastive"]
     table = (tmp_path / "tables" / "idml_retune_demo.md").read_text()
     assert "not every value has its 2 seeds yet; nothing recorded" in table
