@@ -586,6 +586,29 @@ def test_a_baseline_below_the_untrained_network_is_called_out_in_its_table(
     assert "Contrastive, baseline: " not in text
 
 
+def test_the_untrained_floor_grows_with_the_seeds_a_table_compares(
+    study: Study, tmp_path: Path
+) -> None:
+    """A peek at a grid still training caches the untrained network for its first seeds; the
+    finished table must average the floor over every seed it compares, not the peek's. The seeds
+    already cached are kept as they are, the missing ones evaluated, and a table over fewer seeds
+    reads only its own."""
+    root = tmp_path / "demo"
+    root.mkdir()
+    peek = {"recall@1": [0.25], "map@r": [0.125], "nmi": [0.5]}  # a sentinel no network scores
+    (root / "untrained.json").write_text(json.dumps(peek))
+    args = argparse.Namespace(
+        setting="demo", omniglot_root=tmp_path, out=tmp_path, seeds=2, quick=False
+    )
+    floor = study.tables.untrained_reference(args)
+    assert [len(values) for values in floor.values()] == [2, 2, 2]
+    assert [values[0] for values in floor.values()] == [0.25, 0.125, 0.5]
+    assert all(0.0 <= values[1] <= 1.0 and values[1] != values[0] for values in floor.values())
+    assert json.loads((root / "untrained.json").read_text()) == floor
+    args.seeds = 1
+    assert study.tables.untrained_reference(args) == peek
+
+
 def test_validate_sets_each_recipe_against_the_untrained_network_on_the_validation_split(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
