@@ -329,14 +329,20 @@ def retune(args: argparse.Namespace) -> None:
     if missing:
         raise SystemExit(f"no validated recipe for {setting}/{missing}: run `validate` first")
 
-    def folder(loss: str, arm: str, name: str) -> Path:
-        return args.out / setting / "validation" / loss / f"for_{arm}" / slug(name)
+    def arm_folder(loss: str, arm: str) -> Path:
+        return args.out / setting / "validation" / loss / f"for_{arm}"
 
+    def folder(loss: str, arm: str, name: str) -> Path:
+        return arm_folder(loss, arm) / slug(name)
+
+    knob_values = {
+        loss: retune_candidates(loss, recipes[loss]) for loss in LOSSES if loss in recipes
+    }
     tuned = [
-        (loss, arm, retune_candidates(loss, recipes[loss]))
+        (loss, arm, knob_values[loss])
         for loss in args.losses
         for arm in args.arms
-        if retune_candidates(loss, recipes[loss])
+        if knob_values[loss]
     ]
     jobs = [
         Job(
@@ -353,11 +359,11 @@ def retune(args: argparse.Namespace) -> None:
     # Every arm retuned so far goes in the table, not only this call's: the file is the setting's
     # one record of how its arms' recipes were chosen (as ``validate``'s is of the baseline's).
     shown = [
-        (loss, arm, retune_candidates(loss, recipes[loss]))
-        for loss in LOSSES
-        if loss in recipes and retune_candidates(loss, recipes[loss])
+        (loss, arm, candidates)
+        for loss, candidates in knob_values.items()
+        if candidates
         for arm in RETUNABLE
-        if (loss, arm) in asked or folder(loss, arm, "").parent.is_dir()
+        if (loss, arm) in asked or arm_folder(loss, arm).is_dir()
     ]
     lines = [
         f"# IDML study, {setting}: each arm's own knob on the validation split\n",
@@ -444,7 +450,7 @@ def retune(args: argparse.Namespace) -> None:
     notes += [
         f"- {LOSS_NAMES[loss]}: no knob beyond its budget; its validated recipe is every arm's."
         for loss in args.losses
-        if not retune_candidates(loss, recipes[loss])
+        if not knob_values[loss]
     ]
     if pairs:
         lines += ["\n## The highest value − the baseline's (paired over seeds)\n"]
