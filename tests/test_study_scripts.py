@@ -960,6 +960,13 @@ def test_retune_chooses_an_arms_own_margin_and_a_grid_trains_every_arm_with_it(
     )
     assert "| Contrastive | Mixup only | m_pos=0.3, 40 epochs |" in table
     assert "| Contrastive | IDML | m_pos=0.3, 40 epochs |" in table
+    # Retuned again at more seeds, IDML reads its new ones; Mixup, not asked, keeps its own two.
+    retune(study, out=tmp_path / "runs", seeds=3, losses="contrastive", arms="idml")
+    table = (tmp_path / "tables" / "idml_retune_demo.md").read_text()
+    assert "Mixup only: not every value has its" not in table
+    assert "| Contrastive | Mixup only | m_pos=0.3, 40 epochs | 90.0 ± 0.0 | 60.1 ± 0.1 |" in table
+    assert "| Contrastive | IDML | m_pos=0.3, 40 epochs | 90.0 ± 0.0 | 60.2 ± 0.2 |" in table
+    assert "every value at the seeds its arm was retuned with" in table
 
     # A grid at the arm's recipe: every arm trains with it, and its tables say whose it is.
     phases: list[list] = []

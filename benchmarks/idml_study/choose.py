@@ -365,6 +365,19 @@ def retune(args: argparse.Namespace) -> None:
         for arm in RETUNABLE
         if (loss, arm) in asked or arm_folder(loss, arm).is_dir()
     ]
+
+    def seeds_of(loss: str, arm: str) -> int:
+        # An arm retuned by an earlier call is shown at the seeds it was chosen with, not this call's.
+        if (loss, arm) in asked:
+            return int(args.seeds)
+        return int(recipes[loss].get("arms", {}).get(arm, {}).get("seeds", args.seeds))
+
+    counts = sorted({seeds_of(loss, arm) for loss, arm, _ in shown} or {args.seeds})
+    seed_text = (
+        f"seeds 0–{counts[0] - 1} of every value"
+        if len(counts) == 1
+        else "every value at the seeds its arm was retuned with (`idml_recipes.json`)"
+    )
     lines = [
         f"# IDML study, {setting}: each arm's own knob on the validation split\n",
         "Arms retuned: "
@@ -375,7 +388,7 @@ def retune(args: argparse.Namespace) -> None:
         + ".\n",
         "The baseline's validated recipe (`idml_recipes.json`) with its knob at each value tried, "
         "trained by the arm named, the budget unchanged. Validation split of the training "
-        f"classes, seeds 0–{args.seeds - 1} of every value (last epoch). Chosen: the highest mean "
+        f"classes, {seed_text} (last epoch). Chosen: the highest mean "
         f"validation MAP@R where it gains at least {CONVERGED_GAIN:g} point over the baseline's "
         "value (paired mean), else the baseline's; `run --recipe <arm>` trains a grid whose every "
         "arm uses it.\n",
@@ -385,8 +398,9 @@ def retune(args: argparse.Namespace) -> None:
     pairs, notes = [], []
     for loss, arm, candidates in shown:
         own = recipes[loss]["recipe"]
+        n = seeds_of(loss, arm)
         runs = {
-            name: {s: r for s, r in seed_results(folder(loss, arm, name)).items() if s < args.seeds}
+            name: {s: r for s, r in seed_results(folder(loss, arm, name)).items() if s < n}
             for name in candidates
         }
         scores = {
@@ -395,7 +409,7 @@ def retune(args: argparse.Namespace) -> None:
         if not any(scores.values()):
             continue  # not trained yet
         best = max((n for n in candidates if scores[n]), key=lambda n: mean(scores[n]))
-        complete = all(len(runs[name]) == args.seeds for name in candidates)
+        complete = all(len(runs[name]) == n for name in candidates)
         # The rule ``converge`` and ``widen`` adopt by: the arm leaves the baseline's value only
         # for a paired gain of a point, not for a difference within the seeds' spread.
         common = sorted(set(runs[best]) & set(runs[own]))
@@ -434,7 +448,7 @@ def retune(args: argparse.Namespace) -> None:
             )
         if not complete:
             notes.append(
-                f"- {LOSS_NAMES[loss]}, {ARMS[arm].label}: not every value has its {args.seeds} "
+                f"- {LOSS_NAMES[loss]}, {ARMS[arm].label}: not every value has its {n} "
                 "seeds yet; nothing recorded."
             )
         elif not args.quick and (loss, arm) in asked:
