@@ -98,6 +98,7 @@ Run (each step reuses finished runs; ``--workers 2`` trains two runs at a time, 
     python benchmarks/study_idml.py run --setting demo --recipe mixup --out runs/study_idml_mixm
     python benchmarks/study_idml.py run --setting demo --seeds 10
     python benchmarks/study_idml.py tables --setting demo
+    python benchmarks/study_idml.py summary   # the README's table of every cell, from the tables
     python benchmarks/study_idml.py run --setting demo --arms mixup --seeds 3 \\
         --override optim.backbone_lr_mult=0.1 --out runs/diag_slow_backbone   # a diagnostic
 
@@ -106,7 +107,7 @@ reads that folder.)
 
 This script is the study's command line; the study itself is the package ``idml_study`` beside it
 (``benchmarks/idml_study``), one module an idea: its design, recipes and pins, ledger, results,
-mechanism, jobs, tables, and the commands that choose the recipes.
+mechanism, jobs, tables, the commands that choose the recipes, and the README's summary of them.
 """
 
 from __future__ import annotations
@@ -133,15 +134,19 @@ from idml_study.design import (
 from idml_study.jobs import PER_RUN_KEYS, key_of, run
 from idml_study.ledger import LEDGER, study_ledger
 from idml_study.recipes import said, study_overrides
+from idml_study.summary import summary
 from idml_study.tables import tables
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "command", choices=("validate", "converge", "widen", "retune", "run", "tables")
+        "command",
+        choices=("validate", "converge", "widen", "retune", "run", "tables", "summary"),
+        help="summary: redraw the README's table of every cell from the committed study tables "
+        "(it takes no other option)",
     )
-    parser.add_argument("--setting", choices=sorted(SETTINGS), required=True)
+    parser.add_argument("--setting", choices=sorted(SETTINGS))
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--losses", default=",".join(LOSSES))
     parser.add_argument(
@@ -202,6 +207,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "trial either way)",
     )
     args = parser.parse_args(argv)
+    if args.command == "summary":
+        print("README.md: study summary " + ("redrawn" if summary() else "already current"))
+        return
+    if args.setting is None:
+        parser.error(f"{args.command} needs --setting, one of {', '.join(sorted(SETTINGS))}")
     if args.label and not re.fullmatch(r"[A-Za-z0-9_]+", args.label):
         parser.error(f"--label {args.label!r}: letters, digits and underscores only")
     args.losses = [x for x in args.losses.split(",") if x]

@@ -15,7 +15,7 @@ import importlib.util
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -46,6 +46,7 @@ class Study:
     jobs: ModuleType
     tables: ModuleType
     choose: ModuleType
+    summary: ModuleType
 
     def modules(self) -> list[ModuleType]:
         return [getattr(self, field.name) for field in fields(self)]
@@ -69,7 +70,7 @@ def study() -> Iterator[Study]:
             sys.modules.pop(name)
 
 
-WITH_EXAMPLES = ("design", "mechanism", "jobs", "tables", "choose")
+WITH_EXAMPLES = ("design", "mechanism", "jobs", "tables", "choose", "summary")
 """The package's modules whose docstrings hold examples (the script's holds none)."""
 
 
@@ -1176,3 +1177,70 @@ def test_a_control_matched_past_the_negative_margin_stops_before_training(
     assert str(tmp_path / "s0") in str(stop.value)
     met = study.jobs.Job(tmp_path / "s0", ("loss.name=contrastive", "loss.pos_margin=0.5"), False)
     assert study.jobs.checked_jobs(args, [met]) == [met]
+
+
+SUMMARY_TABLE = """\
+# IDML study: a setting
+
+## Differences (paired over seeds that share initialisation and batches)
+
+| | comparison | n | Δ R@1 [95 % CI] | d_z | p (Holm) | Δ MAP@R [95 % CI] | d_z | p (Holm) |
+|---|---|---|---|---|---|---|---|---|
+| Contrastive | ISM only − baseline | 6 | +3.79 ▲ [+2.21, +5.36] | +1.72 | 0.00248 | +1.25 [+0.28, +2.28] | +0.92 | 0.0706 |
+| Contrastive | IDML − Mixup only | 6 | -0.04 [-0.90, +0.80] | -0.01 | 1 | +0.04 [-0.16, +0.94] | +0.01 | 1 |
+| Contrastive | IDML − IDML with u frozen | 10 | +0.56 [-0.13, +1.25] | +0.58 | 0.165 | -0.85 [-1.01, -0.64] | -0.70 | 0.165 |
+| Contrastive | IDML − uniform weakening | 10 | -5.52 ▼ [-6.24, -4.81] | -5.55 | 2e-07 | -3.71 ▼ [-4.39, -3.04] | -3.92 | 4e-06 |
+
+## Is the introspection real? (runs with an uncertainty head, mean over seeds)
+
+| | arm | test ‖u‖ | test CV | AUROC mixup / blur / low-res / occl. | pos q10 / q50 | batch CV |
+|---|---|---|---|---|---|---|
+| Contrastive | IDML | 0.1199 | 2.13 | 1.00 / 1.00 / 1.00 / 0.07 | 0.288 / 0.572 | 1.43 |
+"""
+
+
+def test_a_summary_row_reads_its_table_as_printed(study: Study, tmp_path: Path) -> None:
+    summary = study.summary
+    (tmp_path / "t.md").write_text(SUMMARY_TABLE)
+    cells = [summary.Cell("a cell §", "t.md", "Contrastive")]
+    rows = summary.summary_table(cells, tmp_path)
+    assert rows[: len(summary.HEADER)] == list(summary.HEADER)
+    # MAP@R to one decimal, a half away from zero; R@1 beside it only where R@1 is beyond noise;
+    # bold with the marker where MAP@R is; the seeds where fewer than a claim needs; no sign on 0.
+    assert rows[-1] == (
+        "| a cell § | 0.288 / 0.572 | +1.3 (R@1 +3.8 ▲) (6 seeds) | 0.0 (6 seeds) | −0.9 | "
+        "**−3.7 ▼** (R@1 −5.5 ▼) |"
+    )
+    # A family without the comparison leaves the column empty; a mark follows every number.
+    no_ism_only = replace(summary.MAIN, ism_only=None)
+    (row,) = summary.summary_table(
+        [summary.Cell("b", "t.md", "Contrastive", no_ism_only, "†")], tmp_path
+    )[2:]
+    assert row.startswith("| b | 0.288 / 0.572 |  | 0.0 (6 seeds) † | −0.9 † |")
+    # A cell whose group or comparison the table lacks is an error naming the table.
+    with pytest.raises(ValueError, match=r"t\.md.*ProxyAnchor"):
+        summary.summary_table([summary.Cell("c", "t.md", "ProxyAnchor")], tmp_path)
+
+
+def test_the_readme_summary_is_the_one_drawn_from_the_study_tables(study: Study) -> None:
+    summary = study.summary
+    readme = summary.README.read_text()
+    drawn = summary.with_summary(readme, summary.summary_table())
+    assert drawn == readme, (
+        "README.md's study summary differs from the committed study tables: run "
+        "`python benchmarks/study_idml.py summary` (and add a new cell to CELLS in "
+        "benchmarks/idml_study/summary.py)"
+    )
+    with pytest.raises(ValueError, match="markers"):
+        summary.with_summary(readme.replace(summary.END, ""), [])
+
+
+def test_summary_is_a_command_of_the_study_that_needs_no_setting(
+    study: Study, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(study.script, "summary", lambda: False)
+    study.script.main(["summary"])
+    assert "already current" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        study.script.main(["tables"])
+    assert "needs --setting" in capsys.readouterr().err

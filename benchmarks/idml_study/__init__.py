@@ -11,6 +11,7 @@ CLI), one module an idea:
 - :mod:`idml_study.jobs`: running jobs, and the grid ``run`` trains;
 - :mod:`idml_study.tables`: the ``tables`` command and the pieces of every table;
 - :mod:`idml_study.choose`: ``validate``, ``converge`` and ``widen``, which choose the recipes.
+- :mod:`idml_study.summary`: the README's table of every cell, read from the committed tables.
 
 Each module imports only from the modules above it in this list, and none imports the script.
 """
