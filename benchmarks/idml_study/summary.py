@@ -229,7 +229,9 @@ def _delta(text: str, where: str) -> Delta:
 
 
 def markdown_tables(lines: Iterable[str]) -> list[list[dict[str, str]]]:
-    """Every Markdown table in ``lines``, each as its rows keyed by the header's cells.
+    """Every Markdown table in ``lines``, each as its rows keyed by the header's cells (a header
+    cell that repeats, like the study tables' ``d_z`` and ``p (Holm)``, keys its last column; the
+    summary reads neither).
 
     >>> markdown_tables(["text", "| | a |", "|---|---|", "| x | 1 |", "", "| b |", "|---|"])
     [[{'': 'x', 'a': '1'}], []]
