@@ -1220,6 +1220,10 @@ def test_a_summary_row_reads_its_table_as_printed(study: Study, tmp_path: Path) 
     # A cell whose group or comparison the table lacks is an error naming the table.
     with pytest.raises(ValueError, match=r"t\.md.*ProxyAnchor"):
         summary.summary_table([summary.Cell("c", "t.md", "ProxyAnchor")], tmp_path)
+    # A table whose header the summary does not know is an error that says which columns.
+    (tmp_path / "old.md").write_text(SUMMARY_TABLE.replace("Δ MAP@R [95 % CI]", "Δ MAP@R"))
+    with pytest.raises(ValueError, match=r"old\.md.*Δ MAP@R \[95 % CI\]"):
+        summary.summary_table([summary.Cell("d", "old.md", "Contrastive")], tmp_path)
 
 
 def test_the_readme_summary_is_the_one_drawn_from_the_study_tables(study: Study) -> None:

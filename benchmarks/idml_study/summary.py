@@ -218,6 +218,7 @@ class StudyTable:
     weakening: dict[tuple[str, str], str]
 
 
+DIFFERENCE_COLUMNS = ("n", "Δ R@1 [95 % CI]", "Δ MAP@R [95 % CI]")
 DELTA = re.compile(r"^([+-]\d+\.\d+)\s*([▲▼]?)\s*\[")
 
 
@@ -261,6 +262,12 @@ def read_study_table(path: Path) -> StudyTable:
         for row in table:
             group = next(iter(row.values()))
             if "comparison" in row:
+                missing = [c for c in DIFFERENCE_COLUMNS if c not in row]
+                if missing:
+                    raise ValueError(
+                        f"{path}: a differences table without the columns {missing}; the summary "
+                        "reads the header `tables` writes (idml_study.tables.difference_table)"
+                    )
                 key = (group, row["comparison"])
                 if key in comparisons:
                     raise ValueError(f"{path}: {key} appears twice")
