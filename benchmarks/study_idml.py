@@ -134,7 +134,7 @@ from idml_study.design import (
 from idml_study.jobs import PER_RUN_KEYS, key_of, run
 from idml_study.ledger import LEDGER, study_ledger
 from idml_study.recipes import said, study_overrides
-from idml_study.summary import summary
+from idml_study.summary import summary, unsummarised
 from idml_study.tables import tables
 
 
@@ -209,6 +209,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "summary":
         print("README.md: study summary " + ("redrawn" if summary() else "already current"))
+        for name in unsummarised():
+            print(
+                f"not in the summary: benchmarks/study/{name} (add a Cell for it, or its reason "
+                "to SET_ASIDE, in benchmarks/idml_study/summary.py)"
+            )
         return
     if args.setting is None:
         parser.error(f"{args.command} needs --setting, one of {', '.join(sorted(SETTINGS))}")

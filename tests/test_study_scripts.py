@@ -1237,6 +1237,19 @@ def test_the_readme_summary_is_the_one_drawn_from_the_study_tables(study: Study)
     )
     with pytest.raises(ValueError, match="markers"):
         summary.with_summary(readme.replace(summary.END, ""), [])
+    # Every table `tables` wrote is a row or set aside with the README's reason, so a finished
+    # grid cannot be left out of the summary by forgetting it.
+    assert summary.unsummarised() == []
+
+
+def test_a_study_table_no_cell_reads_is_named(study: Study, tmp_path: Path) -> None:
+    summary = study.summary
+    for name in ("idml_demo.md", "idml_omniglot_lite0_new_grid.md", "idml_convergence_demo.md"):
+        (tmp_path / name).write_text("")
+    for name in summary.SET_ASIDE:
+        (tmp_path / name).write_text("")
+    # idml_demo.md is a cell's; a convergence table is not a grid's (its name is not a setting's).
+    assert summary.unsummarised(tmp_path) == ["idml_omniglot_lite0_new_grid.md"]
 
 
 def test_summary_is_a_command_of_the_study_that_needs_no_setting(
