@@ -13,7 +13,7 @@ line in :data:`CELLS`.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -23,10 +23,13 @@ from idml_study.design import (
     COMPARISONS,
     DEGRADATION_ARMS,
     DEGRADATION_COMPARISONS,
+    FROZEN_U,
     REPO,
     SETTINGS,
     TABLES,
     U_HIGH_COMPARISONS,
+    Arm,
+    Match,
 )
 
 README = REPO / "README.md"
@@ -42,12 +45,6 @@ HEADER = (
     "IDML − Mixup only | IDML − `u` frozen | IDML − uniform weakening |",
     "| --- | --- | --- | --- | --- | --- |",
 )
-
-
-def _label(comparisons: Sequence[tuple[str, str, str]], reference: str, arm: str) -> str:
-    """The table label of the comparison ``arm − reference`` in ``comparisons``."""
-    (label,) = [name for name, ref, a in comparisons if (ref, a) == (reference, arm)]
-    return label
 
 
 @dataclass(frozen=True)
@@ -66,33 +63,46 @@ class Family:
         return (self.ism_only, self.vs_mixup, self.vs_frozen, self.vs_uniform)
 
 
-MAIN = Family(
-    _label(COMPARISONS, "baseline", "ism"),
-    _label(COMPARISONS, "mixup", "idml"),
-    _label(COMPARISONS, "idml_frozen_u", "idml"),
-    _label(COMPARISONS, "idml_uniform", "idml"),
-    ARMS["idml"].label,
-)
-U_HIGH = Family(
-    None,
-    _label(U_HIGH_COMPARISONS, "mixup", "idml_u_high"),
-    _label(U_HIGH_COMPARISONS, "idml_u_high_frozen_u", "idml_u_high"),
-    _label(U_HIGH_COMPARISONS, "idml_u_high_uniform", "idml_u_high"),
-    ARMS["idml_u_high"].label,
-)
-DEGRADED = Family(
-    _label(DEGRADATION_COMPARISONS, "deg_baseline", "deg_ism"),
-    None,
-    _label(DEGRADATION_COMPARISONS, "deg_ism_frozen_u", "deg_ism"),
-    _label(DEGRADATION_COMPARISONS, "deg_uniform", "deg_ism"),
-    DEGRADATION_ARMS["deg_ism"].label,
-)
-DEGRADED_U_HIGH = Family(
-    _label(DEGRADATION_COMPARISONS, "deg_baseline", "deg_ism_u_high"),
-    None,
-    _label(DEGRADATION_COMPARISONS, "deg_ism_u_high_frozen_u", "deg_ism_u_high"),
-    _label(DEGRADATION_COMPARISONS, "deg_ism_u_high_uniform", "deg_ism_u_high"),
-    DEGRADATION_ARMS["deg_ism_u_high"].label,
+def family(
+    comparisons: Sequence[tuple[str, str, str]],
+    arms: Mapping[str, Arm],
+    acting: str,
+    ism_only: tuple[str, str] | None = None,
+    mixup: str | None = None,
+) -> Family:
+    """The columns of an ISM arm ``acting`` and its two controls, found in ``arms`` as
+    :func:`~idml_study.design.with_controls` made them (the same arm with ``u`` frozen; no head with
+    γ matched to it), each as ``comparisons`` labels it; ``ism_only`` is the ``(reference, arm)``
+    that column compares, ``mixup`` the Mixup-only arm ``acting`` is compared with."""
+
+    def label(reference: str, arm: str) -> str:
+        (name,) = [name for name, ref, a in comparisons if (ref, a) == (reference, arm)]
+        return name
+
+    arm = arms[acting]
+    (frozen,) = [
+        name
+        for name, other in arms.items()
+        if other.method == arm.method and other.extra == (*arm.extra, FROZEN_U)
+    ]
+    (uniform,) = [name for name, other in arms.items() if other.match == Match("uniform", acting)]
+    return Family(
+        label(*ism_only) if ism_only else None,
+        label(mixup, acting) if mixup else None,
+        label(frozen, acting),
+        label(uniform, acting),
+        arm.label,
+    )
+
+
+MAIN = family(COMPARISONS, ARMS, "idml", ("baseline", "ism"), mixup="mixup")
+U_HIGH = family(U_HIGH_COMPARISONS, ARMS, "idml_u_high", mixup="mixup")
+DEGRADED = family(DEGRADATION_COMPARISONS, DEGRADATION_ARMS, "deg_ism", ("deg_baseline", "deg_ism"))
+DEGRADED_U_HIGH = family(
+    DEGRADATION_COMPARISONS,
+    DEGRADATION_ARMS,
+    "deg_ism_u_high",
+    ("deg_baseline", "deg_ism_u_high"),
 )
 
 
