@@ -398,9 +398,9 @@ def retune(args: argparse.Namespace) -> None:
     pairs, notes = [], []
     for loss, arm, candidates in shown:
         own = recipes[loss]["recipe"]
-        n = seeds_of(loss, arm)
+        wanted = seeds_of(loss, arm)
         runs = {
-            name: {s: r for s, r in seed_results(folder(loss, arm, name)).items() if s < n}
+            name: {s: r for s, r in seed_results(folder(loss, arm, name)).items() if s < wanted}
             for name in candidates
         }
         scores = {
@@ -409,7 +409,7 @@ def retune(args: argparse.Namespace) -> None:
         if not any(scores.values()):
             continue  # not trained yet
         best = max((n for n in candidates if scores[n]), key=lambda n: mean(scores[n]))
-        complete = all(len(runs[name]) == n for name in candidates)
+        complete = all(len(runs[name]) == wanted for name in candidates)
         # The rule ``converge`` and ``widen`` adopt by: the arm leaves the baseline's value only
         # for a paired gain of a point, not for a difference within the seeds' spread.
         common = sorted(set(runs[best]) & set(runs[own]))
@@ -448,7 +448,7 @@ def retune(args: argparse.Namespace) -> None:
             )
         if not complete:
             notes.append(
-                f"- {LOSS_NAMES[loss]}, {ARMS[arm].label}: not every value has its {n} "
+                f"- {LOSS_NAMES[loss]}, {ARMS[arm].label}: not every value has its {wanted} "
                 "seeds yet; nothing recorded."
             )
         elif not args.quick and (loss, arm) in asked:
