@@ -215,6 +215,10 @@ class Arm:
     def matched(self) -> bool:
         return self.match is not None
 
+    def trains_with(self, loss: str) -> bool:
+        """Whether a grid of ``loss`` (or of a degradation, whose arms name no loss) has this arm."""
+        return self.losses is None or loss in self.losses
+
 
 FROZEN_U = "optim.uncertainty_lr_mult=0"
 """Trains with the uncertainty head frozen at its start."""

@@ -216,7 +216,7 @@ def main_jobs(args: argparse.Namespace, matched: bool) -> list[Job]:
         chosen = grid_recipe(args, loss, args.out / setting / loss)
         for name in args.arms:
             arm = ARMS[name]
-            if arm.matched != matched or (arm.losses is not None and loss not in arm.losses):
+            if arm.matched != matched or not arm.trains_with(loss):
                 continue
             arms_folder = args.out / setting / loss
             if idle := idle_control(arms_folder, arm):

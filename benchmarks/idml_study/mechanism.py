@@ -110,7 +110,8 @@ def matched_section(folders: Mapping[str, Path], arms: Mapping[str, Arm]) -> lis
     lines = []
     for group, folder in folders.items():
         for name, arm in arms.items():
-            if arm.match is None:
+            # A group's folder is named by its loss (or its degradation, which every arm has).
+            if arm.match is None or not arm.trains_with(folder.name):
                 continue
             source = folder / arm.match.to
             if not run_files(folder / name, "result.json"):
