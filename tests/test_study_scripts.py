@@ -497,6 +497,66 @@ def test_a_margin_matched_control_that_would_be_mixup_only_is_not_trained_and_th
     assert "Mixup only (IDML − Mixup only is its comparison)" in lines[1]
 
 
+def test_a_proxy_grid_lists_its_uniform_control_and_no_margin_control(
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The margin-matched control is Contrastive's alone: a ProxyAnchor grid's IDML runs record no
+    positive margin, and its table lists the uniform control without asking what margin ISM acts
+    as (which raised a bare ``TypeError`` on Lite0's ProxyAnchor ledger)."""
+    recipe = {"recipe": "16 epochs", "overrides": ["optim.epochs=16"]}
+    monkeypatch.setattr(
+        study.recipes, "load_recipes", lambda: {"omniglot_lite0": {"proxy_anchor": recipe}}
+    )
+    monkeypatch.setattr(study.jobs, "run_jobs", lambda jobs, *_: record_runs(jobs, {"gamma": 0.05}))
+    study.jobs.run(grid_args(tmp_path, "omniglot_lite0", "proxy_anchor", ["idml", "idml_uniform"]))
+    folders = {"ProxyAnchor": tmp_path / "omniglot_lite0" / "proxy_anchor"}
+    lines = study.mechanism.matched_section(folders, study.design.ARMS)[2:]
+    assert lines == [
+        "- ProxyAnchor, IDML, u = 0 and matched γ (uniform weakening): metric.gamma = 0.05, "
+        "from 2 runs of `idml`"
+    ]
+    assert not study.design.ARMS["mixup_margin"].trains_with("proxy_anchor")
+    assert study.design.DEGRADATION_ARMS["deg_uniform"].trains_with("occlusion")
+
+
+def test_ism_at_test_is_compared_with_the_same_runs_plain_for_the_arms_that_learn_u(
+    study: Study,
+) -> None:
+    """The paper's Table 5, paired: each seed of an arm that learns ``u`` scored with ISM at test
+    against its own plain score, Holm over this section alone. The frozen-``u`` arm is left out
+    (a constant ``u`` leaves every ranking as it is), as is a run without the record."""
+
+    def seed(r1: float, map_r: float, at_test: tuple[float, float] | None) -> dict:
+        mechanism = None
+        if at_test is not None:
+            mechanism = {"ism_at_test": {"recall@1": at_test[0], "map@r": at_test[1]}}
+        return {"metrics": {"recall@1": r1, "map@r": map_r}, "mechanism": mechanism}
+
+    idml = {
+        0: seed(0.70, 0.36, (0.55, 0.26)),
+        1: seed(0.72, 0.37, (0.58, 0.28)),
+        2: seed(0.69, 0.35, (0.52, 0.25)),
+        3: seed(0.71, 0.36, None),  # recorded before ISM at test was: not paired
+    }
+    frozen = {s: seed(0.7, 0.36, (0.7, 0.36)) for s in range(3)}
+    arms = study.design.ARMS
+    lines = study.tables.ism_at_test_section(
+        [
+            ("Contrastive", arms["idml"], idml),
+            ("Contrastive", arms["idml_frozen_u"], frozen),
+            ("Contrastive", arms["baseline"], {0: seed(0.6, 0.3, None)}),
+        ]
+    )
+    assert lines[0].startswith("\n## ISM at test time (the paper's Table 5)")
+    assert "Holm-adjusted over all 2 cells of this table" in lines[1]
+    rows = [line for line in lines if line.startswith("| Contrastive")]
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[1:3] == ["IDML with ISM at test − IDML", "3"]
+    assert cells[3].startswith("-15.33 ▼") and cells[6].startswith("-9.67 ▼")
+    assert study.tables.ism_at_test_section([("Contrastive", arms["idml"], {})]) == []
+
+
 def test_a_table_never_replaces_the_table_of_other_runs(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

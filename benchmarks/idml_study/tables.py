@@ -18,12 +18,14 @@ from idml_study.design import (
     DEGRADATION_ARMS,
     DEGRADATION_COMPARISONS,
     DEGRADATION_LOSS,
+    FROZEN_U,
     LOSS_NAMES,
     SETTINGS,
     TABLES,
     TRAINS_MARGIN,
     U_HIGH,
     U_HIGH_COMPARISONS,
+    Arm,
 )
 from idml_study.mechanism import matched_section
 from idml_study.recipes import load_recipes, pinned_recipe, setting_overrides, study_overrides
@@ -193,6 +195,38 @@ def difference_table(pairs: Sequence[tuple[str, str, Runs, Runs]]) -> list[str]:
     return lines
 
 
+def scored_with_ism(seeds: Runs) -> Runs:
+    """``seeds`` as scored at test time with the introspective metric (``mechanism.json``'s
+    ``ism_at_test``), for the runs that recorded it."""
+    return {
+        s: {"metrics": r["mechanism"]["ism_at_test"], "mechanism": None}
+        for s, r in seeds.items()
+        if r["mechanism"] and r["mechanism"].get("ism_at_test")
+    }
+
+
+def ism_at_test_section(arms: Sequence[tuple[str, Arm, Runs]]) -> list[str]:
+    """The paper's Table 5, paired: each run of an arm that learns ``u`` with ISM, scored at test
+    with the introspective metric against the same run's plain score (``(group, arm, runs)``;
+    Holm over this section's cells alone, so the table's other differences keep their family).
+    Empty where no run recorded it. An arm with ``u`` frozen is left out: a constant ``u``
+    weakens every pair alike, which leaves each query's ranking as it is."""
+    pairs = []
+    for group, arm, seeds in arms:
+        if not (arm.method.head and arm.method.ism) or FROZEN_U in arm.extra:
+            continue
+        scored = scored_with_ism(seeds)
+        if scored:
+            plain = {s: seeds[s] for s in scored}
+            pairs.append((group, f"{arm.label} with ISM at test − {arm.label}", plain, scored))
+    if not pairs:
+        return []
+    return [
+        "\n## ISM at test time (the paper's Table 5), paired over the same trained runs\n",
+        *difference_table(pairs),
+    ]
+
+
 def mechanism_header(altered: str = "Mixup") -> list[str]:
     """The mechanism table's preamble and header; ``altered`` names the training images whose
     ``||u||`` trend is shown beside the originals' (Mixup images, or the degraded ones)."""
@@ -337,6 +371,9 @@ def tables(args: argparse.Namespace) -> None:
             f"(`{U_HIGH}`), against its own controls\n"
         ]
         lines += difference_table(probe)
+    lines += ism_at_test_section(
+        [(LOSS_NAMES[loss], ARMS[arm], seeds) for (loss, arm), seeds in runs.items()]
+    )
     lines += ["\n## Is the introspection real? (runs with an uncertainty head, mean over seeds)\n"]
     lines += mechanism_header()
     for (loss, arm), seeds in runs.items():
@@ -380,6 +417,13 @@ def degradation_tables(args: argparse.Namespace) -> None:
     degraded = {kind: args.out / setting / "degradations" / kind for kind in args.kinds}
     lines += matched_section(degraded, DEGRADATION_ARMS)
     lines += ["\n## Differences (paired over seeds)\n", *difference_table(pairs)]
+    lines += ism_at_test_section(
+        [
+            (kind, DEGRADATION_ARMS[name], seed_results(degraded[kind] / name))
+            for kind in args.kinds
+            for name in DEGRADATION_ARMS
+        ]
+    )
     lines += ["\n## Mechanism\n", *mechanism_header("degraded"), *mechanism]
     write_table(args, f"idml_{setting}_degradations.md", lines, of=header[1])
 
