@@ -557,6 +557,59 @@ def test_ism_at_test_is_compared_with_the_same_runs_plain_for_the_arms_that_lear
     assert study.tables.ism_at_test_section([("Contrastive", arms["idml"], {})]) == []
 
 
+def test_a_degraded_table_pairs_ism_at_test_for_its_ism_arms_only(
+    study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Table 3 grid's table carries the Table 5 section too: the ISM arm trained on degraded
+    images scored with ISM at test against its plain score, per degradation; the degraded
+    baseline, which has no head, is not in it."""
+    monkeypatch.setattr(study.tables, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(study.tables, "load_recipes", lambda: {})
+    root = tmp_path / "omniglot_cnn"
+    mechanism = {
+        "test_u_mean": 0.05,
+        "test_u_cv": 0.4,
+        "probe_auroc": {"mixup": 0.5, "blur": 0.6, "low_resolution": 0.7, "occlusion": 0.9},
+        "first_epoch": {},
+        "last_epoch": {"ism/pos_q10": 0.9, "ism/pos_q50": 0.95, "ism/u_cv": 0.3},
+    }
+    plain = {0: (0.80, 0.40), 1: (0.82, 0.42)}
+    at_test = {0: (0.79, 0.39), 1: (0.80, 0.41)}
+    arms = {
+        root / "multi_similarity" / "baseline": None,
+        root / "degradations" / "occlusion" / "deg_baseline": None,
+        root / "degradations" / "occlusion" / "deg_ism": at_test,
+    }
+    for arm, scores in arms.items():
+        for seed, (r1, map_r) in plain.items():
+            run = arm / f"s{seed}" / "cells" / "base" / f"seed{seed}"
+            run.mkdir(parents=True)
+            metrics = {"recall@1": r1, "map@r": map_r, "nmi": 0.5}
+            (run / "result.json").write_text(json.dumps({"seed": seed, "final_metrics": metrics}))
+            if scores is not None:
+                scored = {"recall@1": scores[seed][0], "map@r": scores[seed][1]}
+                (run / "mechanism.json").write_text(
+                    json.dumps({**mechanism, "ism_at_test": scored})
+                )
+    args = argparse.Namespace(
+        setting="omniglot_cnn",
+        omniglot_root=tmp_path,
+        out=tmp_path,
+        losses=["multi_similarity"],
+        kinds=["occlusion"],
+        degradations=True,
+        label="",
+        quick=False,
+    )
+    study.tables.tables(args)
+    text = (tmp_path / "tables" / "idml_omniglot_cnn_degradations.md").read_text()
+    section = text.split("## ISM at test time (the paper's Table 5)")[1].split("## Mechanism")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| occlusion")]
+    label = "ISM + degraded images"
+    assert [row.split(" | ")[1] for row in rows] == [f"{label} with ISM at test − {label}"]
+    assert rows[0].split(" | ")[3].startswith("-1.50") and " | -1.00 |" in rows[0]
+
+
 def test_a_table_never_replaces_the_table_of_other_runs(
     study: Study, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

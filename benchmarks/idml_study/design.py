@@ -215,6 +215,11 @@ class Arm:
     def matched(self) -> bool:
         return self.match is not None
 
+    @property
+    def learns_u(self) -> bool:
+        """Whether the arm trains ISM with an uncertainty head that moves (not frozen at its start)."""
+        return self.method.head and self.method.ism and FROZEN_U not in self.extra
+
     def trains_with(self, loss: str) -> bool:
         """Whether a grid of ``loss`` (or of a degradation, whose arms name no loss) has this arm."""
         return self.losses is None or loss in self.losses

@@ -18,7 +18,6 @@ from idml_study.design import (
     DEGRADATION_ARMS,
     DEGRADATION_COMPARISONS,
     DEGRADATION_LOSS,
-    FROZEN_U,
     LOSS_NAMES,
     SETTINGS,
     TABLES,
@@ -213,9 +212,7 @@ def ism_at_test_section(arms: Sequence[tuple[str, Arm, Runs]]) -> list[str]:
     weakens every pair alike, which leaves each query's ranking as it is."""
     pairs = []
     for group, arm, seeds in arms:
-        if not (arm.method.head and arm.method.ism) or FROZEN_U in arm.extra:
-            continue
-        scored = scored_with_ism(seeds)
+        scored = scored_with_ism(seeds) if arm.learns_u else {}
         if scored:
             plain = {s: seeds[s] for s in scored}
             pairs.append((group, f"{arm.label} with ISM at test − {arm.label}", plain, scored))
@@ -397,7 +394,7 @@ def degradation_tables(args: argparse.Namespace) -> None:
         "|---|---|---|---|---|---|",
         arm_row("none", "baseline (clean images)", clean),
     ]
-    pairs, mechanism = [], []
+    pairs, mechanism, trained = [], [], []
     for degradation in args.kinds:
         folder = args.out / setting / "degradations" / degradation
         runs = {"baseline": clean}
@@ -405,6 +402,7 @@ def degradation_tables(args: argparse.Namespace) -> None:
             seeds = seed_results(folder / name)
             if seeds:
                 runs[name] = seeds
+                trained.append((degradation, arm, seeds))
                 lines.append(arm_row(degradation, arm.label, seeds))
                 row = mechanism_row(degradation, arm.label, seeds, altered="degraded")
                 if row is not None:
@@ -417,13 +415,7 @@ def degradation_tables(args: argparse.Namespace) -> None:
     degraded = {kind: args.out / setting / "degradations" / kind for kind in args.kinds}
     lines += matched_section(degraded, DEGRADATION_ARMS)
     lines += ["\n## Differences (paired over seeds)\n", *difference_table(pairs)]
-    lines += ism_at_test_section(
-        [
-            (kind, DEGRADATION_ARMS[name], seed_results(degraded[kind] / name))
-            for kind in args.kinds
-            for name in DEGRADATION_ARMS
-        ]
-    )
+    lines += ism_at_test_section(trained)
     lines += ["\n## Mechanism\n", *mechanism_header("degraded"), *mechanism]
     write_table(args, f"idml_{setting}_degradations.md", lines, of=header[1])
 
