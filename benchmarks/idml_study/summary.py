@@ -121,6 +121,7 @@ class Cell:
 
 DIGITS, OMNIGLOT, LITE0 = "idml_demo.md", "idml_omniglot_cnn.md", "idml_omniglot_lite0_"
 DEGRADATION_TABLE = "idml_omniglot_cnn_degradations.md"
+LITE0_DEGRADATION_TABLE = LITE0 + "degradations.md"
 CELLS: tuple[Cell, ...] = (
     Cell("digits · Multi-Similarity · 0.02", DIGITS, "Multi-Similarity"),
     Cell("digits · ProxyAnchor · 0.02", DIGITS, "ProxyAnchor"),
@@ -197,6 +198,27 @@ CELLS: tuple[Cell, ...] = (
     Cell(
         "Omniglot, occluded training · Multi-Similarity · 0.02",
         DEGRADATION_TABLE,
+        "occlusion",
+        DEGRADED,
+        "†",
+    ),
+    Cell(
+        "Omniglot, pretrained Lite0, low-res training · Multi-Similarity · 0.02, 16 epochs",
+        LITE0_DEGRADATION_TABLE,
+        "low_resolution",
+        DEGRADED,
+        "†",
+    ),
+    Cell(
+        "Omniglot, pretrained Lite0, low-res training · Multi-Similarity · 0.25, 16 epochs",
+        LITE0_DEGRADATION_TABLE,
+        "low_resolution",
+        DEGRADED_U_HIGH,
+        "†",
+    ),
+    Cell(
+        "Omniglot, pretrained Lite0, occluded training · Multi-Similarity · 0.02, 16 epochs",
+        LITE0_DEGRADATION_TABLE,
         "occlusion",
         DEGRADED,
         "†",
