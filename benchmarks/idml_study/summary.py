@@ -175,6 +175,11 @@ CELLS: tuple[Cell, ...] = (
         "Multi-Similarity",
     ),
     Cell(
+        "Omniglot, pretrained Lite0 · Contrastive · 0.02, 64 epochs",
+        LITE0 + "contrastive_64_epochs.md",
+        "Contrastive",
+    ),
+    Cell(
         "Omniglot, low-res training · Multi-Similarity · 0.02",
         DEGRADATION_TABLE,
         "low_resolution",
