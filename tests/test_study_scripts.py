@@ -13,6 +13,7 @@ import doctest
 import importlib
 import importlib.util
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
@@ -1353,6 +1354,18 @@ def test_the_readme_summary_is_the_one_drawn_from_the_study_tables(study: Study)
     # Every table `tables` wrote is a row or set aside with the README's reason, so a finished
     # grid cannot be left out of the summary by forgetting it.
     assert summary.unsummarised() == []
+
+
+def test_the_readmes_headline_counts_the_summary_and_no_control_is_beaten(study: Study) -> None:
+    # The README leads with "In none of the N cells measured has the introspective metric beaten
+    # the controls": N is the summary's row count, and no row's frozen-`u` or uniform-weakening
+    # column holds a ▲ (Holm-corrected). A new cell that changes either fails here, not in review.
+    summary = study.summary
+    rows = summary.summary_table()[len(summary.HEADER) :]
+    (count,) = re.findall(r"In none of the (\d+) cells measured", summary.README.read_text())
+    assert int(count) == len(rows) == len(summary.CELLS)
+    beaten = [row for row in rows if "▲" in "|".join(row.split("|")[-3:])]
+    assert beaten == []
 
 
 def test_a_study_table_no_cell_reads_is_named(study: Study, tmp_path: Path) -> None:
