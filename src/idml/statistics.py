@@ -41,7 +41,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 from scipy import stats
+
+# One value per seed: a list, or the numpy array a study holds them in.
+SeedValues = Sequence[float] | npt.NDArray[np.floating]
 
 DEFAULT_ALPHA = 0.05
 """The family-wise error rate of a table's claims."""
@@ -73,7 +77,7 @@ class Comparison:
         return bool(p < alpha)
 
 
-def _values(name: str, values: Sequence[float]) -> np.ndarray:
+def _values(name: str, values: SeedValues) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     if array.ndim != 1:
         raise ValueError(
@@ -85,7 +89,7 @@ def _values(name: str, values: Sequence[float]) -> np.ndarray:
 
 
 def compare_paired(
-    reference: Sequence[float], method: Sequence[float], confidence: float = 0.95
+    reference: SeedValues, method: SeedValues, confidence: float = 0.95
 ) -> Comparison:
     """Paired t-test of ``method − reference`` over seeds given in the same order (seed ``s`` of
     both arms shares its initialisation and batches)."""
@@ -108,7 +112,7 @@ def compare_paired(
 
 
 def compare_welch(
-    reference: Sequence[float], method: Sequence[float], confidence: float = 0.95
+    reference: SeedValues, method: SeedValues, confidence: float = 0.95
 ) -> Comparison:
     """Welch's t-test of ``mean(method) − mean(reference)`` for runs that are not paired."""
     a, b = _values("reference", reference), _values("method", method)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from idml.app.tasks._base import Task, TaskParams
 
@@ -27,9 +27,11 @@ _TASKS: dict[str, Task] = {}
 TASKS: Mapping[str, Task] = MappingProxyType(_TASKS)
 """Every registered task by name, in registration order (read-only; see :func:`register_task`)."""
 
+TaskT = TypeVar("TaskT", bound=Task)
 
-def register_task(task: Task) -> Task:
-    """Register ``task`` under ``task.name``; returns it.
+
+def register_task(task: TaskT) -> TaskT:
+    """Register ``task`` under ``task.name``; returns it, as the type it was given.
 
     Raises:
         ValueError: the name is not an identifier or is taken by another class, its ``params``
