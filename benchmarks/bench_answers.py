@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import time
+from typing import TypedDict
 
 import torch
 
@@ -50,6 +51,13 @@ RERANKERS: dict[str, Reranker] = {
     "αQE + DBA (n 2, 2)": QueryExpansion(query_neighbors=2, database_neighbors=2),
     "k-reciprocal (20, 6, 0.3)": KReciprocal(),
 }
+
+
+class SearchOptions(TypedDict, total=False):
+    """The keyword arguments of :meth:`Index.search` a timed step sets."""
+
+    policy: AnswerPolicy
+    reranking: GalleryReranking
 
 
 def mislabel(labels: torch.Tensor, clusters: int, share: float, seed: int) -> torch.Tensor:
@@ -94,6 +102,7 @@ def main() -> None:
     c = slice(args.n + args.batch, total)
     gallery_labels = mislabel(labels[g], args.clusters, args.label_noise, seed=1)
     index = Index.create(points[g], labels=[str(int(v)) for v in gallery_labels])
+    assert index.embeddings is not None  # an exact index keeps its vectors
     queries = points[q].clone()
     results: dict[str, object] = {
         "n": args.n,
@@ -129,7 +138,7 @@ def main() -> None:
         once[f"prepare {name}"] = time.perf_counter() - start
     print(json.dumps({"once_s": once}), flush=True)
 
-    steps: dict[str, dict[str, object]] = {
+    steps: dict[str, SearchOptions] = {
         f"search, k={args.k} (top-1 similarity)": {},
         "+ calibrated confidence": {"policy": calibrated},
         "+ calibrated, --target-precision 0.9": {"policy": abstaining},

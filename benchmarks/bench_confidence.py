@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -78,8 +79,12 @@ def clustered(
     return out, labels
 
 
-def once(fn: Callable[[], object]) -> tuple[float, object]:
-    """Wall time of one call (for steps too slow to repeat) and its result."""
+T = TypeVar("T")
+
+
+def once(fn: Callable[..., T]) -> tuple[float, T]:
+    """Wall time of one call ``fn()`` (for steps too slow to repeat) and its result (``...``: as
+    :func:`bench_retrieval.timed`)."""
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
@@ -112,7 +117,8 @@ def confidence_costs(
     out = {}
     for score in SCORES:
         out[score.key], _ = timed(lambda s=score: s(answers), repeats)
-    correct = answers.labels[:, 0] == labels  # type: ignore[index]
+    assert answers.labels is not None  # the answers are built with the gallery's labels
+    correct = answers.labels[:, 0] == labels
     # Timing only: a few forced errors so that a calibrator can be fitted on easy synthetic data.
     correct[: max(4, len(correct) // 10) : 2] = False
     calibration = fit_calibration(answers, correct, DEFAULT_FEATURES)

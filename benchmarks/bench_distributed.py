@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
         batch = plan.augment(augment, images, labels, aug_gen)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             out = model(batch.images)
-            emb = Embeddings(out.semantic.float(), out.uncertainty.float())  # type: ignore[union-attr]
+            emb = Embeddings(out.semantic.float(), out.uncertainty.float())
             emb, merged = plan.gather(emb, batch)
             return merged.loss(loss_fn, emb)
 
@@ -135,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
         batch = plan.augment(augment, images, labels, aug_gen)
         emb = Embeddings(
             out.semantic.float().repeat(2, 1)[: len(batch.labels)],
-            out.uncertainty.float().repeat(2, 1)[: len(batch.labels)],  # type: ignore[union-attr]
+            out.uncertainty.float().repeat(2, 1)[: len(batch.labels)],
         )
         result["gather"] = _median_seconds(
             lambda: plan.gather(emb, batch), args.steps, args.warmup, device

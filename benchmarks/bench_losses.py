@@ -49,6 +49,7 @@ from pytorch_metric_learning import miners as pml_miners
 from torch import Tensor, nn
 
 from idml.embeddings import Embeddings
+from idml.losses.base import ProxyLoss
 from idml.losses.contrastive import ContrastiveLoss
 from idml.losses.fastap import FastAPLoss
 from idml.losses.margin import MarginLoss
@@ -206,7 +207,7 @@ def build_cases(seed: int) -> list[Case]:
             )
         )
 
-    proxies: list[tuple[str, Callable[..., nn.Module], Metric, nn.Module]] = [
+    proxies: list[tuple[str, Callable[..., ProxyLoss], Metric, nn.Module]] = [
         (
             "NormSoftmax",
             NormalizedSoftmaxLoss,
@@ -232,9 +233,11 @@ def build_cases(seed: int) -> list[Case]:
         introspective.load_state_dict(plain.state_dict())
         with torch.no_grad():  # same proxies everywhere (pml keeps class weights as (d, C) columns)
             if hasattr(pml_loss, "W"):
-                pml_loss.W.copy_(plain.proxies.T)
+                pml_proxies, ours = pml_loss.W, plain.proxies.T
             else:
-                pml_loss.proxies.copy_(plain.proxies)
+                pml_proxies, ours = pml_loss.proxies, plain.proxies
+            assert isinstance(pml_proxies, Tensor)  # an nn.Parameter of the pml loss
+            pml_proxies.copy_(ours)
         cases.append(
             Case(
                 name,

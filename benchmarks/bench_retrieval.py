@@ -27,7 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -52,8 +54,26 @@ def clustered(n: int, d: int, clusters: int, noise: float, seed: int) -> torch.T
     return out
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median wall time of ``repeats`` calls (after one warm-up) and the last result."""
+T = TypeVar("T")
+
+
+class ExactRow(TypedDict):
+    """One batch size of the exact search: ours against faiss flat."""
+
+    queries: str
+    ours_s: float
+    faiss_flat_s: float
+    ours_qps: float
+    faiss_qps: float
+    ours_over_faiss_time: float
+
+
+def timed(fn: Callable[..., T], repeats: int) -> tuple[float, T]:
+    """Median wall time of ``repeats`` calls of ``fn()`` (after one warm-up) and the last result.
+
+    (``Callable[..., T]``: mypy infers no type for a ``lambda q=q: ...`` passed as
+    ``Callable[[], T]``.)
+    """
     result = fn()
     times = []
     for _ in range(repeats):
@@ -158,6 +178,7 @@ def main() -> None:
         start = time.perf_counter()
         index = Index.load(root / "index")
         loaded = time.perf_counter() - start
+        assert index.embeddings is not None  # an exact index keeps its vectors
         results["build"] = {
             "create_s": created,
             "create_and_save_s": saved,
@@ -174,7 +195,7 @@ def main() -> None:
         flat.add(g_np)
         q_np = torch.nn.functional.normalize(queries, dim=1).numpy()
 
-        rows = []
+        rows: list[ExactRow] = []
         for label, q, repeats in (
             ("batch 1", None, args.singles),
             (f"batch {args.batch}", q_np, args.repeats),
@@ -195,7 +216,7 @@ def main() -> None:
                 t_ours, _ = timed(lambda q=q: index.search(torch.from_numpy(q), args.k), repeats)
                 t_faiss, _ = timed(lambda q=q, f=flat: f.search(q, args.k), repeats)
                 n_q = len(q)
-            row = {
+            row: ExactRow = {
                 "queries": label,
                 "ours_s": t_ours,
                 "faiss_flat_s": t_faiss,
@@ -226,7 +247,8 @@ def main() -> None:
             build_hnsw = time.perf_counter() - start
             print(f"hnsw build {build_hnsw:.1f} s, rss {rss_mib() - base_rss:.0f} MiB", flush=True)
             exact_rows = {r["queries"]: r["ours_s"] for r in rows}
-            results["hnsw"] = []
+            hnsw_rows: list[dict[str, object]] = []
+            results["hnsw"] = hnsw_rows
             for ef in [int(v) for v in args.ef_search.split(",")]:
                 hnsw.set_search_parameters(f"efSearch={ef}")
                 t_hnsw, approx = timed(lambda: hnsw.search(torch.from_numpy(q_np), args.k), 3)
@@ -236,7 +258,7 @@ def main() -> None:
                     hnsw.search(torch.from_numpy(q_np[i : i + 1]), args.k)
                     singles.append(time.perf_counter() - t0)
                 t_one = statistics.median(singles)
-                row = {
+                point = {
                     "factory": f"HNSW{args.hnsw_m}",
                     "efConstruction": hnsw.faiss_index.hnsw.efConstruction,
                     "efSearch": ef,
@@ -247,8 +269,8 @@ def main() -> None:
                     "single_s": t_one,
                     "speedup_over_exact_single": exact_rows["batch 1"] / max(t_one, 1e-9),
                 }
-                results["hnsw"].append(row)
-                print("hnsw", json.dumps(row), flush=True)
+                hnsw_rows.append(point)
+                print("hnsw", json.dumps(point), flush=True)
 
         if args.images:
             results["images"] = bench_images(args.images, root)

@@ -56,6 +56,7 @@ def main() -> None:
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(buf, "PNG")
         png = buf.getvalue()
+        assert index.embeddings is not None  # an exact index (built without --no-vectors)
         emb = index.embeddings[0].tolist()
         kinds = {
             "image (multipart)": lambda c: c.post(

@@ -50,10 +50,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
+
+if TYPE_CHECKING:  # for annotations only: idml is imported in the functions that use it
+    from idml.app.config import Config
 
 REPO = Path(__file__).resolve().parents[1]
 PATHS = {
@@ -73,7 +77,7 @@ ANCHOR = "540–860 img/s per x86 core (decode only, full-size ImageNet JPEGs)"
 def natural_like(rng: np.random.Generator, height: int = 375, width: int = 500) -> Image.Image:
     """A photograph-like image: smooth colour field, sharp-edged shapes and lines, grain."""
     low = rng.uniform(0, 255, (height // 25 + 2, width // 25 + 2, 3)).astype(np.uint8)
-    image = Image.fromarray(low).resize((width, height), Image.BICUBIC)
+    image = Image.fromarray(low).resize((width, height), Image.Resampling.BICUBIC)
     draw = ImageDraw.Draw(image)
     for _ in range(12):
         x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
@@ -179,7 +183,7 @@ def config(
     cache: Path,
     path: str,
     compute: list[str] | None = None,
-) -> object:
+) -> Config:
     from idml.app.config import load_config
 
     per_class = 4
@@ -206,16 +210,16 @@ def config(
     return load_config(METHODS[method], overrides)
 
 
-def loader_ceiling(cfg: object, batches: int, device: torch.device) -> float:
+def loader_ceiling(cfg: Config, batches: int, device: torch.device) -> float:
     """Steady images per second of the train loader alone: each epoch's first batch (which
     waits for the workers to start) is not timed; epochs are chained until ``batches`` are."""
     from idml.app import build
 
-    data = build.build_data(cfg)  # type: ignore[arg-type]
+    data = build.build_data(cfg)
     timed, seconds, epoch = 0, 0.0, 0
     while timed < batches:
         gen = torch.Generator().manual_seed(epoch)
-        loader = build.train_loader(cfg, data, epoch, gen, device=device)  # type: ignore[arg-type]
+        loader = build.train_loader(cfg, data, epoch, gen, device=device)
         if len(loader) < 2:
             raise ValueError("an epoch holds fewer than 2 batches; write more --images")
         batches_of_epoch = iter(loader)
@@ -230,7 +234,7 @@ def loader_ceiling(cfg: object, batches: int, device: torch.device) -> float:
         sync(device)
         seconds += time.perf_counter() - start
         epoch += 1
-    return timed * cfg.sampler.effective_batch_size / seconds  # type: ignore[attr-defined]
+    return timed * cfg.sampler.effective_batch_size / seconds
 
 
 SECTIONS = {"core", "loader", "step"}
@@ -253,7 +257,7 @@ backbone."""
 
 
 def model_step(
-    cfg: object, steps: int, device: torch.device, run_dir: Path
+    cfg: Config, steps: int, device: torch.device, run_dir: Path
 ) -> tuple[float, int, str]:
     """Unique images per second of ``Trainer.step`` on one batch kept on the device, as the epoch
     loop runs it (the host reads the step's values every ``optim.sync_every`` steps), the rows the
@@ -263,8 +267,8 @@ def model_step(
     from idml.app.training.step_values import StepValues
     from idml.checks import value_checks
 
-    trainer = Trainer(cfg, run_dir, progress=False)  # type: ignore[arg-type]
-    loader = build.train_loader(cfg, trainer.data, 0, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
+    trainer = Trainer(cfg, run_dir, progress=False)
+    loader = build.train_loader(cfg, trainer.data, 0, torch.Generator().manual_seed(0))
     images, labels, _ = next(iter(loader))
     images, labels = images.to(device), labels.to(device)
     gen = torch.Generator().manual_seed(0)
@@ -285,14 +289,14 @@ def model_step(
     return steps * images.shape[0] / seconds, int(rows), trainer.compute.describe() or "float32"
 
 
-def end_to_end(cfg: object, steps: int, run_dir: Path) -> float:
+def end_to_end(cfg: Config, steps: int, run_dir: Path) -> float:
     """Unique images per second of whole training steps (``Trainer.train_epoch``)."""
     from idml.app.training import Trainer
 
-    cfg.optim.max_steps_per_epoch = steps  # type: ignore[attr-defined]
-    trainer = Trainer(cfg, run_dir, progress=False)  # type: ignore[arg-type]
+    cfg.optim.max_steps_per_epoch = steps
+    trainer = Trainer(cfg, run_dir, progress=False)
     record = trainer.train_epoch(0)
-    return record.steps * cfg.sampler.effective_batch_size / record.seconds  # type: ignore[attr-defined]
+    return record.steps * cfg.sampler.effective_batch_size / record.seconds
 
 
 def main() -> None:
@@ -366,7 +370,7 @@ def main() -> None:
         start = time.perf_counter()
         cache_dataset(
             config("baseline", args, root, cache, "reference"), cache, 512, progress=False
-        )  # type: ignore[arg-type]
+        )
         print(f"idml cache: {len(files)} images in {time.perf_counter() - start:.1f} s")
 
         if "core" in sections:

@@ -23,6 +23,7 @@ import csv
 import json
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def _record(
     table: str,
     method: str,
     setting: str | None,
-    columns: dict[str, tuple[str, ...]],
+    columns: Mapping[str, tuple[str, ...]],
     values: list[str],
 ) -> list[dict[str, Any]]:
     out = []

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TypedDict
 
+import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
@@ -52,8 +55,9 @@ def _drawn_texts(figure: Figure) -> list[Text]:
             for tick in axis.get_major_ticks() + axis.get_minor_ticks():
                 if low - span <= tick.get_loc() <= high + span:
                     texts += [tick.label1, tick.label2]
-        if axes.get_legend() is not None:
-            legends.append(axes.get_legend())
+        legend = axes.get_legend()
+        if legend is not None:
+            legends.append(legend)
     for legend in legends:
         texts += [*legend.get_texts(), legend.get_title()]
     return [t for t in texts if t.get_visible() and t.get_text().strip()]
@@ -62,22 +66,31 @@ def _drawn_texts(figure: Figure) -> list[Text]:
 def lines_per_panel(figure: Figure) -> list[int]:
     """How many data lines each visible axes draws (legend handles and grid lines aside)."""
     return [
-        sum(1 for line in axes.get_lines() if not line.get_label().startswith("_"))
+        sum(1 for line in axes.get_lines() if not str(line.get_label()).startswith("_"))
         for axes in figure.axes
         if axes.get_visible()
     ]
 
 
+class FigureChecks(TypedDict):
+    """What :func:`recording_figures` finds in one figure."""
+
+    overlaps: list[tuple[str, str]]
+    """The :func:`overlapping_texts`."""
+    lines: list[int]
+    """The :func:`lines_per_panel`."""
+
+
 @contextlib.contextmanager
-def recording_figures(monkeypatch) -> Iterator[dict[str, Figure]]:  # type: ignore[no-untyped-def]
-    """Collect each figure :func:`~idml.app.reports.figures.save_png` writes, by file name, checked
-    before it is written (``save_png`` clears the figure)."""
+def recording_figures(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, FigureChecks]]:
+    """Check each figure :func:`~idml.app.reports.figures.save_png` writes, by file name, before
+    it is written (``save_png`` clears the figure)."""
     from idml.app.reports import figure_style, figures
 
-    seen: dict[str, dict] = {}
+    seen: dict[str, FigureChecks] = {}
     real = figure_style.save_png
 
-    def record(figure: Figure, path, dpi: int = 100):  # type: ignore[no-untyped-def]
+    def record(figure: Figure, path: Path, dpi: int = 100) -> Path:
         seen[path.name] = {
             "overlaps": overlapping_texts(figure),
             "lines": lines_per_panel(figure),
@@ -85,4 +98,4 @@ def recording_figures(monkeypatch) -> Iterator[dict[str, Figure]]:  # type: igno
         return real(figure, path, dpi)
 
     monkeypatch.setattr(figures, "save_png", record)  # what PageFigures.figure calls
-    yield seen  # type: ignore[misc]
+    yield seen

@@ -10,6 +10,7 @@ import math
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,7 @@ from idml.app.config import config_difference, dump_config, load_config
 from idml.app.reports.seeds import expand_run_dirs
 from idml.app.run_folder import RunLockedError
 from idml.app.training import Trainer
+from idml.app.training.epoch_log import TrainResult
 from tiny_run import TINY
 
 
@@ -162,7 +164,11 @@ def test_cell_ids_are_folder_safe_and_distinct() -> None:
 
 def test_config_difference_ignores_keys_that_cannot_change_results() -> None:
     a = {"seed": 0, "device": "cpu", "data": {"num_workers": 0, "dataset": "digits"}}
-    b = {"seed": 0, "device": "cuda", "data": {"num_workers": 8, "dataset": "digits"}}
+    b: dict[str, Any] = {
+        "seed": 0,
+        "device": "cuda",
+        "data": {"num_workers": 8, "dataset": "digits"},
+    }
     assert config_difference(a, b) == []
     b["data"]["dataset"] = "cub"
     assert config_difference(a, b) == ["data.dataset: 'digits' -> 'cub'"]
@@ -208,7 +214,7 @@ def count_fits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Path, bool]]:
     calls: list[tuple[Path, bool]] = []
     original = Trainer.fit
 
-    def counting(self: Trainer, resume: bool = False):  # type: ignore[no-untyped-def]
+    def counting(self: Trainer, resume: bool = False) -> TrainResult:
         calls.append((self.run_dir, resume))
         return original(self, resume=resume)
 

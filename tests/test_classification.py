@@ -55,11 +55,15 @@ def test_classifier_loss_is_pytorch_cross_entropy() -> None:
     expected = F.cross_entropy(logits, labels)
     # float32 log-softmax of |z| <= 16 then a mean of 6 terms: the two reductions may differ in
     # summation order, a few ulps of a value near 2 (2.4e-7 each).
-    tol = dict(rtol=0, atol=2e-6)
-    torch.testing.assert_close(ism.soft_loss(emb, F.one_hot(labels, 5).float()), expected, **tol)
-    torch.testing.assert_close(ism(emb, labels), expected, **tol)
+    rtol, atol = 0, 2e-6
+    torch.testing.assert_close(
+        ism.soft_loss(emb, F.one_hot(labels, 5).float()), expected, rtol=rtol, atol=atol
+    )
+    torch.testing.assert_close(ism(emb, labels), expected, rtol=rtol, atol=atol)
     soft = torch.softmax(torch.randn(6, 5), dim=1)
-    torch.testing.assert_close(ism.soft_loss(emb, soft), F.cross_entropy(logits, soft), **tol)
+    torch.testing.assert_close(
+        ism.soft_loss(emb, soft), F.cross_entropy(logits, soft), rtol=rtol, atol=atol
+    )
 
 
 def test_uncertainty_flattens_logits_but_keeps_their_order() -> None:
@@ -292,6 +296,7 @@ def test_classification_defaults_round_trip() -> None:
 def test_a_run_stored_before_tasks_had_a_section_still_loads() -> None:
     """A config.yaml of the old schema wrote every key, the classification section included."""
     from idml.app.config import validate_config
+    from idml.app.tasks.classification import ClassificationParams
 
     old = {
         "name": "old",
@@ -315,7 +320,9 @@ def test_a_run_stored_before_tasks_had_a_section_still_loads() -> None:
         },
     }
     cfg = validate_config(old)
-    assert (cfg.task.name, cfg.task.scale, cfg.task.ece_bins) == ("classification", 20.0, 10)
+    task = cfg.task
+    assert isinstance(task, ClassificationParams)
+    assert (task.name, task.scale, task.ece_bins) == ("classification", 20.0, 10)
     m = cfg.mixup
     assert (m.enabled, m.kind, m.alpha, m.probability, m.keep_originals) == (
         True,
@@ -344,8 +351,8 @@ def test_method_fragments_mean_the_same_for_both_tasks() -> None:
     for cell in cells:
         assert not any(o.startswith("ssr.") for o in cell.overrides)
         cfg = load_config(None, ["task=classification", *cell.overrides])
-        idml = "idml" in cell.name.lower()
-        assert cfg.metric.introspective == cfg.mixup.enabled == idml
+        is_idml = "idml" in cell.name.lower()
+        assert cfg.metric.introspective == cfg.mixup.enabled == is_idml
     mixes = expand_grid(parse_grid(["metric=plain,ism", "mix=none,cutmix"]), base)
     kinds = {load_config(None, ["task=classification", *c.overrides]).mixup.kind for c in mixes}
     assert len(mixes) == 4 and "cutmix" in kinds

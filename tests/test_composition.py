@@ -20,6 +20,7 @@ from idml.app.config import (
     load_config,
     read_fragment,
 )
+from idml.losses import MarginParams
 from tiny_run import IDML, TINY, train_tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +52,9 @@ def test_a_single_include_and_a_later_loss_replaces_the_section(tmp_path: Path) 
     config = _write(tmp_path / "a.yaml", "include: loss/margin\nloss: {name: triplet}\n")
     assert load_config(config).loss.name == "triplet"  # margin's keys would be unknown here
     config = _write(tmp_path / "b.yaml", "include: loss/margin\nloss: {margin: 0.3}\n")
-    assert load_config(config).loss.margin == 0.3
+    loss = load_config(config).loss
+    assert isinstance(loss, MarginParams)  # the section is margin's settings model
+    assert loss.margin == 0.3
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from idml.data import (
     CsvOptions,
     DatasetName,
     DMLSplit,
+    FileImageDataset,
     FileOptions,
     FolderOptions,
     build_transforms,
@@ -179,6 +180,7 @@ def test_corrupt_and_truncated_images(tmp_path: Path) -> None:
     truncated.write_bytes(truncated.read_bytes()[:200])
 
     split = load_cub(base)  # files exist, so loading succeeds; decoding is what fails
+    assert isinstance(split.train, FileImageDataset)  # CUB is read from image files
     bad_index = split.train.paths.tolist().index(str(garbage))
     with pytest.raises(CorruptImageError, match=r"cannot decode image .*Bird_2_0000\.jpg"):
         split.train[bad_index]
@@ -222,7 +224,7 @@ def box(k: int) -> dict[str, object]:
 
 
 def make_cars_original(root: Path, classes: dict[int, int] = CARS_CLASSES) -> Path:
-    rows = []
+    rows: list[dict[str, object]] = []
     for class_id, count in classes.items():
         for k in range(count):
             relative = f"car_ims/{len(rows) + 1:06d}.jpg"
@@ -253,7 +255,7 @@ def test_cars_devkit_layout_merges_then_splits_by_class(tmp_path: Path) -> None:
     halves = {"cars_train": {1: 2, 5: 1, 120: 2}, "cars_test": {5: 2, 120: 1, 196: 2}}
     rows_by_half: dict[str, list[dict[str, object]]] = {}
     for folder, classes in halves.items():
-        rows = []
+        rows: list[dict[str, object]] = []
         for class_id, count in classes.items():
             for k in range(count):
                 name = f"{len(rows) + 1:05d}.jpg"

@@ -13,6 +13,7 @@ from sklearn.datasets import load_digits as sklearn_digits
 
 from idml.data import (
     FASHION_MNIST_ROOT,
+    ArrayImageDataset,
     ArraySplitOptions,
     load_digits,
     load_fashion_mnist,
@@ -60,8 +61,11 @@ def test_digits_options_subsample_resize_channels() -> None:
     assert image.shape == (1, 32, 32)
     assert float(image.min()) >= 0.0 and float(image.max()) <= 1.0
     again = load_digits(options=ArraySplitOptions(per_class=10, image_size=32, seed=3, channels=1))
+    # The digits are held in memory.
+    assert isinstance(split.train, ArrayImageDataset) and isinstance(again.train, ArrayImageDataset)
     assert torch.equal(split.train.images, again.train.images)
     other = load_digits(options=ArraySplitOptions(per_class=10, image_size=32, seed=4, channels=1))
+    assert isinstance(other.train, ArrayImageDataset)
     assert not torch.equal(split.train.images, other.train.images)
 
     three_way = load_digits(options=ArraySplitOptions(num_train_classes=3))

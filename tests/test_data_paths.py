@@ -7,6 +7,7 @@ crops from the run's seed, so a resumed run repeats them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +30,14 @@ from idml.data.batches import (
     decode_on,
 )
 from idml.data.cache import CacheError, CacheSettings, open_cache, stored_size, write_cache
-from idml.data.decoding import decode_image_file, jpeg_components, jpeg_decodable
+from idml.data.datasets import TrainTestPair
+from idml.data.decoding import (
+    Channels,
+    Decoder,
+    decode_image_file,
+    jpeg_components,
+    jpeg_decodable,
+)
 from tiny_run import CLASSIFICATION, TINY
 
 ONE_LEVEL = 1 / 255
@@ -43,7 +51,9 @@ FLOAT32_RESAMPLING = 1e-5
 def _natural(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     """A smooth colour field with sharp-edged shapes and grain: what a photograph's JPEG holds."""
     low = rng.uniform(0, 255, (height // 16 + 2, width // 16 + 2, 3)).astype(np.uint8)
-    image = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC)).copy()
+    image = np.asarray(
+        Image.fromarray(low).resize((width, height), Image.Resampling.BICUBIC)
+    ).copy()
     for _ in range(4):
         y, x = rng.integers(0, height - 4), rng.integers(0, width - 4)
         image[y : y + rng.integers(3, height // 2), x : x + rng.integers(3, width // 2)] = (
@@ -58,7 +68,7 @@ def _files(folder: Path) -> dict[str, Path]:
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True, exist_ok=True)
     rgb = Image.fromarray(_natural(rng, 75, 100))
-    files = {
+    files: dict[str, tuple[Image.Image, dict[str, Any]]] = {  # Image.save's keyword params
         "jpeg420": (rgb, {"quality": 90}),
         "jpeg444": (rgb, {"quality": 90, "subsampling": 0}),
         "progressive": (rgb, {"quality": 85, "progressive": True}),
@@ -76,7 +86,7 @@ def _files(folder: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("channels", [3, 1])
-def test_torchvision_decoder_gives_pillows_bytes(tmp_path: Path, channels: int) -> None:
+def test_torchvision_decoder_gives_pillows_bytes(tmp_path: Path, channels: Channels) -> None:
     files = _files(tmp_path)
     for name, path in files.items():
         for box in (None, (5, 7, 60, 50), (-3, 10, 104, 80)):  # the last leaves the image
@@ -177,9 +187,7 @@ def _dataset(tmp_path: Path, count: int = 6, size: tuple[int, int] = (60, 80)) -
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(_natural(rng, *size)).save(path, quality=90)
         paths.append(str(path))
-    records = ImageRecords(
-        paths=np.array(paths, dtype=object), class_ids=np.arange(count) % 3, class_names=None
-    )
+    records = ImageRecords(paths=np.array(paths, dtype=object), class_ids=np.arange(count) % 3)
     return FileImageDataset(records)
 
 
@@ -269,10 +277,19 @@ def _folder_config(tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
+def _decoders(split: TrainTestPair) -> dict[str, Decoder]:
+    """The decoder of each side of a split read from image files."""
+    decoders: dict[str, Decoder] = {}
+    for name, side in split.sides:
+        assert isinstance(side, FileImageDataset)
+        decoders[name] = side.decoder
+    return decoders
+
+
 def test_config_keys_choose_the_path(tmp_path: Path) -> None:
     cfg = load_config(None, _folder_config(tmp_path, "data.decode=torchvision"))
     split = build.build_data(cfg)
-    assert {side.decoder for _, side in split.sides} == {"torchvision"}
+    assert set(_decoders(split).values()) == {"torchvision"}
     with pytest.raises(ConfigError, match=r"data\.cache apply to datasets of image files"):
         build.build_data(load_config(None, [*TINY, f"data.cache={tmp_path}"]))
     with pytest.raises(ConfigError, match=r"data\.augment_on=device"):
@@ -295,7 +312,7 @@ def test_every_task_reads_its_images_by_the_data_keys(tmp_path: Path) -> None:
     folder = [*CLASSIFICATION, "data.dataset=folder", root, "sampler.batch_size=8"]
     cfg = load_config(None, [*folder, "data.decode=torchvision"])
     split = cfg.task.spec.build_data(cfg)
-    assert {name: side.decoder for name, side in split.sides} == {
+    assert _decoders(split) == {
         "train": "torchvision",
         "test": "torchvision",
     }

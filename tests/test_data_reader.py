@@ -56,6 +56,7 @@ def test_a_flat_folder_is_unlabelled_and_split_folders_give_the_split(tmp_path: 
         load_folder(tmp_path / "flat")
     _touch(tmp_path / "split", "train/cat/1.png", "val/dog/1.png", "test/eel/1.png")
     given = read_folder(tmp_path / "split")
+    assert given.splits is not None
     assert given.splits.tolist() == ["train", "val", "test"]
     assert sorted(given.class_names.values()) == ["cat", "dog", "eel"]  # below the split folder
 
@@ -97,6 +98,7 @@ def test_byte_order_mark_comments_and_blank_lines(tmp_path: Path) -> None:
     (tmp_path / "list.csv").write_text(text, encoding="utf-8")
     records = read_csv(tmp_path / "list.csv")
     assert records.class_ids.tolist() == [1, 2]  # integer labels are the class ids
+    assert records.splits is not None
     assert records.splits.tolist() == ["train", "val"]
 
 
@@ -164,8 +166,10 @@ def test_roles_mark_the_evaluation_images(tmp_path: Path) -> None:
     ]
     (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
     records = read_csv(tmp_path / "l.csv")
+    assert records.roles is not None and records.splits is not None
     assert records.roles.tolist() == [""] * 3 + ["query", "gallery", "gallery"] * 2
     test = records.take(records.splits == "test")
+    assert test.roles is not None
     assert test.roles.tolist() == ["query", "gallery", "gallery"] * 2
 
 
@@ -213,6 +217,7 @@ def test_roles_reach_the_test_side_only(tmp_path: Path) -> None:
         rows.append(f"{name},{name[0]},{'test' if test else 'train'},{role}")
     (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
     split = load_csv(tmp_path / "l.csv")
+    assert split.test.roles is not None
     assert split.test.roles.tolist() == ["query", "gallery", "gallery"] * 2
     # Training images have none, nor has a validation side held out of the train classes.
     assert split.train.roles is None and split.validation(0.5).test.roles is None

@@ -27,7 +27,7 @@ from idml.app.distributed import (
     rank_generator,
     rank_seed,
 )
-from idml.augment import Mixup
+from idml.augment import Mixup, MixupMode
 from idml.data import build_batch_sampler
 from idml.relations import PAD
 from tiny_run import IDML, TINY, subprocess_env
@@ -349,8 +349,11 @@ def test_random_sampler_shards_rebuild_the_single_process_batches() -> None:
 
 def test_contiguous_shards_cover_the_test_set_once() -> None:
     data = list(range(7))
+    # A list is a map-style dataset at run time, not a torch Dataset to mypy (arg-type); the Subset
+    # that comes back iterates through __getitem__, which Dataset's stubs do not call iterable
+    # (call-overload).
     parts = [
-        list(contiguous_shard(data, DistributedContext(rank=r, world_size=3)))  # type: ignore[arg-type]
+        list(contiguous_shard(data, DistributedContext(rank=r, world_size=3)))  # type: ignore[arg-type, call-overload]
         for r in range(3)
     ]
     assert parts == [[0, 1, 2], [3, 4], [5, 6]]
@@ -437,7 +440,7 @@ def test_sharded_mixup_merges_originals_first_with_shifted_partners() -> None:
 
 
 def test_interpolate_mode_refuses_shards_with_different_lambdas() -> None:
-    mix = Mixup(mode="interpolate")
+    mix = Mixup(mode=MixupMode.INTERPOLATE)
     images, labels = torch.rand(4, 1, 2, 2), torch.tensor([0, 0, 1, 1])
     a = mix(images, labels, torch.Generator().manual_seed(1))
     b = mix(images, labels, torch.Generator().manual_seed(2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +27,10 @@ def data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _write(path: Path, fmt: str, entries: dict[str, np.ndarray]) -> Path:
     if fmt == "npz":
-        np.savez(path, **entries)
+        # To mypy a **dict could also fill savez's `allow_pickle: bool`; these keys only name
+        # arrays (and naming allow_pickle would store it as an array on numpy < 2.1).
+        arrays: dict[str, Any] = entries
+        np.savez(path, **arrays)
     elif fmt == "pt":
         torch.save({k: torch.from_numpy(v) for k, v in entries.items()}, path)
     elif fmt == "safetensors":

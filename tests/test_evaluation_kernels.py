@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import idml.evaluation.search.kernels as kernels_module
-from idml.evaluation import SearchExecution, exact_search
+from idml.evaluation import SearchExecution, SearchOutput, exact_search
 from idml.evaluation.search.kernels import (
     EXACT_KERNELS,
+    KernelName,
     ScoreKernels,
     Screen,
     choose_kernels,
@@ -65,13 +66,26 @@ def test_screen_separates_near_duplicates_bfloat16_cannot(same_set: bool) -> Non
     # give exactly the lists, ties included, and ranks of the unscreened one.
     rng = np.random.default_rng(0)
     base = rng.integers(-1000, 1000, (10, 16))
-    x = np.repeat(base, 7, axis=0) + rng.integers(-2, 3, (70, 16))
-    x = torch.from_numpy(x.astype(np.float32) / 1024)
+    steps = np.repeat(base, 7, axis=0) + rng.integers(-2, 3, (70, 16))
+    x = torch.from_numpy(steps.astype(np.float32) / 1024)
     labels = torch.from_numpy(rng.integers(0, 6, 70))
-    args: tuple = (x, labels, 9) if same_set else (x[:25], labels[:25], 9, x[25:], labels[25:])
-    kw = {"metric": "euclidean", "normalize": False}
-    exact = exact_search(*args, **kw, execution=SearchExecution(block_size=16, kernel="torch"))
-    screened = exact_search(*args, **kw, execution=SearchExecution(block_size=16, kernel="bf16"))
+    query, query_labels = (x, labels) if same_set else (x[:25], labels[:25])
+    gallery, gallery_labels = (None, None) if same_set else (x[25:], labels[25:])
+
+    def search(kernel: KernelName) -> SearchOutput:
+        execution = SearchExecution(block_size=16, kernel=kernel)
+        return exact_search(
+            query,
+            query_labels,
+            9,
+            gallery,
+            gallery_labels,
+            metric="euclidean",
+            normalize=False,
+            execution=execution,
+        )
+
+    exact, screened = search("torch"), search("bf16")
     assert "screened by bf16" in screened.kernels
     assert torch.equal(screened.neighbors.indices, exact.neighbors.indices)
     assert torch.equal(screened.neighbors.scores, exact.neighbors.scores)

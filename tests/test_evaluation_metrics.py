@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from idml.evaluation.retrieval_metrics import (
     interpolated_precision,
     ranks_from_neighbors,
 )
+from idml.evaluation.search.kernels import KernelName
 from synthetic import clustered
 
 pytestmark = pytest.mark.numerics  # compares numbers across runs/processes/implementations
@@ -120,7 +122,9 @@ def test_matches_pytorch_metric_learning_with_separate_gallery(full_ranking: boo
 
 @pytest.mark.parametrize("kernel", ["torch", "bf16"])
 @pytest.mark.parametrize("same_set", [True, False])
-def test_neighbour_lists_give_the_full_rankings_top_metrics(same_set: bool, kernel: str) -> None:
+def test_neighbour_lists_give_the_full_rankings_top_metrics(
+    same_set: bool, kernel: KernelName
+) -> None:
     # full_ranking=False: the exact search's lists, as deep as max(ks) and the largest class,
     # give Recall@K, R-Precision and MAP@R equal to the full ranking's (no ties in this data);
     # MAP and MRR over the whole gallery are replaced by MRR within the lists.
@@ -392,7 +396,8 @@ def test_faiss_backend_flat_index_gives_exact_truncated_metrics() -> None:
     ],
 )
 def test_bad_input_raises_clear_errors(kwargs: dict, match: str) -> None:
-    args = {"embeddings": torch.randn(4, 2), "labels": [0, 1, 0, 1], "nmi": False}
+    # Any: the cases deliberately give values of the wrong type or range.
+    args: dict[str, Any] = {"embeddings": torch.randn(4, 2), "labels": [0, 1, 0, 1], "nmi": False}
     args.update(kwargs)
     fields = set(EvaluationSettings.__dataclass_fields__)
     with pytest.raises(ValueError, match=match):

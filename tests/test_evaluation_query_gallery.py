@@ -59,6 +59,7 @@ def test_query_gallery_metrics_match_brute_force(seed: int) -> None:
     expected, top1, queries, gallery = _brute_force(x, labels, roles, ks)
     r = report.retrieval
     assert (r.num_queries, r.num_references, r.same_set) == (len(queries), len(gallery), False)
+    assert r.query_rows is not None  # a query/gallery split lists its query rows
     assert r.query_rows.tolist() == queries.tolist()
     # Neighbours are rows of the embeddings given, all gallery rows, the nearest one first.
     assert r.neighbor_indices[:, 0].tolist() == top1.tolist()

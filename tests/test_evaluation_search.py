@@ -9,6 +9,7 @@ definitions over the 0/1 relevance list, not from positions as the library does.
 from __future__ import annotations
 
 import math
+from typing import Literal, TypedDict
 
 import numpy as np
 import pytest
@@ -21,11 +22,13 @@ from idml.evaluation import (
     EvaluationSettings,
     RankAccumulator,
     SearchExecution,
+    SearchOutput,
     evaluate_embeddings,
     exact_search,
 )
 from idml.evaluation.retrieval_metrics import default_cutoffs
 from idml.evaluation.search import reference_search
+from idml.evaluation.search.kernels import KernelName
 from idml.evaluation.search.layout import PreparedSearch
 from synthetic import clustered
 
@@ -36,15 +39,37 @@ LEVELS = tuple(i / 10 for i in range(11))
 try:
     import faiss  # noqa: F401
 
-    KERNELS = ["torch", "openblas", "faiss", "bf16"]
+    KERNELS: list[KernelName] = ["torch", "openblas", "faiss", "bf16"]
 except ImportError:  # pragma: no cover - depends on the environment
     KERNELS = ["torch", "openblas", "bf16"]
 """Every score kernel must give the brute force's lists and ranks (``bf16``: screened, then
 re-scored exactly)."""
 
+MetricName = Literal["cosine", "euclidean"]
+
+
+class MetricArgs(TypedDict):
+    """The metric keywords shared by :func:`brute_force` and :func:`ours`."""
+
+    metric: MetricName
+    normalize: bool
+
+
+class Reference(TypedDict):
+    """What :func:`brute_force` computes."""
+
+    neighbors: list[list[int]]
+    means: dict[str, float]
+    lone: list[int]
+    pr_precision: np.ndarray
+    pr_recall: np.ndarray
+    interp: np.ndarray
+
 
 # ----------------------------------------------------------------------------- reference
-def reference_scores(q: np.ndarray, r: np.ndarray, metric: str, normalize: bool) -> np.ndarray:
+def reference_scores(
+    q: np.ndarray, r: np.ndarray, metric: MetricName, normalize: bool
+) -> np.ndarray:
     q, r = q.astype(np.float64), r.astype(np.float64)
     if metric == "cosine" or normalize:
         q = q / np.linalg.norm(q, axis=1, keepdims=True)
@@ -63,18 +88,20 @@ def brute_force(
     k: int,
     ks: tuple[int, ...],
     cutoffs: tuple[int, ...],
-    metric: str = "cosine",
+    metric: MetricName = "cosine",
     normalize: bool = True,
-) -> dict[str, object]:
+) -> Reference:
     same = r is None
-    r, r_labels = (q, q_labels) if same else (r, r_labels)
+    if r is None:
+        r, r_labels = q, q_labels
+    assert r_labels is not None, "a separate gallery needs its labels"
     s = reference_scores(q, r, metric, normalize)
     idx = np.arange(len(r))
     out: dict[str, list] = {key: [] for key in ("neighbors", "rp", "mapr", "map", "mrr", "first")}
     out.update({f"r@{kk}": [] for kk in ks})
     pr_p, pr_r, interp, lone = [], [], [], []
     for i in range(len(q)):
-        keep = idx != i if same else np.ones(len(r), bool)
+        keep = idx != i if same else np.ones(len(r), dtype=np.bool_)
         cand, sc = idx[keep], s[i, keep]
         rel = r_labels[cand] == q_labels[i]
         # neighbour order: score desc, index asc
@@ -121,11 +148,11 @@ def ours(
     ks: tuple[int, ...],
     cutoffs: tuple[int, ...],
     block_size: int,
-    metric: str = "cosine",
+    metric: MetricName = "cosine",
     normalize: bool = True,
     max_rank_entries: int = 1 << 24,
-    kernel: str = "torch",
-):
+    kernel: KernelName = "torch",
+) -> tuple[SearchOutput, RankAccumulator]:
     out = exact_search(
         torch.from_numpy(q),
         torch.from_numpy(q_labels),
@@ -144,7 +171,9 @@ def ours(
     return out, acc
 
 
-def assert_matches(ref: dict, out, acc: RankAccumulator, ks: tuple[int, ...]) -> None:
+def assert_matches(
+    ref: Reference, out: SearchOutput, acc: RankAccumulator, ks: tuple[int, ...]
+) -> None:
     got = [[i for i in row if i >= 0] for row in out.neighbors.indices.tolist()]
     assert got == ref["neighbors"]
     means = acc.means()
@@ -170,7 +199,7 @@ def assert_matches(ref: dict, out, acc: RankAccumulator, ks: tuple[int, ...]) ->
 @pytest.mark.parametrize("block_size", [1, 3, 7, 16, 1000])
 @pytest.mark.parametrize("metric", ["cosine", "euclidean"])
 def test_same_set_matches_brute_force_across_block_boundaries(
-    block_size: int, metric: str, kernel: str
+    block_size: int, metric: MetricName, kernel: KernelName
 ) -> None:
     # 37 is prime: no block size divides it, so every run has a ragged last block.
     x, y = clustered(37, 6, 5, 1.0, seed=block_size)
@@ -185,7 +214,9 @@ def test_same_set_matches_brute_force_across_block_boundaries(
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("block_size", [2, 5, 64])
-def test_separate_query_and_gallery_matches_brute_force(block_size: int, kernel: str) -> None:
+def test_separate_query_and_gallery_matches_brute_force(
+    block_size: int, kernel: KernelName
+) -> None:
     q, qy = clustered(23, 5, 6, 1.0, seed=1)
     g, gy = clustered(41, 5, 6, 1.0, seed=1)  # same seed: same class centres
     qy[0] = 99  # a query whose class is absent from the gallery: lone
@@ -215,7 +246,7 @@ def test_chunked_queries_give_the_same_results(max_rank_entries: int) -> None:
 @pytest.mark.parametrize("dense_fraction", [0, 10**9])
 @pytest.mark.parametrize("same_set", [True, False])
 def test_sparse_and_dense_counting_agree_with_brute_force(
-    dense_fraction: int, same_set: bool, kernel: str, monkeypatch: pytest.MonkeyPatch
+    dense_fraction: int, same_set: bool, kernel: KernelName, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 0: always list candidates sparsely; 10**9: count on whole tiles whenever any score qualifies.
     monkeypatch.setattr(ranks_module, "DENSE_CANDIDATE_FRACTION", dense_fraction)
@@ -236,7 +267,7 @@ def test_sparse_and_dense_counting_agree_with_brute_force(
 @pytest.mark.parametrize("metric", ["cosine", "euclidean"])
 @pytest.mark.parametrize("same_set", [True, False])
 def test_relevant_scores_by_listed_pairs_or_by_band_tiles_agree_with_brute_force(
-    pair_cost: int, metric: str, same_set: bool, monkeypatch: pytest.MonkeyPatch
+    pair_cost: int, metric: MetricName, same_set: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 0: every band block's relevant scores come from the listed pairs alone; 10**9: from the
     # band's tile. Class sizes from 1 to 12 put both small and large classes in a block.
@@ -246,7 +277,7 @@ def test_relevant_scores_by_listed_pairs_or_by_band_tiles_agree_with_brute_force
     x = rng.standard_normal((12, 6))[y] + 0.8 * rng.standard_normal((len(y), 6))
     x = x.astype(np.float32)
     ks, cutoffs = (1, 3), (1, 5, 30)
-    kw = {"metric": metric, "normalize": metric == "cosine"}
+    kw: MetricArgs = {"metric": metric, "normalize": metric == "cosine"}
     if same_set:
         ref = brute_force(x, y, k=4, ks=ks, cutoffs=cutoffs, **kw)
         out, acc = ours(x, y, k=4, ks=ks, cutoffs=cutoffs, block_size=7, **kw)
@@ -272,7 +303,7 @@ def test_batched_count_path_for_many_candidates(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("block_size", [2, 5, 50])
 def test_ties_and_duplicate_vectors_follow_the_documented_rules(
-    block_size: int, dtype: type[np.floating], kernel: str
+    block_size: int, dtype: type[np.floating], kernel: KernelName
 ) -> None:
     # Integer vectors, Euclidean, no normalisation: every score is an exact integer, so ties are
     # real ties in float32 and float64 alike; many rows are exact duplicates of each other.
@@ -280,7 +311,7 @@ def test_ties_and_duplicate_vectors_follow_the_documented_rules(
     rng = np.random.default_rng(0)
     x = rng.integers(-1, 2, (30, 2)).astype(dtype)
     y = rng.integers(0, 3, 30)
-    kw = {"metric": "euclidean", "normalize": False}
+    kw: MetricArgs = {"metric": "euclidean", "normalize": False}
     ks, cutoffs = (1, 2, 4), default_cutoffs(29)
     ref = brute_force(x, y, k=7, ks=ks, cutoffs=cutoffs, **kw)
     out, acc = ours(x, y, k=7, ks=ks, cutoffs=cutoffs, block_size=block_size, kernel=kernel, **kw)
@@ -402,7 +433,7 @@ def test_asymmetric_user_metric_takes_the_one_sided_path() -> None:
             super().__init__(normalize=False)
             self.weight = weight
 
-        def forward(self, x, y=None, ux=None, uy=None):  # type: ignore[override]
+        def forward(self, x, y=None, ux=None, uy=None):
             y = x if y is None else y
             return x @ self.weight @ y.T
 
@@ -525,11 +556,17 @@ def test_blocked_engine_equals_the_dense_reference_on_random_data(
     r = q if same_set else rng.standard_normal((57, 6)).astype(np.float32)
     q_labels = torch.from_numpy(rng.integers(0, 5, len(q)))
     r_labels = q_labels if same_set else torch.from_numpy(rng.integers(0, 5, len(r)))
-    args = (torch.from_numpy(q), q_labels, 7) + (
-        () if same_set else (torch.from_numpy(r), r_labels)
+    query = torch.from_numpy(q)
+    gallery, gallery_labels = (None, None) if same_set else (torch.from_numpy(r), r_labels)
+    ours = exact_search(
+        query,
+        q_labels,
+        7,
+        gallery,
+        gallery_labels,
+        execution=SearchExecution(block_size=block_size),
     )
-    ours = exact_search(*args, execution=SearchExecution(block_size=block_size))
-    spec = reference_search(*args)
+    spec = reference_search(query, q_labels, 7, gallery, gallery_labels)
     clear = gaps_in_float64(q, r, same_set) > 1e-5
     assert clear.sum() > len(q) // 2
     ours_ranks, spec_ranks = ranks_by_query(ours), ranks_by_query(spec)

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -497,7 +498,7 @@ class _nothing:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
@@ -531,13 +532,14 @@ def test_items_outside_the_gallery_root_need_an_opt_in(
     assert not out.exists()  # refused before the embedding pass, and no folder left behind
     assert main([*args, "--allow-outside-root"]) == 0
     index = Index.load(out)
-    assert index.paths[0] == "inside.png" and index.paths[1].startswith("../")
+    assert index.paths[0] == "inside.png"
+    assert index.paths[1] is not None and index.paths[1].startswith("../")
     assert not any(Path(i).is_absolute() for i in index.ids)
     # --root declares a wider root: the same items are then inside it, no opt-in needed.
     wide = tmp_path / "wide"
     common = os.path.commonpath([listing, outside])
     assert main([*args, "--out", str(wide), "--root", common]) == 0
-    assert not any(p.startswith("..") for p in Index.load(wide).paths)
+    assert not any(p is None or p.startswith("..") for p in Index.load(wide).paths)
 
 
 def test_paths_leading_out_of_the_root_are_never_opened_or_shown(
@@ -554,6 +556,7 @@ def test_paths_leading_out_of_the_root_are_never_opened_or_shown(
     assert index.item_file(0) is None and index.item_file(1) is not None
     from idml.app.retrieval.output import result_records
 
+    assert index.embeddings is not None  # an exact index keeps its vectors
     result = index.search(index.embeddings[:1], k=2)
     for style in ("absolute", "relative"):
         record = result_records(result, index, ["q"], item_paths=style)[0]
@@ -685,7 +688,9 @@ def test_answers_and_info_reveal_no_server_path(client, world: dict[str, Path]) 
     text = json.dumps(info)
     assert str(world["root"]) not in text and "source" not in info["model"]
     assert info["paths"] == "relative" and info["max_pixels"] == 10_000
-    emb = Index.load(world["index"]).embeddings[0].tolist()
+    vectors = Index.load(world["index"]).embeddings
+    assert vectors is not None  # an exact index keeps its vectors
+    emb = vectors[0].tolist()
     answer = client.post("/search", json={"embedding": emb, "k": 3}).json()
     assert str(world["root"]) not in json.dumps(answer)
     assert answer["results"][0]["neighbors"][0]["path"] == "gallery/a/0.png"
@@ -696,6 +701,7 @@ def test_ids_only_service(world: dict[str, Path]) -> None:
     from idml.app.retrieval.server import create_app
 
     index = Index.load(world["index"])
+    assert index.embeddings is not None  # an exact index keeps its vectors
     for c in _served(create_app(index, None, paths="none")):
         answer = c.post("/search", json={"embedding": index.embeddings[0].tolist()}).json()
     assert {n["path"] for n in answer["results"][0]["neighbors"]} == {None}

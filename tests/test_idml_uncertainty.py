@@ -93,7 +93,9 @@ def test_the_papers_linear_head_saturates_and_is_still_reachable() -> None:
     model = build.build_model(cfg)
     _, images, labels = _first_batch(cfg)
     monitor = WeakeningMonitor()
-    monitor.update(*build.build_loss(cfg, 5).weakening(model(images), LabelSets.coerce(labels)))
+    found = build.build_loss(cfg, 5).weakening(model(images), LabelSets.coerce(labels))
+    assert found is not None
+    monitor.update(*found)
     assert monitor.is_saturated()
 
 
@@ -145,7 +147,9 @@ def test_uncertainty_head_keeps_learning(tmp_path: Path) -> None:
         cfg = load_config(None, [*TINY, *IDML, f"loss.name={name}", "optim.max_steps_per_epoch=6"])
         trainer = Trainer(cfg, tmp_path / name, progress=False)
         trainer.fit()
-        level = trainer.model.uncertainty_head.level
+        head = trainer.model.uncertainty_head
+        assert isinstance(head, BoundedUncertaintyHead)
+        level = head.level
         assert level.weight.grad is not None
         assert float(level.weight.grad.norm()) > 0, name
 
@@ -184,6 +188,7 @@ def test_a_saturated_pair_recovers() -> None:
         optimizer.zero_grad()
         similarity = ism(semantic, ux=head(features))[0, 1]  # a negative pair: lower is better
         similarity.backward()
+        assert head.level.bias.grad is not None
         assert float(head.level.bias.grad.abs()) > 1e-4
         optimizer.step()
     assert float(head(features).detach().norm(dim=1).mean()) < start
@@ -314,4 +319,5 @@ def _test_levels(trainer: Trainer) -> torch.Tensor:
     trainer.model.eval()
     with torch.no_grad():
         emb, _ = embed_dataset(trainer.model, trainer.data.test, 256, torch.device("cpu"))
+    assert emb.uncertainty is not None
     return emb.uncertainty.norm(dim=1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -76,7 +78,7 @@ def test_mlflow_without_the_package_says_what_to_install(
 
     real_import = builtins.__import__
 
-    def no_mlflow(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def no_mlflow(name: str, *args: Any, **kwargs: Any) -> ModuleType:
         if name.startswith("mlflow"):
             raise ImportError(name)
         return real_import(name, *args, **kwargs)

@@ -12,7 +12,13 @@ from pytorch_metric_learning import losses as pml_losses
 
 from idml.embeddings import Embeddings
 from idml.losses.fastap import FastAPLoss
-from idml.losses.pel import PELLoss, PELParams, match_log_probabilities, match_probability
+from idml.losses.pel import (
+    PELLoss,
+    PELParams,
+    SamplePairing,
+    match_log_probabilities,
+    match_probability,
+)
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 from idml.relations import LabelSets
 
@@ -44,7 +50,7 @@ def test_fastap_matches_pytorch_metric_learning(case: str, seed: int) -> None:
     torch.testing.assert_close(ours, oracle, rtol=1e-5, atol=1e-10)
     torch.testing.assert_close(x_ours.grad, x_oracle.grad, rtol=1e-5, atol=1e-10)
     assert 0 < ours.item() < 1
-    assert x_ours.grad.abs().sum() > 0
+    assert x_ours.grad is not None and x_ours.grad.abs().sum() > 0
 
 
 def test_fastap_matches_pml_with_other_bin_counts() -> None:
@@ -78,6 +84,7 @@ def test_fastap_without_any_positive_is_zero_with_a_graph() -> None:
     value = FastAPLoss()(x, torch.arange(5))
     assert value.item() == 0.0
     value.backward()
+    assert x.grad is not None
     assert torch.equal(x.grad, torch.zeros_like(x))
     assert pml_losses.FastAPLoss()(x, torch.arange(5)).item() == 0.0
 
@@ -137,6 +144,7 @@ def test_fastap_ism_uncertainty_moves_toward_an_uninformed_ranking() -> None:
     for scale in (0.0, 1e4):
         leaf = x.clone().requires_grad_(True)
         loss_fn(Embeddings(leaf, scale * direction), labels).backward()
+        assert leaf.grad is not None
         grad_norms.append(leaf.grad.norm().item())
     assert grad_norms[0] > 0.01
     # Not rounding: the factor e^(−2000) makes the gradient 0 in float64; 1e-3 just shows it faded.
@@ -156,6 +164,7 @@ def test_fastap_ism_gradients_are_finite_at_duplicates() -> None:
     value = loss_fn(Embeddings(x, u), labels)
     value.backward()
     assert torch.isfinite(value)
+    assert x.grad is not None and u.grad is not None
     assert bool(torch.isfinite(x.grad).all()) and bool(torch.isfinite(u.grad).all())
     assert u.grad.abs().sum() > 0
 
@@ -164,7 +173,7 @@ def test_fastap_bad_input() -> None:
     with pytest.raises(ValueError, match="num_bins"):
         FastAPLoss(num_bins=0)
     with pytest.raises(ValueError, match="num_bins"):
-        FastAPLoss(num_bins=2.5)  # type: ignore[arg-type]
+        FastAPLoss(num_bins=2.5)  # type: ignore[arg-type]  # bad input: not an int
     with pytest.raises(ValueError, match="normalize"):
         FastAPLoss(metric=EuclideanDistance(normalize=False))
     x = torch.randn(4, DIM)
@@ -246,7 +255,9 @@ def reference_pel(
 
 @pytest.mark.parametrize("sample_pairing", ["all", "matched"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_pel_loss_equals_scalar_reference_with_set_labels(seed: int, sample_pairing: str) -> None:
+def test_pel_loss_equals_scalar_reference_with_set_labels(
+    seed: int, sample_pairing: SamplePairing
+) -> None:
     generator = torch.Generator().manual_seed(100 + seed)
     batch, dim, num_samples = 6, 3, 3
     mean = torch.randn(batch, dim, generator=generator, dtype=torch.float64)
@@ -258,7 +269,7 @@ def test_pel_loss_equals_scalar_reference_with_set_labels(seed: int, sample_pair
         kl_weight=0.3,  # large, so that a wrong KL shows
         init_scale=0.7,
         init_bias=1.2,
-        sample_pairing=sample_pairing,  # type: ignore[arg-type]
+        sample_pairing=sample_pairing,
         generator=torch.Generator().manual_seed(seed),
     ).double()
     value = loss_fn(Embeddings(mean, log_var), labels).item()
@@ -342,8 +353,8 @@ def test_pel_bad_input() -> None:
     with pytest.raises(ValueError, match="init_scale"):
         PELLoss(init_scale=0.0)
     with pytest.raises(ValueError, match="sample_pairing"):
-        PELLoss(sample_pairing="pairs")  # type: ignore[arg-type]
+        PELLoss(sample_pairing="pairs")  # type: ignore[arg-type]  # bad input: not a SamplePairing
     with pytest.raises(ValueError, match="generator"):
-        PELLoss(generator=0)  # type: ignore[arg-type]
+        PELLoss(generator=0)  # type: ignore[arg-type]  # bad input: a seed, not a Generator
     with pytest.raises(ValueError, match="samples"):
         match_probability(torch.randn(3, 4), 1.0, 0.0)

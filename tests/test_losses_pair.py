@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -36,7 +37,14 @@ from idml.losses.margin import MarginLoss
 from idml.losses.multi_similarity import MultiSimilarityLoss
 from idml.losses.triplet import TripletLoss
 from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric, Metric
-from idml.miners import DistanceWeightedMiner, Miner, PairIndices, TripletIndices
+from idml.miners import (
+    DistanceWeightedMiner,
+    Miner,
+    MultiSimilarityMiner,
+    PairIndices,
+    SemiHardMiner,
+    TripletIndices,
+)
 from idml.relations import LabelSets
 
 # Oracle comparisons run in float64 on both sides (unit roundoff 1.1e-16). The oracle computes
@@ -331,6 +339,7 @@ LOSS_FACTORIES = {
 @pytest.mark.parametrize("loss_name", list(LOSS_FACTORIES))
 def test_every_loss_trains_uncertainty_through_ism(loss_name: str, metric_name: str) -> None:
     emb, labels, _ = mixed_batch(0)
+    assert emb.uncertainty is not None
     loss = LOSS_FACTORIES[loss_name](ISM_METRICS[metric_name]())(emb, labels)
     g_sem, g_unc = torch.autograd.grad(loss, [emb.semantic, emb.uncertainty])
     assert torch.isfinite(loss)
@@ -343,7 +352,8 @@ def test_ism_without_uncertainty_or_bias_equals_plain_loss(loss_name: str) -> No
     emb, labels, _ = mixed_batch(1)
     base: Metric = CosineSimilarity() if loss_name == "multi_similarity" else EuclideanDistance()
     ism = IntrospectiveMetric(type(base)(), gamma=0.0)
-    zero_u = Embeddings(emb.semantic, torch.zeros_like(emb.uncertainty))  # type: ignore[arg-type]
+    assert emb.uncertainty is not None
+    zero_u = Embeddings(emb.semantic, torch.zeros_like(emb.uncertainty))
     plain = LOSS_FACTORIES[loss_name](base)(emb.semantic, labels)
     introspective = LOSS_FACTORIES[loss_name](ism)(zero_u, labels)
     # float64, u = 0 and γ = 0 leave the ISM factor at 1 up to a rounding or two: rel 1e-12.
@@ -489,13 +499,14 @@ def test_batch_without_positives_gives_zero_with_a_graph(loss_cls: type) -> None
         (lambda: MarginLoss(num_classes=0), "num_classes"),
         (lambda: MultiSimilarityLoss(alpha=0), "alpha"),
         (lambda: MultiSimilarityLoss(beta=float("inf")), "beta"),
-        (lambda: MultiSimilarityLoss(miner="hardest"), "miner"),
+        # Bad input on purpose: neither is a miner nor "default".
+        (lambda: MultiSimilarityLoss(miner="hardest"), "miner"),  # type: ignore[arg-type]
         (lambda: TripletLoss(miner=object()), "miner"),  # type: ignore[arg-type]
     ],
 )
-def test_bad_hyper_parameters_raise(factory: object, match: str) -> None:
+def test_bad_hyper_parameters_raise(factory: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        factory()  # type: ignore[operator]
+        factory()
 
 
 def test_contrastive_margins_may_meet_but_not_cross() -> None:
@@ -535,7 +546,8 @@ def test_default_hyper_parameters_follow_spec() -> None:
     assert isinstance(m.miner, DistanceWeightedMiner)
     assert (m.miner.cutoff, m.miner.nonzero_loss_cutoff) == (0.5, 1.4)
     t = TripletLoss()
-    assert t.margin == 0.1 and t.miner is not None and t.miner.margin == 0.1  # type: ignore[attr-defined]
+    assert t.margin == 0.1 and isinstance(t.miner, SemiHardMiner) and t.miner.margin == 0.1
     ms = MultiSimilarityLoss()
     assert (ms.alpha, ms.beta, ms.base) == (2.0, 50.0, 0.5)
-    assert isinstance(ms.metric, CosineSimilarity) and ms.miner.epsilon == 0.1  # type: ignore[union-attr]
+    assert isinstance(ms.metric, CosineSimilarity)
+    assert isinstance(ms.miner, MultiSimilarityMiner) and ms.miner.epsilon == 0.1

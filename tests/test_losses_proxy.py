@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -34,13 +35,13 @@ LABEL_CASES: dict[str, tuple[int, list[int]]] = {
 SEEDS = [0, 1, 2]
 
 
-def make_ours(kind: str, num_classes: int, **kwargs: object) -> ProxyLoss:
+def make_ours(kind: str, num_classes: int, **kwargs: Any) -> ProxyLoss:
     """Our loss with its default hyper-parameters."""
     if kind == "softmax":
-        return NormalizedSoftmaxLoss(num_classes, DIM, **kwargs)  # type: ignore[arg-type]
+        return NormalizedSoftmaxLoss(num_classes, DIM, **kwargs)
     if kind == "nca":
-        return ProxyNCALoss(num_classes, DIM, **kwargs)  # type: ignore[arg-type]
-    return ProxyAnchorLoss(num_classes, DIM, **kwargs)  # type: ignore[arg-type]
+        return ProxyNCALoss(num_classes, DIM, **kwargs)
+    return ProxyAnchorLoss(num_classes, DIM, **kwargs)
 
 
 def make_oracle(
@@ -173,6 +174,7 @@ def cosines_after_step(kind: str, labels: LabelSets) -> tuple[torch.Tensor, torc
     x[0, :3] = torch.tensor([1.0, 1.0, 0.5])
     x.requires_grad_(True)
     loss_fn(x, labels).backward()
+    assert x.grad is not None
     step = x.detach() - 1e-4 * x.grad / x.grad.norm()
     before = F.normalize(x.detach(), dim=1) @ proxies.T
     after = F.normalize(step, dim=1) @ proxies.T
@@ -263,6 +265,7 @@ def test_ism_large_uncertainty_shrinks_semantic_gradient(kind: str) -> None:
     for scale in [0.0, 30.0]:
         x_leaf = x.clone().requires_grad_(True)
         loss_fn(Embeddings(x_leaf, scale * direction), labels).backward()
+        assert x_leaf.grad is not None
         norms.append(x_leaf.grad.norm().item())
     assert norms[1] < 0.1 * norms[0], norms
 
@@ -286,9 +289,12 @@ def test_ism_learnable_proxy_uncertainty_gets_finite_gradients(kind: str) -> Non
     value = loss_fn(Embeddings(x, u), labels)
     value.backward()
     assert torch.isfinite(value)
-    for grad in (x.grad, u.grad, loss_fn.proxies.grad, loss_fn.proxy_uncertainty.grad):
+    proxy_uncertainty = loss_fn.proxy_uncertainty
+    assert proxy_uncertainty is not None
+    for grad in (x.grad, u.grad, loss_fn.proxies.grad, proxy_uncertainty.grad):
         assert grad is not None and bool(torch.isfinite(grad).all())
-    assert loss_fn.proxy_uncertainty.grad.abs().sum() > 0
+    assert proxy_uncertainty.grad is not None and u.grad is not None
+    assert proxy_uncertainty.grad.abs().sum() > 0
     assert u.grad.abs().sum() > 0
 
 
@@ -320,7 +326,7 @@ def test_bad_hyper_parameters_raise() -> None:
     with pytest.raises(ValueError, match="temperature"):
         NormalizedSoftmaxLoss(3, DIM, temperature=0.0)
     with pytest.raises(ValueError, match="set_target"):
-        NormalizedSoftmaxLoss(3, DIM, set_target="mean")  # type: ignore[arg-type]
+        NormalizedSoftmaxLoss(3, DIM, set_target="mean")  # type: ignore[arg-type]  # bad input
     with pytest.raises(ValueError, match="scale"):
         ProxyNCALoss(3, DIM, scale=-9.0)
     with pytest.raises(ValueError, match="alpha"):

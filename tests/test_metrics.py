@@ -62,10 +62,14 @@ def test_euclidean_matches_cdist_on_normalised_embeddings() -> None:
     expected = torch.cdist(F.normalize(x, dim=1), F.normalize(y, dim=1))
     # float64, 5-dim: a Gram expansion vs cdist's direct differences errs by ~ε·|x|²/d ≈ 1e-15 for
     # these O(1) distances; rtol 1e-10, atol 1e-12 (float64 defaults of 1e-7 were far looser).
-    tol = {"rtol": 1e-10, "atol": 1e-12}
-    torch.testing.assert_close(EuclideanDistance()(x, y), expected, **tol)
-    torch.testing.assert_close(EuclideanDistance(power=2)(x, y), expected.pow(2), **tol)
-    torch.testing.assert_close(EuclideanDistance(normalize=False)(x, y), torch.cdist(x, y), **tol)
+    rtol, atol = 1e-10, 1e-12
+    torch.testing.assert_close(EuclideanDistance()(x, y), expected, rtol=rtol, atol=atol)
+    torch.testing.assert_close(
+        EuclideanDistance(power=2)(x, y), expected.pow(2), rtol=rtol, atol=atol
+    )
+    torch.testing.assert_close(
+        EuclideanDistance(normalize=False)(x, y), torch.cdist(x, y), rtol=rtol, atol=atol
+    )
 
 
 def test_cosine_matches_torch() -> None:

@@ -105,7 +105,7 @@ def pml_distance_weights(emb: Tensor, labels: Tensor, monkeypatch: pytest.Monkey
 
     def capture(*args: object, weights: Tensor, **kwargs: object) -> object:
         captured["weights"] = weights.clone()
-        return original(*args, weights=weights, **kwargs)  # type: ignore[arg-type]
+        return original(*args, weights=weights, **kwargs)
 
     monkeypatch.setattr(pml_lmu, "get_random_triplet_indices", capture)
     pml_miners.DistanceWeightedMiner(cutoff=0.5, nonzero_loss_cutoff=1.4)(emb, labels)
@@ -191,6 +191,7 @@ def test_distance_weighted_triplets_cover_every_positive_pair_once() -> None:
     miner = DistanceWeightedMiner(generator=torch.Generator().manual_seed(0))
     d = EuclideanDistance()(emb)
     t = miner(d, sets, similarity=False, dim=DIM)
+    assert isinstance(t, TripletIndices)
     probs = miner.probabilities(d, sets, dim=DIM)
     sampleable = probs.sum(dim=1) > 0
     expected_pairs = {
@@ -207,7 +208,9 @@ def test_distance_weighted_is_reproducible_under_a_generator() -> None:
 
     def mine(seed: int) -> TripletIndices:
         miner = DistanceWeightedMiner(generator=torch.Generator().manual_seed(seed))
-        return miner(d, labels, similarity=False, dim=DIM)  # type: ignore[return-value]
+        t = miner(d, labels, similarity=False, dim=DIM)
+        assert isinstance(t, TripletIndices)
+        return t
 
     first, again, other = mine(3), mine(3), mine(4)
     assert all(torch.equal(x, y) for x, y in zip(first, again))
@@ -223,6 +226,7 @@ def test_distance_weighted_sampling_frequencies_follow_probabilities() -> None:
     miner = DistanceWeightedMiner(generator=torch.Generator().manual_seed(1))
     probs = miner.probabilities(d, LabelSets.coerce(labels), dim=8)[0, 401:]
     t = miner(d, labels, similarity=False, dim=8)
+    assert isinstance(t, TripletIndices)
     first_anchor = t.negative[t.anchor == 0] - 401
     counts = torch.bincount(first_anchor, minlength=5).double()
     expected = 400 * probs
@@ -355,4 +359,5 @@ def test_mining_does_not_track_gradient() -> None:
     x = torch.randn(8, 4, requires_grad=True)
     d = EuclideanDistance()(x)
     t = SemiHardMiner(0.5)(d, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), similarity=False)
+    assert isinstance(t, TripletIndices)
     assert not t.anchor.requires_grad and t.anchor.dtype == torch.long

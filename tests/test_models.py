@@ -24,6 +24,8 @@ from idml.models import (
     BackboneSpec,
     MissingWeightsError,
     Pooling,
+    UncertaintyActivation,
+    UncertaintyHead,
     UncertaintyHeadSpec,
     UncertaintyHeadSpecError,
     UncertaintyKind,
@@ -38,6 +40,7 @@ from idml.models import (
     weights_file_name,
 )
 from idml.models.backbones import IMAGENET_MEAN, IMAGENET_STD, LITE0_WEIGHTS_FILE
+from idml.models.heads import BoundedUncertaintyHead, LevelInput, UncertaintyForm
 
 FEATURE_DIMS = {
     "resnet18": 512,
@@ -85,6 +88,7 @@ def test_resnet_features_match_torchvision_reference() -> None:
     model = build_model("resnet18", pretrained=False, pooling="gap", freeze_bn=False).eval()
     reference = tvm.resnet18(weights=None).eval()
     body = model.backbone.body
+    assert isinstance(body, nn.Sequential)
     reference.load_state_dict(
         {
             **{k: v for k, v in reference.state_dict().items() if k.startswith("fc.")},
@@ -118,6 +122,7 @@ def test_googlenet_matches_torchvision_transform_input(tmp_path: Path) -> None:
     # Non-trivial BN statistics so that a normalisation mismatch cannot hide.
     for m in source.modules():
         if isinstance(m, nn.BatchNorm2d):
+            assert m.running_mean is not None and m.running_var is not None
             m.running_mean.uniform_(-0.2, 0.2)
             m.running_var.uniform_(0.5, 2.0)
     path = tmp_path / "googlenet.pth"
@@ -156,7 +161,9 @@ def test_efficientnet_lite0_loads_shipped_weights() -> None:
     assert torch.equal(model.input_std.flatten(), torch.full((3,), 128 / 255))
     # The loaded state is the file's, classifier excepted.
     state = load_state_dict_file(path)
-    loaded = model.backbone.body.net.state_dict()
+    net = model.backbone.body.net
+    assert isinstance(net, nn.Module)
+    loaded = net.state_dict()
     assert set(loaded) == {k for k in state if not k.startswith("_fc.")}
     for key, value in loaded.items():
         assert torch.equal(value, state[key]), key
@@ -240,7 +247,10 @@ def test_timm_backbone(tmp_path: Path) -> None:
     torch.save(source.state_dict(), path)
     loaded = build_model("timm:resnet18", pretrained=path, embedding_dim=8)
     net = loaded.backbone.body.net
-    assert torch.equal(net.conv1.weight, source.conv1.weight)
+    assert isinstance(net, nn.Module)
+    conv1 = net.conv1
+    assert isinstance(conv1, nn.Conv2d)
+    assert torch.equal(conv1.weight, source.conv1.weight)
     with pytest.raises(MissingWeightsError, match="download=True"):
         build_model("timm:resnet18", pretrained=True)
     with pytest.raises(ValueError, match="no model"):
@@ -283,8 +293,11 @@ def test_weights_are_read_from_the_torch_cache(empty_torch_home: Path) -> None:
     torch.save(source.state_dict(), empty_torch_home / "resnet18-f37072fd.pth")
     model = build_model("resnet18", pretrained=True)
     assert model.freeze_bn
-    assert torch.equal(model.backbone.body[0].weight, source.conv1.weight)
-    assert torch.equal(model.backbone.body[7][1].bn2.running_var, source.layer4[1].bn2.running_var)
+    body = model.backbone.body  # nn.Sequential(conv1, bn1, relu, maxpool, layer1, ..., layer4)
+    assert torch.equal(body.get_parameter("0.weight"), source.conv1.weight)
+    assert torch.equal(
+        body.get_buffer("7.1.bn2.running_var"), source.get_buffer("layer4.1.bn2.running_var")
+    )
 
 
 def test_wrong_weights_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -327,12 +340,12 @@ def test_model_pooling_option(pooling: Pooling) -> None:
 
 # --------------------------------------------------------------------------- frozen BatchNorm
 def _bn_stats(model: nn.Module) -> list[torch.Tensor]:
-    return [
-        t.clone()
-        for m in model.modules()
-        if isinstance(m, _BatchNorm)
-        for t in (m.running_mean, m.running_var)
-    ]
+    stats = []
+    for m in model.modules():
+        if isinstance(m, _BatchNorm):
+            assert m.running_mean is not None and m.running_var is not None
+            stats += [m.running_mean.clone(), m.running_var.clone()]
+    return stats
 
 
 @pytest.mark.parametrize("freeze", [True, False])
@@ -453,20 +466,16 @@ def test_a_blank_image_does_not_blow_up_the_first_step_of_pretrained_lite0() -> 
 
 
 def test_default_uncertainty_head_is_bounded_and_learns() -> None:
-    """``u = u_max·σ(w·f̂ + c)·normalize(W f + b)``: at the start every ||u|| is u_max·init_level,
-    and the level's gradient under ISM against zero-uncertainty proxies is not zero."""
+    """``u = u_max·σ(w·n(f) + c)·normalize(W f + b)``, ``n`` the per-dimension standardisation:
+    at the start every ||u|| is u_max·init_level, and the level's gradient under ISM against
+    zero-uncertainty proxies is not zero."""
     torch.manual_seed(0)
     model = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=True)
-    features = model.features(_images(4, 3, 8))
+    head = model.uncertainty_head
+    assert isinstance(head, BoundedUncertaintyHead)
+    assert head.level_input is LevelInput.STANDARDIZED
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
-    head = model.uncertainty_head
-    level = head.max_norm * torch.sigmoid(head.level(F.normalize(features, dim=1)))
-    # float32, the head's own operations in the same order (the final product commutes): equal up
-    # to the backbone's run-to-run determinism; rtol 1e-6 ≈ 8ε, atol 1e-7 below |u| entries ~1e-2.
-    torch.testing.assert_close(
-        emb.uncertainty, level * F.normalize(head.linear(features), dim=1), rtol=1e-6, atol=1e-7
-    )
     # float32: 1·σ(fl(logit 0.02)) (bias rounding ε/2·3.9 ≈ 2.3e-7 relative after σ), times the
     # norm of a normalised 8-dim direction (~4ε), vs fl(0.02): ≲ 1e-6 relative: rtol 2e-6, atol 0
     # (the float32 default atol 1e-5 is 5e-4 of the value).
@@ -476,6 +485,32 @@ def test_default_uncertainty_head_is_bounded_and_learns() -> None:
     _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
     assert head.level.bias.grad is not None and head.level.bias.grad.abs() > 0
 
+    # The level's weights start at zero, where what the logit reads does not matter: give them
+    # values (logits of order 1, away from σ's flat tails), so that the formula is checked with
+    # the standardised input the default head reads.
+    with torch.no_grad():
+        head.level.weight.normal_(std=0.1)
+    images = _images(4, 3, 8)
+    features = model.features(images)
+    emb = model(images)
+    assert emb.uncertainty is not None
+    spread = features.std(0, unbiased=False)
+    standardized = (features - features.mean(0)) / torch.sqrt(spread**2 + 1e-5)
+    # float32, BatchNorm sums the batch's mean and variance in its own order: the centred value
+    # f − E f carries an absolute error of a few ε·max|f|, which the division by the feature's
+    # spread scales up; 8 ε·max|f| / min spread bounds it (with the ε of the variance's sum).
+    bound = 8 * torch.finfo(torch.float32).eps * features.abs().max() / spread.min()
+    n = head.level_features(features)
+    torch.testing.assert_close(n, standardized, rtol=0, atol=bound.item())
+    level = head.max_norm * torch.sigmoid(head.level(n))
+    assert level.std() > 0  # the levels now differ from image to image
+    # float32, the head's own operations on the same n(f) in the same order (the final product
+    # commutes): equal up to the backbone's run-to-run determinism; rtol 1e-6 ≈ 8ε, atol 1e-7
+    # below |u| entries ~1e-2.
+    torch.testing.assert_close(
+        emb.uncertainty, F.normalize(head.linear(features), dim=1) * level, rtol=1e-6, atol=1e-7
+    )
+
 
 def test_linear_uncertainty_head_is_the_papers_layer_and_learns() -> None:
     torch.manual_seed(0)
@@ -483,20 +518,22 @@ def test_linear_uncertainty_head_is_the_papers_layer_and_learns() -> None:
         "small_cnn",
         pretrained=False,
         embedding_dim=8,
-        uncertainty=UncertaintyHeadSpec(form="linear"),
+        uncertainty=UncertaintyHeadSpec(form=UncertaintyForm.LINEAR),
     )
+    head = model.uncertainty_head
+    assert isinstance(head, UncertaintyHead)
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
     # float32, the same F.linear on the same features (equal in practice); float32 defaults.
     torch.testing.assert_close(
         emb.uncertainty,
-        F.linear(model.features(_images(4, 3, 8)), *model.uncertainty_head.linear.parameters()),
+        F.linear(model.features(_images(4, 3, 8)), *head.linear.parameters()),
     )
     assert bool((emb.uncertainty < 0).any())  # no activation: u is not forced non-negative
     # Not rounding: a random linear layer's norms are nowhere near 1 (allclose's 1e-5 is moot).
     assert not torch.allclose(emb.uncertainty.norm(dim=1), torch.ones(4))
     _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
-    grad = model.uncertainty_head.linear.weight.grad
+    grad = head.linear.weight.grad
     assert grad is not None and grad.norm() > 1e-4
 
 
@@ -507,15 +544,17 @@ def test_normalised_uncertainty_head_has_unit_norm_and_no_gradient() -> None:
         "small_cnn",
         pretrained=False,
         embedding_dim=8,
-        uncertainty=UncertaintyHeadSpec(form="linear", normalize=True),
+        uncertainty=UncertaintyHeadSpec(form=UncertaintyForm.LINEAR, normalize=True),
     )
+    head = model.uncertainty_head
+    assert isinstance(head, UncertaintyHead)
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None
     # float32 norms of F.normalize'd 8-dim rows: a few ε, inside the float32 defaults.
     torch.testing.assert_close(emb.uncertainty.norm(dim=1), torch.ones(4))
     torch.testing.assert_close(uncertainty_level(emb), torch.ones(4))
     _ism_proxy_objective(emb, F.normalize(torch.randn(4, 8), dim=1)).backward()
-    grad = model.uncertainty_head.linear.weight.grad
+    grad = head.linear.weight.grad
     semantic_grad = model.semantic_head.linear.weight.grad
     assert grad is not None and semantic_grad is not None
     # The gradient is 0 analytically; what is left is float32 rounding in normalize's backward,
@@ -525,20 +564,22 @@ def test_normalised_uncertainty_head_has_unit_norm_and_no_gradient() -> None:
     assert grad.norm() < 1e-5 * semantic_grad.norm()
 
 
-@pytest.mark.parametrize("activation", ["relu", "softplus"])
-def test_uncertainty_activations_are_non_negative(activation: str) -> None:
+@pytest.mark.parametrize("activation", [UncertaintyActivation.RELU, UncertaintyActivation.SOFTPLUS])
+def test_uncertainty_activations_are_non_negative(activation: UncertaintyActivation) -> None:
     torch.manual_seed(0)
     model = build_model(
         "small_cnn",
         pretrained=False,
         embedding_dim=8,
-        uncertainty=UncertaintyHeadSpec(dim=5, form="linear", activation=activation),
+        uncertainty=UncertaintyHeadSpec(dim=5, form=UncertaintyForm.LINEAR, activation=activation),
     )
+    head = model.uncertainty_head
+    assert isinstance(head, UncertaintyHead)
     emb = model(_images(4, 3, 8))
     assert emb.uncertainty is not None and emb.uncertainty.shape == (4, 5)
     assert model.uncertainty_dim == 5
-    raw = F.linear(model.features(_images(4, 3, 8)), *model.uncertainty_head.linear.parameters())
-    expected = F.relu(raw) if activation == "relu" else F.softplus(raw)
+    raw = F.linear(model.features(_images(4, 3, 8)), *head.linear.parameters())
+    expected = F.relu(raw) if activation is UncertaintyActivation.RELU else F.softplus(raw)
     # float32, the same F.linear and activation on the same features; float32 defaults.
     torch.testing.assert_close(emb.uncertainty, expected)
     assert bool((emb.uncertainty >= 0).all())
@@ -546,7 +587,7 @@ def test_uncertainty_activations_are_non_negative(activation: str) -> None:
 
 def test_uncertainty_init_std_sets_the_starting_level() -> None:
     torch.manual_seed(0)
-    linear = UncertaintyHeadSpec(form="linear", init_std=0.0)
+    linear = UncertaintyHeadSpec(form=UncertaintyForm.LINEAR, init_std=0.0)
     model = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=linear)
     emb = model(_images(2, 3, 8))
     assert emb.uncertainty is not None and not bool(emb.uncertainty.any())
@@ -554,7 +595,7 @@ def test_uncertainty_init_std_sets_the_starting_level() -> None:
         build_model(
             "small_cnn",
             pretrained=False,
-            uncertainty=UncertaintyHeadSpec(form="linear", init_std=-1.0),
+            uncertainty=UncertaintyHeadSpec(form=UncertaintyForm.LINEAR, init_std=-1.0),
         )
     with pytest.raises(UncertaintyHeadSpecError, match=r"\(init_std=0.1\): only form='linear'"):
         UncertaintyHeadSpec(init_std=0.1)
@@ -581,10 +622,10 @@ def test_pel_head_outputs_mean_and_log_variance() -> None:
             "small_cnn",
             pretrained=False,
             embedding_dim=16,
-            uncertainty=UncertaintyHeadSpec("pel", dim=8),
+            uncertainty=UncertaintyHeadSpec(UncertaintyKind.PEL, dim=8),
         )
     with pytest.raises(ValueError, match=r"\(normalize=True\): the PEL head takes no"):
-        UncertaintyHeadSpec("pel", form="linear", normalize=True)
+        UncertaintyHeadSpec(UncertaintyKind.PEL, form=UncertaintyForm.LINEAR, normalize=True)
 
 
 def test_uncertainty_head_spec_parses_the_shorthands_and_round_trips() -> None:
@@ -594,7 +635,12 @@ def test_uncertainty_head_spec_parses_the_shorthands_and_round_trips() -> None:
     assert UncertaintyHeadSpec.parse("pel") == UncertaintyHeadSpec(UncertaintyKind.PEL)
     for none in (False, None, "none", UncertaintyKind.NONE):
         assert UncertaintyHeadSpec.parse(none) is None
-    spec = UncertaintyHeadSpec(dim=5, form="linear", activation="softplus", init_std=0.01)
+    spec = UncertaintyHeadSpec(
+        dim=5,
+        form=UncertaintyForm.LINEAR,
+        activation=UncertaintyActivation.SOFTPLUS,
+        init_std=0.01,
+    )
     stored = json.loads(json.dumps(spec.to_dict()))
     assert stored == {
         "kind": "ism",
@@ -609,7 +655,7 @@ def test_uncertainty_head_spec_parses_the_shorthands_and_round_trips() -> None:
     }
     assert UncertaintyHeadSpec.parse(stored) == spec
     with pytest.raises(UncertaintyHeadSpecError, match="uncertainty=None"):
-        UncertaintyHeadSpec("none")
+        UncertaintyHeadSpec(UncertaintyKind.NONE)
     with pytest.raises(UncertaintyHeadSpecError, match=r"\(dim=0\)"):
         UncertaintyHeadSpec(dim=0)
     # A worker process re-raises the error it received: it must survive pickling.
@@ -639,7 +685,9 @@ def test_build_config_rebuilds_the_model_in_its_old_and_new_form() -> None:
     """``build_config`` is stored with a model (JSON) and rebuilds it. Before UncertaintyHeadSpec
     it spelled the head as flat ``uncertainty_*`` keys; those configs rebuild the same model."""
     torch.manual_seed(0)
-    head = UncertaintyHeadSpec(dim=5, form="linear", activation="relu")
+    head = UncertaintyHeadSpec(
+        dim=5, form=UncertaintyForm.LINEAR, activation=UncertaintyActivation.RELU
+    )
     model = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=head)
     new = json.loads(json.dumps(model.build_config))
     assert new["uncertainty"] == head.to_dict()
@@ -673,7 +721,7 @@ def test_build_config_rebuilds_the_model_in_its_old_and_new_form() -> None:
 
     # The bounded head, and a model without a head, the same way. A bounded head stored before
     # level_input existed (flat keys, or a spec dict without the field) read the unit direction.
-    direction = UncertaintyHeadSpec(level_input="direction")
+    direction = UncertaintyHeadSpec(level_input=LevelInput.DIRECTION)
     bounded = build_model("small_cnn", pretrained=False, embedding_dim=8, uncertainty=direction)
     old_bounded = {**old, "uncertainty_dim": None, "uncertainty_activation": "none"}
     old_bounded["uncertainty_form"] = "bounded"

@@ -257,10 +257,12 @@ def test_preset_recipes_are_the_presets_own_values() -> None:
     assert checked == 30 + 18
     # The two cases: a Table I preset on a folder, a CIFAR-10 preset on another folder.
     table1 = load_config(REPO / "configs/idml/cub_proxy_anchor_idml.yaml", ["data.dataset=folder"])
+    assert table1.published is not None
     assert recipe_differences(table1.published.recipe, config_to_dict(table1)) == [
         "data.dataset: folder (source: cub)"
     ]
     cifar = load_config(REPO / "configs/classification/cifar10_baseline.yaml", ["optim.epochs=3"])
+    assert cifar.published is not None
     assert recipe_differences(cifar.published.recipe, config_to_dict(cifar), 10, 964) == [
         "optim.epochs: 3 (source: 300)",
         "training classes: 964 (source: 10)",

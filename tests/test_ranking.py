@@ -255,10 +255,12 @@ def test_ranking_head_is_unit_norm_mlp() -> None:
     # (rtol 1.3e-6, atol 1e-5).
     torch.testing.assert_close(z.norm(dim=1), torch.ones(6))
     assert [type(layer) for layer in head.layers] == [nn.Linear, nn.ReLU, nn.Linear]
-    assert head.layers[0].out_features == 512
+    first, last = head.layers[0], head.layers[2]
+    assert isinstance(first, nn.Linear) and isinstance(last, nn.Linear)
+    assert first.out_features == 512
     # Independent reference: the same weights applied by hand.
-    hidden = torch.relu(features @ head.layers[0].weight.T + head.layers[0].bias)
-    raw = hidden @ head.layers[2].weight.T + head.layers[2].bias
+    hidden = torch.relu(features @ first.weight.T + first.bias)
+    raw = hidden @ last.weight.T + last.bias
     # float32: matmul + bias vs nn.Linear's addmm (512- and 24-term dot products, possibly blocked
     # differently: ~√512·ε relative), then a normalisation; inside the float32 defaults.
     torch.testing.assert_close(z, raw / raw.norm(dim=1, keepdim=True))

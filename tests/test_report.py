@@ -235,6 +235,7 @@ def test_mixed_test_images_are_convex_mixtures_of_test_pairs(runs: dict[str, Pat
     for images, labels, _ in loader:
         batch = Mixup(alpha=cfg.mixup.alpha, fraction=1.0)(images, labels, generator)
         info = batch.mixup
+        assert info is not None  # a Mixup batch records its draw
         lam = info.lam.view(-1, 1, 1, 1)
         mixed = lam * images[info.index_a] + (1 - lam) * images[info.index_b]
         with torch.no_grad():

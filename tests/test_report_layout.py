@@ -262,7 +262,7 @@ def test_seed_table_with_intervals_fits_1400_px(tmp_path: Path) -> None:
     from idml.app.config import dump_config, load_config
 
     rng = np.random.default_rng(0)
-    runs = []
+    runs: list[Path] = []
     for arm, extra in (
         ("baseline", []),
         ("metric=ism, mixup=on, ssr=on, a long name", ["optim.lr=0.01"]),

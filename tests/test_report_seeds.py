@@ -104,7 +104,7 @@ def test_run_folders_that_differ_by_seed_form_one_group_with_the_paper_beside(
     mean, std, n, delta = table.cell(table.groups[0], "recall@1")
     # float64 mean and sample std of two values in another order/formula than numpy's: an ulp or
     # two of 0.62 and 0.028 (≤ 2.2e-16): abs 1e-15.
-    assert (mean, n) == (pytest.approx(0.62, abs=1e-15), 2)
+    assert mean == pytest.approx(0.62, abs=1e-15) and n == 2
     assert std == pytest.approx(np.std([0.60, 0.64], ddof=1), abs=1e-15)
     assert np.isnan(delta)  # the first baseline group is the reference
     out = tmp_path / "report"
@@ -334,11 +334,14 @@ def test_coinciding_lines_are_named_in_the_legend_below_the_axes(tmp_path: Path)
     figure = figures.training_curves(read_run(run))
     rate = next(a for a in figure.axes if a.get_title() == "learning rate")
     legend = rate.get_legend()
+    assert legend is not None
     assert [t.get_text() for t in legend.get_texts()] == ["backbone", "head (= backbone)"]
     styles = {line.get_linestyle() for line in rate.get_lines()}
     assert len(styles) == 2  # drawn with different dashes, so both remain visible
     # The legend sits below the axes (anchored under them), not on the data.
-    assert legend._loc == 9 and legend.get_bbox_to_anchor().y0 < rate.bbox.y0
+    # (Legend has no public getter for its loc code: 9 is "upper center".)
+    loc = legend._loc  # type: ignore[attr-defined]
+    assert loc == 9 and legend.get_bbox_to_anchor().y0 < rate.bbox.y0
 
 
 def test_groups_without_a_label_are_named_by_what_differs(tmp_path: Path) -> None:

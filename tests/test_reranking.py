@@ -27,10 +27,11 @@ QUERY = -1  # the query node of the per-query reference
 
 def ranking(scores: torch.Tensor) -> list[list[int]]:
     """Each row's columns by score descending, index ascending on ties."""
-    return [
-        sorted(range(scores.shape[1]), key=lambda j, r=r: (-float(scores[r, j]), j))
-        for r in range(scores.shape[0])
-    ]
+
+    def order(row: torch.Tensor) -> list[int]:
+        return sorted(range(len(row)), key=lambda j: (-float(row[j]), j))
+
+    return [order(scores[r]) for r in range(scores.shape[0])]
 
 
 def graph_of(scores: torch.Tensor, depth: int) -> NeighborLists:
@@ -169,8 +170,8 @@ def test_k_reciprocal_same_set_matches_the_dense_method(seed, k1, k2, lam) -> No
     got = rr.rerank(graph, rr.prepare(x, graph))
     assert_reranked_like(got, expected)
     # λ = 1 is the plain cosine order, with cosine scores.
-    plain = KReciprocal(k1, k2, 1.0, depth)
-    plain = plain.rerank(graph, plain.prepare(x, graph))
+    cosine = KReciprocal(k1, k2, 1.0, depth)
+    plain = cosine.rerank(graph, cosine.prepare(x, graph))
     assert plain.indices.tolist() == graph.indices.tolist()
     torch.testing.assert_close(plain.scores, graph.scores, atol=1e-5, rtol=0)
 

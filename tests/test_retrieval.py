@@ -107,6 +107,7 @@ def test_add_to_an_index_equals_a_fresh_index_of_the_union(
         assert main(["index", str(gallery), "--out", str(fresh), *one]) == 0
         a, b = Index.load(grown), Index.load(fresh)
         assert a.ids == b.ids and a.labels == b.labels and a.paths == b.paths
+        assert a.embeddings is not None and b.embeddings is not None  # exact indexes keep vectors
         assert torch.equal(a.embeddings, b.embeddings) and torch.equal(a.uncertainty, b.uncertainty)
         queries = a.embeddings[:5]
         ra, rb = a.search(queries, 4), b.search(queries, 4)
@@ -257,7 +258,7 @@ def test_encoder_accepts_paths_pil_images_arrays_and_tensors(run_dir: Path, gall
         assert torch.equal(out.embeddings, outs[0].embeddings)
         assert torch.equal(out.uncertainty, outs[0].uncertainty)
     with pytest.raises(ValueError, match="cannot embed a dict"):
-        encoder.embed([{}])
+        encoder.embed([{}])  # type: ignore[list-item]  # deliberately not an image
     with pytest.raises(ValueError, match=r"values in \[0, 1\]"):
         encoder.embed([tensor.float()])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import numpy as np
@@ -82,17 +83,17 @@ def test_determinism_seed_epoch_and_set_epoch() -> None:
 
 def test_replicas_take_whole_class_shares_of_the_global_batch() -> None:
     labels = uneven_labels()
-    options = {"classes_per_batch": 4, "images_per_class": 3, "seed": 5}
-    full = ClassBalancedBatchSampler(labels, **options)
-    shards = [
-        ClassBalancedBatchSampler(labels, num_replicas=2, rank=r, **options) for r in range(2)
-    ]
+    sampler = functools.partial(
+        ClassBalancedBatchSampler, classes_per_batch=4, images_per_class=3, seed=5
+    )
+    full = sampler(labels)
+    shards = [sampler(labels, num_replicas=2, rank=r) for r in range(2)]
     assert shards[0].batch_size == 6
     for whole, part0, part1 in zip(full, *shards):
         assert part0 + part1 == whole
         assert not set(labels[part0].tolist()) & set(labels[part1].tolist())
     with pytest.raises(ValueError, match="divisible by num_replicas 3"):
-        ClassBalancedBatchSampler(labels, num_replicas=3, rank=0, **options)
+        sampler(labels, num_replicas=3, rank=0)
 
 
 def test_small_classes_error_or_replacement() -> None:

@@ -53,6 +53,7 @@ def test_semihard_equals_the_definition_in_order_for_any_chunking(
     matrix = x @ x.T if similarity else torch.cdist(x, x)
     margin = 0.3
     mined = SemiHardMiner(margin)(matrix, sets, similarity=similarity)
+    assert isinstance(mined, TripletIndices)
     expected = brute_force(matrix, sets, similarity, margin)
     assert len(expected) > 0
     assert torch.equal(stacked(mined), expected)  # same triplets, same (a, p, n) order
@@ -62,5 +63,6 @@ def test_semihard_without_positives_or_negatives_mines_nothing() -> None:
     matrix = torch.rand(4, 4)
     for labels in (torch.arange(4), torch.zeros(4, dtype=torch.long)):
         mined = SemiHardMiner(0.5)(matrix, labels, similarity=True)
+        assert isinstance(mined, TripletIndices)
         assert mined.size == 0
         assert all(t.dtype == torch.long for t in mined)

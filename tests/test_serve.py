@@ -75,7 +75,9 @@ def test_health_and_info(served) -> None:
         info = client.get("/info").json()
     assert server.host == "127.0.0.1"
     assert info["count"] == 12 and info["dim"] == 16 and info["backend"] == "exact"
-    assert info["model"]["weights_sha256"] == Index.load(index_dir).model.weights_sha256
+    model = Index.load(index_dir).model
+    assert model is not None  # the index was built from a run
+    assert info["model"]["weights_sha256"] == model.weights_sha256
     assert info["accepts_images"] is True and info["max_k"] == 8
 
 
@@ -98,6 +100,7 @@ def test_search_answers_equal_idml_search(served, capsys: pytest.CaptureFixture[
     assert multipart.json()["results"][0]["query"]["id"] == "2.png"
     # Embedding queries: two at once, equal to `idml search` on an embeddings file.
     index = Index.load(index_dir)
+    assert index.embeddings is not None  # an exact index keeps its vectors
     emb = index.embeddings[[0, 5]]
     np.savez(gallery.parent / "q.npz", embeddings=emb.numpy())
     expected = _cli_search(index_dir, gallery.parent / "q.npz", 3, capsys)["results"]
@@ -152,7 +155,9 @@ def test_concurrent_requests_all_answer(served) -> None:
     import concurrent.futures
 
     server, index_dir, _ = served
-    emb = Index.load(index_dir).embeddings[3].tolist()
+    vectors = Index.load(index_dir).embeddings
+    assert vectors is not None  # an exact index keeps its vectors
+    emb = vectors[3].tolist()
 
     def one(_: int) -> list[str]:
         with httpx.Client(base_url=server.url, timeout=60) as client:

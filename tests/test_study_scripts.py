@@ -267,6 +267,7 @@ def test_the_uniform_control_weakens_as_much_as_the_learned_one(
     from idml.app.checkpoint import load_training_state
     from idml.app.trained_run import load_trained_run
     from idml.embeddings import Embeddings
+    from idml.losses import ProxyLoss
 
     args = ["run", "--setting", "demo", "--quick", "--losses", "proxy_anchor", "--seeds", "1"]
     study.script.main(
@@ -288,6 +289,7 @@ def test_the_uniform_control_weakens_as_much_as_the_learned_one(
     cfg = run.config
     data = build.build_data(cfg)
     loss = build.build_loss(cfg, data.num_train_classes)
+    assert isinstance(loss, ProxyLoss)
     load_training_state(run.checkpoint, {"loss": loss}, {})
     loss.metric.gamma = matched["gamma"]
     loss.proxy_uncertainty = None
@@ -303,7 +305,9 @@ def test_the_uniform_control_weakens_as_much_as_the_learned_one(
             batch = augment(images, labels, generator)
             emb = run.model(batch.images)
             no_head = Embeddings(emb.semantic, torch.zeros_like(emb.uncertainty))
-            factors, positive, _ = loss.weakening(no_head, batch.labels)
+            found = loss.weakening(no_head, batch.labels)
+            assert found is not None
+            factors, positive, _ = found
             uniform.append(factors[positive])
     ordered = torch.cat(uniform).double().sort().values
     middle = (len(ordered) - 1) // 2

@@ -66,6 +66,8 @@ class Prototypes(nn.Module):
 
 
 class PrototypeObjective(Objective):
+    module: Prototypes
+
     def __init__(self, module: Prototypes) -> None:
         self.module = module
 
@@ -148,7 +150,9 @@ class PrototypeTask(Task):
             module = context.objective.module
             assert isinstance(module, Prototypes)
             found = {"accuracy": accuracy(context.model, module, context.data.test, context.device)}
-        return Evaluation(context.dist.broadcast_object(found))
+        metrics = context.dist.broadcast_object(found)
+        assert metrics is not None  # rank 0 evaluated
+        return Evaluation(metrics)
 
     def load_run(self, path: Path, which: str = "best") -> PrototypeRun:
         from idml.app.checkpoint import TRAINING_FILE

@@ -16,7 +16,10 @@ from idml.app.cli import main
 from idml.app.config import ConfigError, load_config
 from idml.app.trained_run import load_trained_model
 from idml.app.training import Trainer
+from idml.app.training.epoch_log import TrainResult
 from idml.losses import LOSSES as REGISTERED_LOSSES
+from idml.models import UncertaintyHead
+from idml.models.heads import BoundedUncertaintyHead
 from tiny_run import IDML, TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +28,7 @@ LOSSES = [name for name, spec in REGISTERED_LOSSES.items() if not spec.probabili
 """Every registered loss that IDML's metric applies to (PEL models uncertainty itself: its own test)."""
 
 
-def run(tmp_path: Path, *overrides: str, name: str = "run") -> tuple[Trainer, object]:
+def run(tmp_path: Path, *overrides: str, name: str = "run") -> tuple[Trainer, TrainResult]:
     cfg = load_config(None, [*TINY, *overrides])
     trainer = Trainer(cfg, tmp_path / name, progress=False)
     return trainer, trainer.fit()
@@ -145,7 +148,7 @@ def test_alternating_ssr_updates_the_amp_scale_once_per_backward(tmp_path: Path)
             calls.append("update")
             real.update()
 
-    trainer.scaler = Recorder()  # type: ignore[assignment]
+    trainer.scaler = Recorder()  # type: ignore[assignment]  # a recording stand-in for the scaler
     trainer.cfg.optim.max_steps_per_epoch = 1
     trainer.fit()
     # Metric step (one optimizer), then the ranking step (metric + ranking optimizers).
@@ -447,7 +450,7 @@ def test_embed_refuses_an_unknown_output_format_before_any_work(tmp_path: Path) 
     cfg = load_config(None, TINY)
     # No model and no images are needed to know that .txt cannot be written.
     with pytest.raises(ValueError, match=r"e\.txt: use a \.npz, \.pt or \.safetensors"):
-        embed_images(cfg, None, tmp_path / "missing", tmp_path / "e.txt")  # type: ignore[arg-type]
+        embed_images(cfg, None, tmp_path / "missing", tmp_path / "e.txt")  # type: ignore[arg-type]  # no model
 
 
 def _last_json(capsys: pytest.CaptureFixture[str]) -> str:
@@ -526,7 +529,13 @@ def test_uncertainty_head_gradient_official_preset_versus_default(preset: str) -
     loss(model(images), labels).backward()
     # Against zero-uncertainty proxies only ||u|| matters: the bounded head's level learns.
     head = model.uncertainty_head
-    u_grad = (head.linear if preset == "official" else head.level).weight.grad
+    if preset == "official":
+        assert isinstance(head, UncertaintyHead)
+        u_layer = head.linear
+    else:
+        assert isinstance(head, BoundedUncertaintyHead)
+        u_layer = head.level
+    u_grad = u_layer.weight.grad
     s_grad = model.semantic_head.linear.weight.grad
     assert u_grad is not None and s_grad is not None
     if preset == "official":

@@ -79,6 +79,7 @@ def _exit_and_error(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int
 def _brute_force_answers(index: Index, queries: torch.Tensor, depth: int) -> AnswerNeighbors:
     """Each query's ``depth`` nearest items from the full float64 cosine matrix (ties by item
     position), with the index's classes."""
+    assert index.embeddings is not None  # an exact index keeps its vectors
     q = torch.nn.functional.normalize(queries.double(), dim=1)
     sims = q @ index.embeddings.double().T
     order = torch.sort(-sims, dim=1, stable=True).indices[:, :depth]
@@ -249,7 +250,9 @@ def test_idml_calibrate_round_trip(
     provenance = calibration.provenance
     assert provenance["gallery"].startswith(f"index {index_copy.resolve()} (200 items)")
     assert "200 labelled images of 10 classes" in provenance["queries"]
-    assert provenance["model_weights_sha256"] == Index.load(index_copy).model.weights_sha256
+    model = Index.load(index_copy).model
+    assert model is not None  # the index was built from a run
+    assert provenance["model_weights_sha256"] == model.weights_sha256
     doc = _search(capsys, str(index_copy), str(setting["queries"]), "-k", "1")
     assert doc["answers"]["note"] == f"calibrated confidence from {written}"
     index = Index.load(index_copy)
@@ -332,12 +335,14 @@ def test_rerank_flags_reorder_the_shortlist_as_the_library_does(
         "20",
     )
     # The library on exact float64 lists: the gallery graph and each query's shortlist of 20.
-    sims = torch.nn.functional.normalize(queries.double(), dim=1) @ index.embeddings.double().T
+    gallery = index.embeddings
+    assert gallery is not None  # an exact index keeps its vectors
+    sims = torch.nn.functional.normalize(queries.double(), dim=1) @ gallery.double().T
     short = torch.sort(-sims, dim=1, stable=True).indices[:, :20]
-    graph = index.embeddings.double() @ index.embeddings.double().T
+    graph = gallery.double() @ gallery.double().T
     graph.fill_diagonal_(-torch.inf)
     g_ids = torch.sort(-graph, dim=1, stable=True).indices[:, :2]
-    prepared = reranker.prepare(index.embeddings, NeighborLists(g_ids, graph.gather(1, g_ids)))
+    prepared = reranker.prepare(gallery, NeighborLists(g_ids, graph.gather(1, g_ids)))
     lists = reranker.rerank(NeighborLists(short, sims.gather(1, short).float()), prepared, queries)
     by_id = {r["query"]["id"]: [n["id"] for n in r["neighbors"]] for r in doc["results"]}
     for q, f in enumerate(files):
@@ -379,7 +384,9 @@ def test_evaluate_reranks_and_judges_a_calibration(
     source = read_images(setting["gallery"])
     encoded = Encoder.from_run(setting["run"]).embed(source.images or [])
     emb = tmp_path / "emb.npz"
-    labels = np.array([int(label) for label in source.labels])
+    class_names = [label for label in source.labels if label is not None]
+    assert len(class_names) == len(source.labels)  # every gallery image is in a class folder
+    labels = np.array([int(label) for label in class_names])
     np.savez(emb, embeddings=encoded.embeddings.numpy(), labels=labels)
     capsys.readouterr()
     args = ["evaluate", "--embeddings", str(emb), "--json", "--no-nmi", "--no-progress"]
