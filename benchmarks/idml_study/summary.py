@@ -143,6 +143,11 @@ CELLS: tuple[Cell, ...] = (
         "idml_omniglot_cnn_multi_similarity_20_epochs.md",
         "Multi-Similarity",
     ),
+    Cell(
+        "Omniglot · Multi-Similarity · 0.02, 80 epochs (converged)",
+        "idml_omniglot_cnn_multi_similarity_80_epochs.md",
+        "Multi-Similarity",
+    ),
     Cell("Omniglot · Contrastive · 0.02", OMNIGLOT, "Contrastive"),
     Cell(
         "Omniglot · Contrastive · 0.02, 20 epochs",
