@@ -495,7 +495,8 @@ def test_default_uncertainty_head_is_bounded_and_learns() -> None:
     emb = model(images)
     assert emb.uncertainty is not None
     spread = features.std(0, unbiased=False)
-    standardized = (features - features.mean(0)) / torch.sqrt(spread**2 + 1e-5)
+    assert isinstance(head.standardize, nn.BatchNorm1d)  # its ε, not a copy of BatchNorm's default
+    standardized = (features - features.mean(0)) / torch.sqrt(spread**2 + head.standardize.eps)
     # float32, BatchNorm sums the batch's mean and variance in its own order: the centred value
     # f − E f carries an absolute error of a few ε·max|f|, which the division by the feature's
     # spread scales up; 8 ε·max|f| / min spread bounds it (with the ε of the variance's sum).
