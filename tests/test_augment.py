@@ -123,7 +123,7 @@ def test_mixup_options_and_errors() -> None:
     with pytest.raises(ValueError, match="alpha"):
         Mixup(alpha=0.0)
     with pytest.raises(ValueError, match="'set' or 'interpolate'"):
-        Mixup(mode="sets")  # type: ignore[arg-type]  # bad input: not a MixupMode
+        Mixup(mode="sets")
     with pytest.raises(ValueError, match="shared_lambda"):
         Mixup(mode=MixupMode.INTERPOLATE, shared_lambda=False)
     shared = Mixup(shared_lambda=True)(images, labels, _gen(0)).mixup

@@ -21,6 +21,7 @@ from idml.augment.batch import (
     _randperm,
     sample_beta,
 )
+from idml.choices import EnumField
 from idml.relations import LabelSets
 
 
@@ -80,12 +81,12 @@ class Mixup(_PairMixing):
     """
 
     name: ClassVar[str] = "Mixup"
-    mode: MixupMode = MixupMode.SET  # type: ignore[misc]
+    # A field here where CutMix keeps the base's fixed ClassVar; the base only reads ``self.mode``.
+    mode: EnumField[MixupMode] = EnumField(MixupMode.SET)  # type: ignore[misc]
     shared_lambda: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "mode", MixupMode(self.mode))
         if self.mode is MixupMode.INTERPOLATE and self.shared_lambda is False:
             raise ValueError(
                 "mode='interpolate' weights whole-batch losses by λ, so it needs shared_lambda=True "

@@ -37,7 +37,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from idml.models.names import BackboneName, ChoiceEnum
+from idml.choices import ChoiceEnum
+from idml.models.names import BackboneName
 from idml.models.weights import (
     LITE0_WEIGHTS_FILE,
     MissingWeightsError,

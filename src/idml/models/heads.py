@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from idml.choices import ChoiceEnum, EnumField
 from idml.embeddings import Embeddings
 from idml.metrics import unit_rows
-from idml.models.names import ChoiceEnum
 
 
 class Pooling(ChoiceEnum):
@@ -332,12 +332,12 @@ class UncertaintyHeadSpec:
         idml.models.heads.UncertaintyHeadSpecError: UncertaintyHeadSpec(init_std=0.1): only form='linear' (the paper's linear layer) takes activation, normalize and init_std; the bounded head sets its scale with max_norm and init_level
     """
 
-    kind: UncertaintyKind = UncertaintyKind.ISM
+    kind: EnumField[UncertaintyKind] = EnumField(UncertaintyKind.ISM)
     """``ism``: IDML's uncertainty embedding ``u``; ``pel``: PEL's ``log σ²`` (see
     :class:`UncertaintyKind`)."""
     dim: int | None = None
     """``d_u`` [``None``: the embedding's ``d``]; PEL needs ``d_u = d``."""
-    form: UncertaintyForm = UncertaintyForm.BOUNDED
+    form: EnumField[UncertaintyForm] = EnumField(UncertaintyForm.BOUNDED)
     """ISM: ``bounded`` (default, :class:`BoundedUncertaintyHead`) or ``linear`` (the paper's plain
     layer, :class:`UncertaintyHead`; ``activation``, ``normalize`` and ``init_std`` apply to it
     only)."""
@@ -345,9 +345,9 @@ class UncertaintyHeadSpec:
     """The bounded head's ``u_max``, the bound of ``||u||``."""
     init_level: float = DEFAULT_UNCERTAINTY_INIT_LEVEL
     """The bounded head's starting ``||u||/u_max``, in ``(0, 1)``."""
-    level_input: LevelInput = LevelInput.STANDARDIZED
+    level_input: EnumField[LevelInput] = EnumField(LevelInput.STANDARDIZED)
     """The bounded head: what its level logit reads (:class:`LevelInput`)."""
-    activation: UncertaintyActivation = UncertaintyActivation.NONE
+    activation: EnumField[UncertaintyActivation] = EnumField(UncertaintyActivation.NONE)
     """The linear head's output non-linearity: ``none`` (paper) | ``relu`` | ``softplus``."""
     normalize: bool = False
     """The linear head: L2-normalise ``u`` like the official code (no gradient reaches the head in
@@ -356,10 +356,6 @@ class UncertaintyHeadSpec:
     """The linear head: ``None`` = PyTorch's default Linear init, else ``N(0, std²)`` weights."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", UncertaintyKind(self.kind))
-        object.__setattr__(self, "form", UncertaintyForm(self.form))
-        object.__setattr__(self, "activation", UncertaintyActivation(self.activation))
-        object.__setattr__(self, "level_input", LevelInput(self.level_input))
         if self.kind is UncertaintyKind.NONE:
             raise UncertaintyHeadSpecError(
                 {"kind": self.kind.value},

@@ -1,17 +1,8 @@
-"""The typed choice names of the models: :class:`ChoiceEnum` and the backbone families."""
+"""The typed choice names of the models: the backbone families."""
 
 from __future__ import annotations
 
-import enum
-
-
-class ChoiceEnum(str, enum.Enum):
-    """A string enum whose unknown values raise a ``ValueError`` listing the valid choices."""
-
-    @classmethod
-    def _missing_(cls, value: object) -> ChoiceEnum | None:
-        choices = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"{value!r} is not a valid {cls.__name__}; choose one of {choices}")
+from idml.choices import ChoiceEnum
 
 
 class BackboneName(ChoiceEnum):
