@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import IterableDataset, TensorDataset
 
 from idml.app import build
 from idml.app.config import load_config
@@ -348,15 +350,22 @@ def test_random_sampler_shards_rebuild_the_single_process_batches() -> None:
 
 
 def test_contiguous_shards_cover_the_test_set_once() -> None:
-    data = list(range(7))
-    # A list is a map-style dataset at run time, not a torch Dataset to mypy (arg-type); the Subset
-    # that comes back iterates through __getitem__, which Dataset's stubs do not call iterable
-    # (call-overload).
-    parts = [
-        list(contiguous_shard(data, DistributedContext(rank=r, world_size=3)))  # type: ignore[arg-type, call-overload]
-        for r in range(3)
-    ]
+    data = TensorDataset(torch.arange(7))
+    parts = []
+    for r in range(3):
+        shard = contiguous_shard(data, DistributedContext(rank=r, world_size=3))
+        assert isinstance(shard, Sized)
+        parts.append([int(shard[i][0]) for i in range(len(shard))])
     assert parts == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+def test_sharding_an_unsized_dataset_says_it_needs_a_length() -> None:
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(3))
+
+    with pytest.raises(TypeError, match="Stream over 2 processes: it has no length"):
+        contiguous_shard(Stream(), DistributedContext(rank=0, world_size=2))
 
 
 def test_shard_plan_layout_and_generators() -> None:

@@ -3,8 +3,9 @@ Mixup records) and the test-set embeddings of distributed evaluation (:mod:`idml
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,8 @@ from idml.app.distributed._context import DistributedContext
 from idml.augment import AugmentedBatch, MixupInfo, MixupMode
 from idml.embeddings import Embeddings
 from idml.relations import LabelSets, pad_label_width
+
+T = TypeVar("T")
 
 
 def gather_sizes(count: int, context: DistributedContext | None = None) -> list[int]:
@@ -225,14 +228,20 @@ def _gather_mixup(
     return out
 
 
-def contiguous_shard(dataset: Dataset, context: DistributedContext) -> Dataset:
+def contiguous_shard(dataset: Dataset[T], context: DistributedContext) -> Dataset[T]:
     """Rank ``r``'s contiguous part of ``dataset`` (``tensor_split`` counts: no padding duplicates).
 
-    Labels are those of the full dataset (a ``Subset``, not a re-labelled copy).
+    ``dataset`` is map-style: it has a length. Labels are those of the full dataset (a ``Subset``,
+    not a re-labelled copy).
     """
     if not context.is_distributed:
         return dataset
-    indices = torch.arange(len(dataset)).tensor_split(context.world_size)[context.rank]  # type: ignore[arg-type]
+    if not isinstance(dataset, Sized):
+        raise TypeError(
+            f"cannot shard a {type(dataset).__name__} over {context.world_size} processes: it has "
+            "no length; evaluation needs a map-style dataset (one with __len__ and __getitem__)"
+        )
+    indices = torch.arange(len(dataset)).tensor_split(context.world_size)[context.rank]
     return Subset(dataset, indices.tolist())
 
 
