@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist chromium >/dev/null; \
 	fi
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q -e ".[test,lite0,faiss,serve,onnx]"
+	$(PIP) install -q -e ".[test,lite0,faiss,serve,onnx,timm]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -250,7 +250,9 @@ def test_timm_backbone(tmp_path: Path) -> None:
     assert isinstance(net, nn.Module)
     conv1 = net.conv1
     assert isinstance(conv1, nn.Conv2d)
-    assert torch.equal(conv1.weight, source.conv1.weight)
+    source_conv1 = source.conv1
+    assert isinstance(source_conv1, nn.Conv2d)
+    assert torch.equal(conv1.weight, source_conv1.weight)
     with pytest.raises(MissingWeightsError, match="download=True"):
         build_model("timm:resnet18", pretrained=True)
     with pytest.raises(ValueError, match="no model"):

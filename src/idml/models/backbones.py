@@ -331,7 +331,13 @@ def _build_timm(
     std = tuple(cfg.get("std", IMAGENET_STD))
     if len(mean) != in_channels:
         mean, std = mean[:1] * in_channels, std[:1] * in_channels
-    return Backbone(_TimmFeatures(net), int(net.num_features), in_channels, mean, std, spec)
+    feature_dim = getattr(net, "num_features", None)
+    if not isinstance(feature_dim, int):
+        raise ValueError(
+            f"backbone {str(spec)!r}: the timm model states no integer num_features "
+            f"(got {feature_dim!r}), so the embedding head cannot be sized; choose another model"
+        )
+    return Backbone(_TimmFeatures(net), feature_dim, in_channels, mean, std, spec)
 
 
 BACKBONE_BUILDERS: dict[BackboneName, BackboneBuilder] = {
