@@ -39,6 +39,7 @@ from torch import Tensor
 from idml.embeddings import Embeddings, check_matrix
 from idml.evaluation.clustering import (
     KNN_GRAPH_NEIGHBORS,
+    KMeansBackend,
     KMeansSettings,
     describe_backend,
     nmi_score,
@@ -337,9 +338,13 @@ def evaluate_embeddings(
         # The search's lists serve as the k-means graph when they are plain-metric neighbours
         # within the query set and long enough; the search depth never depends on k-means.
         own = retrieved.gallery_neighbors if sets.same_set else None
-        reuse = own is not None and scorer.kind != "metric"
-        reuse = reuse and own.k >= min(KNN_GRAPH_NEIGHBORS, n_q - 1)  # type: ignore[union-attr]
-        graph = own.indices[:, :KNN_GRAPH_NEIGHBORS].cpu() if reuse else None  # type: ignore[union-attr]
+        graph = None
+        if (
+            own is not None
+            and scorer.kind != "metric"
+            and own.k >= min(KNN_GRAPH_NEIGHBORS, n_q - 1)
+        ):
+            graph = own.indices[:, :KNN_GRAPH_NEIGHBORS].cpu()
         nmi_value = _nmi(sets, s, kmeans, graph)
         timings["nmi"] = time.perf_counter() - start
 
@@ -493,14 +498,14 @@ def _retrieve(
     return _Retrieved(acc, found, backend, gallery_neighbors, kernels)
 
 
-def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: str, graph: Tensor | None) -> float:
+def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: KMeansBackend, graph: Tensor | None) -> float:
     """NMI of k-means on the (normalised) query embeddings; ``graph``: the k-NN graph if known."""
     x = sets.q_semantic
     x = torch.nn.functional.normalize(x.float(), dim=1) if s.normalize else x
     if kmeans == "knn" and graph is None:
         metric_name = "cosine" if s.normalize else "euclidean"
         graph = neighbors_only(x, KNN_GRAPH_NEIGHBORS, metric=metric_name).indices.cpu()
-    settings = KMeansSettings(kmeans, s.seed, s.kmeans_iterations)  # type: ignore[arg-type]
+    settings = KMeansSettings(kmeans, s.seed, s.kmeans_iterations)
     return nmi_score(x, sets.q_labels, settings, graph)
 
 
