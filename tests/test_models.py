@@ -259,6 +259,17 @@ def test_timm_backbone(tmp_path: Path) -> None:
         build_model("timm:not_a_model_name", pretrained=False)
 
 
+@pytest.mark.skipif(not timm_available(), reason="timm is not installed")
+def test_timm_model_without_integer_num_features_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import timm
+
+    net = nn.Identity()
+    net.num_features = None  # type: ignore[assignment]  # bad input: what a broken model states
+    monkeypatch.setattr(timm, "create_model", lambda *args, **kwargs: net)
+    with pytest.raises(ValueError, match=r"'timm:resnet18'.*no integer num_features"):
+        build_model("timm:resnet18", pretrained=False, embedding_dim=8)
+
+
 # --------------------------------------------------------------------------- pretrained weights
 @pytest.fixture
 def empty_torch_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
