@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -79,38 +80,52 @@ class ClassificationSplit(TrainTestPair):
         return self.train.num_classes
 
 
-def _subsample(class_ids: np.ndarray, per_class: int | None, seed: int) -> np.ndarray:
-    """Sorted rows of at most ``per_class`` images of each class (all rows when ``None``)."""
-    if per_class is None:
-        return np.arange(len(class_ids))
-    return rows_per_class(class_ids, per_class, seed)
+Side = Literal["train", "test"]
+_SIDES: tuple[Side, Side] = ("train", "test")
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """Which images of each side a split keeps (``per_class`` / ``test_per_class``, drawn with
+    ``seed``), and how many channels they are read with."""
+
+    per_class: int | None
+    test_per_class: int | None
+    seed: int
+    channels: Channels
+
+    def rows(self, class_ids: np.ndarray, side: Side) -> np.ndarray:
+        """Sorted rows of at most the side's per-class count of each class (all when ``None``)."""
+        limit, offset = (self.per_class, 0) if side == "train" else (self.test_per_class, 1)
+        if limit is None:
+            return np.arange(len(class_ids))
+        return rows_per_class(class_ids, limit, self.seed * 2 + offset)
 
 
 def _arrays(
     name: str,
     parts: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
     class_names: dict[int, str],
-    per_class: int | None,
-    test_per_class: int | None,
+    sampling: _Sampling,
     image_size: int | None,
-    seed: int,
-    channels: Channels,
 ) -> ClassificationSplit:
     sides = []
-    for (images, ids), limit, side, offset in zip(
-        parts, (per_class, test_per_class), ("train", "test"), (0, 1)
-    ):
-        keep = _subsample(ids, limit, seed * 2 + offset)
+    for (images, ids), side in zip(parts, _SIDES, strict=True):
+        keep = sampling.rows(ids, side)
         images, ids = images[keep], ids[keep]
         if image_size is not None:
             images = resize_images(images, image_size)
         sides.append(
-            ArrayImageDataset(images, ids, class_names, channels=channels, source=f"{name}/{side}")
+            ArrayImageDataset(
+                images, ids, class_names, channels=sampling.channels, source=f"{name}/{side}"
+            )
         )
     return ClassificationSplit(sides[0], sides[1], name)
 
 
-def _digits(test_fraction: float, seed: int, **kw: object) -> ClassificationSplit:
+def _digits(
+    test_fraction: float, sampling: _Sampling, image_size: int | None
+) -> ClassificationSplit:
     from sklearn.datasets import load_digits as sklearn_digits
 
     bunch = sklearn_digits()
@@ -119,10 +134,12 @@ def _digits(test_fraction: float, seed: int, **kw: object) -> ClassificationSpli
     # The hold-out is drawn with its own stream: the test images do not depend on the run's seed.
     test = holdout_rows(ids, test_fraction, 0)
     parts = ((images[~test], ids[~test]), (images[test], ids[test]))
-    return _arrays("digits", parts, {i: str(i) for i in range(10)}, seed=seed, **kw)  # type: ignore[arg-type]
+    return _arrays("digits", parts, {i: str(i) for i in range(10)}, sampling, image_size)
 
 
-def _fashion_mnist(root: Path | None, seed: int, **kw: object) -> ClassificationSplit:
+def _fashion_mnist(
+    root: str | Path | None, sampling: _Sampling, image_size: int | None
+) -> ClassificationSplit:
     base = Path(root).expanduser() if root is not None else FASHION_MNIST_ROOT
     if not base.is_dir():
         raise FileNotFoundError(
@@ -139,27 +156,11 @@ def _fashion_mnist(root: Path | None, seed: int, **kw: object) -> Classification
             )
         parts.append((images, labels))
     names = dict(enumerate(FASHION_MNIST_CLASSES))
-    return _arrays("fashion_mnist", (parts[0], parts[1]), names, seed=seed, **kw)  # type: ignore[arg-type]
-
-
-def _records_split(
-    name: str,
-    train: ImageRecords,
-    test: ImageRecords,
-    per_class: int | None,
-    test_per_class: int | None,
-    seed: int,
-    channels: Channels,
-) -> ClassificationSplit:
-    train = train.take(_subsample(train.class_ids, per_class, seed * 2))
-    test = test.take(_subsample(test.class_ids, test_per_class, seed * 2 + 1))
-    return ClassificationSplit(
-        FileImageDataset(train, channels=channels), FileImageDataset(test, channels=channels), name
-    )
+    return _arrays("fashion_mnist", (parts[0], parts[1]), names, sampling, image_size)
 
 
 def _user_images(
-    name: str, records: ImageRecords, source: str, test_fraction: float, **kw: object
+    name: str, records: ImageRecords, source: str, test_fraction: float, sampling: _Sampling
 ) -> ClassificationSplit:
     """Classification's split policy for a user's images: the split they give (the test side is
     ``test``, else ``val``), or a per-class hold-out of ``test_fraction``."""
@@ -174,22 +175,28 @@ def _user_images(
     else:
         sides = given_split(records)
         train, test = sides.train, sides.test if len(sides.test) else sides.val
-    return _records_split(name, train, test, **kw)  # type: ignore[arg-type]
+    train = train.take(sampling.rows(train.class_ids, "train"))
+    test = test.take(sampling.rows(test.class_ids, "test"))
+    return ClassificationSplit(
+        FileImageDataset(train, channels=sampling.channels),
+        FileImageDataset(test, channels=sampling.channels),
+        name,
+    )
 
 
-def _folder(root: Path, test_fraction: float, **kw: object) -> ClassificationSplit:
+def _folder(root: Path, test_fraction: float, sampling: _Sampling) -> ClassificationSplit:
     base = Path(root).expanduser()
     if not base.is_dir():
         raise FileNotFoundError(
             f"image folder {base} is not a directory; set data.root to a folder with train/ and "
             "val/ (or test/) class folders, or with one folder per class"
         )
-    return _user_images("folder", read_folder(base), str(base), test_fraction, **kw)
+    return _user_images("folder", read_folder(base), str(base), test_fraction, sampling)
 
 
-def _csv(root: Path, test_fraction: float, **kw: object) -> ClassificationSplit:
+def _csv(root: Path, test_fraction: float, sampling: _Sampling) -> ClassificationSplit:
     path = Path(root).expanduser()
-    return _user_images("csv", read_csv(path), str(path), test_fraction, **kw)
+    return _user_images("csv", read_csv(path), str(path), test_fraction, sampling)
 
 
 def load_classification_split(
@@ -215,19 +222,18 @@ def load_classification_split(
             f"data.dataset={name!r} has no classification split; for task: classification use "
             f"one of {', '.join(CLASSIFICATION_DATASETS)} (ImageNet and CIFAR: folder)"
         )
-    common = {"per_class": per_class, "test_per_class": test_per_class, "seed": seed}
-    arrays = {**common, "image_size": image_size, "channels": channels}
+    sampling = _Sampling(per_class, test_per_class, seed, channels)
     if name == "digits":
         if root is not None:
             raise ValueError("the digits dataset ships with scikit-learn; leave data.root unset")
-        split = _digits(test_fraction, **arrays)  # type: ignore[arg-type]
+        split = _digits(test_fraction, sampling, image_size)
     elif name == "fashion_mnist":
-        split = _fashion_mnist(root, **arrays)  # type: ignore[arg-type]
+        split = _fashion_mnist(root, sampling, image_size)
     else:
         if root is None:
             raise ValueError(f"data.dataset={name!r} needs data.root")
         if image_size is not None:
             raise ValueError("image_size resizes in-memory datasets only; use the transform")
         loader = _folder if name == "folder" else _csv
-        split = loader(Path(root), test_fraction, channels=channels, **common)
+        split = loader(Path(root), test_fraction, sampling)
     return split.with_transforms(train_transform, test_transform)
