@@ -97,7 +97,7 @@ def exact_search(
     r_labels = None if same_set else torch.as_tensor(reference_labels).to(dev).long()
     layout = make_layout(q_labels, r_labels)
     n_q = len(q_labels)
-    n_r = n_q if same_set else len(r_labels)  # type: ignore[arg-type]
+    n_r = n_q if r_labels is None else len(r_labels)
     k = min(k, n_r - (1 if same_set else 0))
     search = _prepare(scorer, layout, dev, query, reference, execution, block_size)
     chunk_len, symmetric = _chunking(
@@ -345,7 +345,10 @@ def neighbor_search(
     query: Tensor | Embeddings,
     k: int,
     reference: Tensor | Embeddings | None = None,
-    **kwargs: object,
+    *,
+    metric: MetricSpec | PairScorer = "cosine",
+    normalize: bool = True,
+    execution: SearchExecution | None = None,
 ) -> SearchOutput:
     """Exact k-nearest neighbours without labels (no ranks are counted), with what computed the
     scores (:attr:`SearchOutput.kernels`): :func:`exact_search` where no reference is relevant to
@@ -358,14 +361,26 @@ def neighbor_search(
         # Distinct labels on both sides: nothing is relevant, only neighbours are computed.
         n_r = side_rows(reference)[0].shape[0]
         ref_labels = torch.arange(n_q, n_q + n_r, device=rows.device)
-    return exact_search(query, labels, k, reference, ref_labels, **kwargs)  # type: ignore[arg-type]
+    return exact_search(
+        query,
+        labels,
+        k,
+        reference,
+        ref_labels,
+        metric=metric,
+        normalize=normalize,
+        execution=execution,
+    )
 
 
 def neighbors_only(
     query: Tensor | Embeddings,
     k: int,
     reference: Tensor | Embeddings | None = None,
-    **kwargs: object,
+    *,
+    metric: MetricSpec | PairScorer = "cosine",
+    normalize: bool = True,
+    execution: SearchExecution | None = None,
 ) -> NeighborLists:
     """Exact k-nearest neighbours without labels (no ranks): :func:`neighbor_search`'s lists.
 
@@ -374,4 +389,6 @@ def neighbors_only(
         >>> neighbors_only(torch.eye(3), k=1, metric="euclidean").indices.flatten().tolist()
         [1, 0, 0]
     """
-    return neighbor_search(query, k, reference, **kwargs).neighbors
+    return neighbor_search(
+        query, k, reference, metric=metric, normalize=normalize, execution=execution
+    ).neighbors
