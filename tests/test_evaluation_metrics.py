@@ -405,6 +405,22 @@ def test_bad_input_raises_clear_errors(kwargs: dict, match: str) -> None:
         evaluate_embeddings(settings=settings, **{k: v for k, v in args.items() if k not in fields})
 
 
+def test_pair_scorer_kinds_and_their_orientation() -> None:
+    from idml.evaluation.scoring import PairScorer
+    from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
+
+    assert PairScorer.from_spec("Cosine").kind == "cosine"  # names are case-insensitive
+    assert PairScorer.from_spec("cosine").is_similarity
+    assert not PairScorer.from_spec("EUCLIDEAN").is_similarity
+    ism = PairScorer.from_spec(IntrospectiveMetric(CosineSimilarity()))
+    assert ism.kind == "metric" and ism.is_similarity
+    assert not PairScorer.from_spec(IntrospectiveMetric(EuclideanDistance())).is_similarity
+    with pytest.raises(ValueError, match="a metric exactly when kind is 'metric'"):
+        PairScorer("metric", True)
+    with pytest.raises(ValueError, match="a metric exactly when kind is 'metric'"):
+        PairScorer("cosine", True, metric=CosineSimilarity())
+
+
 def test_nan_rows_are_named() -> None:
     x = torch.randn(5, 3)
     x[2, 1] = math.nan

@@ -59,6 +59,13 @@ class PreparedSide:
     uncertainty: Tensor | None
 
 
+_NAMED_KINDS: dict[str, Literal["cosine", "euclidean"]] = {
+    "cosine": "cosine",
+    "euclidean": "euclidean",
+}
+"""The metrics a name selects (case-insensitive): the fast paths of :class:`PairScorer`."""
+
+
 @dataclass(eq=False)
 class PairScorer:
     """Turns a metric into tile scores ``score(Q_block, R_block)`` with "larger = closer".
@@ -74,6 +81,13 @@ class PairScorer:
     metric: Metric | None = None
     squared: bool = False
 
+    def __post_init__(self) -> None:
+        if (self.kind == "metric") != (self.metric is not None):
+            raise ValueError(
+                f"PairScorer(kind={self.kind!r}) takes a metric exactly when kind is 'metric'; "
+                "build it with PairScorer.from_spec"
+            )
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_spec(cls, metric: MetricSpec, normalize: bool = True) -> PairScorer:
@@ -84,12 +98,12 @@ class PairScorer:
         every other metric, including :class:`~idml.metrics.IntrospectiveMetric`, is called per tile.
         """
         if isinstance(metric, str):
-            name = metric.lower()
-            if name not in ("cosine", "euclidean"):
+            kind = _NAMED_KINDS.get(metric.lower())
+            if kind is None:
                 raise ValueError(
                     f"metric must be 'cosine', 'euclidean' or an idml.metrics.Metric, got {metric!r}"
                 )
-            return cls(name, normalize)  # type: ignore[arg-type]
+            return cls(kind, normalize)
         if isinstance(metric, CosineSimilarity) and type(metric) is CosineSimilarity:
             return cls("cosine", True)
         if isinstance(metric, EuclideanDistance) and type(metric) is EuclideanDistance:
@@ -109,11 +123,9 @@ class PairScorer:
     @property
     def is_similarity(self) -> bool:
         """Whether user-facing :meth:`values` are similarities (else distances)."""
-        if self.kind == "cosine":
-            return True
-        if self.kind == "euclidean":
-            return False
-        return bool(self.metric.is_similarity)  # type: ignore[union-attr]
+        if self.metric is None:
+            return self.kind == "cosine"
+        return bool(self.metric.is_similarity)
 
     @property
     def name(self) -> str:
