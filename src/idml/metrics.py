@@ -454,9 +454,9 @@ class IntrospectiveMetric(Metric):
             alpha = safe_norm_from_squares((xs - ys).pow(2).sum(1))
         else:
             alpha = plain
-        if ux is None and uy is None:
-            beta = plain.new_zeros(plain.shape)
-        else:
-            u = (ux if ux is not None else 0) + (uy if uy is not None else 0)
-            beta = safe_norm_from_squares(u.pow(2).sum(1))  # type: ignore[union-attr]
+        # Both sides' uncertainty summed, one side's alone, or none (then no weakening).
+        u = ux + uy if ux is not None and uy is not None else (ux if ux is not None else uy)
+        beta = (
+            plain.new_zeros(plain.shape) if u is None else safe_norm_from_squares(u.pow(2).sum(1))
+        )
         return self.weaken(plain, alpha, beta)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -314,7 +314,7 @@ def evaluate_embeddings(
     values = scorer.values(kept.scores)
     values = torch.where(kept.indices >= 0, values, torch.full_like(values, math.nan))
     retrieval = RetrievalResult(
-        ks=s.ks,  # type: ignore[arg-type]
+        ks=tuple(s.ks),
         metrics=acc.means(),
         per_query=acc.per_query_values(),
         per_class=acc.per_class(sets.q_labels),
@@ -503,8 +503,8 @@ def _nmi(sets: _Sets, s: EvaluationSettings, kmeans: KMeansBackend, graph: Tenso
     x = sets.q_semantic
     x = torch.nn.functional.normalize(x.float(), dim=1) if s.normalize else x
     if kmeans == "knn" and graph is None:
-        metric_name = "cosine" if s.normalize else "euclidean"
-        graph = neighbors_only(x, KNN_GRAPH_NEIGHBORS, metric=metric_name).indices.cpu()
+        metric: Literal["cosine", "euclidean"] = "cosine" if s.normalize else "euclidean"
+        graph = neighbors_only(x, KNN_GRAPH_NEIGHBORS, metric=metric).indices.cpu()
     settings = KMeansSettings(kmeans, s.seed, s.kmeans_iterations)
     return nmi_score(x, sets.q_labels, settings, graph)
 
