@@ -325,6 +325,15 @@ def test_every_task_reads_its_images_by_the_data_keys(tmp_path: Path) -> None:
     assert images.shape == (8, 3, 16, 16) and labels.shape == (8,)
 
 
+def test_cache_of_an_in_memory_dataset_is_refused(tmp_path: Path) -> None:
+    from idml.app.config import ConfigError
+    from idml.app.image_cache import cache_dataset
+
+    with pytest.raises(ConfigError, match="'digits' is held in memory; a cache is for datasets"):
+        cache_dataset(load_config(None, ["data.dataset=digits"]), tmp_path / "c", None, False)
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_cache_and_device_crops_train_and_resume_exactly(tmp_path: Path) -> None:

@@ -285,6 +285,22 @@ def test_search_source_records_follow_the_index(run_dir: Path, gallery: Path) ->
     assert result.indices[0].tolist()[2:] == [-1, -1, -1]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"embeddings": torch.zeros(3, dtype=torch.long)}, r"floating \(N, d\) array"),
+        ({"embeddings": torch.tensor([[0.0, float("nan")]] * 3)}, "NaN or inf"),
+        ({"uncertainty": torch.ones(2)}, "uncertainty has 2 values for 3 embeddings"),
+        ({"ids": ["a", "b"]}, "2 ids for 3 embeddings"),
+        ({"ids": ["a", "b", "a"]}, "'a' appears more than once"),
+    ],
+)
+def test_bad_items_are_named(kwargs: dict, match: str) -> None:
+    items: dict = {"embeddings": torch.randn(3, 4)} | kwargs
+    with pytest.raises(ValueError, match=match):
+        Index.create(**items)
+
+
 def test_faiss_backends_against_exact_search(tmp_path: Path) -> None:
     pytest.importorskip("faiss")
     g = torch.Generator().manual_seed(0)

@@ -29,12 +29,12 @@ def cache_dataset(
     plain = cfg.model_copy(update={"data": data})
     split = plain.task.spec.build_data(plain)  # the split the run's task trains and tests on
     sides = [side for _, side in split.sides]
-    if not all(isinstance(side, FileImageDataset) for side in sides):
+    files = [side for side in sides if isinstance(side, FileImageDataset)]
+    if len(files) != len(sides):
         raise ConfigError(
             f"data.dataset={cfg.data.dataset!r} is held in memory; a cache is for datasets of "
             "image files"
         )
-    files: list[FileImageDataset] = sides  # type: ignore[assignment]
     settings = CacheSettings(files[0].channels, files[0].crop_to_box, short_side)
     owner: dict[str, tuple[FileImageDataset, int]] = {}
     for side in files:

@@ -259,11 +259,13 @@ def _follow_image_size(raw: dict[str, Any], before: dict[str, Any]) -> None:
     fields = DataConfig.model_fields
     old_size = before.get("image_size", fields["image_size"].default)
     old_resize = before.get("resize_size", fields["resize_size"].default)
-    new_size = data.get("image_size") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return
+    new_size = data.get("image_size")
     if not (isinstance(old_size, int) and isinstance(new_size, int) and new_size > 0):
         return
     if old_resize == eval_resize_size(old_size):
-        data["resize_size"] = eval_resize_size(new_size)  # type: ignore[index]
+        data["resize_size"] = eval_resize_size(new_size)
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> Config:

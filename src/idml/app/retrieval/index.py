@@ -71,6 +71,7 @@ import json
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -1076,8 +1077,7 @@ def _check_items(
     if len(id_list) != n:
         raise ValueError(f"{len(id_list)} ids for {n} embeddings; give one id per item")
     if len(set(id_list)) != n:
-        seen: set[str] = set()
-        dup = next(x for x in id_list if x in seen or seen.add(x))  # type: ignore[func-returns-value]
+        dup = next(x for x, count in Counter(id_list).items() if count > 1)
         raise ValueError(f"item ids must be unique; {dup!r} appears more than once")
     columns: list[list[str | None]] = []
     for name, values in (("paths", paths), ("labels", labels)):
