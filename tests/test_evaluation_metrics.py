@@ -409,9 +409,12 @@ def test_pair_scorer_kinds_and_their_orientation() -> None:
     from idml.evaluation.scoring import PairScorer
     from idml.metrics import CosineSimilarity, EuclideanDistance, IntrospectiveMetric
 
-    assert PairScorer.from_spec("Cosine").kind == "cosine"  # names are case-insensitive
+    # Names are case-insensitive at run time (a YAML config may write them either way).
+    cosine: Any = "Cosine"
+    euclidean: Any = "EUCLIDEAN"
+    assert PairScorer.from_spec(cosine).kind == "cosine"
     assert PairScorer.from_spec("cosine").is_similarity
-    assert not PairScorer.from_spec("EUCLIDEAN").is_similarity
+    assert not PairScorer.from_spec(euclidean).is_similarity
     ism = PairScorer.from_spec(IntrospectiveMetric(CosineSimilarity()))
     assert ism.kind == "metric" and ism.is_similarity
     assert not PairScorer.from_spec(IntrospectiveMetric(EuclideanDistance())).is_similarity
