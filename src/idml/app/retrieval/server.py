@@ -107,6 +107,7 @@ def create_app(
     # 3 s at 10M unlabelled items. Built here, before the service starts, no request pays it.
     _ = index.class_ids
     fastapi = _require_fastapi()
+    from fastapi import Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse
     from starlette.concurrency import run_in_threadpool
@@ -177,7 +178,7 @@ def create_app(
         summary="neighbours of an image or of embeddings",
         openapi_extra=search_openapi(max_k, max_bytes, max_pixels, default_k, encoder is not None),
     )
-    async def search(request: fastapi.Request) -> dict[str, Any]:  # type: ignore[name-defined]
+    async def search(request: Request) -> dict[str, Any]:
         body = await _read_body(request, max_bytes)
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind == "multipart/form-data":
