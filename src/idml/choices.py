@@ -8,13 +8,14 @@ import enum
 from typing import Generic, TypeVar
 
 E = TypeVar("E", bound=enum.Enum)
+C = TypeVar("C", bound="ChoiceEnum")
 
 
 class ChoiceEnum(str, enum.Enum):
     """A string enum whose unknown values raise a ``ValueError`` listing the valid choices."""
 
     @classmethod
-    def _missing_(cls, value: object) -> ChoiceEnum | None:
+    def _missing_(cls: type[C], value: object) -> C | None:
         choices = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"{value!r} is not a valid {cls.__name__}; choose one of {choices}")
 

@@ -34,7 +34,7 @@ class Pooling(ChoiceEnum):
     def _missing_(cls, value: object) -> Pooling | None:
         # The run config spells the first two "avg" / "max"; accept exactly those aliases.
         alias = POOLING_NAMES.get(value) if isinstance(value, str) else None
-        return alias if alias is not None else super()._missing_(value)  # type: ignore[return-value]
+        return alias if alias is not None else super()._missing_(value)
 
 
 POOLING_NAMES: dict[str, Pooling] = {"avg": Pooling.GAP, "max": Pooling.GMP, "sum": Pooling.SUM}
