@@ -32,8 +32,7 @@ from PIL import Image
 from idml.app import storage
 from idml.app.cli import main
 from idml.app.inference import Encoder
-from idml.app.retrieval import Index, IndexFormatError
-from idml.app.retrieval import index as index_module
+from idml.app.retrieval import Index, IndexFormatError, index_folder
 from idml.app.run_folder import LOCK_FILE
 from tiny_run import CLASSIFICATION, TINY, train_tiny, write_images
 
@@ -151,7 +150,7 @@ def test_a_kill_at_every_step_of_index_add_leaves_a_valid_index(
         shutil.copytree(index_copy, snap)
         snapshots.append((step, snap))
 
-    monkeypatch.setattr(index_module, "_crash_point", killed_here)
+    monkeypatch.setattr(index_folder, "_crash_point", killed_here)
     killed_here("before")
     assert main(["index", str(world["more"]), "--out", str(index_copy), "--add"]) == 0
     steps = [s for s, _ in snapshots]

@@ -1,7 +1,9 @@
 """Retrieval for applications: a saved gallery index, search with confidence, and its service.
 
 * :class:`Index` (:mod:`idml.app.retrieval.index`): embeddings, ``||u||``, item ids/paths/labels and the
-  model they came from, saved as safetensors + JSON with checksums; exact blocked search or faiss.
+  model they came from; exact blocked search or faiss. Saved as a folder of versions, safetensors +
+  JSON with checksums, written atomically and read back verified
+  (:mod:`idml.app.retrieval.index_folder`).
 * :class:`AnswerPolicy` (:mod:`idml.app.retrieval.confidence`): the one place that scores an answer
   (calibrated, or the top-1 similarity) and decides whether it abstains.
 * :class:`GalleryReranking` (:mod:`idml.app.retrieval.reranking`): re-ranking at query time, its
@@ -11,7 +13,8 @@
 """
 
 from idml.app.retrieval.confidence import AnswerPolicy
-from idml.app.retrieval.index import Index, IndexFormatError, SearchResult
+from idml.app.retrieval.index import Index, SearchResult
+from idml.app.retrieval.index_folder import IndexFormatError
 from idml.app.retrieval.output import result_records
 from idml.app.retrieval.reranking import GalleryReranking
 

@@ -41,13 +41,8 @@ from idml.app.calibration import find_calibration, reranking_name
 from idml.app.distributed import DistributedContext, gather_shards
 from idml.app.inference import Encoder, ModelInfo
 from idml.app.retrieval.confidence import AnswerPolicy
-from idml.app.retrieval.index import (
-    Index,
-    IndexFormatError,
-    holds_index,
-    relative_to_root,
-    writing,
-)
+from idml.app.retrieval.index import Index, relative_to_root
+from idml.app.retrieval.index_folder import IndexFormatError, holds_index, writing
 from idml.app.retrieval.output import result_records
 from idml.app.retrieval.reranking import GalleryReranking
 from idml.data import IMAGE_EXTENSIONS
