@@ -80,8 +80,8 @@ class ClassificationSplit(TrainTestPair):
         return self.train.num_classes
 
 
-Side = Literal["train", "test"]
-_SIDES: tuple[Side, Side] = ("train", "test")
+_Side = Literal["train", "test"]
+_SIDES: tuple[_Side, _Side] = ("train", "test")
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class _Sampling:
     seed: int
     channels: Channels
 
-    def rows(self, class_ids: np.ndarray, side: Side) -> np.ndarray:
+    def rows(self, class_ids: np.ndarray, side: _Side) -> np.ndarray:
         """Sorted rows of at most the side's per-class count of each class (all when ``None``)."""
         limit, offset = (self.per_class, 0) if side == "train" else (self.test_per_class, 1)
         if limit is None:
