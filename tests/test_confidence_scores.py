@@ -179,3 +179,36 @@ def test_score_keys_round_trip_and_bad_keys_are_explained() -> None:
         score_from_key("top1@3")
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
         LabelMargin(0)
+
+
+def test_registration_takes_k_only_through_neighbour_score() -> None:
+    """A score's one parameter is ``k``, and only a :class:`NeighbourScore` (whose ``key`` and
+    ``depth`` carry it) may have it: a ``k`` elsewhere would never reach the key or the search
+    depth."""
+    from dataclasses import dataclass
+
+    from idml.evaluation.confidence import CONFIDENCE_SCORES, ConfidenceScore, register_score
+    from idml.evaluation.confidence.base import NeighbourScore
+
+    @dataclass(frozen=True)
+    class StrayK(Top1Similarity):
+        name = "stray_k"
+        k: int = 3
+
+    @dataclass(frozen=True)
+    class TwoParameters(NeighbourScore):
+        name = "two_parameters"
+        weight: float = 1.0
+
+        def __call__(self, answers: AnswerNeighbors) -> torch.Tensor:
+            return answers.scores[:, 0].double()
+
+    for cls in (StrayK, TwoParameters):
+        with pytest.raises(ValueError, match="only parameter is k, in a NeighbourScore"):
+            register_score(cls)
+        assert cls.name not in CONFIDENCE_SCORES
+    assert issubclass(CONFIDENCE_SCORES["margin"], NeighbourScore)
+    assert (LabelMargin(3).key, LabelMargin(3).depth) == ("margin@3", 3)
+    assert (Top1Similarity().key, Top1Similarity().depth) == ("top1", 1)
+    assert not issubclass(CONFIDENCE_SCORES["top1"], NeighbourScore)
+    assert issubclass(CONFIDENCE_SCORES["top1"], ConfidenceScore)

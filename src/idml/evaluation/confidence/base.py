@@ -3,7 +3,7 @@
 A score maps :class:`~idml.evaluation.confidence.answers.AnswerNeighbors` to one float64 value per
 query, larger = surer that the top-1 neighbour's label is right, NaN for a query without any
 neighbour. Each class sets ``name`` (its registry key) and, if it reads the first ``k``
-neighbours, has a ``k`` field; its :attr:`~ConfidenceScore.key` (``"margin@10"``) names it in
+neighbours, is a :class:`NeighbourScore` (whose one field is ``k``); its :attr:`~ConfidenceScore.key` (``"margin@10"``) names it in
 reports, metric keys (``r_auroc_margin@10``) and calibrator files. :func:`register_score` adds a
 class under its name, :func:`score_from_key` builds one back from a key (what a config or a
 calibrator file holds), and :data:`CONFIDENCE_SCORES` lists them all.
@@ -37,14 +37,14 @@ class ConfidenceScore(ABC):
 
     @property
     def key(self) -> str:
-        """The score's name with its neighbour count, e.g. ``"agreement@10"``."""
-        k = getattr(self, "k", None)
-        return self.name if k is None else f"{self.name}@{k}"
+        """The score's name, with its neighbour count for a :class:`NeighbourScore`
+        (``"agreement@10"``)."""
+        return self.name
 
     @property
     def depth(self) -> int:
         """How many neighbours per query the score reads."""
-        return int(getattr(self, "k", 1))
+        return 1
 
     needs_labels: ClassVar[bool] = False
     """Whether the score needs the gallery's labels (else it works on any index)."""
@@ -74,8 +74,12 @@ def register_score(cls: type[ConfidenceScore]) -> type[ConfidenceScore]:
     if not dataclasses.is_dataclass(cls):
         raise ValueError(f"{cls.__name__} must be a dataclass (its fields are its parameters)")
     fields = {f.name for f in dataclasses.fields(cls)}
-    if not fields <= {"k"}:
-        raise ValueError(f"{cls.__name__}: a score's only parameter is k, got {sorted(fields)}")
+    expected = {"k"} if issubclass(cls, NeighbourScore) else set()
+    if fields != expected:
+        raise ValueError(
+            f"{cls.__name__}: a score's only parameter is k, in a NeighbourScore (the scores that "
+            f"read k neighbours); got fields {sorted(fields)}"
+        )
     old = _SCORES.get(name)
     if old is not None and old is not cls:
         raise ValueError(f"confidence score name {name!r} is taken by {old.__name__}")
@@ -93,9 +97,11 @@ def score_from_key(key: str) -> ConfidenceScore:
     name, at, arg = str(key).partition("@")
     cls = _SCORES.get(name)
     if cls is None:
-        known = ", ".join(f"{n}@k" if _takes_k(c) else n for n, c in sorted(_SCORES.items()))
+        known = ", ".join(
+            f"{n}@k" if issubclass(c, NeighbourScore) else n for n, c in sorted(_SCORES.items())
+        )
         raise ValueError(f"unknown confidence score {key!r}; known: {known}")
-    if not _takes_k(cls):
+    if not issubclass(cls, NeighbourScore):
         if at:
             raise ValueError(f"confidence score {name!r} takes no @k, got {key!r}")
         return cls()
@@ -104,11 +110,7 @@ def score_from_key(key: str) -> ConfidenceScore:
             f"confidence score {name!r} reads k neighbours: write it {name}@k with k >= 1, "
             f"e.g. {name}@10 (got {key!r})"
         )
-    return cls(k=int(arg))  # type: ignore[call-arg]
-
-
-def _takes_k(cls: type[ConfidenceScore]) -> bool:
-    return any(f.name == "k" for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    return cls(k=int(arg))
 
 
 @dataclass(frozen=True)
@@ -121,3 +123,11 @@ class NeighbourScore(ConfidenceScore):
         k = self.k
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"{type(self).__name__}: k must be an integer >= 1, got {k!r}")
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.k}"
+
+    @property
+    def depth(self) -> int:
+        return self.k
