@@ -301,6 +301,17 @@ def test_bad_items_are_named(kwargs: dict, match: str) -> None:
         Index.create(**items)
 
 
+def test_saving_into_a_folder_that_is_not_an_index_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "holiday.jpg").write_bytes(b"not ours")
+    with pytest.raises(
+        IndexFormatError, match=r"photos exists and is not an index \(it holds holiday.jpg\)"
+    ):
+        Index.create(torch.randn(3, 4)).save(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["holiday.jpg"]  # nothing written, lock gone
+
+
 def test_faiss_backends_against_exact_search(tmp_path: Path) -> None:
     pytest.importorskip("faiss")
     g = torch.Generator().manual_seed(0)

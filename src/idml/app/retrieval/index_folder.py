@@ -141,11 +141,12 @@ def save_version(
                 f"{folder} already holds an index; pass --add to extend it, or choose another "
                 "folder"
             )
-        if not held and folder.exists() and _foreign_entries(folder):
+        foreign = set() if held else _foreign_entries(folder)  # writing() made the folder
+        if foreign:
             raise IndexFormatError(
                 f"{folder} exists and is not an index (it holds "
-                f"{', '.join(sorted(_foreign_entries(folder))[:3])}); refusing to write into "
-                "it. Choose another --out"
+                f"{', '.join(sorted(foreign)[:3])}); refusing to write into it. Choose another "
+                "--out"
             )
         _write_version(folder, _version_files(contents))
     return folder
