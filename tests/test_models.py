@@ -7,6 +7,7 @@ import json
 import math
 import pickle
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,33 @@ def test_bad_images_are_rejected() -> None:
         model(torch.zeros(2, 1, 8, 8, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"features must have shape \(batch, 128\)"):
         model.embed(torch.zeros(2, 64))
+
+
+def test_datasets_without_images_or_without_a_length_are_named() -> None:
+    import numpy as np
+    from torch.utils.data import IterableDataset
+
+    from idml.data import ArrayImageDataset
+    from idml.diagnostics import uncertainty_probe
+    from idml.models.encode import embed_dataset
+
+    class Stream(IterableDataset[tuple[torch.Tensor, int, int]]):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, int, int]]:
+            return iter(())
+
+    model = build_model("small_cnn", pretrained=False, embedding_dim=4, in_channels=1)
+    empty = ArrayImageDataset(np.zeros((0, 8, 8), np.uint8), np.zeros(0, np.int64), channels=1)
+    with pytest.raises(ValueError, match="the dataset to embed holds no images"):
+        embed_dataset(model, empty, 4, torch.device("cpu"))
+    with pytest.raises(
+        TypeError, match=r"embedding a dataset needs a map-style .* a Stream has no"
+    ):
+        embed_dataset(model, Stream(), 4, torch.device("cpu"))
+    idml = build_model(
+        "small_cnn", pretrained=False, embedding_dim=4, in_channels=1, uncertainty=True
+    )
+    with pytest.raises(TypeError, match=r"the uncertainty probe needs a map-style .* a Stream has"):
+        uncertainty_probe(idml, Stream())
 
 
 def test_backbone_names_are_typed() -> None:

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from idml.augment import GaussianBlur, LowResolution, Mixup, Occlusion
+from idml.data.datasets import dataset_length
 from idml.evaluation.confidence import error_auroc
 from idml.models.model import EmbeddingModel
 
@@ -65,10 +66,11 @@ def uncertainty_probe(
     """
     if model.uncertainty_head is None:
         raise ValueError("the model has no uncertainty head; ||u|| is only defined for IDML models")
-    n = min(images, len(dataset))  # type: ignore[arg-type]
+    size = dataset_length(dataset, "the uncertainty probe")
+    n = min(images, size)
     if n < 2:
         raise ValueError("the uncertainty probe needs at least 2 images")
-    index = torch.linspace(0, len(dataset) - 1, n).round().long().tolist()  # type: ignore[arg-type]
+    index = torch.linspace(0, size - 1, n).round().long().tolist()
     batch = torch.stack([dataset[i][0] for i in index])
     generator = torch.Generator().manual_seed(seed)
     labels = torch.zeros(n, dtype=torch.long)

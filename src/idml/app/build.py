@@ -40,7 +40,7 @@ from idml.data import (
 )
 from idml.data.batches import BatchCrops, DeviceBatches, UncroppedImages, collate_uncropped
 from idml.data.cache import open_cache
-from idml.data.datasets import TrainTestPair
+from idml.data.datasets import TrainTestPair, dataset_length
 from idml.data.decoding import Decoder
 from idml.embeddings import Embeddings
 from idml.evaluation import EvaluationReport
@@ -216,7 +216,8 @@ def train_loader(
 
 def sample_images(dataset: Dataset, count: int, generator: torch.Generator) -> Tensor:
     """``count`` random training images (SSR's ``source=separate``)."""
-    idx = torch.randperm(len(dataset), generator=generator)[:count]  # type: ignore[arg-type]
+    size = dataset_length(dataset, "SSR's separate images (ssr.source=separate)")
+    idx = torch.randperm(size, generator=generator)[:count]
     return torch.stack([dataset[int(i)][0] for i in idx])
 
 

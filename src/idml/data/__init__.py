@@ -21,6 +21,7 @@ from idml.data.datasets import (
     ImageFailure,
     Transform,
     VerificationReport,
+    dataset_length,
     decode_image_file,
     to_float_image,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "VerificationReport",
     "build_batch_sampler",
     "build_transforms",
+    "dataset_length",
     "dataset_options",
     "decode_image_file",
     "epoch_generator",

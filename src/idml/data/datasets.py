@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -53,6 +53,23 @@ Transform = Callable[[Tensor], object]
 """A callable from a ``uint8`` ``C×H×W`` image to an image tensor (e.g. a torchvision v2 pipeline)."""
 
 _DatasetT = TypeVar("_DatasetT", bound="ImageDataset")
+
+
+def dataset_length(dataset: Dataset, needed_for: str) -> int:
+    """``len(dataset)`` of a map-style dataset, or a ``TypeError`` naming ``needed_for`` where
+    the dataset has no length (an ``IterableDataset``): torch's ``Dataset`` does not declare
+    ``__len__``, so every caller that counts images asks here.
+
+    Example:
+        >>> dataset_length(ArrayImageDataset(np.zeros((3, 4, 4), np.uint8), np.arange(3)), "a count")
+        3
+    """
+    if not isinstance(dataset, Sized):
+        raise TypeError(
+            f"{needed_for} needs a map-style dataset (one with __len__ and __getitem__); "
+            f"a {type(dataset).__name__} has no length"
+        )
+    return len(dataset)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from idml.data.datasets import dataset_length
 from idml.embeddings import Embeddings
 from idml.progress import Progress
 
@@ -64,7 +65,7 @@ def embed_dataset(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if len(dataset) == 0:  # type: ignore[arg-type]
+    if dataset_length(dataset, "embedding a dataset") == 0:
         raise ValueError("the dataset to embed holds no images")
     was_training = model.training
     model.eval()

@@ -3,7 +3,7 @@ Mixup records) and the test-set embeddings of distributed evaluation (:mod:`idml
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, Subset
 
 from idml.app.distributed._context import DistributedContext
 from idml.augment import AugmentedBatch, MixupInfo, MixupMode
+from idml.data.datasets import dataset_length
 from idml.embeddings import Embeddings
 from idml.relations import LabelSets, pad_label_width
 
@@ -236,12 +237,8 @@ def contiguous_shard(dataset: Dataset[T], context: DistributedContext) -> Datase
     """
     if not context.is_distributed:
         return dataset
-    if not isinstance(dataset, Sized):
-        raise TypeError(
-            f"cannot shard a {type(dataset).__name__} over {context.world_size} processes: it has "
-            "no length; evaluation needs a map-style dataset (one with __len__ and __getitem__)"
-        )
-    indices = torch.arange(len(dataset)).tensor_split(context.world_size)[context.rank]
+    size = dataset_length(dataset, f"sharding evaluation over {context.world_size} processes")
+    indices = torch.arange(size).tensor_split(context.world_size)[context.rank]
     return Subset(dataset, indices.tolist())
 
 
