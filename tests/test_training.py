@@ -124,6 +124,31 @@ def test_ssr_trains_with_and_without_idml(tmp_path: Path, idml: bool, update: st
     assert trainer.ssr is not None
 
 
+def test_ssr_can_rank_images_drawn_from_the_whole_training_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idml.app import build
+    from idml.data import dataset_length
+
+    drawn: list[tuple[int, int, tuple[int, ...]]] = []
+    real = build.sample_images
+
+    def recording(
+        dataset: torch.utils.data.Dataset, count: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        images = real(dataset, count, generator)
+        drawn.append((dataset_length(dataset, "the test"), count, tuple(images.shape)))
+        return images
+
+    monkeypatch.setattr(build, "sample_images", recording)
+    extra = ["ssr.enabled=true", "ssr.task.p_task=1.0", "ssr.task.num_images=4"]
+    trainer, result = run(tmp_path, *extra, "ssr.task.source=separate")
+    assert "loss/ranking" in assert_finite_log(result.run_dir)[-1]
+    # One draw of four training images per step, from the training set rather than the batch.
+    train = trainer.data.train
+    assert drawn == [(len(train), 4, (4, *train[0][0].shape))] * 2
+
+
 def test_alternating_ssr_updates_the_amp_scale_once_per_backward(tmp_path: Path) -> None:
     # GradScaler contract: unscale and step every optimizer of a backward, then update() once.
     extra = ["ssr.enabled=true", "ssr.task.p_task=1.0", "ssr.task.num_images=4"]
