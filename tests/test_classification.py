@@ -261,6 +261,10 @@ def test_split_needs_every_class_on_both_sides(tmp_path: Path) -> None:
         (["task=classification", "ssr.enabled=true"], r"^ssr\.enabled: task classification"),
         (["task=classification", "eval.nmi=false"], r"^eval\.nmi: task classification"),
         (["task=classification", "data.protocol=validation"], r"^data\.protocol: task class"),
+        (
+            ["task=classification", "data.validation_order=last_groups"],
+            r"^data\.validation_order: task class",
+        ),
         (["task=classification", "data.dataset=cub"], r"^data\.dataset=cub: a zero-shot"),
         (["mixup.probability=0.5"], r"^mixup\.probability: task metric_learning does not read"),
         (["task=classification", "task.scalee=3"], r"unknown key 'task\.scalee'"),

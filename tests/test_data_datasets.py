@@ -19,6 +19,7 @@ from idml.data import (
     ImageRecords,
     decode_image_file,
 )
+from idml.data.datasets import last_whole_groups
 
 
 def toy_images(count: int, height: int = 6, width: int = 5) -> np.ndarray:
@@ -89,6 +90,35 @@ def test_split_checks_disjoint_and_non_empty() -> None:
         "test_classes": 2,
         "skipped_images": 0,
     }
+
+
+def test_held_out_groups_are_whole_and_named_errors_say_what_to_use() -> None:
+    # Ids 0-1 are group a, 2-5 group b, 6 group c: whole groups come off the end of the ids.
+    names = {0: "a/0", 1: "a/1", 2: "b/0", 3: "b/1", 4: "b/2", 5: "b/3", 6: "c/0"}
+    train = ArrayImageDataset(
+        toy_images(14), class_ids=[c for c in names for _ in (0, 1)], class_names=names
+    )
+    split = DMLSplit(train, ArrayImageDataset(toy_images(2), class_ids=[9, 9]), "toy")
+    # 0.5 of 7 classes: c alone (1/7) or b + c (5/7, the closer).
+    held = split.held_out(0.5, "last_groups")
+    assert held.val is not None and held.val.class_names == ("b/0", "b/1", "b/2", "b/3", "c/0")
+    assert held.train.class_names == ("a/0", "a/1") and held.test is split.test
+    # The same share by 'last' cuts group b (ceil(3.5) = 4 classes: b/1 to c/0).
+    assert split.validation(0.5).test.class_names == ("b/1", "b/2", "b/3", "c/0")
+    assert split.validation(0.1, "last_groups").test.class_names == ("c/0",)
+
+    flat = DMLSplit(ArrayImageDataset(toy_images(4), class_ids=[0, 0, 1, 1]), split.test, "flat")
+    with pytest.raises(
+        ValueError,
+        match=r"^key: holding out whole groups needs class names of "
+        r"the form group/class .*; the class names 0, 1 have no group; hold out classes with",
+    ):
+        last_whole_groups(flat.train.class_names, 0.5, "key")
+    with pytest.raises(ValueError, match=r"data\.validation_classes: holding out whole groups"):
+        flat.validation(0.5, "last_groups")
+    one = ArrayImageDataset(toy_images(4), class_ids=[0, 0, 1, 1], class_names={0: "g/x", 1: "g/y"})
+    with pytest.raises(ValueError, match=r"all 2 classes are in the one group 'g'"):
+        DMLSplit(one, split.test, "one").held_out(0.5, "last_groups")
 
 
 def test_file_dataset_grayscale_decoding_and_errors(tmp_path: Path) -> None:

@@ -140,3 +140,37 @@ def test_config_and_validation_protocol(root: Path) -> None:
     assert not set(held.train.class_names) & set(held.test.class_names)
     with pytest.raises(ValueError, match="needs root"):
         load_split("omniglot")
+
+
+@pytest.mark.parametrize(
+    ("order", "validated", "trained"),
+    [
+        # 'last' takes ceil(0.4·7) = 3 classes: Latin's two and one of Greek's, whose other
+        # character trains, so the validation side is not all unseen alphabets.
+        ("last", {"Greek", "Latin"}, {"Balinese", "Greek"}),
+        # Whole alphabets: Latin (2 of 7 classes, 0.29) is closer to 0.4 than Latin + Greek (0.57).
+        ("last_groups", {"Latin"}, {"Balinese", "Greek"}),
+    ],
+)
+def test_validation_can_hold_out_whole_alphabets(
+    root: Path, order: str, validated: set[str], trained: set[str]
+) -> None:
+    from idml.app import build
+
+    cfg = load_config(
+        None,
+        [
+            "data.dataset=omniglot",
+            f"data.root={root}",
+            "data.image_size=8",
+            "data.resize_size=null",
+            "data.protocol=validation",
+            "data.validation_classes=0.4",
+            f"data.validation_order={order}",
+        ],
+    )
+    held = build.build_data(cfg)
+    alphabets = lambda names: {name.split("/")[0] for name in names}  # noqa: E731
+    assert alphabets(held.test.class_names) == validated
+    assert alphabets(held.train.class_names) == trained
+    assert not set(held.train.class_names) & set(held.test.class_names)

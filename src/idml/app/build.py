@@ -117,7 +117,7 @@ def build_data(cfg: Config) -> DMLSplit:
     )
     split = reading_images(split, cfg)
     if d.protocol == "validation":
-        split = split.validation(d.validation_classes)
+        split = split.validation(d.validation_classes, d.validation_order)
     if cfg.calibration.held_out_classes > 0:  # never trained on: idml.app.calibration fits on them
         split = split.held_out(cfg.calibration.held_out_classes, cfg.calibration.held_out_order)
     return split

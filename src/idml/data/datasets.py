@@ -397,10 +397,12 @@ class ArrayImageDataset(ImageDataset):
         return taken
 
 
-HeldOutOrder = Literal["last", "spread"]
+HeldOutOrder = Literal["last", "spread", "last_groups"]
+"""Which training classes a validation or calibration carve holds out: :func:`held_out_positions`
+(``"last"``, ``"spread"``) or :func:`last_whole_groups` (``"last_groups"``)."""
 
 
-def held_out_positions(classes: int, held_out: int, order: HeldOutOrder) -> np.ndarray:
+def held_out_positions(classes: int, held_out: int, order: Literal["last", "spread"]) -> np.ndarray:
     """Positions (in class-id order) of the ``held_out`` of ``classes`` classes to hold out.
 
     ``"last"``: the last ones — where ids run by group (Omniglot's alphabets) whole groups, unseen
@@ -416,6 +418,47 @@ def held_out_positions(classes: int, held_out: int, order: HeldOutOrder) -> np.n
     if order == "last":
         return np.arange(classes - held_out, classes)
     return ((np.arange(held_out) + 0.5) * classes / held_out).astype(np.int64)
+
+
+def class_group(name: str) -> str:
+    """The group of a class named ``group/class`` (Omniglot's ``Korean/character01``: its
+    alphabet; a folder dataset's class two folders deep: the outer folder); ``""`` for a name
+    without a ``/``."""
+    return name.rpartition("/")[0]
+
+
+def last_whole_groups(class_names: Sequence[str], fraction: float, key: str) -> np.ndarray:
+    """Positions (in class-id order) of the classes of the last whole groups
+    (:func:`class_group`, ordered by their first class id): as many groups as bring the held-out
+    share of classes closest to ``fraction`` (the fewer on a tie), at least one and never all.
+
+    Zero-shot test classes come from groups the model never saw (Omniglot's test alphabets), so a
+    validation side that holds out whole groups has the same shift; held-out classes of groups
+    that also train (``"last"`` cuts through a group where ``fraction`` falls inside it) do not.
+    ``key`` names the setting in errors.
+
+    >>> names = ["Greek/a", "Greek/b", "Korean/a", "Korean/b", "Korean/c", "Latin/a", "Latin/b"]
+    >>> last_whole_groups(names, 0.25, "key").tolist(), last_whole_groups(names, 0.6, "key").tolist()
+    ([5, 6], [2, 3, 4, 5, 6])
+    """
+    groups = [class_group(name) for name in class_names]
+    if "" in groups:
+        raise ValueError(
+            f"{key}: holding out whole groups needs class names of the form group/class (as "
+            "Omniglot's alphabet/character, or class folders two deep); the class names "
+            f"{format_examples([n for n in class_names if '/' not in n])} have no group; hold "
+            "out classes with order 'last' or 'spread' instead"
+        )
+    order = list(dict.fromkeys(groups))  # first appearance in class-id order
+    if len(order) < 2:
+        raise ValueError(
+            f"{key}: all {len(groups)} classes are in the one group {order[0]!r}, so no whole "
+            "group can be held out while another trains; use order 'last' or 'spread'"
+        )
+    sizes = np.array([groups.count(g) for g in reversed(order)])
+    shares = np.cumsum(sizes)[:-1] / len(groups)  # the last 1, 2, … groups; never all
+    taken = set(order[len(order) - 1 - int(np.argmin(np.abs(shares - fraction))) :])
+    return np.array([i for i, g in enumerate(groups) if g in taken], dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -539,23 +582,24 @@ class DMLSplit(TrainTestPair):
             sides[side] = kept
         return DMLSplit(sides["train"], sides["test"], self.name, sides.get("val"))
 
-    def validation(self, fraction: float = 0.25) -> DMLSplit:
+    def validation(self, fraction: float = 0.25, order: HeldOutOrder = "last") -> DMLSplit:
         """The split hyper-parameters are chosen on, so that the test classes are never looked at:
         train against the source's ``val`` side when it has one, else a split of the *train*
-        classes alone — the last ``ceil(fraction·C)`` classes (by original class id) become the
+        classes alone — ``ceil(fraction·C)`` classes (the last by original class id, or spread
+        over the ids) or the last whole groups closest to ``fraction`` (``order``) become the
         evaluation side, the others train. The test side is dropped.
         """
         if self.val is not None:
             return DMLSplit(self.train, self.val, f"{self.name}/validation")
-        kept, held = self._carve_train_classes(fraction, "data.validation_classes")
+        kept, held = self._carve_train_classes(fraction, "data.validation_classes", order)
         return DMLSplit(kept, held, f"{self.name}/validation")
 
     def held_out(self, fraction: float, order: HeldOutOrder = "last") -> DMLSplit:
         """The same split with ``ceil(fraction·C)`` *train* classes moved to the ``val`` side,
         which the model never trains on (e.g. to fit a calibrated confidence on classes it did not
-        learn, like the unseen test classes it will meet): the last ones by original class id, or
-        spread evenly over the ids (``order``, :func:`held_out_positions`). A split whose source names a
-        ``val`` side already is returned as it is.
+        learn, like the unseen test classes it will meet): the last ones by original class id,
+        spread evenly over the ids, or the last whole groups (``order``, :data:`HeldOutOrder`). A
+        split whose source names a ``val`` side already is returned as it is.
         """
         if self.val is not None:
             return self
@@ -565,22 +609,36 @@ class DMLSplit(TrainTestPair):
     def _carve_train_classes(
         self, fraction: float, key: str, order: HeldOutOrder = "last"
     ) -> tuple[ImageDataset, ImageDataset]:
-        """``(train without ceil(fraction·C) of its classes, those classes)`` — which ones:
-        :func:`held_out_positions` — the second with the test side's transform (it is evaluated,
-        never trained on); ``key`` names the setting in errors."""
+        """``(train without a share fraction of its classes, those classes)`` — which ones:
+        :func:`held_out_positions` or :func:`last_whole_groups` — the second with the test side's
+        transform (it is evaluated, never trained on); ``key`` names the setting in errors."""
         if not 0.0 < fraction < 1.0:
             raise ValueError(
                 f"{key}: the share of train classes must lie in (0, 1), got {fraction}"
             )
         classes = np.asarray(self.train.classes)
-        held_out = int(np.ceil(fraction * len(classes)))
-        if not 1 <= held_out < len(classes):
-            raise ValueError(
-                f"{self.name}: a share of {fraction} of {len(classes)} train classes leaves no "
-                f"class on one side; change {key}"
+        if order == "last_groups":
+            positions = last_whole_groups(self.train.class_names, fraction, key)
+            groups = dict.fromkeys(class_group(self.train.class_names[i]) for i in positions)
+            logger.info(
+                "%s: holding out the groups %s (%d of %d classes) for %s=%s",
+                self.name,
+                ", ".join(groups),
+                len(positions),
+                len(classes),
+                key,
+                fraction,
             )
+        else:
+            held_out = int(np.ceil(fraction * len(classes)))
+            if not 1 <= held_out < len(classes):
+                raise ValueError(
+                    f"{self.name}: a share of {fraction} of {len(classes)} train classes leaves "
+                    f"no class on one side; change {key}"
+                )
+            positions = held_out_positions(len(classes), held_out, order)
         ids = self.train.class_ids.numpy()
-        held = np.isin(ids, classes[held_out_positions(len(classes), held_out, order)])
+        held = np.isin(ids, classes[positions])
         return (
             self.train.subset(np.flatnonzero(~held)),
             self.train.subset(np.flatnonzero(held)).with_transform(self.test.transform),

@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from idml.augment import MixupMode
+from idml.data.datasets import HeldOutOrder
 from idml.data.registry import DatasetName as Dataset
 from idml.data.registry import VerifyMode
 from idml.evaluation.clustering import KMeansBackend
@@ -318,6 +319,13 @@ class DataConfig(Section):
     )
     validation_classes: OpenUnitInterval = Field(
         0.25, description="share of the train classes held out by protocol=validation"
+    )
+    validation_order: HeldOutOrder = Field(
+        "last",
+        description="which train classes protocol=validation holds out: the 'last' by id, "
+        "'spread' evenly over the ids, or 'last_groups': the last whole groups of classes named "
+        "group/class (Omniglot's alphabets), as many as come closest to validation_classes, so "
+        "the validation classes come from unseen groups as zero-shot test classes do",
     )
     verify: VerifyMode = Field(
         "none",
@@ -690,12 +698,14 @@ class CalibrationConfig(Section):
         "confidence on after the last epoch (0: none; a val side the dataset names is used "
         "instead when it has one; without either, fit one later with `idml calibrate`)",
     )
-    held_out_order: Literal["last", "spread"] = Field(
+    held_out_order: HeldOutOrder = Field(
         "last",
         description="which training classes held_out_classes keeps out: the 'last' by id (where "
         "ids run by group — Omniglot's alphabets — whole groups, unseen like the test classes' "
-        "groups; measured the better calibration on Omniglot) or 'spread' evenly over the ids "
-        "(every group lends some: for test classes from the training classes' groups)",
+        "groups; measured the better calibration on Omniglot), 'spread' evenly over the ids "
+        "(every group lends some: for test classes from the training classes' groups) or "
+        "'last_groups', whole groups of classes named group/class, as many as come closest to "
+        "held_out_classes",
     )
     calibrator: Literal["logistic", "isotonic"] = Field(
         "logistic", description="logistic regression on the features, or isotonic on one"
