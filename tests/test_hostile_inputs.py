@@ -431,6 +431,39 @@ def test_a_tampered_index_is_refused_in_one_line(
     (index_copy / "current").write_text(version.name + "\n")
 
 
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        # A string where a flag belongs would read as true: paths could leave the gallery root.
+        ({"allow_outside_root": "no"}, "'allow_outside_root' must be true or false, got 'no'"),
+        ({"vectors": "yes"}, "'vectors' must be true or false, got 'yes'"),
+        ({"count": -1}, "'count' must be a non-negative integer, got -1"),
+        ({"dim": True}, "'dim' must be a non-negative integer, got True"),
+        ({"backend": "annoy"}, "unknown backend 'annoy' (valid: exact, faiss)"),
+        ({"metric": "euclidean"}, "'metric' is 'euclidean'; an index searches by 'cosine'"),
+        ({"faiss_factory": 32}, "'faiss_factory' must be a string or null, got 32"),
+        ({"model": ["run"]}, "'model' must be an object or null, got ['run']"),
+        ({"root": "gallery"}, "'root' must be an absolute folder path or null, got 'gallery'"),
+        ({"normalize": True}, "unknown keys ['normalize'] (valid: allow_outside_root, backend,"),
+        ({"dim": None, "drop": "dim"}, "manifest lacks 'dim'"),
+    ],
+)
+def test_every_manifest_key_is_checked_when_an_index_is_read(
+    tmp_path: Path, edit: dict[str, object], expected: str
+) -> None:
+    folder = Index.create(torch.eye(3), ids=["a", "b", "c"], root=tmp_path).save(tmp_path / "i")
+    path = _version(folder) / "manifest.json"
+    manifest = {**json.loads(path.read_text()), **edit}
+    if "drop" in edit:
+        del manifest[str(manifest.pop("drop"))]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(IndexFormatError) as refused:
+        Index.load(folder)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: ") and expected in message, message
+    assert message.endswith("; rebuild the index") and "\n" not in message
+
+
 def test_an_index_labelled_with_another_model_is_refused(
     world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -59,6 +59,7 @@ from idml.app.retrieval.index_folder import (
     BACKENDS,
     MANIFEST,
     SPOT_VECTORS,
+    IndexDescription,
     IndexFormatError,
     VersionContents,
     read_current,
@@ -531,11 +532,11 @@ class Index:
         reading an index to saving its extension); ``log`` hears of a dead writer's lock taken
         over.
         """
-        description = {
+        description = IndexDescription(
             **self.describe(),
-            "root": None if self.root is None else str(self.root),
-            "allow_outside_root": self.allow_outside_root,
-        }
+            root=None if self.root is None else str(self.root),
+            allow_outside_root=self.allow_outside_root,
+        )
         contents = VersionContents(
             description,
             self.embeddings,
@@ -555,11 +556,11 @@ class Index:
         the saved faiss ones."""
         contents, where = read_current(folder)
         described = contents.description
-        dim = described["dim"]
+        dim = described.dim
         model = None
-        if described.get("model") is not None:
+        if described.model is not None:
             try:
-                model = ModelInfo.from_dict(described["model"], str(where / MANIFEST))
+                model = ModelInfo.from_dict(described.model, str(where / MANIFEST))
             except (TypeError, ValueError) as err:
                 raise IndexFormatError(f"{err}; rebuild the index") from None
             if model.embedding_dim != dim:
@@ -568,10 +569,10 @@ class Index:
                     f"but the embeddings have {dim}; they are not its embeddings. "
                     "Rebuild the index"
                 )
-        params = search_parameters or described.get("search_parameters")
+        params = search_parameters or described.search_parameters
         if contents.faiss_index is not None:
             faiss_parameters(contents.faiss_index, params)
-        root = described.get("root")
+        root = described.root
         return cls(
             contents.embeddings,
             contents.uncertainty,
@@ -579,12 +580,12 @@ class Index:
             contents.paths,
             contents.labels,
             model,
-            described["backend"],
-            described.get("faiss_factory") or "HNSW32",
+            described.backend,
+            described.faiss_factory or "HNSW32",
             params,
             contents.faiss_index,
             None if root is None else Path(root),
-            bool(described.get("allow_outside_root", False)),
+            described.allow_outside_root,
             contents.spot,
         )
 

@@ -38,7 +38,7 @@ Example:
     ...     contents, where = read_current(Path(tmp) / "gallery")
     ...     sorted(p.name for p in where.iterdir())
     ['embeddings.safetensors', 'items.json', 'manifest.json']
-    >>> where.name, contents.ids, contents.description["count"], contents.description["backend"]
+    >>> where.name, contents.ids, contents.description.count, contents.description.backend
     ('v000001', ['a', 'b'], 2, 'exact')
 """
 
@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -80,7 +80,8 @@ EMBEDDINGS_FILE = "embeddings.safetensors"
 ITEMS_FILE = "items.json"
 FAISS_FILE = "faiss.index"
 CURRENT = "current"
-BACKENDS = ("exact", "faiss")
+Backend = Literal["exact", "faiss"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
 UNIT_NORM_TOLERANCE = 1e-3
 """How far a stored embedding's norm may be from 1: float32 normalisation leaves ~1e-7; an
 index whose vectors were written unnormalised (an edited file) is refused."""
@@ -93,19 +94,89 @@ class IndexFormatError(ValueError):
     """An index folder that is missing, corrupt, or does not fit what it is used with."""
 
 
-@dataclass(frozen=True)
-class VersionContents:
-    """What one version of an index folder holds: the index's description (the manifest without
-    its format, version, creation time and checksums) and its items.
+_MANIFEST_OWN_KEYS = ("format", "version", "created", "files")
+"""The manifest's keys about the file rather than the index."""
 
-    ``description`` has ``count``, ``dim``, ``backend``, ``faiss_factory``,
-    ``search_parameters``, ``vectors``, ``model``, ``root`` and ``allow_outside_root`` (an index of
-    the first format lacks the last two); ``embeddings`` is ``None`` for an index without vectors,
-    which keeps ``spot``, its first items' exact vectors, instead; ``faiss_index`` is the faiss
-    index of backend ``"faiss"``.
+
+@dataclass(frozen=True)
+class IndexDescription:
+    """What a manifest says of its index, beside its format, version, creation time and
+    checksums: how many items of what dimension, searched how, embedded by which model, with
+    paths relative to which gallery root.
+
+    :meth:`from_manifest` checks every key's type, so a hand-edited ``"allow_outside_root":
+    "no"`` is refused rather than read as true. Keys an older index lacks take their defaults (the
+    first format has no ``root`` or ``allow_outside_root``; indexes before ``--no-vectors`` have
+    no ``vectors``). ``model`` is a :class:`~idml.app.inference.ModelInfo` as a dict, checked
+    where it is used.
     """
 
-    description: dict[str, Any]
+    count: int
+    dim: int
+    backend: Backend
+    metric: Literal["cosine"] = "cosine"
+    faiss_factory: str | None = None
+    search_parameters: str | None = None
+    vectors: bool = True
+    model: dict[str, Any] | None = None
+    root: str | None = None
+    allow_outside_root: bool = False
+
+    _ON_DISK: ClassVar[tuple[str, ...]] = (  # the manifest's key order since the first format
+        "count", "dim", "metric", "backend", "faiss_factory", "search_parameters", "vectors",
+        "model", "root", "allow_outside_root",
+    )  # fmt: skip
+
+    def manifest_items(self) -> dict[str, Any]:
+        """The description's manifest keys, in the order the manifest has always had."""
+        return {key: getattr(self, key) for key in self._ON_DISK}
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any], path: Path) -> IndexDescription:
+        """The description a manifest (read from ``path``) holds, each key checked."""
+
+        def refuse(what: str) -> IndexFormatError:
+            return IndexFormatError(f"{path}: {what}; rebuild the index")
+
+        keys = set(cls._ON_DISK)
+        unknown = sorted(set(manifest) - keys - set(_MANIFEST_OWN_KEYS))
+        if unknown:
+            valid = ", ".join(sorted(keys | set(_MANIFEST_OWN_KEYS)))
+            raise refuse(f"unknown keys {unknown} (valid: {valid})")
+        for key in ("backend", "count", "dim"):
+            if key not in manifest:
+                raise refuse(f"manifest lacks {key!r}")
+        for key in ("count", "dim"):
+            value = manifest[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise refuse(f"{key!r} must be a non-negative integer, got {value!r}")
+        if manifest["backend"] not in BACKENDS:
+            raise refuse(f"unknown backend {manifest['backend']!r} (valid: {', '.join(BACKENDS)})")
+        if manifest.get("metric", "cosine") != "cosine":
+            raise refuse(f"'metric' is {manifest['metric']!r}; an index searches by 'cosine'")
+        for key in ("faiss_factory", "search_parameters"):
+            if not isinstance(manifest.get(key), (str, type(None))):
+                raise refuse(f"{key!r} must be a string or null, got {manifest[key]!r}")
+        for key in ("vectors", "allow_outside_root"):
+            if key in manifest and not isinstance(manifest[key], bool):
+                raise refuse(f"{key!r} must be true or false, got {manifest[key]!r}")
+        if not isinstance(manifest.get("model"), (dict, type(None))):
+            raise refuse(f"'model' must be an object or null, got {manifest['model']!r}")
+        root = manifest.get("root")
+        if root is not None and (not isinstance(root, str) or not os.path.isabs(root)):
+            raise refuse(f"'root' must be an absolute folder path or null, got {root!r}")
+        return cls(**{key: manifest[key] for key in cls._ON_DISK if key in manifest})
+
+
+@dataclass(frozen=True)
+class VersionContents:
+    """What one version of an index folder holds: the index's description and its items.
+
+    ``embeddings`` is ``None`` for an index without vectors, which keeps ``spot``, its first
+    items' exact vectors, instead; ``faiss_index`` is the faiss index of backend ``"faiss"``.
+    """
+
+    description: IndexDescription
     embeddings: Tensor | None
     spot: Tensor | None
     uncertainty: Tensor
@@ -205,7 +276,7 @@ def _version_files(contents: VersionContents) -> dict[str, bytes]:
             "spot": (
                 contents.spot
                 if contents.spot is not None
-                else torch.zeros(0, contents.description["dim"])
+                else torch.zeros(0, contents.description.dim)
             )
         }
     )
@@ -215,7 +286,7 @@ def _version_files(contents: VersionContents) -> dict[str, bytes]:
             {"ids": contents.ids, "paths": contents.paths, "labels": contents.labels}
         ).encode(),
     }
-    if contents.description["backend"] == "faiss":
+    if contents.description.backend == "faiss":
         import faiss
 
         files[FAISS_FILE] = faiss.serialize_index(contents.faiss_index).tobytes()
@@ -223,7 +294,7 @@ def _version_files(contents: VersionContents) -> dict[str, bytes]:
         "format": FORMAT,
         "version": VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **contents.description,
+        **contents.description.manifest_items(),
         "files": {
             name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
             for name, data in files.items()
@@ -251,27 +322,22 @@ def read_current(folder: str | Path) -> tuple[VersionContents, Path]:
 
 def _read_version(folder: Path, version: str | None) -> tuple[VersionContents, Path]:
     where = folder if version is None else folder / version
-    manifest = read_manifest(folder, version)
-    data = {name: _verified_bytes(where, name, entry) for name, entry in manifest["files"].items()}
+    description, files = read_manifest(folder, version)
+    data = {name: _verified_bytes(where, name, entry) for name, entry in files.items()}
     for required in (EMBEDDINGS_FILE, ITEMS_FILE) + (
-        (FAISS_FILE,) if manifest["backend"] == "faiss" else ()
+        (FAISS_FILE,) if description.backend == "faiss" else ()
     ):
         if required not in data:
             raise IndexFormatError(f"{where / MANIFEST}: lists no {required}; rebuild the index")
-    emb, unc, spot = _read_embeddings(where / EMBEDDINGS_FILE, data[EMBEDDINGS_FILE], manifest)
+    emb, unc, spot = _read_embeddings(where / EMBEDDINGS_FILE, data[EMBEDDINGS_FILE], description)
     ids, paths, labels = _read_items(where / ITEMS_FILE, data[ITEMS_FILE], len(unc))
     faiss_index = None
-    if manifest["backend"] == "faiss":
-        faiss_index = _read_faiss(where / FAISS_FILE, data[FAISS_FILE], (len(unc), manifest["dim"]))
+    if description.backend == "faiss":
+        faiss_index = _read_faiss(where / FAISS_FILE, data[FAISS_FILE], (len(unc), description.dim))
     elif emb is None:
         raise IndexFormatError(
             f"{where / EMBEDDINGS_FILE}: an exact index needs its 'embeddings'; rebuild it"
         )
-    description = {
-        key: value
-        for key, value in manifest.items()
-        if key not in ("format", "version", "created", "files")
-    }
     contents = VersionContents(description, emb, spot, unc, ids, paths, labels, faiss_index)
     return contents, where
 
@@ -300,9 +366,12 @@ def holds_index(folder: Path) -> bool:
     return (folder / CURRENT).is_file() or (folder / MANIFEST).is_file()
 
 
-def read_manifest(folder: Path, version: str | None = None) -> dict[str, Any]:
+def read_manifest(
+    folder: Path, version: str | None = None
+) -> tuple[IndexDescription, dict[str, dict[str, Any]]]:
     """The manifest of an index folder's ``version`` (``None``: a first-format index, whose files
-    are in the folder itself), validated for format, version and keys."""
+    are in the folder itself), validated for format, version and keys: the index's description
+    and its files (name → ``sha256`` and ``bytes``)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such index folder; build one with `idml index`")
     where = folder if version is None else folder / version
@@ -324,13 +393,9 @@ def read_manifest(folder: Path, version: str | None = None) -> dict[str, Any]:
             f"{path}: index format version {manifest.get('version')!r}, this idml reads "
             f"{list(READABLE_VERSIONS)}; rebuild the index with this version"
         )
-    for key in ("files", "backend", "count", "dim"):
-        if key not in manifest:
-            raise IndexFormatError(f"{path}: manifest lacks {key!r}; rebuild the index")
-    if manifest["backend"] not in BACKENDS:
-        raise IndexFormatError(
-            f"{path}: unknown backend {manifest['backend']!r}; valid: {BACKENDS}"
-        )
+    if "files" not in manifest:
+        raise IndexFormatError(f"{path}: manifest lacks 'files'; rebuild the index")
+    description = IndexDescription.from_manifest(manifest, path)
     files = manifest["files"]
     known = {EMBEDDINGS_FILE, ITEMS_FILE, FAISS_FILE}
     if not isinstance(files, dict) or not all(
@@ -344,17 +409,7 @@ def read_manifest(folder: Path, version: str | None = None) -> dict[str, Any]:
             f"{path}: lists files {strange[:3]} that are not index files ({sorted(known)}); "
             "rebuild the index"
         )
-    for key in ("count", "dim"):
-        if (
-            isinstance(manifest[key], bool)
-            or not isinstance(manifest[key], int)
-            or manifest[key] < 0
-        ):
-            raise IndexFormatError(f"{path}: {key!r} must be a non-negative integer")
-    root = manifest.get("root")
-    if root is not None and (not isinstance(root, str) or not os.path.isabs(root)):
-        raise IndexFormatError(f"{path}: 'root' must be an absolute folder path or null")
-    return manifest
+    return description, files
 
 
 def _current_version(folder: Path) -> str | None:
@@ -389,9 +444,9 @@ def _version_number(name: str) -> int:
     return int(name[1:])
 
 
-def _count(folder: Path, version: str | None) -> Any:
+def _count(folder: Path, version: str | None) -> int | str:
     try:
-        return read_manifest(folder, version)["count"]
+        return read_manifest(folder, version)[0].count
     except (OSError, ValueError):
         return "?"
 
@@ -423,7 +478,7 @@ def _verified_bytes(where: Path, name: str, entry: dict[str, Any]) -> bytes:
 
 
 def _read_embeddings(
-    path: Path, data: bytes, manifest: dict[str, Any]
+    path: Path, data: bytes, description: IndexDescription
 ) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """The stored vectors (``None`` for an index without them), ``||u||`` and, without vectors,
     the first items' exact vectors."""
@@ -434,27 +489,27 @@ def _read_embeddings(
             f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]}); "
             "rebuild the index"
         ) from None
-    stored = bool(manifest.get("vectors", True))
+    stored, count, dim = description.vectors, description.count, description.dim
     name = "embeddings" if stored else "spot"
     emb, unc = tensors.get(name), tensors.get("uncertainty")
     if emb is None or unc is None:
         raise IndexFormatError(f"{path}: needs tensors {name!r} and 'uncertainty'; rebuild it")
-    rows = manifest["count"] if stored else min(manifest["count"], SPOT_VECTORS)
+    rows = count if stored else min(count, SPOT_VECTORS)
     if (
         emb.dtype != torch.float32
         or emb.dim() != 2
         or unc.dtype != torch.float32
-        or unc.shape != (manifest["count"],)
+        or unc.shape != (count,)
     ):
         raise IndexFormatError(
             f"{path}: {name!r} must be float32 (N, d) and 'uncertainty' float32 (N,) of the "
-            f"manifest's {manifest['count']} items, got {emb.dtype} {tuple(emb.shape)} and "
+            f"manifest's {count} items, got {emb.dtype} {tuple(emb.shape)} and "
             f"{unc.dtype} {tuple(unc.shape)}; rebuild the index"
         )
-    if (emb.shape[0], emb.shape[1]) != (rows, manifest["dim"]):
+    if (emb.shape[0], emb.shape[1]) != (rows, dim):
         raise IndexFormatError(
             f"{path}: holds {emb.shape[0]} × {emb.shape[1]} {name} but the manifest says "
-            f"{rows} × {manifest['dim']}; rebuild the index"
+            f"{rows} × {dim}; rebuild the index"
         )
     if not bool(torch.isfinite(emb).all()) or not bool(torch.isfinite(unc).all()):
         raise IndexFormatError(f"{path}: holds NaN or inf; rebuild the index")
