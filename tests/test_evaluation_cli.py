@@ -197,6 +197,24 @@ def test_missing_labels_and_files_are_clear_errors(tmp_path: Path, data, capsys)
     assert code == 2 and "unsupported file type" in err
 
 
+def test_non_finite_values_in_a_file_name_the_file_and_rows(tmp_path: Path, data, capsys) -> None:
+    x, labels, _ = data
+    broken = x.copy()
+    broken[[3, 7]] = np.nan
+    path = _write(tmp_path / "e.npz", "npz", {"embeddings": broken, "labels": labels})
+    code, _, err = _run(capsys, "evaluate", "--embeddings", str(path))
+    assert (
+        code == 2 and f"{path}: 'embeddings' holds NaN or inf in 2 rows (the first: [3, 7])" in err
+    )
+    levels = np.ones(len(x), np.float32)
+    levels[5] = np.inf
+    path = _write(
+        tmp_path / "u.npz", "npz", {"embeddings": x, "uncertainty": levels, "labels": labels}
+    )
+    code, _, err = _run(capsys, "evaluate", "--embeddings", str(path))
+    assert code == 2 and f"{path}: 'uncertainty' holds NaN or inf in 1 row (the first: [5])" in err
+
+
 def test_bad_ks_is_rejected_by_the_parser(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["evaluate", "--embeddings", "x.npy", "--ks", "1,two"])

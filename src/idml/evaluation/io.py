@@ -234,6 +234,17 @@ def load_embedding_file(path: str | Path, entry_names: EntryNames = USUAL_ENTRIE
             f"{path}: embeddings must be a floating (N, d) array, got dtype {semantic.dtype} "
             f"and shape {tuple(semantic.shape)}"
         )
+    for name, values in (("embeddings", semantic), ("uncertainty", uncertainty)):
+        if values is None or not values.dtype.is_floating_point or len(values) == 0:
+            continue
+        bad = ~torch.isfinite(values.reshape(len(values), -1)).all(dim=1)
+        if bool(bad.any()):
+            count = int(bad.sum())
+            raise ValueError(
+                f"{path}: {name!r} holds NaN or inf in {count} row{'s' * (count > 1)} (the first: "
+                f"{bad.nonzero().flatten()[:5].tolist()}); the model that wrote them diverged or "
+                "the file is damaged: write it again"
+            )
     for key in ("paths", "roles"):
         rows = text.get(key)
         if rows is not None and len(rows) != semantic.shape[0]:
