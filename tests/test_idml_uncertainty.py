@@ -321,3 +321,30 @@ def _test_levels(trainer: Trainer) -> torch.Tensor:
         emb, _ = embed_dataset(trainer.model, trainer.data.test, 256, torch.device("cpu"))
     assert emb.uncertainty is not None
     return emb.uncertainty.norm(dim=1)
+
+
+def test_the_train_test_gap_script_reads_a_finished_run(tmp_path: Path) -> None:
+    """``benchmarks/uncertainty_train_test_gap.py`` on a tiny IDML run: the trained level is the
+    trainer's own log, every mode combination is reported, and a run without the head is named."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_run import train_tiny
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "uncertainty_train_test_gap.py"
+    (tmp_path / "idml").mkdir()
+    (tmp_path / "plain").mkdir()
+    run = train_tiny(tmp_path / "idml", IDML)
+    args = [sys.executable, str(script), str(run), "--replay", "2", "--images", "16"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    row = next(line for line in out.splitlines() if line.startswith(f"| {run} | "))
+    assert row.split("|")[2].strip() == f"{logged['uncertainty/original']:.4f}"
+    modes = out.splitlines()[-1].split("|")[2:-1]
+    assert len(modes) == 4 and all(0.0 < float(m) < 1.0 for m in modes)  # u_max is 1
+    plain = train_tiny(tmp_path / "plain")
+    refused = subprocess.run(
+        [sys.executable, str(script), str(plain)], capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "has no bounded uncertainty head" in refused.stderr
