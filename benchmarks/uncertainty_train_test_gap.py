@@ -13,10 +13,11 @@ folder this prints:
 - ``eval test``: the same for the test images;
 - the level logit's shift from ``trained`` to ``eval train`` (``logit(||u||/u_max)``);
 - with ``--replay N``: the head's running statistics recomputed from ``N`` training-like batches
-  (the training transform, class-balanced, Mixup as the run had it, every layer in training mode),
-  as the mean distance from the checkpoint's in standard deviations — small when the checkpoint's
-  statistics are those of training, so the gap is the train/test difference and not a corrupted
-  buffer; and ``||u||`` of the untouched images of half those batches with the backbone's
+  (the training transform, class-balanced, the run's own batch augmentations, every layer in
+  training mode), as the mean distance from the checkpoint's in standard deviations; the test
+  images' eval-mode ``||u||`` with every BatchNorm's statistics so replayed (a plain average over
+  the batches rather than the training's moving average: if the gap were that average's noise, it
+  would close here); and ``||u||`` of the untouched images of half those batches with the backbone's
   BatchNorm and the level's standardisation each in training or eval mode, which says where the
   gap comes from.
 
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 
 from idml.app import build
 from idml.app.trained_run import load_trained_model
-from idml.augment import Mixup
+from idml.augment import AugmentationPipeline
 from idml.data import ImageDataset
 from idml.models.heads import BoundedUncertaintyHead
 from idml.models.model import EmbeddingModel
@@ -63,12 +64,12 @@ def training_batches(
     dataset: ImageDataset,
     count: int,
     per_batch: tuple[int, int],
-    mixup: Mixup | None,
+    augment: AugmentationPipeline,
     seed: int,
-) -> list[tuple[Tensor, int]]:
+) -> list[tuple[Tensor, Tensor]]:
     """``count`` batches as training draws them: ``per_batch`` = (classes, images per class) of
-    ``dataset`` (its training transform), Mixup's images appended when the run had Mixup; each
-    with the number of untouched images at its start."""
+    ``dataset`` (its training transform), through the run's own batch augmentations (Mixup's
+    images appended, degradations); each with the mask of its untouched images."""
     generator = torch.Generator().manual_seed(seed)
     labels = dataset.labels
     classes = labels.unique()
@@ -84,23 +85,28 @@ def training_batches(
                 for c in chosen
             ]
         )
-        images = torch.stack([dataset[int(i)][0] for i in index])
-        if mixup is not None:
-            images = mixup(images, labels[index], generator).images
-        batches.append((images, len(index)))
+        batch = augment(torch.stack([dataset[int(i)][0] for i in index]), labels[index], generator)
+        batches.append((batch.images, ~batch.altered))
     return batches
 
 
 @torch.no_grad()
-def replay_distance(model: EmbeddingModel, batches: list[tuple[Tensor, int]]) -> float:
-    """Mean ``|replayed − stored|/σ`` of the level's standardisation means over the features, the
-    replay running ``batches`` through a copy of the model in training mode."""
-    stored, copy_model = standardisation(model), copy.deepcopy(model).train()
-    bn = standardisation(copy_model)
-    bn.reset_running_stats()
-    bn.momentum = None  # a plain average over the replayed batches
+def replayed(model: EmbeddingModel, batches: list[tuple[Tensor, Tensor]]) -> EmbeddingModel:
+    """A copy of ``model`` whose every BatchNorm holds the plain average of ``batches``' statistics
+    (run in training mode) instead of the training's exponential moving average."""
+    copy_model = copy.deepcopy(model).train()
+    for module in copy_model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.reset_running_stats()
+            module.momentum = None  # a plain average over the replayed batches
     for images, _ in batches:
         copy_model(images)
+    return copy_model.eval()
+
+
+def replay_distance(model: EmbeddingModel, replay: EmbeddingModel) -> float:
+    """Mean ``|replayed − stored|/σ`` of the level's standardisation means over the features."""
+    stored, bn = standardisation(model), standardisation(replay)
     # track_running_stats is on (BatchNorm1d's default, which the head keeps): the buffers exist.
     assert stored.running_mean is not None and stored.running_var is not None
     assert bn.running_mean is not None
@@ -110,7 +116,7 @@ def replay_distance(model: EmbeddingModel, batches: list[tuple[Tensor, int]]) ->
 
 @torch.no_grad()
 def levels_by_mode(
-    model: EmbeddingModel, batches: list[tuple[Tensor, int]]
+    model: EmbeddingModel, batches: list[tuple[Tensor, Tensor]]
 ) -> dict[tuple[str, str], float]:
     """Mean ``||u||`` of the untouched images of ``batches`` with the backbone and the head's
     standardisation each in training mode (the batch's statistics) or eval mode (the running
@@ -120,7 +126,7 @@ def levels_by_mode(
         for head in ("train", "eval"):
             copy_model = copy.deepcopy(model).train(backbone == "train")
             standardisation(copy_model).train(head == "train")
-            clean = [copy_model(images).uncertainty[:n].norm(dim=1) for images, n in batches]
+            clean = [copy_model(x).uncertainty[untouched].norm(dim=1) for x, untouched in batches]
             levels[backbone, head] = float(torch.cat(clean).mean())
     return levels
 
@@ -152,7 +158,8 @@ def measure(run: Path, args: argparse.Namespace) -> dict[str, object]:
     train_eval = eval_levels(
         model, evenly_spaced(split.train.with_transform(split.test.transform), args.images)
     )
-    test_eval = eval_levels(model, evenly_spaced(split.test, args.images))
+    test_images = evenly_spaced(split.test, args.images)
+    test_eval = eval_levels(model, test_images)
     u_max = head.max_norm
     row: dict[str, object] = {
         "run": str(run),
@@ -164,12 +171,12 @@ def measure(run: Path, args: argparse.Namespace) -> dict[str, object]:
         "logit_shift": logit(float(train_eval.mean()) / u_max) - logit(trained / u_max),
     }
     if args.replay > 0:
-        mixup = (
-            Mixup(alpha=cfg.mixup.alpha, fraction=cfg.mixup.fraction) if cfg.mixup.enabled else None
-        )
         per_batch = (cfg.sampler.classes_per_batch, cfg.sampler.images_per_class)
-        batches = training_batches(split.train, args.replay, per_batch, mixup, seed=0)
-        row["replay_sd"] = replay_distance(model, batches)
+        augment = build.build_augmentations(cfg)
+        batches = training_batches(split.train, args.replay, per_batch, augment, seed=0)
+        replay = replayed(model, batches)
+        row["replay_sd"] = replay_distance(model, replay)
+        row["replay_test"] = float(eval_levels(replay, test_images).mean())
         row["modes"] = levels_by_mode(model, batches[: max(1, args.replay // 2)])
     return row
 
@@ -188,14 +195,14 @@ def main() -> None:
     )
     rows = [measure(run, args) for run in args.runs]
     replay = args.replay > 0
-    print(header + (" replay Δ mean (σ) |" if replay else ""))
-    print("|---" * (6 if replay else 5) + "|")
+    print(header + (" replay Δ mean (σ) | eval ‖u‖, test, replayed statistics |" if replay else ""))
+    print("|---" * (7 if replay else 5) + "|")
     for r in rows:
         line = (
             f"| {r['run']} | {r['trained']:.4f} | {r['eval_train']:.4f} ({r['eval_train_cv']:.2f}) "
             f"| {r['eval_test']:.4f} ({r['eval_test_cv']:.2f}) | {r['logit_shift']:+.2f} |"
         )
-        print(line + (f" {r['replay_sd']:.2f} |" if replay else ""))
+        print(line + (f" {r['replay_sd']:.2f} | {r['replay_test']:.4f} |" if replay else ""))
     if replay:
         print(
             "\n||u|| of the untouched images of training batches (Mixup appended as trained), "
