@@ -348,3 +348,48 @@ def test_the_train_test_gap_script_reads_a_finished_run(tmp_path: Path) -> None:
         [sys.executable, str(script), str(plain)], capture_output=True, text=True
     )
     assert refused.returncode != 0 and "has no bounded uncertainty head" in refused.stderr
+
+
+def test_a_running_standardised_level_does_not_depend_on_the_batch() -> None:
+    """``level_input=standardized_running``: from the same state, an image's ``||u||`` is the same
+    in any batch and equals eval mode's; the running averages still learn the features, and the
+    level still gets a gradient. The batch-statistics default gives the same image another
+    ``||u||`` in each batch."""
+    import copy
+
+    torch.manual_seed(0)
+    image, others_a, others_b = torch.randn(1, 8), torch.randn(15, 8) * 2 + 3, torch.randn(15, 8)
+
+    def first_levels(level_input: str) -> tuple[BoundedUncertaintyHead, list[float]]:
+        head = BoundedUncertaintyHead(8, 4, level_input=level_input).train()
+        torch.nn.init.normal_(head.level.weight)
+        for _ in range(20):  # running averages away from their (0, 1) start
+            head(torch.randn(16, 8) + 1)
+        seen = [
+            float(copy.deepcopy(head)(torch.cat([image, others]))[0].detach().norm())
+            for others in (others_a, others_b)
+        ]
+        return head, seen
+
+    running, seen = first_levels("standardized_running")
+    assert seen[0] == pytest.approx(seen[1], rel=1e-6)  # float32: the same arithmetic twice
+    batch = torch.cat([image, others_a])
+    at_test = copy.deepcopy(running).eval()(batch)
+    assert torch.allclose(running(batch), at_test, rtol=1e-6, atol=1e-7)  # what training saw
+    bn = running.standardize
+    assert isinstance(bn, torch.nn.BatchNorm1d) and bn.running_mean is not None
+    assert not torch.allclose(bn.running_mean, torch.zeros(8))  # the averages moved
+    running(batch).norm(dim=1).sum().backward()
+    grad = running.level.weight.grad
+    assert grad is not None and float(grad.abs().sum()) > 0
+    _, seen_default = first_levels("standardized")
+    assert abs(seen_default[0] - seen_default[1]) > 1e-3
+
+
+def test_a_run_trains_with_the_running_standardised_level(tmp_path: Path) -> None:
+    cfg = load_config(None, [*TINY, *IDML, "model.uncertainty.level_input=standardized_running"])
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    trainer.fit()
+    head = trainer.model.uncertainty_head
+    assert isinstance(head, BoundedUncertaintyHead)
+    assert head.level_input.value == "standardized_running"

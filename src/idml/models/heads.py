@@ -159,6 +159,13 @@ class LevelInput(ChoiceEnum):
     DIRECTION = "direction"
     """The unit feature direction ``f̂ = f/||f||``: the head before the standardised input became the
     default, kept for the runs trained with it and as the ablation that shows why it changed."""
+    STANDARDIZED_RUNNING = "standardized_running"
+    """Standardised by the running statistics in training as at test (the running averages are
+    still updated from every training batch, with no gradient through them): an image's ``||u||``
+    then depends on the image alone, never on the batch it trains in. The batch-statistics
+    default lets the level read an image against its batch, and at test, against the running
+    averages, the same image can get a very different ``||u||`` (``benchmarks/RESULTS.md``, "The
+    ``||u||`` a model reports at test is not the ``||u||`` it trained with")."""
 
 
 class BoundedUncertaintyHead(nn.Module):
@@ -172,7 +179,8 @@ class BoundedUncertaintyHead(nn.Module):
 
     where ``n(f)`` is ``f`` standardised per dimension, ``(f − E f)/√(Var f + ε)``, with the batch's
     statistics while training and their running averages at test time (BatchNorm without affine
-    parameters; ``level_input="direction"`` reads ``f̂ = f/||f||`` instead).
+    parameters; ``level_input="standardized_running"`` uses the running averages while training
+    too, ``level_input="direction"`` reads ``f̂ = f/||f||`` instead).
 
     Why a bounded level (IDML, Wang et al. 2022, Eq. 5–6): ISM weakens a pair by ``e^{−y}``,
     ``y = (β + γ)/(τ·δ)`` with ``β = ||u_i + u_j||`` and the semantic chord ``δ ∈ [0, 2]``. ``β``
@@ -241,9 +249,9 @@ class BoundedUncertaintyHead(nn.Module):
         self.linear = nn.Linear(feature_dim, uncertainty_dim)
         self.level_input = LevelInput(level_input)
         self.standardize: nn.Module | None = (
-            nn.BatchNorm1d(feature_dim, affine=False)
-            if self.level_input is LevelInput.STANDARDIZED
-            else None
+            None
+            if self.level_input is LevelInput.DIRECTION
+            else nn.BatchNorm1d(feature_dim, affine=False)
         )
         self.level = nn.Linear(feature_dim, 1)
         nn.init.zeros_(self.level.weight)
@@ -255,7 +263,18 @@ class BoundedUncertaintyHead(nn.Module):
         """``n(f)``: what the level logit reads (see the class docstring)."""
         if self.standardize is None:
             return unit_rows(features)
-        return self.standardize(features.float())
+        if self.level_input is not LevelInput.STANDARDIZED_RUNNING:
+            return self.standardize(features.float())
+        bn = self.standardize
+        assert isinstance(bn, nn.BatchNorm1d) and bn.running_mean is not None  # as __init__ built
+        assert bn.running_var is not None
+        # The statistics before this batch (copies: the update below is in place), so no image's
+        # level depends on the batch it is in; then the batch updates the running averages.
+        mean, var = bn.running_mean.clone(), bn.running_var.clone()
+        if self.training:
+            with torch.no_grad():
+                bn(features.detach().float())
+        return F.batch_norm(features.float(), mean, var, training=False, eps=bn.eps)
 
     def forward(self, features: Tensor) -> Tensor:
         direction = unit_rows(self.linear(features))

@@ -418,7 +418,9 @@ class UncertaintyHeadConfig(Section):
     level_input: LevelInputName = Field(
         "standardized",
         description="bounded form: the level logit reads the features standardised over the "
-        "batch (default) or their unit direction (the head before 2026-12; u barely moves)",
+        "batch (default), standardised by the running statistics in training too "
+        "(standardized_running: ||u|| at test is the trained one), or their unit direction (the "
+        "head before 2026-12; u barely moves)",
     )
     normalize: bool = Field(
         False, description="L2-normalise u as the official code does (starves the head)"

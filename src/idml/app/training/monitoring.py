@@ -220,7 +220,7 @@ def identity_advice(cfg: Config) -> str:
             "||u||; the bounded head (form=bounded, the default) lets u vary from its start"
         )
     advice = []
-    if head.level_input != "standardized":
+    if head.level_input == "direction":
         advice.append(
             "read the level from standardised features (model.uncertainty.level_input="
             "standardized; the unit direction moves every image's ||u|| as one number)"
