@@ -110,7 +110,8 @@ def replay_distance(model: EmbeddingModel, replay: EmbeddingModel) -> float:
     # track_running_stats is on (BatchNorm1d's default, which the head keeps): the buffers exist.
     assert stored.running_mean is not None and stored.running_var is not None
     assert bn.running_mean is not None
-    distance = (bn.running_mean - stored.running_mean).abs() / stored.running_var.sqrt()
+    spread = (stored.running_var + stored.eps).sqrt()  # as the layer divides: dead features too
+    distance = (bn.running_mean - stored.running_mean).abs() / spread
     return float(distance.mean())
 
 
