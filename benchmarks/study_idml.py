@@ -35,6 +35,11 @@ Arms (:data:`idml_study.design.ARMS`), each for Multi-Similarity, ProxyAnchor an
   pairs unevenly, does it help? Its own controls: ``idml_u_high_frozen_u`` (the same start, the
   head never trains) and ``idml_u_high_uniform`` (``u ≡ 0``, γ matched to its weakening), compared
   in a table of their own (:data:`idml_study.design.U_HIGH_COMPARISONS`, Holm within it).
+- ``idml_running``: ``idml`` with the level standardised by running statistics in training as at
+  test (``model.uncertainty.level_input=standardized_running``), so the ``u`` measured and used at
+  test is the one that trained; its own controls ``idml_running_frozen_u`` and
+  ``idml_running_uniform``, in a table section of their own
+  (:data:`idml_study.design.RUNNING_LEVEL_COMPARISONS`, Holm within it).
 - ``idml_ext``: ``idml`` plus the Mixup-supervised uncertainty *extension*
   (``mixup.uncertainty_weight``, :mod:`idml.losses.ambiguity`), never the default.
 

@@ -360,6 +360,23 @@ def test_the_mechanism_row_trends_the_altered_images_it_names(study: Study) -> N
     assert study.tables.mechanism_row("occlusion", "baseline", {2: seeds[2]}) is None
 
 
+def test_every_probe_section_compares_arms_of_the_main_grid(study: Study) -> None:
+    """Each section beside the main differences (its own Holm family) names arms that exist, and
+    the level standardised as at test differs from IDML by that override alone."""
+    design = study.design
+    assert [comparisons for _, comparisons in design.PROBES] == [
+        design.U_HIGH_COMPARISONS,
+        design.RUNNING_LEVEL_COMPARISONS,
+    ]
+    for title, comparisons in design.PROBES:
+        assert title and all(
+            ref in design.ARMS and arm in design.ARMS for _, ref, arm in comparisons
+        )
+    running, idml = design.ARMS["idml_running"], design.ARMS["idml"]
+    assert running.method == idml.method and running.extra == (design.RUNNING_LEVEL,)
+    assert running.learns_u and "idml_running" in design.MATCHED_TO
+
+
 def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: Study) -> None:
     """The frozen-``u`` control trains the arm's own method with the head's learning rate at 0; the
     uniform one drops the head and keeps ISM and the arm's Mixup (with or without set labels)."""

@@ -181,6 +181,10 @@ IDML = Method(head=True, ism=True, mixup=True)
 
 U_HIGH = "model.uncertainty.init_level=0.25"
 """``u`` starting at a quarter of its bound (the default starts at 2 %)."""
+RUNNING_LEVEL = "model.uncertainty.level_input=standardized_running"
+"""The level standardised by running statistics in training too, so ``||u||`` at test is the one
+that trained (the default standardises with each batch's statistics: ``benchmarks/RESULTS.md``,
+"The ``||u||`` a model reports at test is not the ``||u||`` it trained with")."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +277,16 @@ ARMS: dict[str, Arm] = {
         ),
         IDML,
         (U_HIGH,),
+    ),
+    **with_controls(
+        "idml_running",
+        (
+            "IDML, level standardised as at test",
+            "IDML, level standardised as at test, u frozen",
+            "IDML, u = 0 and γ matched to the level standardised as at test (uniform weakening)",
+        ),
+        IDML,
+        (RUNNING_LEVEL,),
     ),
     "idml_ext": Arm(
         "IDML + Mixup-supervised u (extension)",
@@ -542,6 +556,27 @@ U_HIGH_COMPARISONS: list[tuple[str, str, str]] = [
     ("u high − uniform weakening matched to it", "idml_u_high_uniform", "idml_u_high"),
 ]
 """Where ISM weakens pairs unevenly (``u`` starting high): does it help? A family of its own."""
+RUNNING_LEVEL_COMPARISONS: list[tuple[str, str, str]] = [
+    ("level as at test − IDML (level by batch)", "idml", "idml_running"),
+    ("level as at test − Mixup only", "mixup", "idml_running"),
+    ("level as at test − the same, u frozen", "idml_running_frozen_u", "idml_running"),
+    ("level as at test − uniform weakening matched to it", "idml_running_uniform", "idml_running"),
+]
+"""With ``u`` the same in training and at test (:data:`RUNNING_LEVEL`): does it help? A family of
+its own."""
+PROBES: list[tuple[str, list[tuple[str, str, str]]]] = [
+    (
+        f"Where ISM acts: `u` starting at a quarter of its bound (`{U_HIGH}`), against its own "
+        "controls",
+        U_HIGH_COMPARISONS,
+    ),
+    (
+        f"`u` the same in training and at test (`{RUNNING_LEVEL}`), against IDML and its own "
+        "controls",
+        RUNNING_LEVEL_COMPARISONS,
+    ),
+]
+"""The tables' sections beside the main differences, each its own Holm family."""
 
 
 DEGRADATION_COMPARISONS: list[tuple[str, str, str]] = [

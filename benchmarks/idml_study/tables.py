@@ -19,11 +19,10 @@ from idml_study.design import (
     DEGRADATION_COMPARISONS,
     DEGRADATION_LOSS,
     LOSS_NAMES,
+    PROBES,
     SETTINGS,
     TABLES,
     TRAINS_MARGIN,
-    U_HIGH,
-    U_HIGH_COMPARISONS,
     Arm,
 )
 from idml_study.mechanism import matched_section
@@ -356,18 +355,15 @@ def tables(args: argparse.Namespace) -> None:
     ]
     lines += ["\n## Differences (paired over seeds that share initialisation and batches)\n"]
     lines += difference_table(pairs)
-    probe = [
-        (LOSS_NAMES[loss], label, runs[(loss, ref)], runs[(loss, arm)])
-        for loss in args.losses
-        for label, ref, arm in U_HIGH_COMPARISONS
-        if (loss, ref) in runs and (loss, arm) in runs
-    ]
-    if probe:
-        lines += [
-            "\n## Where ISM acts: `u` starting at a quarter of its bound "
-            f"(`{U_HIGH}`), against its own controls\n"
+    for title, comparisons in PROBES:
+        probe = [
+            (LOSS_NAMES[loss], label, runs[(loss, ref)], runs[(loss, arm)])
+            for loss in args.losses
+            for label, ref, arm in comparisons
+            if (loss, ref) in runs and (loss, arm) in runs
         ]
-        lines += difference_table(probe)
+        if probe:
+            lines += [f"\n## {title}\n", *difference_table(probe)]
     lines += ism_at_test_section(
         [(LOSS_NAMES[loss], ARMS[arm], seeds) for (loss, arm), seeds in runs.items()]
     )
