@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from idml.app.config import load_config
+from idml.data import DMLSplit
 from idml.data.omniglot import OmniglotOptions, load_omniglot
 from idml.data.registry import load_split
 
@@ -106,34 +107,18 @@ def test_only_shared_alphabets_leave_no_test_class(tmp_path: Path) -> None:
         load_omniglot(tmp_path)
 
 
-def test_config_and_validation_protocol(root: Path) -> None:
+def _split(root: Path, *overrides: str) -> DMLSplit:
+    """The app's Omniglot split of ``root`` at 8 px, with ``overrides``."""
     from idml.app import build
 
-    cfg = load_config(
-        None,
-        [
-            "data.dataset=omniglot",
-            f"data.root={root}",
-            "data.image_size=8",
-            "data.resize_size=null",
-            "data.num_workers=0",
-        ],
-    )
-    split = build.build_data(cfg)
+    settings = [f"data.root={root}", "data.image_size=8", "data.resize_size=null"]
+    return build.build_data(load_config(None, ["data.dataset=omniglot", *settings, *overrides]))
+
+
+def test_config_and_validation_protocol(root: Path) -> None:
+    split = _split(root, "data.num_workers=0")
     assert split.num_test_classes == 5
-    held = build.build_data(
-        load_config(
-            None,
-            [
-                "data.dataset=omniglot",
-                f"data.root={root}",
-                "data.image_size=8",
-                "data.resize_size=null",
-                "data.protocol=validation",
-                "data.validation_classes=0.25",
-            ],
-        )
-    )
+    held = _split(root, "data.protocol=validation", "data.validation_classes=0.25")
     # 7 train classes: the last ceil(0.25·7) = 2 by class id are held out; no test class is used.
     assert (held.num_train_classes, held.num_test_classes) == (5, 2)
     assert set(held.test.class_names) <= set(split.train.class_names)
@@ -155,21 +140,12 @@ def test_config_and_validation_protocol(root: Path) -> None:
 def test_validation_can_hold_out_whole_alphabets(
     root: Path, order: str, validated: set[str], trained: set[str]
 ) -> None:
-    from idml.app import build
-
-    cfg = load_config(
-        None,
-        [
-            "data.dataset=omniglot",
-            f"data.root={root}",
-            "data.image_size=8",
-            "data.resize_size=null",
-            "data.protocol=validation",
-            "data.validation_classes=0.4",
-            f"data.validation_order={order}",
-        ],
+    held = _split(
+        root,
+        "data.protocol=validation",
+        "data.validation_classes=0.4",
+        f"data.validation_order={order}",
     )
-    held = build.build_data(cfg)
     alphabets = lambda names: {name.split("/")[0] for name in names}  # noqa: E731
     assert alphabets(held.test.class_names) == validated
     assert alphabets(held.train.class_names) == trained
