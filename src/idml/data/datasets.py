@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -455,7 +456,8 @@ def last_whole_groups(class_names: Sequence[str], fraction: float, key: str) -> 
             f"{key}: all {len(groups)} classes are in the one group {order[0]!r}, so no whole "
             "group can be held out while another trains; use order 'last' or 'spread'"
         )
-    sizes = np.array([groups.count(g) for g in reversed(order)])
+    counts = Counter(groups)
+    sizes = np.array([counts[g] for g in reversed(order)])
     shares = np.cumsum(sizes)[:-1] / len(groups)  # the last 1, 2, … groups; never all
     taken = set(order[len(order) - 1 - int(np.argmin(np.abs(shares - fraction))) :])
     return np.array([i for i, g in enumerate(groups) if g in taken], dtype=np.int64)

@@ -268,10 +268,11 @@ class BoundedUncertaintyHead(nn.Module):
         bn = self.standardize
         assert isinstance(bn, nn.BatchNorm1d) and bn.running_mean is not None  # as __init__ built
         assert bn.running_var is not None
-        # The statistics before this batch (copies: the update below is in place), so no image's
-        # level depends on the batch it is in; then the batch updates the running averages.
-        mean, var = bn.running_mean.clone(), bn.running_var.clone()
+        mean, var = bn.running_mean, bn.running_var
         if self.training:
+            # The statistics before this batch (copies: the update below is in place), so no
+            # image's level depends on the batch it is in; then the batch updates the averages.
+            mean, var = mean.clone(), var.clone()
             with torch.no_grad():
                 bn(features.detach().float())
         return F.batch_norm(features.float(), mean, var, training=False, eps=bn.eps)
