@@ -393,3 +393,65 @@ def test_a_run_trains_with_the_running_standardised_level(tmp_path: Path) -> Non
     head = trainer.model.uncertainty_head
     assert isinstance(head, BoundedUncertaintyHead)
     assert head.level_input.value == "standardized_running"
+
+
+def test_the_trainer_logs_the_eval_mode_level_of_training_images(tmp_path: Path) -> None:
+    """``uncertainty/eval_train`` is the mean eval-mode level of evenly spaced training images
+    seen through the test transform, on the weights the epoch ended with: recomputed by hand from
+    the saved checkpoint it is the same number. ``eval.train_level_images=0`` and a run without an
+    uncertainty head log nothing."""
+    import json
+
+    from idml.app.trained_run import load_trained_model
+
+    cfg = load_config(None, [*TINY, *IDML, "optim.epochs=2", "eval.train_level_images=32"])
+    Trainer(cfg, tmp_path / "run", progress=False).fit()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [("uncertainty/eval_train" in line) for line in lines] == [True, True]
+    loaded_cfg, model = load_trained_model(tmp_path / "run", "latest")
+    split = build.build_data(loaded_cfg)
+    train = split.train.with_transform(split.test.transform)
+    index = torch.linspace(0, len(train) - 1, 32).round().long().tolist()
+    with torch.no_grad():
+        level = model.eval()(torch.stack([train[i][0] for i in index])).uncertainty
+    assert level is not None
+    # float32 weights and images, one batch of 32 either way: the same arithmetic.
+    expected = float(level.norm(dim=1).double().mean())
+    assert lines[-1]["uncertainty/eval_train"] == pytest.approx(expected, rel=1e-6)
+    assert lines[-1]["uncertainty/eval_train"] != lines[-1]["uncertainty/original"]
+
+    for name, overrides in (
+        ("off", [*IDML, "optim.epochs=2", "eval.train_level_images=0"]),
+        ("plain", []),
+    ):
+        cfg = load_config(None, [*TINY, *overrides])
+        trainer = Trainer(cfg, tmp_path / name, progress=False)
+        assert trainer.level_probe is None
+        trainer.fit()
+        logged = [
+            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert all("uncertainty/eval_train" not in line for line in logged)
+        if name == "off":  # the probe draws no random number and moves no statistic
+            timing = ("seconds", "eval_seconds", "uncertainty/eval_train")
+            assert [{k: v for k, v in line.items() if k not in timing} for line in lines] == [
+                {k: v for k, v in line.items() if k not in timing} for line in logged
+            ]
+
+
+def test_the_level_probe_leaves_the_model_as_it_found_it() -> None:
+    """Measuring in eval mode moves no running statistic and restores training mode; the probe
+    takes every training image when it asks for more than there are."""
+    from idml.app.training.level_probe import EvalLevelProbe
+
+    cfg = load_config(None, [*TINY, *IDML])
+    data = build.build_data(cfg)
+    model = build.build_model(cfg).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    probe = EvalLevelProbe(data, 10**6, batch_size=64)
+    assert len(probe) == len(data.train)
+    level = probe.measure(model, torch.device("cpu"))
+    assert level is not None and 0.0 < level < cfg.model.uncertainty.max_norm
+    assert model.training
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -281,3 +281,53 @@ def test_monitor_warns_once_when_the_embeddings_collapse(tmp_path: Path) -> None
     assert "epoch 4: the embeddings have collapsed" in message
     assert "ism/embedding_resultant" in message and "Mixup" in message
     assert epoch(monitor, [spread[:1]]) == {}  # one image has no spread to measure
+
+
+def test_level_drift_is_a_factor_beyond_two_either_way() -> None:
+    from idml.app.training.level_probe import DRIFT_FACTOR, level_drift
+
+    assert DRIFT_FACTOR == 2.0
+    assert level_drift(0.04, 0.08) is None  # exactly 2-fold is not beyond it
+    assert level_drift(0.04, 0.1) == pytest.approx(2.5)
+    assert level_drift(0.1, 0.04) == pytest.approx(2.5)  # below as above
+    assert level_drift(0.0, 0.0) is None
+    assert level_drift(0.0, 0.1) == math.inf
+
+
+def test_the_level_drift_warning_judges_the_model_the_run_delivers(tmp_path: Path) -> None:
+    """After the last epoch only, the warning names both levels, the factor and its direction,
+    and the run's advice; it stays silent within the factor, without a trained level, and on ranks
+    that do not warn."""
+    from idml.app.config import Config
+    from idml.app.training.level_probe import LevelDriftWarning, drift_advice
+
+    default = Config.model_validate({"model": {"uncertainty": {"enabled": True}}})
+    advice = drift_advice(default)
+    assert "level_input=standardized_running" in advice
+    monitor = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.check_eval_level(3, 0.04, 0.5, advice)  # mid-training: the trend is logged
+        monitor.check_eval_level(7, 0.04, 0.07, advice)  # 1.75-fold
+        monitor.check_eval_level(7, None, 0.5, advice)  # every training image was mixed
+        monitor.check_eval_level(7, 0.04, 0.5, advice)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert caught[0].category is LevelDriftWarning
+    message = str(caught[0].message)
+    assert message.startswith("epoch 8: ") and "0.5 in eval mode, 12.5 times above the 0.04" in (
+        message
+    )
+    assert advice in message
+    below = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8)
+    silent = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8, warns=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        below.check_eval_level(7, 0.5, 0.04, advice)
+        silent.check_eval_level(7, 0.5, 0.04, advice)
+    assert len(caught) == 1 and "12.5 times below the 0.5" in str(caught[0].message)
+    for raw in (
+        {"enabled": True, "level_input": "standardized_running"},
+        {"enabled": True, "form": "linear"},
+    ):
+        other = drift_advice(Config.model_validate({"model": {"uncertainty": raw}}))
+        assert "model.freeze_bn=true" in other and "standardized_running" not in other

@@ -677,6 +677,14 @@ class EvalConfig(Section):
     introspective: bool = Field(False, description="rank with ISM at test time (ablation)")
     select: str = Field("recall@1", description="metric that picks the best epoch")
     batch_size: int = Field(256, gt=0)
+    train_level_images: int = Field(
+        256,
+        ge=0,
+        description="with an uncertainty head: training images (test transform) whose mean "
+        "uncertainty level in eval mode is logged after each evaluation "
+        "(uncertainty/eval_train) and compared with the level training logged; a warning says "
+        "when they differ more than 2-fold (0: off)",
+    )
 
 
 class CalibrationConfig(Section):

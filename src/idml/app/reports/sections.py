@@ -30,6 +30,7 @@ from idml.app.reports.classification import (
     ClassificationAnalysis,
 )
 from idml.app.reports.runs import RunLog, TestAnalysis
+from idml.app.training.level_probe import LOG_KEY as EVAL_LEVEL_KEY
 from idml.app.training.monitoring import identity_reasons
 from idml.diagnostics import UncertaintyProbe
 
@@ -247,14 +248,23 @@ def _run_body(index: int, report: RunReport, page: PageFigures) -> str:
 
     parts.append("<h3>Uncertainty during training</h3>")
     if run.has_uncertainty:
-        *others, last = [k.removeprefix("uncertainty/") for k in run.keys("uncertainty/")]
+        kinds = [k.removeprefix("uncertainty/") for k in run.keys("uncertainty/")]
+        trained = [k for k in kinds if k != EVAL_LEVEL_KEY]
+        *others, last = trained or kinds
         shown = f"{', '.join(others)} and {last}" if others else last
+        at_eval = (
+            f"; {EVAL_LEVEL_KEY}: a fixed set of training images with the model in eval mode, as "
+            "at test, after each evaluation. Far from original, the level at test is not the one "
+            "the model trained with"
+            if EVAL_LEVEL_KEY in kinds
+            else ""
+        )
         parts.append(
             page.figure(
                 figures.uncertainty_trend(run),
                 f"{slug}-uncertainty-trend",
                 f"Mean uncertainty level ||u|| of {shown} training images per epoch (original: "
-                "those no augmentation changed; IDML paper, Fig. 7).",
+                f"those no augmentation changed; IDML paper, Fig. 7){at_eval}.",
             )
         )
         if not run.mixup_enabled:

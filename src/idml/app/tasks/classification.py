@@ -246,6 +246,7 @@ class Classification(Task):
         "eval.ks",
         "eval.select",
         "eval.batch_size",
+        "eval.train_level_images",
     }
     defaults = "task/classification"
 

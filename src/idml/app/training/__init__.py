@@ -51,6 +51,7 @@ from idml.app.training.compute import ComputePlan
 from idml.app.training.console import resume_line, startup_summary
 from idml.app.training.epoch_log import EpochLog, EpochRecord, TrainResult
 from idml.app.training.interrupt import interrupts_deferred
+from idml.app.training.level_probe import LOG_KEY, EvalLevelProbe, drift_advice
 from idml.app.training.monitoring import LearningMonitor, identity_advice
 from idml.app.training.optim import build_optimizers, build_scheduler, restore_schedule
 from idml.app.training.step_values import StepValues, non_finite
@@ -136,6 +137,13 @@ class Trainer:
         self.checkpoints = Checkpointing(self.run_dir, self.dist)
         self.echo = echo
         self.log = EpochLog(self.run_dir, self.dist, echo)
+        self.level_probe = (
+            EvalLevelProbe(self.data, cfg.eval.train_level_images, cfg.eval.batch_size)
+            if self.model.uncertainty_head is not None and cfg.eval.train_level_images > 0
+            else None
+        )
+        """The eval-mode uncertainty level of training images, checked against the trained one
+        after each evaluation (:mod:`idml.app.training.level_probe`)."""
         self.monitor = LearningMonitor(
             self.objective.introspective_metric,
             cfg.metric.warmup_epochs,
@@ -252,6 +260,7 @@ class Trainer:
                 if record.epoch % self.cfg.eval.every == 0 or record.epoch == epochs:
                     start = time.perf_counter()
                     record.metrics = self.evaluate()
+                    self.probe_level(record)
                     record.eval_seconds = time.perf_counter() - start
                     record.notes = dict(self.eval_notes)
                     metrics = record.metrics
@@ -542,6 +551,19 @@ class Trainer:
             self.dist,
             self.progress,
         )
+
+    def probe_level(self, record: EpochRecord) -> None:
+        """Log the eval-mode uncertainty level of the probe's training images in ``record``
+        (``uncertainty/eval_train``) and warn when it has drifted from the trained level. Every
+        rank measures the same images with the same weights, so the logs agree."""
+        if self.level_probe is None:
+            return
+        at_eval = self.level_probe.measure(self.model, self.device)
+        if at_eval is None:
+            return
+        record.uncertainty[LOG_KEY] = at_eval
+        trained = record.uncertainty.get("original")
+        self.monitor.check_eval_level(record.epoch - 1, trained, at_eval, drift_advice(self.cfg))
 
     def evaluate(self) -> dict[str, float]:
         """The task's test metrics of the current model, known to every rank (its notes go to

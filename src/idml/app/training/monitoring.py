@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from idml.app.config import Config
+from idml.app.training.level_probe import LevelDriftWarning, level_drift
 from idml.embeddings import Embeddings
 from idml.metrics import IntrospectiveMetric
 from idml.relations import LabelSets
@@ -402,6 +403,33 @@ class LearningMonitor:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    def check_eval_level(
+        self, epoch: int, trained: float | None, at_eval: float, advice: str
+    ) -> None:
+        """Warn when, after the last epoch, the uncertainty level of training images in eval mode
+        (``at_eval``, an :class:`~idml.app.training.level_probe.EvalLevelProbe`) differs from the
+        level the epoch trained with (``trained``, its untouched images in training mode) by more
+        than :data:`~idml.app.training.level_probe.DRIFT_FACTOR`; ``advice`` says why and what to
+        change (:func:`~idml.app.training.level_probe.drift_advice`). Only the model the run
+        delivers is judged: mid-training the two can part and meet again as the learning rate
+        falls (``uncertainty/eval_train`` in ``metrics.jsonl`` keeps the trend)."""
+        if not self.warns or trained is None or epoch + 1 != self.epochs:
+            return
+        factor = level_drift(trained, at_eval)
+        if factor is None:
+            return
+        direction = "above" if at_eval > trained else "below"
+        warnings.warn(
+            f"epoch {epoch + 1}: the uncertainty level at test is not the one the model trained "
+            f"with: the training images' mean level is {at_eval:.4g} in eval mode, {factor:.3g} "
+            f"times {direction} the {trained:.4g} training logged for them. ISM at test, the "
+            "uncertainty `idml embed` writes and the report's uncertainty probes read the "
+            f"eval-mode level, which training never used. {advice}. The uncertainty/original and "
+            "uncertainty/eval_train keys of metrics.jsonl show the trend",
+            LevelDriftWarning,
+            stacklevel=3,
+        )
 
     def check_finite_weights(
         self, modules: Mapping[str, nn.Module], first_step: int | None = None
