@@ -13,7 +13,7 @@ import torch
 
 from idml.app.checkpoint import CheckpointError
 from idml.app.cli import main
-from idml.app.config import ConfigError, load_config
+from idml.app.config import Config, ConfigError, load_config
 from idml.app.trained_run import load_trained_model
 from idml.app.training import Trainer
 from idml.app.training.epoch_log import TrainResult
@@ -502,6 +502,40 @@ def test_demo_runs_with_a_small_budget(tmp_path: Path, capsys: pytest.CaptureFix
         and "Digits 0-4 train, unseen digits 5-9" in out
     )
     assert (tmp_path / "seed1" / "idml" / "metrics.jsonl").is_file()
+    drift = next(line for line in out.splitlines() if line.startswith("||u|| of training images"))
+    ratios = drift.split(": ", 1)[1].split(" (", 1)[0].split(", ")
+    assert len(ratios) == 2 and all(float(r) > 0 for r in ratios), drift
+
+
+def test_the_demo_reports_the_level_drift_once_instead_of_a_warning_per_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run's drift warning is filtered while the demo trains, and the table gives every IDML
+    seed's ratio in one line; other warnings still reach the user."""
+    import warnings
+
+    from idml.app import demo
+    from idml.app.training.level_probe import LevelDriftWarning
+
+    class WarningTrainer:
+        def __init__(self, cfg: Config, run_dir: Path, progress: bool) -> None:
+            self.run_dir, self.idml = run_dir, cfg.metric.introspective
+
+        def fit(self, overwrite: bool) -> TrainResult:
+            warnings.warn("drifted", LevelDriftWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+            line = (
+                {"uncertainty/original": 0.04, "uncertainty/eval_train": 0.1} if self.idml else {}
+            )
+            return TrainResult(self.run_dir, {"recall@1": 0.5}, {}, 1, [line])
+
+    monkeypatch.setattr(demo, "Trainer", WarningTrainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = demo.run_demo(tmp_path, epochs=1, seeds=2, progress=False)
+    assert [str(w.message) for w in caught] == ["something else"] * 4
+    assert result.level_drift() == [pytest.approx(2.5)] * 2
+    assert "IDML's last epoch: 2.50, 2.50 (a ratio beyond 2 either way" in result.table()
 
 
 @pytest.mark.slow

@@ -16,12 +16,14 @@ is ``benchmarks/study/idml_demo.md``.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from idml.app.config import Config, fragment_overrides, load_config
 from idml.app.training import Trainer
 from idml.app.training.epoch_log import TrainResult
+from idml.app.training.level_probe import DRIFT_FACTOR, LevelDriftWarning, drift_ratio
 from idml.statistics import compare_paired, holm
 
 DEMO_BASE: list[str] = [
@@ -116,7 +118,21 @@ class DemoResult:
             f"mean ± std over {len(self.baseline)} seed(s), last epoch; Δ paired over seeds; "
             "r_auroc_*: right top-1 vs wrong. A toy: the evidence is benchmarks/study/idml_demo.md"
         )
+        drift = self.level_drift()
+        if drift:
+            shown = ", ".join(f"{r:.2f}" for r in drift)
+            lines.append(
+                f"||u|| of training images at test / in training, IDML's last epoch: {shown} (a "
+                f"ratio beyond {DRIFT_FACTOR:g} either way means r_auroc_norm_u reads a u that "
+                "training never used: README, 'Is the u at test the u that trained?')"
+            )
         return "\n".join(lines)
+
+    def level_drift(self) -> list[float]:
+        """Per IDML seed, the last epoch's eval-mode ``||u||`` of training images over the trained
+        one (:func:`~idml.app.training.level_probe.drift_ratio`), where the run logged both."""
+        ratios = [drift_ratio(r.history[-1]) if r.history else None for r in self.idml]
+        return [r for r in ratios if r is not None]
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -163,5 +179,8 @@ def run_demo(
             (baseline_cfg, "baseline", result.baseline),
             (idml_cfg, "idml", result.idml),
         ):
-            runs.append(Trainer(cfg, folder / arm, progress=progress).fit(overwrite=True))
+            with warnings.catch_warnings():
+                # The table reports the drift of every IDML seed in one line instead.
+                warnings.simplefilter("ignore", LevelDriftWarning)
+                runs.append(Trainer(cfg, folder / arm, progress=progress).fit(overwrite=True))
     return result
