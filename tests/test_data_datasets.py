@@ -114,10 +114,15 @@ def test_held_out_groups_are_whole_and_named_errors_say_what_to_use() -> None:
         r"the form group/class .*; the class names 0, 1 have no group; hold out classes with",
     ):
         last_whole_groups(flat.train.class_names, 0.5, "key")
-    with pytest.raises(ValueError, match=r"data\.validation_classes: holding out whole groups"):
+    # The error names the order setting that asked for groups, not the share.
+    with pytest.raises(
+        ValueError, match=r"^data\.validation_order=last_groups: holding out whole groups"
+    ):
         flat.validation(0.5, "last_groups")
     one = ArrayImageDataset(toy_images(4), class_ids=[0, 0, 1, 1], class_names={0: "g/x", 1: "g/y"})
     with pytest.raises(ValueError, match=r"all 2 classes are in the one group 'g'"):
+        DMLSplit(one, split.test, "one").held_out(0.5, "last_groups")
+    with pytest.raises(ValueError, match=r"^calibration\.held_out_order=last_groups: all 2"):
         DMLSplit(one, split.test, "one").held_out(0.5, "last_groups")
 
 

@@ -593,7 +593,9 @@ class DMLSplit(TrainTestPair):
         """
         if self.val is not None:
             return DMLSplit(self.train, self.val, f"{self.name}/validation")
-        kept, held = self._carve_train_classes(fraction, "data.validation_classes", order)
+        kept, held = self._carve_train_classes(
+            fraction, order, "data.validation_classes", "data.validation_order"
+        )
         return DMLSplit(kept, held, f"{self.name}/validation")
 
     def held_out(self, fraction: float, order: HeldOutOrder = "last") -> DMLSplit:
@@ -605,22 +607,27 @@ class DMLSplit(TrainTestPair):
         """
         if self.val is not None:
             return self
-        kept, held = self._carve_train_classes(fraction, "calibration.held_out_classes", order)
+        kept, held = self._carve_train_classes(
+            fraction, order, "calibration.held_out_classes", "calibration.held_out_order"
+        )
         return DMLSplit(kept, self.test, self.name, held)
 
     def _carve_train_classes(
-        self, fraction: float, key: str, order: HeldOutOrder = "last"
+        self, fraction: float, order: HeldOutOrder, key: str, order_key: str
     ) -> tuple[ImageDataset, ImageDataset]:
         """``(train without a share fraction of its classes, those classes)`` — which ones:
         :func:`held_out_positions` or :func:`last_whole_groups` — the second with the test side's
-        transform (it is evaluated, never trained on); ``key`` names the setting in errors."""
+        transform (it is evaluated, never trained on); ``key`` and ``order_key`` name the share's
+        and the order's setting in errors."""
         if not 0.0 < fraction < 1.0:
             raise ValueError(
                 f"{key}: the share of train classes must lie in (0, 1), got {fraction}"
             )
         classes = np.asarray(self.train.classes)
         if order == "last_groups":
-            positions = last_whole_groups(self.train.class_names, fraction, key)
+            positions = last_whole_groups(
+                self.train.class_names, fraction, f"{order_key}=last_groups"
+            )
             groups = dict.fromkeys(class_group(self.train.class_names[i]) for i in positions)
             logger.info(
                 "%s: holding out the groups %s (%d of %d classes) for %s=%s",
