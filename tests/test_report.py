@@ -348,6 +348,26 @@ def test_the_uncertainty_trend_names_every_kind_of_training_image_it_plots(
     assert "||u|| of original, mixed and degraded training images" in text
 
 
+def test_the_report_says_when_the_test_time_u_is_not_the_trained_one(tmp_path: Path) -> None:
+    """The last epoch that logged both levels decides: a drift there beyond 2-fold is a note under
+    the uncertainty trend; an earlier drift that closed again is not."""
+    run = _fake_run(tmp_path / "run", epochs=4, uncertainty=True)
+    log = run / "metrics.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    lines[1]["uncertainty/eval_train"] = 10.0  # epoch 2: 1.9 trained, drifted
+    lines[3]["uncertainty/eval_train"] = 0.4  # epoch 4: 1.7 trained, 4.25 times below
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = " ".join(_parse(write_report([run], tmp_path / "out", analyse=False)).text)
+    assert "After epoch 4, the training images' ||u|| in eval mode (0.4) is 4.25 times below" in (
+        text
+    )
+    assert "eval_train: a fixed set of training images with the model in eval mode" in text
+    lines[3]["uncertainty/eval_train"] = 1.8
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = " ".join(_parse(write_report([run], tmp_path / "out2", analyse=False)).text)
+    assert "in eval mode (" not in text
+
+
 @pytest.mark.parametrize(
     ("damage", "error", "message"),
     [

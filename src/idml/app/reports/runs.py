@@ -40,7 +40,8 @@ class RunLog:
     Log keys (see :mod:`idml.app.training`): ``epoch`` (numbered from 1, also in logs written
     when they were numbered from 0: :func:`read_run` renumbers those), ``seconds``, ``steps``,
     ``loss/<part>``, ``lr/<group>``, ``uncertainty/<original|mixed|degraded>`` (mean ``||u||``;
-    original: the rows no augmentation changed) and ``test/<metric>`` on evaluated epochs.
+    original: the rows no augmentation changed), and on evaluated epochs ``test/<metric>`` and
+    ``uncertainty/eval_train`` (training images in eval mode, :mod:`idml.app.training.level_probe`).
     """
 
     run_dir: Path

@@ -31,6 +31,7 @@ from idml.app.reports.classification import (
 )
 from idml.app.reports.runs import RunLog, TestAnalysis
 from idml.app.training.level_probe import LOG_KEY as EVAL_LEVEL_KEY
+from idml.app.training.level_probe import drift_ratio, level_drift
 from idml.app.training.monitoring import identity_reasons
 from idml.diagnostics import UncertaintyProbe
 
@@ -267,6 +268,9 @@ def _run_body(index: int, report: RunReport, page: PageFigures) -> str:
                 f"those no augmentation changed; IDML paper, Fig. 7){at_eval}.",
             )
         )
+        drift = level_drift_note(run)
+        if drift is not None:
+            parts.append(note(drift))
         if not run.mixup_enabled:
             parts.append(note("Mixing was off in training, so no mixed images appear."))
         elif not run.keys("uncertainty/original"):
@@ -322,6 +326,28 @@ def ism_verdict(run: RunLog) -> str:
     if "u_cv" in last:
         found.append(f"||u|| varies by {100 * last['u_cv']:.0f} % across a batch")
     return f"{when} ISM weakens pairs unevenly: {'; '.join(found) or 'no factors were logged'}."
+
+
+def level_drift_note(run: RunLog) -> str | None:
+    """What the report says when, at the last epoch that logged both, the eval-mode ``||u||`` of
+    the training images (``uncertainty/eval_train``) is more than
+    :data:`~idml.app.training.level_probe.DRIFT_FACTOR` times the trained one (or that fraction of
+    it); ``None`` when it is not, or when the log has no such epoch."""
+    both = [line for line in run.history if drift_ratio(line) is not None]
+    if not both:
+        return None
+    last = both[-1]
+    trained, at_eval = last["uncertainty/original"], last[f"uncertainty/{EVAL_LEVEL_KEY}"]
+    factor = level_drift(trained, at_eval)
+    if factor is None:
+        return None
+    direction = "above" if at_eval > trained else "below"
+    return (
+        f"After epoch {int(last['epoch'])}, the training images' ||u|| in eval mode "
+        f"({at_eval:.4g}) is {factor:.3g} times {direction} the level training logged for them "
+        f"({trained:.4g}): the test-set uncertainty below, and ISM at test, describe a u that "
+        "training never used."
+    )
 
 
 def retrieval_section(analysis: TestAnalysis, slug: str, page: PageFigures) -> str:
