@@ -358,6 +358,12 @@ def test_the_mechanism_row_trends_the_altered_images_it_names(study: Study) -> N
     mixed = study.tables.mechanism_row("occlusion", "ISM", seeds)  # the main grid's column
     assert [c.strip() for c in mixed.strip("|").split("|")][8] == "–"
     assert study.tables.mechanism_row("occlusion", "baseline", {2: seeds[2]}) is None
+    # Runs that logged the eval-mode level of training images add its ratio to the trained one,
+    # averaged over the seeds that have it: (0.05/0.010 + 0.021/0.014) / 2 = 3.25.
+    seeds[0]["mechanism"]["last_epoch"]["uncertainty/eval_train"] = 0.05
+    seeds[1]["mechanism"]["last_epoch"]["uncertainty/eval_train"] = 0.021
+    logged = study.tables.mechanism_row("occlusion", "ISM", seeds, altered="degraded")
+    assert [c.strip() for c in logged.strip("|").split("|")][7] == "0.020 → 0.012 (eval ×3.25)"
 
 
 def test_every_probe_section_compares_arms_of_the_main_grid(study: Study) -> None:

@@ -232,7 +232,8 @@ def mechanism_header(altered: str = "Mixup") -> list[str]:
         "difference). Training batches, last epoch: the 10th and 50th percentile of the weakening "
         f"`e^{{−y}}` over positive pairs and the CV of `||u||` across a batch. `||u||` of the "
         f"original training images (those no augmentation changed) and of the {altered} ones in "
-        "the first → last epoch. ISM at test: R@1 / MAP@R with the introspective metric at test "
+        "the first → last epoch; where the runs logged it, the last epoch's ratio of the training "
+        "images' `||u||` in eval mode to the trained one (eval ×r: 1 is the same `u`). ISM at test: R@1 / MAP@R with the introspective metric at test "
         "time (the paper's Table 5).\n",
         "| | arm | test ‖u‖ | test CV | AUROC mixup / blur / low-res / occl. | pos q10 / q50 | "
         f"batch CV | ‖u‖ original | ‖u‖ {altered} | ISM at test R@1 / MAP@R |",
@@ -243,6 +244,8 @@ def mechanism_header(altered: str = "Mixup") -> list[str]:
 def mechanism_row(group: str, label: str, seeds: Runs, altered: str = "mixed") -> str | None:
     """The mechanism of an arm's runs (mean over seeds), or ``None`` without an uncertainty head;
     ``altered`` is the ``uncertainty/<altered>`` training key trended beside the originals'."""
+    from idml.app.training.level_probe import drift_ratio
+
     mechs = [r["mechanism"] for r in seeds.values() if r["mechanism"]]
     if not mechs:
         return None
@@ -258,12 +261,16 @@ def mechanism_row(group: str, label: str, seeds: Runs, altered: str = "mixed") -
         after = avg(lambda m: m["last_epoch"].get(key))
         return "–" if math.isnan(before) else f"{before:.3f} → {after:.3f}"
 
+    # Runs trained before the trainer logged uncertainty/eval_train have no ratio.
+    ratio = avg(lambda m: drift_ratio(m["last_epoch"]))
+    at_eval = "" if math.isnan(ratio) else f" (eval ×{ratio:.2f})"
+
     return (
         f"| {group} | {label} | {avg(lambda m: m['test_u_mean']):.4f} | "
         f"{avg(lambda m: m['test_u_cv']):.2f} | {probe} | "
         f"{avg(lambda m: m['last_epoch'].get('ism/pos_q10')):.3f} / "
         f"{avg(lambda m: m['last_epoch'].get('ism/pos_q50')):.3f} | "
-        f"{avg(lambda m: m['last_epoch'].get('ism/u_cv')):.2f} | {trend('original')} | "
+        f"{avg(lambda m: m['last_epoch'].get('ism/u_cv')):.2f} | {trend('original')}{at_eval} | "
         f"{trend(altered)} | {100 * avg(lambda m: m['ism_at_test'].get('recall@1')):.1f} / "
         f"{100 * avg(lambda m: m['ism_at_test'].get('map@r')):.1f} |"
     )
