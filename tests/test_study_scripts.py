@@ -341,9 +341,10 @@ def test_the_mechanism_row_trends_the_altered_images_it_names(study: Study) -> N
             "ism_at_test": {"recall@1": 0.8, "map@r": 0.4},
         }
 
+    first, second = record((0.020, 0.010), (0.030, 0.100)), record((0.020, 0.014), (0.034, 0.140))
     seeds = {
-        0: {"metrics": {}, "mechanism": record((0.020, 0.010), (0.030, 0.100))},
-        1: {"metrics": {}, "mechanism": record((0.020, 0.014), (0.034, 0.140))},
+        0: {"metrics": {}, "mechanism": first},
+        1: {"metrics": {}, "mechanism": second},
         2: {"metrics": {}, "mechanism": None},  # a run without an uncertainty head
     }
     row = study.tables.mechanism_row("occlusion", "ISM", seeds, altered="degraded")
@@ -360,8 +361,8 @@ def test_the_mechanism_row_trends_the_altered_images_it_names(study: Study) -> N
     assert study.tables.mechanism_row("occlusion", "baseline", {2: seeds[2]}) is None
     # Runs that logged the eval-mode level of training images add its ratio to the trained one,
     # averaged over the seeds that have it: (0.05/0.010 + 0.021/0.014) / 2 = 3.25.
-    seeds[0]["mechanism"]["last_epoch"]["uncertainty/eval_train"] = 0.05
-    seeds[1]["mechanism"]["last_epoch"]["uncertainty/eval_train"] = 0.021
+    first["last_epoch"]["uncertainty/eval_train"] = 0.05
+    second["last_epoch"]["uncertainty/eval_train"] = 0.021
     logged = study.tables.mechanism_row("occlusion", "ISM", seeds, altered="degraded")
     assert [c.strip() for c in logged.strip("|").split("|")][7] == "0.020 → 0.012 (eval ×3.25)"
 
