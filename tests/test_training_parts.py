@@ -302,7 +302,7 @@ def test_the_level_drift_warning_judges_the_model_the_run_delivers(tmp_path: Pat
     from idml.app.training.level_probe import LevelDriftWarning, drift_advice
 
     default = Config.model_validate({"model": {"uncertainty": {"enabled": True}}})
-    advice = drift_advice(default)
+    advice = drift_advice(default, frozen_batchnorm=False)
     assert "level_input=standardized_running" in advice
     monitor = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8)
     with warnings.catch_warnings(record=True) as caught:
@@ -329,5 +329,8 @@ def test_the_level_drift_warning_judges_the_model_the_run_delivers(tmp_path: Pat
         {"enabled": True, "level_input": "standardized_running"},
         {"enabled": True, "form": "linear"},
     ):
-        other = drift_advice(Config.model_validate({"model": {"uncertainty": raw}}))
-        assert "model.freeze_bn=true" in other and "standardized_running" not in other
+        cfg = Config.model_validate({"model": {"uncertainty": raw}})
+        training_bn = drift_advice(cfg, frozen_batchnorm=False)
+        assert "model.freeze_bn=true" in training_bn and "standardized_running" not in training_bn
+        frozen_bn = drift_advice(cfg, frozen_batchnorm=True)
+        assert "freeze_bn=true" not in frozen_bn and "comes from the images" in frozen_bn

@@ -563,7 +563,8 @@ class Trainer:
             return
         record.uncertainty[LOG_KEY] = at_eval
         trained = record.uncertainty.get("original")
-        self.monitor.check_eval_level(record.epoch - 1, trained, at_eval, drift_advice(self.cfg))
+        advice = drift_advice(self.cfg, frozen_batchnorm=self.model.freeze_bn)
+        self.monitor.check_eval_level(record.epoch - 1, trained, at_eval, advice)
 
     def evaluate(self) -> dict[str, float]:
         """The task's test metrics of the current model, known to every rank (its notes go to

@@ -108,12 +108,13 @@ def level_drift(trained: float, at_eval: float) -> float | None:
     return factor if factor > DRIFT_FACTOR else None
 
 
-def drift_advice(cfg: Config) -> str:
-    """Where the drift comes from, for this run's config, and what makes the two levels one.
+def drift_advice(cfg: Config, frozen_batchnorm: bool) -> str:
+    """Where the drift comes from, for this run's config and whether the model keeps its backbone's
+    BatchNorm frozen (``EmbeddingModel.freeze_bn``), and what makes the two levels one.
 
     >>> from idml.app.config import Config
     >>> cfg = Config.model_validate({"model": {"uncertainty": {"enabled": True}}})
-    >>> print(drift_advice(cfg))  # doctest: +NORMALIZE_WHITESPACE
+    >>> print(drift_advice(cfg, frozen_batchnorm=True))  # doctest: +NORMALIZE_WHITESPACE
     The level's input is standardised by each batch's statistics in training and by their running
     averages at test (model.uncertainty.level_input=standardized); level_input=standardized_running
     standardises by the running averages in both
@@ -125,8 +126,14 @@ def drift_advice(cfg: Config) -> str:
             "running averages at test (model.uncertainty.level_input=standardized); "
             "level_input=standardized_running standardises by the running averages in both"
         )
+    if not frozen_batchnorm:
+        return (
+            "The backbone's BatchNorm layers normalise by each batch's statistics in training and "
+            "by their running averages at test; model.freeze_bn=true keeps them at the running "
+            "averages in both"
+        )
     return (
-        "The backbone's BatchNorm layers normalise by each batch's statistics in training and by "
-        "their running averages at test; model.freeze_bn=true keeps them at the running averages "
-        "in both"
+        "Neither the backbone's BatchNorm (frozen) nor the level reads a batch's statistics, so "
+        "the difference comes from the images: the training transform and Mixup's images against "
+        "the test transform, or a level still moving in the last epoch"
     )
