@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from idml.app import build
 from idml.app.trained_run import load_trained_model
+from idml.app.training.level_probe import EvalLevelProbe
 from idml.augment import AugmentationPipeline
 from idml.data import ImageDataset
 from idml.models.heads import BoundedUncertaintyHead
@@ -156,9 +157,11 @@ def measure(run: Path, args: argparse.Namespace) -> dict[str, object]:
     split = build.build_data(cfg)
     lines = (run / "metrics.jsonl").read_text().splitlines()
     trained = float(json.loads(lines[-1])["uncertainty/original"])
-    train_eval = eval_levels(
-        model, evenly_spaced(split.train.with_transform(split.test.transform), args.images)
+    # The trainer's own probe, so this column is the uncertainty/eval_train that runs now log.
+    train_eval = EvalLevelProbe(split, args.images, batch_size=128).levels(
+        model, torch.device("cpu")
     )
+    assert train_eval is not None  # the head was checked above
     test_images = evenly_spaced(split.test, args.images)
     test_eval = eval_levels(model, test_images)
     u_max = head.max_norm

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 from torch.utils.data import Subset
 
 from idml.app.config import Config
@@ -86,13 +87,18 @@ class EvalLevelProbe:
         return len(self.images)
 
     @torch.no_grad()
-    def measure(self, model: EmbeddingModel, device: torch.device) -> float | None:
-        """The mean level of the probe's images with ``model`` in eval mode (its mode is restored;
-        no running statistic moves); ``None`` for a model without an uncertainty head."""
+    def levels(self, model: EmbeddingModel, device: torch.device) -> Tensor | None:
+        """The level of each of the probe's images with ``model`` in eval mode (its mode is
+        restored; no running statistic moves); ``None`` for a model without an uncertainty head."""
         embeddings, _ = embed_dataset(model, self.images, self.batch_size, device)
         if embeddings.uncertainty is None:
             return None
-        return float(model.uncertainty_level(embeddings).double().mean())
+        return model.uncertainty_level(embeddings)
+
+    def measure(self, model: EmbeddingModel, device: torch.device) -> float | None:
+        """The mean of :meth:`levels` (what the trainer logs as ``uncertainty/eval_train``)."""
+        levels = self.levels(model, device)
+        return None if levels is None else float(levels.double().mean())
 
 
 def level_drift(trained: float, at_eval: float) -> float | None:
