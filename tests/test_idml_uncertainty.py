@@ -455,3 +455,34 @@ def test_the_level_probe_leaves_the_model_as_it_found_it() -> None:
     assert model.training
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_an_uncertainty_head_without_backbone_gradient_learns_but_shapes_nothing(
+    tmp_path: Path,
+) -> None:
+    """``model.uncertainty.backbone_gradient=false``: a loss on ``u`` alone trains the head and
+    leaves every backbone and semantic-head gradient empty; the default sends it into the
+    backbone. The setting survives a saved run (the model is rebuilt from its build config)."""
+    from idml.app.trained_run import load_trained_model
+
+    torch.manual_seed(0)
+    images = torch.rand(6, 3, 8, 8)
+    for shapes in (True, False):
+        cfg = load_config(
+            None, [*TINY, *IDML, f"model.uncertainty.backbone_gradient={str(shapes).lower()}"]
+        )
+        model = build.build_model(cfg).train()
+        assert model.uncertainty_backbone_gradient is shapes
+        out = model(images)
+        assert out.uncertainty is not None
+        out.uncertainty.norm(dim=1).sum().backward()
+        head = model.uncertainty_head
+        assert head is not None and all(p.grad is not None for p in head.parameters())
+        reached = [
+            p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.backbone.parameters()
+        ]
+        assert any(reached) is shapes
+    run = tmp_path / "run"
+    Trainer(cfg, run, progress=False).fit()
+    _, loaded = load_trained_model(run, "latest")
+    assert loaded.uncertainty_backbone_gradient is False

@@ -694,7 +694,12 @@ def test_uncertainty_head_spec_parses_the_shorthands_and_round_trips() -> None:
         "normalize": False,
         "init_std": 0.01,
         "level_input": "standardized",
+        "backbone_gradient": True,
     }
+    assert UncertaintyHeadSpec.parse(stored) == spec
+    # A model saved before the field existed reads as the default (the gradient reaches the
+    # backbone, as it always did).
+    del stored["backbone_gradient"]
     assert UncertaintyHeadSpec.parse(stored) == spec
     with pytest.raises(UncertaintyHeadSpecError, match="uncertainty=None"):
         UncertaintyHeadSpec(UncertaintyKind.NONE)

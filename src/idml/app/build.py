@@ -248,6 +248,7 @@ def uncertainty_head(cfg: Config) -> UncertaintyHeadSpec | None:
         activation=UncertaintyActivation(u.activation),
         normalize=u.normalize,
         init_std=u.init_std,
+        backbone_gradient=u.backbone_gradient,
     )
 
 

@@ -374,6 +374,10 @@ class UncertaintyHeadSpec:
     proxy losses, see :class:`UncertaintyHead`)."""
     init_std: float | None = None
     """The linear head: ``None`` = PyTorch's default Linear init, else ``N(0, std²)`` weights."""
+    backbone_gradient: bool = True
+    """Whether the head's gradient reaches the backbone (``False``: the head reads the features
+    detached, so ``u`` learns from them without shaping them; an ablation that separates what the
+    uncertainty objective does to the features from what it does through ISM's weakening)."""
 
     def __post_init__(self) -> None:
         if self.kind is UncertaintyKind.NONE:

@@ -148,6 +148,9 @@ class EmbeddingModel(nn.Module):
                 "(UncertaintyHeadSpec.parse reads build_model's True, 'ism' and 'pel')"
             )
         self.uncertainty_kind = UncertaintyKind.NONE if uncertainty is None else uncertainty.kind
+        self.uncertainty_backbone_gradient = uncertainty is None or uncertainty.backbone_gradient
+        """Whether the uncertainty head's gradient reaches the backbone
+        (:attr:`UncertaintyHeadSpec.backbone_gradient`)."""
         self.pooling = Pooling(pooling)
         self.backbone = backbone
         self.freeze_bn = freeze_bn
@@ -218,7 +221,10 @@ class EmbeddingModel(nn.Module):
                 f"features must have shape (batch, {self.feature_dim}), got {tuple(features.shape)}"
             )
         semantic = self.semantic_head(features)
-        uncertainty = None if self.uncertainty_head is None else self.uncertainty_head(features)
+        uncertainty = None
+        if self.uncertainty_head is not None:
+            head_input = features if self.uncertainty_backbone_gradient else features.detach()
+            uncertainty = self.uncertainty_head(head_input)
         return Embeddings(semantic, uncertainty)
 
     def forward(self, images: Tensor) -> Embeddings:

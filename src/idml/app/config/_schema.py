@@ -422,6 +422,11 @@ class UncertaintyHeadConfig(Section):
         "(standardized_running: ||u|| at test is the trained one), or their unit direction (the "
         "head before 2026-12; u barely moves)",
     )
+    backbone_gradient: bool = Field(
+        True,
+        description="the head's gradient reaches the backbone (false: u reads the features "
+        "detached and learns from them without shaping them; an ablation)",
+    )
     normalize: bool = Field(
         False, description="L2-normalise u as the official code does (starves the head)"
     )
