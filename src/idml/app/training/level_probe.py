@@ -39,10 +39,11 @@ LOG_KEY = "eval_train"
 
 DRIFT_FACTOR = 2.0
 """The eval-mode level counts as drifted when it is this many times the trained level (or that
-fraction of it). Where training and test standardise alike, the two agree within a factor of 1.25
-(the running-statistics level and the ISM-only runs of ``benchmarks/RESULTS.md``: other transforms
-and a level that still moves within the epoch account for that much); the default level's drift
-under Mixup was 7.5–24.5-fold."""
+fraction of it). Where the level is standardised alike in training and at test, the two agree
+within a factor of 1.6 in ``benchmarks/RESULTS.md``'s runs (the running-statistics level, attached
+or detached from the backbone, and the ISM-only runs: the backbone's own BatchNorm, other
+transforms and a level that still moves within the epoch account for that much); the default
+level's drift under Mixup was 7.5–24.5-fold."""
 
 
 class LevelDriftWarning(RuntimeWarning):
