@@ -45,20 +45,8 @@ from idml.data import ImageDataset
 from idml.models.heads import BoundedUncertaintyHead
 from idml.models.model import EmbeddingModel
 
-
-def evenly_spaced(dataset: ImageDataset, count: int) -> Tensor:
-    """``count`` images spread over ``dataset`` (all of them when it holds fewer)."""
-    n = min(count, len(dataset))
-    index = torch.linspace(0, len(dataset) - 1, n).round().long().tolist()
-    return torch.stack([dataset[i][0] for i in index])
-
-
-@torch.no_grad()
-def eval_levels(model: EmbeddingModel, images: Tensor, batch_size: int = 128) -> Tensor:
-    """``||u||`` of every image with the model in eval mode."""
-    model.eval()
-    levels = [model(chunk).uncertainty.norm(dim=1) for chunk in images.split(batch_size)]
-    return torch.cat(levels)
+PROBE_BATCH = 128
+"""Images per eval-mode forward pass."""
 
 
 def training_batches(
@@ -158,12 +146,11 @@ def measure(run: Path, args: argparse.Namespace) -> dict[str, object]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
     trained = float(json.loads(lines[-1])["uncertainty/original"])
     # The trainer's own probe, so this column is the uncertainty/eval_train that runs now log.
-    train_eval = EvalLevelProbe(split, args.images, batch_size=128).levels(
-        model, torch.device("cpu")
-    )
-    assert train_eval is not None  # the head was checked above
-    test_images = evenly_spaced(split.test, args.images)
-    test_eval = eval_levels(model, test_images)
+    cpu = torch.device("cpu")
+    train_eval = EvalLevelProbe.training_images(split, args.images, PROBE_BATCH).levels(model, cpu)
+    test_probe = EvalLevelProbe(split.test, args.images, PROBE_BATCH)
+    test_eval = test_probe.levels(model, cpu)
+    assert train_eval is not None and test_eval is not None  # the head was checked above
     u_max = head.max_norm
     row: dict[str, object] = {
         "run": str(run),
@@ -180,7 +167,9 @@ def measure(run: Path, args: argparse.Namespace) -> dict[str, object]:
         batches = training_batches(split.train, args.replay, per_batch, augment, seed=0)
         replay = replayed(model, batches)
         row["replay_sd"] = replay_distance(model, replay)
-        row["replay_test"] = float(eval_levels(replay, test_images).mean())
+        replayed_test = test_probe.levels(replay, cpu)
+        assert replayed_test is not None
+        row["replay_test"] = float(replayed_test.mean())
         row["modes"] = levels_by_mode(model, batches[: max(1, args.replay // 2)])
     return row
 

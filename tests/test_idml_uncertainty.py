@@ -448,7 +448,7 @@ def test_the_level_probe_leaves_the_model_as_it_found_it() -> None:
     data = build.build_data(cfg)
     model = build.build_model(cfg).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    probe = EvalLevelProbe(data, 10**6, batch_size=64)
+    probe = EvalLevelProbe.training_images(data, 10**6, batch_size=64)
     assert len(probe) == len(data.train)
     level = probe.measure(model, torch.device("cpu"))
     assert level is not None and 0.0 < level < cfg.model.uncertainty.max_norm

@@ -304,13 +304,13 @@ def test_the_level_drift_warning_judges_the_model_the_run_delivers(tmp_path: Pat
     default = Config.model_validate({"model": {"uncertainty": {"enabled": True}}})
     advice = drift_advice(default, frozen_batchnorm=False)
     assert "level_input=standardized_running" in advice
-    monitor = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8)
+    monitor = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8, drift_advice=advice)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        monitor.check_eval_level(3, 0.04, 0.5, advice)  # mid-training: the trend is logged
-        monitor.check_eval_level(7, 0.04, 0.07, advice)  # 1.75-fold
-        monitor.check_eval_level(7, None, 0.5, advice)  # every training image was mixed
-        monitor.check_eval_level(7, 0.04, 0.5, advice)
+        monitor.check_eval_level(3, 0.04, 0.5)  # mid-training: the trend is logged
+        monitor.check_eval_level(7, 0.04, 0.07)  # 1.75-fold
+        monitor.check_eval_level(7, None, 0.5)  # every training image was mixed
+        monitor.check_eval_level(7, 0.04, 0.5)
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert caught[0].category is LevelDriftWarning
     message = str(caught[0].message)
@@ -318,12 +318,14 @@ def test_the_level_drift_warning_judges_the_model_the_run_delivers(tmp_path: Pat
         message
     )
     assert advice in message
-    below = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8)
-    silent = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8, warns=False)
+    below = LearningMonitor(None, 0.0, tmp_path, lr=1e-3, epochs=8, drift_advice=advice)
+    silent = LearningMonitor(
+        None, 0.0, tmp_path, lr=1e-3, epochs=8, warns=False, drift_advice=advice
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        below.check_eval_level(7, 0.5, 0.04, advice)
-        silent.check_eval_level(7, 0.5, 0.04, advice)
+        below.check_eval_level(7, 0.5, 0.04)
+        silent.check_eval_level(7, 0.5, 0.04)
     assert len(caught) == 1 and "12.5 times below the 0.5" in str(caught[0].message)
     for raw in (
         {"enabled": True, "level_input": "standardized_running"},

@@ -233,8 +233,8 @@ def mechanism_header(altered: str = "Mixup") -> list[str]:
         f"`e^{{−y}}` over positive pairs and the CV of `||u||` across a batch. `||u||` of the "
         f"original training images (those no augmentation changed) and of the {altered} ones in "
         "the first → last epoch; where the runs logged it, the last epoch's ratio of the training "
-        "images' `||u||` in eval mode to the trained one (eval ×r: 1 is the same `u`). ISM at test: R@1 / MAP@R with the introspective metric at test "
-        "time (the paper's Table 5).\n",
+        "images' `||u||` in eval mode to the trained one (eval ×r: 1 is the same `u`). ISM at "
+        "test: R@1 / MAP@R with the introspective metric at test time (the paper's Table 5).\n",
         "| | arm | test ‖u‖ | test CV | AUROC mixup / blur / low-res / occl. | pos q10 / q50 | "
         f"batch CV | ‖u‖ original | ‖u‖ {altered} | ISM at test R@1 / MAP@R |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -138,7 +138,9 @@ class Trainer:
         self.echo = echo
         self.log = EpochLog(self.run_dir, self.dist, echo)
         self.level_probe = (
-            EvalLevelProbe(self.data, cfg.eval.train_level_images, cfg.eval.batch_size)
+            EvalLevelProbe.training_images(
+                self.data, cfg.eval.train_level_images, cfg.eval.batch_size
+            )
             if self.model.uncertainty_head is not None and cfg.eval.train_level_images > 0
             else None
         )
@@ -153,6 +155,7 @@ class Trainer:
             warns=self.dist.is_main,
             identity_advice=identity_advice(cfg),
             mixup=cfg.mixup.enabled,
+            drift_advice=drift_advice(cfg, frozen_batchnorm=self.model.freeze_bn),
         )
         # One DDP over model, objective (proxies, classifier) and SSR head: their gradients are
         # averaged over ranks.
@@ -563,8 +566,7 @@ class Trainer:
             return
         record.uncertainty[LOG_KEY] = at_eval
         trained = record.uncertainty.get("original")
-        advice = drift_advice(self.cfg, frozen_batchnorm=self.model.freeze_bn)
-        self.monitor.check_eval_level(record.epoch - 1, trained, at_eval, advice)
+        self.monitor.check_eval_level(record.epoch - 1, trained, at_eval)
 
     def evaluate(self) -> dict[str, float]:
         """The task's test metrics of the current model, known to every rank (its notes go to

@@ -68,21 +68,25 @@ def drift_ratio(epoch_log: dict[str, float]) -> float | None:
 
 
 class EvalLevelProbe:
-    """The eval-mode uncertainty level of ``count`` training images of ``data`` (all of them when
-    the training set holds fewer), seen through the test transform.
+    """The eval-mode uncertainty level of ``count`` images of ``dataset`` (all of them when it
+    holds fewer), evenly spaced in dataset order; :meth:`training_images` is the trainer's.
 
     Args:
-        data: the run's train/test split.
-        count: how many training images (evenly spaced in dataset order).
+        dataset: yields ``(image, label, index)`` (the datasets of :mod:`idml.data`).
+        count: how many images.
         batch_size: images per forward pass (``eval.batch_size``).
     """
 
-    def __init__(self, data: TrainTestPair, count: int, batch_size: int) -> None:
-        train: ImageDataset = data.train.with_transform(data.test.transform)
-        n = min(count, len(train))
-        index = torch.linspace(0, len(train) - 1, n).round().long().unique().tolist()
-        self.images = Subset(train, index)
+    def __init__(self, dataset: ImageDataset, count: int, batch_size: int) -> None:
+        n = min(count, len(dataset))
+        index = torch.linspace(0, len(dataset) - 1, n).round().long().unique().tolist()
+        self.images = Subset(dataset, index)
         self.batch_size = batch_size
+
+    @classmethod
+    def training_images(cls, data: TrainTestPair, count: int, batch_size: int) -> EvalLevelProbe:
+        """The probe of a run: its training images seen through the test transform."""
+        return cls(data.train.with_transform(data.test.transform), count, batch_size)
 
     def __len__(self) -> int:
         return len(self.images)

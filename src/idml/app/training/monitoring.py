@@ -259,6 +259,8 @@ class LearningMonitor:
             (:func:`identity_advice` of the run's config; ``None``: the warning gives no advice).
         mixup: whether the run trains with Mixup (the identity warning then says that the run
             measures Mixup; without it, the plain metric).
+        drift_advice: what the level-drift warning says of its cause and cure
+            (:func:`~idml.app.training.level_probe.drift_advice` of the run's config and model).
     """
 
     def __init__(
@@ -271,10 +273,12 @@ class LearningMonitor:
         warns: bool = True,
         identity_advice: str | None = None,
         mixup: bool = False,
+        drift_advice: str | None = None,
     ) -> None:
         self.ism = ism
         self.mixup = mixup
         self.identity_advice = identity_advice
+        self.drift_advice = drift_advice
         self.epochs = epochs
         self.warmup_epochs = warmup_epochs
         self.run_dir = Path(run_dir)
@@ -404,14 +408,11 @@ class LearningMonitor:
                 stacklevel=3,
             )
 
-    def check_eval_level(
-        self, epoch: int, trained: float | None, at_eval: float, advice: str
-    ) -> None:
+    def check_eval_level(self, epoch: int, trained: float | None, at_eval: float) -> None:
         """Warn when, after the last epoch, the uncertainty level of training images in eval mode
         (``at_eval``, an :class:`~idml.app.training.level_probe.EvalLevelProbe`) differs from the
         level the epoch trained with (``trained``, its untouched images in training mode) by more
-        than :data:`~idml.app.training.level_probe.DRIFT_FACTOR`; ``advice`` says why and what to
-        change (:func:`~idml.app.training.level_probe.drift_advice`). Only the model the run
+        than :data:`~idml.app.training.level_probe.DRIFT_FACTOR`, with the run's ``drift_advice``. Only the model the run
         delivers is judged: mid-training the two can part and meet again as the learning rate
         falls (``uncertainty/eval_train`` in ``metrics.jsonl`` keeps the trend)."""
         if not self.warns or trained is None or epoch + 1 != self.epochs:
@@ -420,12 +421,13 @@ class LearningMonitor:
         if factor is None:
             return
         direction = "above" if at_eval > trained else "below"
+        advice = f"{self.drift_advice}. " if self.drift_advice else ""
         warnings.warn(
             f"epoch {epoch + 1}: the uncertainty level at test is not the one the model trained "
             f"with: the training images' mean level is {at_eval:.4g} in eval mode, {factor:.3g} "
             f"times {direction} the {trained:.4g} training logged for them. ISM at test, the "
             "uncertainty `idml embed` writes and the report's uncertainty probes read the "
-            f"eval-mode level, which training never used. {advice}. The uncertainty/original and "
+            f"eval-mode level, which training never used. {advice}The uncertainty/original and "
             "uncertainty/eval_train keys of metrics.jsonl show the trend",
             LevelDriftWarning,
             stacklevel=3,
