@@ -40,6 +40,12 @@ Arms (:data:`idml_study.design.ARMS`), each for Multi-Similarity, ProxyAnchor an
   test is the one that trained; its own controls ``idml_running_frozen_u`` and
   ``idml_running_uniform``, in a table section of their own
   (:data:`idml_study.design.RUNNING_LEVEL_COMPARISONS`, Holm within it).
+- ``idml_detached`` and ``idml_running_detached``: ``idml`` and ``idml_running`` with the head
+  reading the features detached (``model.uncertainty.backbone_gradient=false``), so ``u`` cannot
+  shape the features and ISM's weakening is all it does; each with its own ``_frozen_u`` and
+  ``_uniform`` controls, in sections of their own
+  (:data:`idml_study.design.DETACHED_COMPARISONS`,
+  :data:`idml_study.design.RUNNING_DETACHED_COMPARISONS`).
 - ``idml_ext``: ``idml`` plus the Mixup-supervised uncertainty *extension*
   (``mixup.uncertainty_weight``, :mod:`idml.losses.ambiguity`), never the default.
 

@@ -374,14 +374,31 @@ def test_every_probe_section_compares_arms_of_the_main_grid(study: Study) -> Non
     assert [comparisons for _, comparisons in design.PROBES] == [
         design.U_HIGH_COMPARISONS,
         design.RUNNING_LEVEL_COMPARISONS,
+        design.DETACHED_COMPARISONS,
+        design.RUNNING_DETACHED_COMPARISONS,
     ]
     for title, comparisons in design.PROBES:
         assert title and all(
             ref in design.ARMS and arm in design.ARMS for _, ref, arm in comparisons
         )
-    running, idml = design.ARMS["idml_running"], design.ARMS["idml"]
-    assert running.method == idml.method and running.extra == (design.RUNNING_LEVEL,)
-    assert running.learns_u and "idml_running" in design.MATCHED_TO
+        labels = [label for label, _, _ in comparisons]
+        assert len(set(labels)) == len(labels), title
+    idml = design.ARMS["idml"]
+    for name, extra in (
+        ("idml_running", (design.RUNNING_LEVEL,)),
+        ("idml_detached", (design.DETACHED,)),
+        ("idml_running_detached", (design.RUNNING_LEVEL, design.DETACHED)),
+    ):
+        arm = design.ARMS[name]
+        assert arm.method == idml.method and arm.extra == extra, name
+        assert arm.learns_u and name in design.MATCHED_TO, name
+    # Each family compares its arm with its own two controls (not another arm's).
+    for arm, comparisons in (
+        ("idml_detached", design.DETACHED_COMPARISONS),
+        ("idml_running_detached", design.RUNNING_DETACHED_COMPARISONS),
+    ):
+        references = {ref for _, ref, compared in comparisons if compared == arm}
+        assert {f"{arm}_frozen_u", f"{arm}_uniform", "baseline", "mixup"} <= references, arm
 
 
 def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: Study) -> None:
@@ -389,7 +406,15 @@ def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: Study) 
     uniform one drops the head and keeps ISM and the arm's Mixup (with or without set labels)."""
     arms = {**study.design.ARMS, **study.design.DEGRADATION_ARMS}
     controlled = [name for name in arms if f"{name}_frozen_u" in arms]
-    assert {"idml", "idml_u_high", "deg_ism", "deg_ism_u_high"} <= set(controlled)
+    assert {
+        "idml",
+        "idml_u_high",
+        "idml_running",
+        "idml_detached",
+        "idml_running_detached",
+        "deg_ism",
+        "deg_ism_u_high",
+    } <= set(controlled)
     for name in controlled:
         arm, frozen = arms[name], arms[f"{name}_frozen_u"]
         uniform = next(a for a in arms.values() if a.match == study.design.Match("uniform", name))

@@ -185,6 +185,10 @@ RUNNING_LEVEL = "model.uncertainty.level_input=standardized_running"
 """The level standardised by running statistics in training too, so ``||u||`` at test is the one
 that trained (the default standardises with each batch's statistics: ``benchmarks/RESULTS.md``,
 "The ``||u||`` a model reports at test is not the ``||u||`` it trained with")."""
+DETACHED = "model.uncertainty.backbone_gradient=false"
+"""The uncertainty head reads the features detached: ``u`` learns from them without shaping them,
+so ISM's weakening is the only way the uncertainty reaches retrieval (``benchmarks/RESULTS.md``,
+"Whose gradient costs retrieval?")."""
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,26 @@ ARMS: dict[str, Arm] = {
         ),
         IDML,
         (RUNNING_LEVEL,),
+    ),
+    **with_controls(
+        "idml_detached",
+        (
+            "IDML, head detached from the backbone",
+            "IDML, head detached from the backbone, u frozen",
+            "IDML, u = 0 and γ matched to the detached head (uniform weakening)",
+        ),
+        IDML,
+        (DETACHED,),
+    ),
+    **with_controls(
+        "idml_running_detached",
+        (
+            "IDML, level as at test, head detached",
+            "IDML, level as at test, head detached, u frozen",
+            "IDML, u = 0 and γ matched to the level as at test, head detached (uniform weakening)",
+        ),
+        IDML,
+        (RUNNING_LEVEL, DETACHED),
     ),
     "idml_ext": Arm(
         "IDML + Mixup-supervised u (extension)",
@@ -564,6 +588,33 @@ RUNNING_LEVEL_COMPARISONS: list[tuple[str, str, str]] = [
 ]
 """With ``u`` the same in training and at test (:data:`RUNNING_LEVEL`): does it help? A family of
 its own."""
+DETACHED_COMPARISONS: list[tuple[str, str, str]] = [
+    ("head detached − IDML (head attached)", "idml", "idml_detached"),
+    ("head detached − baseline", "baseline", "idml_detached"),
+    ("head detached − Mixup only", "mixup", "idml_detached"),
+    ("head detached − the same, u frozen", "idml_detached_frozen_u", "idml_detached"),
+    ("head detached − uniform weakening matched to it", "idml_detached_uniform", "idml_detached"),
+]
+"""With ``u`` unable to shape the features (:data:`DETACHED`), ISM's weakening is all the head
+does: does it help? A family of its own."""
+RUNNING_DETACHED_COMPARISONS: list[tuple[str, str, str]] = [
+    ("level as at test, detached − attached", "idml_running", "idml_running_detached"),
+    ("level as at test, detached − IDML", "idml", "idml_running_detached"),
+    ("level as at test, detached − baseline", "baseline", "idml_running_detached"),
+    ("level as at test, detached − Mixup only", "mixup", "idml_running_detached"),
+    (
+        "level as at test, detached − the same, u frozen",
+        "idml_running_detached_frozen_u",
+        "idml_running_detached",
+    ),
+    (
+        "level as at test, detached − uniform weakening matched to it",
+        "idml_running_detached_uniform",
+        "idml_running_detached",
+    ),
+]
+"""``u`` the same in training and at test, and unable to shape the features: the introspection at
+its cleanest. A family of its own."""
 PROBES: list[tuple[str, list[tuple[str, str, str]]]] = [
     (
         f"Where ISM acts: `u` starting at a quarter of its bound (`{U_HIGH}`), against its own "
@@ -574,6 +625,15 @@ PROBES: list[tuple[str, list[tuple[str, str, str]]]] = [
         f"`u` the same in training and at test (`{RUNNING_LEVEL}`), against IDML and its own "
         "controls",
         RUNNING_LEVEL_COMPARISONS,
+    ),
+    (
+        f"The head detached from the backbone (`{DETACHED}`), against IDML and its own controls",
+        DETACHED_COMPARISONS,
+    ),
+    (
+        f"The level as at test with the head detached (`{RUNNING_LEVEL}`, `{DETACHED}`), against "
+        "the attached level, IDML and its own controls",
+        RUNNING_DETACHED_COMPARISONS,
     ),
 ]
 """The tables' sections beside the main differences, each its own Holm family."""
