@@ -401,6 +401,30 @@ def test_every_probe_section_compares_arms_of_the_main_grid(study: Study) -> Non
         assert {f"{arm}_frozen_u", f"{arm}_uniform", "baseline", "mixup"} <= references, arm
 
 
+@pytest.mark.parametrize("loss", ["multi_similarity", "proxy_anchor", "contrastive"])
+def test_every_arm_of_the_main_grid_builds_a_config_that_validates(
+    study: Study, tmp_path: Path, loss: str
+) -> None:
+    """Each arm's overrides (on the setting and its validated recipe) make a config that loads and
+    passes the trainer's preflight, so a new arm with a misspelt key fails here rather than when a
+    grid reaches it hours in. The matched controls take their values from trained runs, so they
+    are checked by the tests that train them."""
+    args = argparse.Namespace(
+        setting="demo", omniglot_root=tmp_path, quick=False, out=tmp_path, seeds=1,
+        losses=[loss], arms=list(study.design.ARMS), recipe="validated", override=[],
+    )  # fmt: skip
+    jobs = study.jobs.main_jobs(args, matched=False)
+    trained = {job.folder.parent.name for job in jobs}
+    expected = {
+        name for name, arm in study.design.ARMS.items() if not arm.matched and arm.trains_with(loss)
+    }
+    assert trained == expected and {"idml_detached", "idml_running_detached_frozen_u"} <= trained
+    assert study.jobs.checked_jobs(args, jobs) == jobs
+    for job in jobs:
+        assert f"loss.name={loss}" in job.overrides and job.overrides[-1] == "seed=0"
+        assert set(study.design.ARMS[job.folder.parent.name].overrides) <= set(job.overrides)
+
+
 def test_every_ism_arm_has_controls_that_differ_from_it_only_in_u(study: Study) -> None:
     """The frozen-``u`` control trains the arm's own method with the head's learning rate at 0; the
     uniform one drops the head and keeps ISM and the arm's Mixup (with or without set labels)."""
