@@ -139,6 +139,11 @@ CELLS: tuple[Cell, ...] = (
         "ProxyAnchor",
     ),
     Cell(
+        "Omniglot · ProxyAnchor · 0.02, 160 epochs (converged)",
+        "idml_omniglot_cnn_proxy_anchor_160_epochs.md",
+        "ProxyAnchor",
+    ),
+    Cell(
         "Omniglot · Multi-Similarity · 0.02, 20 epochs",
         "idml_omniglot_cnn_multi_similarity_20_epochs.md",
         "Multi-Similarity",
