@@ -392,13 +392,16 @@ def test_every_probe_section_compares_arms_of_the_main_grid(study: Study) -> Non
         arm = design.ARMS[name]
         assert arm.method == idml.method and arm.extra == extra, name
         assert arm.learns_u and name in design.MATCHED_TO, name
-    # Each family compares its arm with its own two controls (not another arm's).
+    # Each family compares its arm (and only it) with its own two controls, not another arm's.
     for arm, comparisons in (
+        ("idml_u_high", design.U_HIGH_COMPARISONS),
+        ("idml_running", design.RUNNING_LEVEL_COMPARISONS),
         ("idml_detached", design.DETACHED_COMPARISONS),
         ("idml_running_detached", design.RUNNING_DETACHED_COMPARISONS),
     ):
-        references = {ref for _, ref, compared in comparisons if compared == arm}
-        assert {f"{arm}_frozen_u", f"{arm}_uniform", "baseline", "mixup"} <= references, arm
+        assert {compared for _, _, compared in comparisons} == {arm}
+        references = {ref for _, ref, _ in comparisons}
+        assert {f"{arm}_frozen_u", f"{arm}_uniform", "idml", "mixup"} <= references, arm
 
 
 @pytest.mark.parametrize("loss", ["multi_similarity", "proxy_anchor", "contrastive"])
