@@ -23,8 +23,10 @@ from idml_study.design import (
     COMPARISONS,
     DEGRADATION_ARMS,
     DEGRADATION_COMPARISONS,
+    DETACHED_COMPARISONS,
     FROZEN_U,
     REPO,
+    RUNNING_DETACHED_COMPARISONS,
     SETTINGS,
     TABLES,
     U_HIGH_COMPARISONS,
@@ -97,6 +99,10 @@ def family(
 
 MAIN = family(COMPARISONS, ARMS, "idml", ("baseline", "ism"), mixup="mixup")
 U_HIGH = family(U_HIGH_COMPARISONS, ARMS, "idml_u_high", mixup="mixup")
+DETACHED = family(DETACHED_COMPARISONS, ARMS, "idml_detached", mixup="mixup")
+RUNNING_DETACHED = family(
+    RUNNING_DETACHED_COMPARISONS, ARMS, "idml_running_detached", mixup="mixup"
+)
 DEGRADED = family(DEGRADATION_COMPARISONS, DEGRADATION_ARMS, "deg_ism", ("deg_baseline", "deg_ism"))
 DEGRADED_U_HIGH = family(
     DEGRADATION_COMPARISONS,
@@ -163,6 +169,18 @@ CELLS: tuple[Cell, ...] = (
         "Omniglot · Contrastive · 0.02, 40 epochs (converged) §",
         "idml_omniglot_cnn_contrastive_40_epochs.md",
         "Contrastive",
+    ),
+    Cell(
+        "Omniglot · Contrastive · 0.02, 40 epochs, head detached from the backbone",
+        "idml_omniglot_cnn_contrastive_40_epochs.md",
+        "Contrastive",
+        DETACHED,
+    ),
+    Cell(
+        "Omniglot · Contrastive · 0.02, 40 epochs, head detached, level as at test",
+        "idml_omniglot_cnn_contrastive_40_epochs.md",
+        "Contrastive",
+        RUNNING_DETACHED,
     ),
     Cell(
         "Omniglot · Contrastive · 0.02, 40 epochs, IDML's validated m_pos 0.1 §",
