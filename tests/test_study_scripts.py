@@ -402,6 +402,8 @@ def test_every_probe_section_compares_arms_of_the_main_grid(study: Study) -> Non
         assert {compared for _, _, compared in comparisons} == {arm}
         references = {ref for _, ref, _ in comparisons}
         assert {f"{arm}_frozen_u", f"{arm}_uniform", "idml", "mixup"} <= references, arm
+        if "detached" in arm:
+            assert "baseline" in references, arm
 
 
 @pytest.mark.parametrize("loss", ["multi_similarity", "proxy_anchor", "contrastive"])

@@ -9,6 +9,7 @@ describes the study and is its entry point.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -255,6 +256,19 @@ def with_controls(
         f"{name}_frozen_u": Arm(labels[1], method, (*extra, FROZEN_U)),
         uniform_name or f"{name}_uniform": Arm(labels[2], no_head, match=Match("uniform", name)),
     }
+
+
+def controls_of(arms: Mapping[str, Arm], name: str) -> tuple[str, str]:
+    """The names of the two controls :func:`with_controls` made for arm ``name`` in ``arms``: the
+    same arm with ``u`` frozen, and no head with γ matched to it (whatever their names)."""
+    arm = arms[name]
+    (frozen,) = [
+        other_name
+        for other_name, other in arms.items()
+        if other.method == arm.method and other.extra == (*arm.extra, FROZEN_U)
+    ]
+    (uniform,) = [n for n, other in arms.items() if other.match == Match("uniform", name)]
+    return frozen, uniform
 
 
 ARMS: dict[str, Arm] = {
@@ -584,10 +598,11 @@ def against_own_controls(
     """A family that compares ``arm`` (one :func:`with_controls` made) with each ``(what, other
     arm)`` of ``against`` and with its own two controls, each label "<prefix> − <what>". The
     README's summary finds its rows by these labels in committed tables: keep them as they are."""
+    frozen_arm, uniform_arm = controls_of(ARMS, arm)
     return [
         *((f"{prefix} − {what}", other, arm) for what, other in against),
-        (f"{prefix} − {frozen}", f"{arm}_frozen_u", arm),
-        (f"{prefix} − uniform weakening matched to it", f"{arm}_uniform", arm),
+        (f"{prefix} − {frozen}", frozen_arm, arm),
+        (f"{prefix} − uniform weakening matched to it", uniform_arm, arm),
     ]
 
 

@@ -24,14 +24,13 @@ from idml_study.design import (
     DEGRADATION_ARMS,
     DEGRADATION_COMPARISONS,
     DETACHED_COMPARISONS,
-    FROZEN_U,
     REPO,
     RUNNING_DETACHED_COMPARISONS,
     SETTINGS,
     TABLES,
     U_HIGH_COMPARISONS,
     Arm,
-    Match,
+    controls_of,
 )
 
 README = REPO / "README.md"
@@ -81,19 +80,13 @@ def family(
         (name,) = [name for name, ref, a in comparisons if (ref, a) == (reference, arm)]
         return name
 
-    arm = arms[acting]
-    (frozen,) = [
-        name
-        for name, other in arms.items()
-        if other.method == arm.method and other.extra == (*arm.extra, FROZEN_U)
-    ]
-    (uniform,) = [name for name, other in arms.items() if other.match == Match("uniform", acting)]
+    frozen, uniform = controls_of(arms, acting)
     return Family(
         label(*ism_only) if ism_only else None,
         label(mixup, acting) if mixup else None,
         label(frozen, acting),
         label(uniform, acting),
-        arm.label,
+        arms[acting].label,
     )
 
 
